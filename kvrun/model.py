@@ -1,0 +1,119 @@
+"""The Llama-family decoder: embed -> blocks -> norm -> head. Attention goes through a KV manager."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import Rope, inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 as the reference implementations do, then cast back.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        self.c, self.layer = c, layer
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        out = kv.attend(self.layer, q, k, v, positions)  # (B, Hq, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+
+
+class Transformer(nn.Module):
+    """Llama / Mistral / SmolLM decoder with HF parameter names."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.model = Decoder(c)
+        self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.rope: Rope | None = None
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, tensors: dict, device: str | torch.device = "cpu"):
+        """Build on `device` from a canonical state dict (tensors already in the compute dtype)."""
+        tensors = dict(tensors)
+        rope_freqs = tensors.pop("rope_freqs", None)
+        with torch.device("meta"):
+            m = cls(config)
+        m.load_state_dict(tensors, assign=True, strict=True)
+        m = m.to(device).eval().requires_grad_(False)
+        dtype = m.model.embed_tokens.weight.dtype
+        m.rope = Rope(inverse_frequencies(config, rope_freqs), torch.device(device), dtype)
+        return m
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for tokens (B, T) at positions (T,); only the last row if asked."""
+        x = self.model.embed_tokens(tokens)  # (B, T, dim)
+        for block in self.model.layers:
+            x = block(x, positions, kv)
+        if last_only:
+            x = x[:, -1:]
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()  # (B, T, V)

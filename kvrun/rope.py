@@ -1,0 +1,63 @@
+"""Rotary position embeddings (rotate-half layout), with linear and Llama-3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies (D/2,), float32, after the model's scaling."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if rope_freqs is not None:  # GGUF Llama 3.1+: precomputed divisors
+        return inv / rope_freqs.float()
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    if s.kind == "linear":
+        return inv / s.factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between
+    low_wavelen = s.original_context / s.low_freq_factor
+    high_wavelen = s.original_context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_context / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rope:
+    """Applies RoPE at given positions; tables grow on demand and live on the model's device."""
+
+    def __init__(self, inv_freq: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        self.inv_freq = inv_freq.to(device)  # (D/2,) float32
+        self.dtype = dtype
+        self._cos = torch.empty(0, inv_freq.numel() * 2, device=device, dtype=dtype)
+        self._sin = self._cos
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self._cos.shape[0], 256)
+        pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        ang = pos[:, None] * self.inv_freq[None, :]  # (n, D/2)
+        emb = torch.cat([ang, ang], dim=-1)  # (n, D)
+        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables (T, D) for integer positions (T,)."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._grow(int(positions.max()) + 1)
+        return self._cos[positions], self._sin[positions]
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x (B, H, T, D) at positions (T,)."""
+        cos, sin = self.cos_sin(positions)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

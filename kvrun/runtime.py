@@ -1,0 +1,85 @@
+"""Load a model by name or path onto a device, and build its KV manager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import KvrunError
+from .kv.base import KVManager
+from .kv.full import FullKV
+from .models import resolve
+from .weights import LoadedWeights, load
+
+DTYPES = {
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+KV_METHODS: dict[str, type[KVManager]] = {"full": FullKV}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """'auto' is CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise KvrunError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise KvrunError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU and bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise KvrunError(f"unknown dtype {name!r} (use auto, float32, float16 or bfloat16)")
+    return DTYPES[name]
+
+
+@dataclass
+class Runtime:
+    """A loaded model with its tokenizer, ready for Sessions."""
+
+    model: object  # kvrun.model.Transformer
+    tokenizer: object  # kvrun.tokenizer.Tokenizer
+    config: ModelConfig
+    path: Path
+    weights: LoadedWeights  # tensors dropped after the model is built
+
+    def new_kv(self, spec: str = "full") -> KVManager:
+        """A fresh KV manager for this model."""
+        name = spec.strip().lower()
+        if name not in KV_METHODS:
+            raise KvrunError(f"unknown KV method {spec!r} (available: {', '.join(KV_METHODS)})")
+        return KV_METHODS[name](self.config, self.model.rope, self.model.device, self.model.dtype)
+
+
+def load_runtime(
+    spec: str | None,
+    dtype: str = "auto",
+    device: str = "auto",
+    pull_missing: bool = False,
+    log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
+) -> Runtime:
+    """Resolve, load and place a model."""
+    from .model import Transformer
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    path = resolve(spec, pull_missing=pull_missing, log=log)
+    w = load(path, dt, progress)
+    model = Transformer.from_weights(w.config, w.tensors, dev)
+    w.tensors = {}
+    return Runtime(model, w.tokenizer, w.config, path, w)

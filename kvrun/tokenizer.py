@@ -1,0 +1,350 @@
+"""Tokenizers built from GGUF metadata or a Hugging Face folder, as llama.cpp builds them."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from kvrun import chat_template
+from kvrun.errors import KvrunError, UnsupportedModel
+
+# Token types shared by GGUF (tokenizer.ggml.token_type) and SentencePiece protos.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Token texts that end generation whatever their id (llama.cpp's EOG set, plus a few).
+EOG_TEXTS = frozenset(
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+     "<|end_of_text|>", "<EOT>", "</s>", "<｜end▁of▁sentence｜>"}
+)  # fmt: skip
+
+# Pre-tokenizer regexes of llama.cpp (llama-vocab.cpp), each applied to the pieces of the last.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + (
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral Nemo's own regex; llama.cpp approximates its Unicode classes with ASCII ones.
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEXES = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
+    "gpt2": [_GPT2],
+    "digits": [r"\p{N}", _GPT2],
+    "llama3": [_LLAMA3],
+    "qwen2": [_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")],
+    "tekken": [_TEKKEN],
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"],
+}
+# tokenizer.ggml.pre -> (regex set, ignore_merges), as llama.cpp maps the names.
+_PRE = {
+    "": ("default", False),
+    "default": ("default", False),
+    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe"], ("gpt2", False)),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3"], ("llama3", True)),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False)),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"], ("digits", False)),
+    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], ("qwen2", False)),
+    "tekken": ("tekken", True),
+    "falcon": ("falcon", False),
+}  # fmt: skip
+_PRE_ADDS_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}  # llama.cpp's defaults
+
+
+def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend:
+    """Byte-level BPE (tokenizer.ggml.model == 'gpt2') with llama.cpp's split for `pre`."""
+    if pre not in _PRE:
+        warnings.warn(f"unknown pre-tokenizer {pre!r}; using the GPT-2 split", stacklevel=3)
+    regexes, ignore_merges = _PRE.get(pre, ("gpt2", False))
+    pairs = []
+    for m in merges:  # "a b", split at the first space after index 0 as llama.cpp does
+        cut = m.find(" ", 1)
+        pairs.append((m[:cut], m[cut + 1 :]))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = _Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in _REGEXES[regexes]]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _spm_backend(
+    tokens: list[str], scores: Sequence[float], types: Sequence[int], add_space_prefix: bool,
+    unk: str | None, precompiled: bytes = b"", collapse_spaces: bool = False,
+) -> _Backend:  # fmt: skip
+    """SentencePiece BPE (tokenizer.ggml.model == 'llama'): merge the best-scored pair first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []  # every way to build a normal piece from two pieces, ranked by its score
+    for i, (piece, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
+        if kind != NORMAL:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, i, vocab[left], left, right))
+    ranked.sort()
+    model = models.BPE(
+        vocab=vocab, merges=[(r[3], r[4]) for r in ranked], unk_token=unk,
+        byte_fallback=True, fuse_unk=True,
+    )  # fmt: skip
+    tok = _Backend(model)
+    steps = [normalizers.Precompiled(precompiled)] if precompiled else []
+    if collapse_spaces:  # SentencePiece's remove_extra_whitespaces
+        steps += [
+            normalizers.Replace(Regex(r"\A +| +\z"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    steps += [normalizers.Prepend("▁")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * add_space_prefix)
+    return tok
+
+
+def _add_special(tok: _Backend, tokens: list[str], types: Sequence[int]) -> None:
+    """Control and unknown tokens become special added tokens, user-defined ones plain added."""
+    raw = lambda t, special: AddedToken(t, special=special, normalized=False)  # noqa: E731
+    tok.add_special_tokens([raw(t, True) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)])
+    tok.add_tokens([raw(t, False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+
+
+def _pb_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field, value) pairs of one protobuf message; enough to read a SentencePiece model."""
+
+    def varint(i: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            value, shift, i = value | (buf[i] & 0x7F) << shift, shift + 7, i + 1
+            if buf[i - 1] < 0x80:
+                return value, i
+
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        wire, size = key & 7, {1: 8, 5: 4}.get(key & 7, 0)
+        if wire == 0:
+            value, i = varint(i)
+        elif wire == 2:
+            size, i = varint(i)
+        elif wire not in (1, 5):
+            raise KvrunError("tokenizer.model is not a SentencePiece model")
+        if wire != 0:
+            value, i = buf[i : i + size], i + size
+        yield key >> 3, value
+
+
+def _read_spm(path: Path) -> tuple[_Backend, dict[str, Any]]:
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    proto = sp.serialized_model_proto()
+    types, spec = [], {3: 1, 4: 1, 2: b""}  # add_dummy_prefix, remove_extra_ws, charsmap
+    for field, value in _pb_fields(proto):
+        if field == 1:  # a piece: its type (field 3) defaults to NORMAL
+            types.append(dict(_pb_fields(value)).get(3, NORMAL))
+        elif field == 3:  # normalizer_spec
+            spec.update(_pb_fields(value))
+    n = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    unk = tokens[sp.unk_id()] if sp.unk_id() >= 0 else None
+    tok = _spm_backend(tokens, [sp.get_score(i) for i in range(n)], types, bool(spec[3]), unk,
+                       spec[2], bool(spec[4]))  # fmt: skip
+    _add_special(tok, tokens, types)
+    ids = {"bos": sp.bos_id(), "eos": sp.eos_id()}
+    return tok, {k: v for k, v in ids.items() if v >= 0}
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, end-of-generation ids and the chat template."""
+
+    def __init__(
+        self, backend: _Backend, *, bos_id: int | None, eos_id: int | None,
+        stop_ids: set[int], add_bos: bool, add_eos: bool = False, chat_template: str | None = None,
+    ) -> None:  # fmt: skip
+        self._tok = backend
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        by_text = {backend.token_to_id(t) for t in EOG_TEXTS}
+        self.stop_ids = frozenset(i for i in {*stop_ids, eos_id, *by_text} if i is not None)
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.chat_template = chat_template or None
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata: {name: field.contents()} of a gguf.GGUFReader."""
+        kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+        if kind is None or tokens is None:
+            raise UnsupportedModel("the GGUF file has no tokenizer (tokenizer.ggml.* missing)")
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        if kind == "gpt2":
+            if "tokenizer.ggml.merges" not in meta:
+                raise UnsupportedModel("the GGUF BPE tokenizer has no tokenizer.ggml.merges")
+            pre = str(meta.get("tokenizer.ggml.pre") or "")
+            backend = _bpe_backend(tokens, meta["tokenizer.ggml.merges"], pre)
+            defaults = {"bos": None, "eos": None, "add_bos": pre in _PRE_ADDS_BOS}
+        elif kind == "llama":
+            scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+            unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+            prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            unk_text = tokens[unk] if 0 <= unk < len(tokens) else None
+            backend = _spm_backend(tokens, scores, types, prefix, unk_text)
+            defaults = {"bos": 1, "eos": 2, "add_bos": True}
+        else:
+            raise UnsupportedModel(f"tokenizer type {kind!r} is not supported (supported: gpt2, llama)")  # fmt: skip
+        _add_special(backend, tokens, types)
+
+        def special(name: str, default: int | None = None) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{name}_token_id", default)
+            return int(value) if value is not None and 0 <= int(value) < len(tokens) else default
+
+        return cls(
+            backend,
+            bos_id=special("bos", defaults["bos"]),
+            eos_id=special("eos", defaults["eos"]),
+            stop_ids={i for i in (special("eot"), special("eom")) if i is not None},
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build from a Hugging Face folder: tokenizer.json, else tokenizer.model, plus configs."""
+        path = Path(path)
+        read = lambda name: json.loads((path / name).read_text("utf-8")) if (path / name).is_file() else {}  # noqa: E731  # fmt: skip
+        config, generation = read("tokenizer_config.json"), read("generation_config.json")
+        if (path / "tokenizer.json").is_file():
+            backend, ids = _Backend.from_file(str(path / "tokenizer.json")), {}
+        elif (path / "tokenizer.model").is_file():
+            backend, ids = _read_spm(path / "tokenizer.model")
+        else:
+            raise KvrunError(f"no tokenizer.json or tokenizer.model in {path}")
+        for name in ("bos", "eos"):
+            text = config.get(f"{name}_token")
+            text = text.get("content") if isinstance(text, dict) else text
+            if text is not None and backend.token_to_id(text) is not None:
+                ids[name] = backend.token_to_id(text)
+        gen_eos = generation.get("eos_token_id")
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        bos, eos = ids.get("bos"), ids.get("eos", gen_eos[0] if gen_eos else None)
+        # Without add_bos_token, see whether the post-processor adds BOS (Llama 3 does).
+        probe = backend.encode("", add_special_tokens=True).ids
+        default_bos = bos in probe[:1] if (path / "tokenizer.json").is_file() else True
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text("utf-8")
+        return cls(
+            backend, bos_id=bos, eos_id=eos, stop_ids=set(gen_eos),
+            add_bos=bool(config.get("add_bos_token", default_bos)) and bos is not None,
+            add_eos=bool(config.get("add_eos_token", False)) and eos is not None,
+            chat_template=template,
+        )  # fmt: skip
+
+    @cached_property
+    def _plain(self) -> _Backend:
+        """A twin that reads control-token texts as ordinary text (encode(special=False))."""
+        twin = _Backend.from_str(self._tok.to_str())
+        twin.encode_special_tokens = True
+        return twin
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`. special: control-token texts map to their ids (llama.cpp
+        parse_special). add_bos None follows the model (BOS, and EOS if the model adds one);
+        False adds neither; a BOS already at the start is never doubled."""
+        ids = (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+        if self.add_eos and add_bos is not False and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of `ids`; skip_special drops control tokens such as <|im_end|>."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int | None) -> str:
+        """The vocabulary entry of one id ('' for None), e.g. '<|im_start|>'."""
+        return "" if token_id is None else self._tok.id_to_token(int(token_id)) or ""
+
+    def stream(self, skip_special: bool = False) -> StreamDecoder:
+        """An incremental decoder whose pieces concatenate to decode(all ids pushed)."""
+        return StreamDecoder(self, skip_special)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:  # fmt: skip
+        """The prompt text for `messages`: the model's template, else the ChatML fallback."""
+        return chat_template.render(
+            self.chat_template or chat_template.fallback_template(), messages,
+            add_generation_prompt, bos_token=self.token_text(self.bos_id),
+            eos_token=self.token_text(self.eos_id), **extra,
+        )  # fmt: skip
+
+    def save_hf(self, out_dir: str | Path, model_max_length: int | None = None) -> None:
+        """Write tokenizer.json and tokenizer_config.json that transformers loads to equal ids."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        backend = _Backend.from_str(self._tok.to_str())
+        # transformers adds BOS/EOS through the post-processor: bake in what encode() adds.
+        ends = [(self.token_text(i), i) for i in (self.bos_id, self.eos_id)]
+        single = ([ends[0][0]] if self.add_bos else []) + ["$A"] + ([ends[1][0]] if self.add_eos else [])  # fmt: skip
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=single + single[single.index("$A") + 1 :] + ["$B"],
+            special_tokens=sorted({e for e, keep in zip(ends, (self.add_bos, self.add_eos)) if keep}),
+        )  # fmt: skip
+        backend.save(str(out / "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.token_text(self.bos_id) or None,
+            "eos_token": self.token_text(self.eos_id) or None,
+            "add_bos_token": self.add_bos,
+            "add_eos_token": self.add_eos,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        if model_max_length:
+            config["model_max_length"] = model_max_length
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        (out / "tokenizer_config.json").write_text(text, "utf-8")
+
+
+class StreamDecoder:
+    """Turns ids into text one at a time, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special)
+        self._ids: list[int] = []
+        self._start = 0  # window start: decoding from here keeps SentencePiece spaces right
+        self._read = 0  # ids before this are already returned
+
+    def _emit(self, final: bool) -> str:
+        text = self._decode(self._ids[self._start :])
+        if not final and text.endswith("\ufffd"):  # a multi-byte character is still open
+            return ""
+        new = text[len(self._decode(self._ids[self._start : self._read])) :]
+        if new:  # else keep the window start: a window must not begin with text-less ids, or a
+            self._start = self._read  # SentencePiece leading-space strip would eat a real space
+        self._read = len(self._ids)
+        return new
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes (maybe '')."""
+        self._ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._emit(final=True) if self._read < len(self._ids) else ""

@@ -1,0 +1,24 @@
+"""Shared fixtures: the default model (pulled by `kvrun pull smollm2` before the tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrun.models import REGISTRY, models_dir
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    """Path of the default model's GGUF; skips (with the command to fix it) when absent."""
+    path = models_dir() / REGISTRY["smollm2"].filename
+    if not path.exists():
+        pytest.skip(f"default model not pulled: run `kvrun pull smollm2` (looked for {path})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_runtime(default_gguf):
+    """The default model loaded once on CPU in float32."""
+    from kvrun.runtime import load_runtime
+
+    return load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None)
