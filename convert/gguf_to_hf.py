@@ -22,7 +22,9 @@ def prepare_dir(dst: Path, overwrite: bool) -> None:
     """Make dst an empty directory; refuse to clobber a non-empty one unless told to."""
     if dst.exists() and not dst.is_dir():
         if not overwrite:
-            raise KvrunError(f"{dst} exists and is not a directory (pass --overwrite to replace it)")
+            raise KvrunError(
+                f"{dst} exists and is not a directory (pass --overwrite to replace it)"
+            )
         dst.unlink()
     elif dst.is_dir() and any(dst.iterdir()):
         if not overwrite:

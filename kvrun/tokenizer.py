@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as _Backend
 from kvrun import chat_template
 from kvrun.errors import KvrunError, UnsupportedModel
 
-# Token types shared by GGUF (tokenizer.ggml.token_type) and SentencePiece protos.
+# Token types shared by GGUF (tokenizer.ggml.token_type) and SentencePiece models.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # Token texts that end generation whatever their id (llama.cpp's EOG set, plus a few).
@@ -26,11 +26,11 @@ EOG_TEXTS = frozenset(
 
 # Pre-tokenizer regexes of llama.cpp (llama-vocab.cpp), each applied to the pieces of the last.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = _CONTRACTIONS + (
-    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Mistral Nemo's own regex; llama.cpp approximates its Unicode classes with ASCII ones.
+# Mistral Nemo's own regex, which llama.cpp approximates with ASCII case classes.
 _TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -43,34 +43,28 @@ _REGEXES = {
     "llama3": [_LLAMA3],
     "qwen2": [_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")],
     "tekken": [_TEKKEN],
-    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"],
 }
-# tokenizer.ggml.pre -> (regex set, ignore_merges), as llama.cpp maps the names.
+# tokenizer.ggml.pre -> (regex set, ignore_merges), named as llama.cpp names them.
 _PRE = {
-    "": ("default", False),
-    "default": ("default", False),
+    "": ("default", False), "default": ("default", False), "tekken": ("tekken", True),
     **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe"], ("gpt2", False)),
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3"], ("llama3", True)),
     **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False)),
     **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"], ("digits", False)),
     **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], ("qwen2", False)),
-    "tekken": ("tekken", True),
-    "falcon": ("falcon", False),
 }  # fmt: skip
-_PRE_ADDS_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}  # llama.cpp's defaults
+_PRE_ADDS_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}  # llama.cpp defaults
 
 
 def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend:
-    """Byte-level BPE (tokenizer.ggml.model == 'gpt2') with llama.cpp's split for `pre`."""
+    """Byte-level BPE (tokenizer.ggml.model 'gpt2') with llama.cpp's split for `pre`."""
     if pre not in _PRE:
         warnings.warn(f"unknown pre-tokenizer {pre!r}; using the GPT-2 split", stacklevel=3)
     regexes, ignore_merges = _PRE.get(pre, ("gpt2", False))
-    pairs = []
-    for m in merges:  # "a b", split at the first space after index 0 as llama.cpp does
-        cut = m.find(" ", 1)
-        pairs.append((m[:cut], m[cut + 1 :]))
+    # "a b" splits at the first space after index 0, as llama.cpp reads merges
+    pairs = [(m[: (cut := m.find(" ", 1))], m[cut + 1 :]) for m in merges]
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = _Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    tok = _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in _REGEXES[regexes]]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
@@ -79,47 +73,44 @@ def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend
 
 
 def _spm_backend(
-    tokens: list[str], scores: Sequence[float], types: Sequence[int], add_space_prefix: bool,
-    unk: str | None, precompiled: bytes = b"", collapse_spaces: bool = False,
+    tokens: list[str], scores: Sequence[float], types: Sequence[int], unk: str | None,
+    normalizer: Mapping[str, Any],
 ) -> _Backend:  # fmt: skip
-    """SentencePiece BPE (tokenizer.ggml.model == 'llama'): merge the best-scored pair first."""
+    """SentencePiece BPE (tokenizer.ggml.model 'llama'): the best-scored pair merges first.
+    normalizer: add_dummy_prefix, and from a tokenizer.model also precompiled_charsmap and
+    remove_extra_whitespaces (which GGUF does not carry and llama.cpp ignores)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    ranked = []  # every way to build a normal piece from two pieces, ranked by its score
+    ranked = []  # every way to build a normal piece from two pieces, best score first
     for i, (piece, score, kind) in enumerate(zip(tokens, scores, types, strict=True)):
-        if kind != NORMAL:
-            continue
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in vocab and right in vocab:
-                ranked.append((-score, i, vocab[left], left, right))
-    ranked.sort()
-    model = models.BPE(
-        vocab=vocab, merges=[(r[3], r[4]) for r in ranked], unk_token=unk,
-        byte_fallback=True, fuse_unk=True,
-    )  # fmt: skip
-    tok = _Backend(model)
-    steps = [normalizers.Precompiled(precompiled)] if precompiled else []
-    if collapse_spaces:  # SentencePiece's remove_extra_whitespaces
-        steps += [
-            normalizers.Replace(Regex(r"\A +| +\z"), ""),
-            normalizers.Replace(Regex(" {2,}"), " "),
-        ]
-    steps += [normalizers.Prepend("▁")] if add_space_prefix else []
-    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+        for k in range(1, len(piece)) if kind == NORMAL else ():
+            if piece[:k] in vocab and piece[k:] in vocab:
+                ranked.append((-score, i, vocab[piece[:k]], piece[:k], piece[k:]))
+    merges = [(r[3], r[4]) for r in sorted(ranked)]
+    tok = _Backend(models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    prefix = bool(normalizer.get("add_dummy_prefix", True))
+    steps = []
+    if normalizer.get("precompiled_charsmap"):
+        steps.append(normalizers.Precompiled(normalizer["precompiled_charsmap"]))
+    if normalizer.get("remove_extra_whitespaces"):
+        steps.append(normalizers.Replace(Regex(r"\A +| +\z"), ""))
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    steps += [normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")]
+    tok.normalizer = normalizers.Sequence(steps)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * add_space_prefix)
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
     return tok
 
 
 def _add_special(tok: _Backend, tokens: list[str], types: Sequence[int]) -> None:
-    """Control and unknown tokens become special added tokens, user-defined ones plain added."""
-    raw = lambda t, special: AddedToken(t, special=special, normalized=False)  # noqa: E731
-    tok.add_special_tokens([raw(t, True) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)])
-    tok.add_tokens([raw(t, False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    """Control and unknown tokens become special added tokens, user-defined ones plain ones."""
+    kinds = dict(zip(tokens, types, strict=True))
+    special = [t for t, k in kinds.items() if k in (CONTROL, UNKNOWN)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds.items() if k == USER_DEFINED])
 
 
 def _pb_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field, value) pairs of one protobuf message; enough to read a SentencePiece model."""
+    """(field, value) pairs of one protobuf message: enough to read a SentencePiece model."""
 
     def varint(i: int) -> tuple[int, int]:
         value = shift = 0
@@ -131,45 +122,42 @@ def _pb_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
     i = 0
     while i < len(buf):
         key, i = varint(i)
-        wire, size = key & 7, {1: 8, 5: 4}.get(key & 7, 0)
-        if wire == 0:
+        if key & 7 == 0:
             value, i = varint(i)
-        elif wire == 2:
-            size, i = varint(i)
-        elif wire not in (1, 5):
-            raise KvrunError("tokenizer.model is not a SentencePiece model")
-        if wire != 0:
+        elif key & 7 in (1, 2, 5):
+            size, i = varint(i) if key & 7 == 2 else ({1: 8, 5: 4}[key & 7], i)
             value, i = buf[i : i + size], i + size
+        else:
+            raise KvrunError("tokenizer.model is not a SentencePiece model")
         yield key >> 3, value
 
 
-def _read_spm(path: Path) -> tuple[_Backend, dict[str, Any]]:
+def _read_spm(path: Path) -> tuple[_Backend, dict[str, int]]:
+    """A tokenizer.model: pieces via sentencepiece; types and normalizer from its proto."""
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
-    proto = sp.serialized_model_proto()
-    types, spec = [], {3: 1, 4: 1, 2: b""}  # add_dummy_prefix, remove_extra_ws, charsmap
-    for field, value in _pb_fields(proto):
-        if field == 1:  # a piece: its type (field 3) defaults to NORMAL
+    types, spec = [], {3: 1, 4: 1}  # defaults of add_dummy_prefix, remove_extra_whitespaces
+    for field, value in _pb_fields(sp.serialized_model_proto()):
+        if field == 1:  # a piece, whose type (field 3) defaults to NORMAL
             types.append(dict(_pb_fields(value)).get(3, NORMAL))
         elif field == 3:  # normalizer_spec
             spec.update(_pb_fields(value))
-    n = sp.get_piece_size()
-    tokens = [sp.id_to_piece(i) for i in range(n)]
+    names = {2: "precompiled_charsmap", 3: "add_dummy_prefix", 4: "remove_extra_whitespaces"}
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    scores = [sp.get_score(i) for i in range(len(tokens))]
     unk = tokens[sp.unk_id()] if sp.unk_id() >= 0 else None
-    tok = _spm_backend(tokens, [sp.get_score(i) for i in range(n)], types, bool(spec[3]), unk,
-                       spec[2], bool(spec[4]))  # fmt: skip
+    tok = _spm_backend(tokens, scores, types, unk, {names[k]: spec[k] for k in names if k in spec})
     _add_special(tok, tokens, types)
-    ids = {"bos": sp.bos_id(), "eos": sp.eos_id()}
-    return tok, {k: v for k, v in ids.items() if v >= 0}
+    return tok, {k: v for k, v in (("bos", sp.bos_id()), ("eos", sp.eos_id())) if v >= 0}
 
 
 class Tokenizer:
     """Text <-> token ids, special tokens, end-of-generation ids and the chat template."""
 
     def __init__(
-        self, backend: _Backend, *, bos_id: int | None, eos_id: int | None,
-        stop_ids: set[int], add_bos: bool, add_eos: bool = False, chat_template: str | None = None,
+        self, backend: _Backend, *, bos_id: int | None, eos_id: int | None, stop_ids: set[int],
+        add_bos: bool, add_eos: bool = False, chat_template: str | None = None,
     ) -> None:  # fmt: skip
         self._tok = backend
         self.bos_id, self.eos_id = bos_id, eos_id
@@ -185,35 +173,36 @@ class Tokenizer:
         kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
         if kind is None or tokens is None:
             raise UnsupportedModel("the GGUF file has no tokenizer (tokenizer.ggml.* missing)")
-        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's names
         types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         if kind == "gpt2":
             if "tokenizer.ggml.merges" not in meta:
                 raise UnsupportedModel("the GGUF BPE tokenizer has no tokenizer.ggml.merges")
             pre = str(meta.get("tokenizer.ggml.pre") or "")
             backend = _bpe_backend(tokens, meta["tokenizer.ggml.merges"], pre)
-            defaults = {"bos": None, "eos": None, "add_bos": pre in _PRE_ADDS_BOS}
+            bos, eos, add_bos = None, None, pre in _PRE_ADDS_BOS
         elif kind == "llama":
             scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
             unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-            prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-            unk_text = tokens[unk] if 0 <= unk < len(tokens) else None
-            backend = _spm_backend(tokens, scores, types, prefix, unk_text)
-            defaults = {"bos": 1, "eos": 2, "add_bos": True}
+            unk = tokens[unk] if 0 <= unk < len(tokens) else None
+            prefix = {"add_dummy_prefix": meta.get("tokenizer.ggml.add_space_prefix", True)}
+            backend = _spm_backend(tokens, scores, types, unk, prefix)
+            bos, eos, add_bos = 1, 2, True  # llama.cpp's SentencePiece defaults
         else:
-            raise UnsupportedModel(f"tokenizer type {kind!r} is not supported (supported: gpt2, llama)")  # fmt: skip
+            supported = "supported: gpt2, llama"
+            raise UnsupportedModel(f"tokenizer type {kind!r} is not supported ({supported})")
         _add_special(backend, tokens, types)
 
         def special(name: str, default: int | None = None) -> int | None:
-            value = meta.get(f"tokenizer.ggml.{name}_token_id", default)
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else default
+            value = meta.get(f"tokenizer.ggml.{name}_token_id")
+            return int(value) if value is not None and 0 <= value < len(tokens) else default
 
         return cls(
             backend,
-            bos_id=special("bos", defaults["bos"]),
-            eos_id=special("eos", defaults["eos"]),
-            stop_ids={i for i in (special("eot"), special("eom")) if i is not None},
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", defaults["add_bos"])),
+            bos_id=special("bos", bos),
+            eos_id=special("eos", eos),
+            stop_ids={special("eot"), special("eom")} - {None},
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
         )
@@ -222,9 +211,11 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         """Build from a Hugging Face folder: tokenizer.json, else tokenizer.model, plus configs."""
         path = Path(path)
-        read = lambda name: json.loads((path / name).read_text("utf-8")) if (path / name).is_file() else {}  # noqa: E731  # fmt: skip
-        config, generation = read("tokenizer_config.json"), read("generation_config.json")
-        if (path / "tokenizer.json").is_file():
+        config, generation = (
+            json.loads((path / n).read_text("utf-8")) if (path / n).is_file() else {}
+            for n in ("tokenizer_config.json", "generation_config.json")
+        )
+        if has_json := (path / "tokenizer.json").is_file():
             backend, ids = _Backend.from_file(str(path / "tokenizer.json")), {}
         elif (path / "tokenizer.model").is_file():
             backend, ids = _read_spm(path / "tokenizer.model")
@@ -238,11 +229,10 @@ class Tokenizer:
         gen_eos = generation.get("eos_token_id")
         gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
         bos, eos = ids.get("bos"), ids.get("eos", gen_eos[0] if gen_eos else None)
-        # Without add_bos_token, see whether the post-processor adds BOS (Llama 3 does).
-        probe = backend.encode("", add_special_tokens=True).ids
-        default_bos = bos in probe[:1] if (path / "tokenizer.json").is_file() else True
+        # Without add_bos_token, see whether the post-processor adds BOS (Llama 3's does).
+        default_bos = bos in backend.encode("").ids[:1] if has_json else True
         template = config.get("chat_template")
-        if isinstance(template, list):
+        if isinstance(template, list):  # [{name, template}, ...]
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
         if template is None and (path / "chat_template.jinja").is_file():
@@ -256,15 +246,15 @@ class Tokenizer:
 
     @cached_property
     def _plain(self) -> _Backend:
-        """A twin that reads control-token texts as ordinary text (encode(special=False))."""
+        """A twin that reads control-token texts as ordinary text, for encode(special=False)."""
         twin = _Backend.from_str(self._tok.to_str())
         twin.encode_special_tokens = True
         return twin
 
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
-        """Token ids of `text`. special: control-token texts map to their ids (llama.cpp
+        """Token ids of `text`. special: control-token texts map to their ids (llama.cpp's
         parse_special). add_bos None follows the model (BOS, and EOS if the model adds one);
-        False adds neither; a BOS already at the start is never doubled."""
+        False adds neither. A BOS already at the start is never doubled."""
         ids = (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
@@ -284,13 +274,13 @@ class Tokenizer:
         """An incremental decoder whose pieces concatenate to decode(all ids pushed)."""
         return StreamDecoder(self, skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:  # fmt: skip
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         """The prompt text for `messages`: the model's template, else the ChatML fallback."""
-        return chat_template.render(
-            self.chat_template or chat_template.fallback_template(), messages,
-            add_generation_prompt, bos_token=self.token_text(self.bos_id),
-            eos_token=self.token_text(self.eos_id), **extra,
-        )  # fmt: skip
+        template = self.chat_template or chat_template.fallback_template()
+        bos, eos = self.token_text(self.bos_id), self.token_text(self.eos_id)
+        return chat_template.render(template, messages, add_generation_prompt, bos, eos, **extra)
 
     def save_hf(self, out_dir: str | Path, model_max_length: int | None = None) -> None:
         """Write tokenizer.json and tokenizer_config.json that transformers loads to equal ids."""
@@ -298,25 +288,25 @@ class Tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         backend = _Backend.from_str(self._tok.to_str())
         # transformers adds BOS/EOS through the post-processor: bake in what encode() adds.
-        ends = [(self.token_text(i), i) for i in (self.bos_id, self.eos_id)]
-        single = ([ends[0][0]] if self.add_bos else []) + ["$A"] + ([ends[1][0]] if self.add_eos else [])  # fmt: skip
+        bos = [self.token_text(self.bos_id)] if self.add_bos and self.bos_id is not None else []
+        eos = [self.token_text(self.eos_id)] if self.add_eos and self.eos_id is not None else []
         backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=single + single[single.index("$A") + 1 :] + ["$B"],
-            special_tokens=sorted({e for e, keep in zip(ends, (self.add_bos, self.add_eos)) if keep}),
-        )  # fmt: skip
+            single=[*bos, "$A", *eos],
+            pair=[*bos, "$A", *eos, *bos, "$B:1", *eos],
+            special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(bos + eos)],
+        )
         backend.save(str(out / "tokenizer.json"))
-        config: dict[str, Any] = {
+        config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self.token_text(self.bos_id) or None,
             "eos_token": self.token_text(self.eos_id) or None,
             "add_bos_token": self.add_bos,
             "add_eos_token": self.add_eos,
             "clean_up_tokenization_spaces": False,
+            "chat_template": self.chat_template,
+            "model_max_length": model_max_length,
         }
-        if self.chat_template:
-            config["chat_template"] = self.chat_template
-        if model_max_length:
-            config["model_max_length"] = model_max_length
+        config = {k: v for k, v in config.items() if v is not None}
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (out / "tokenizer_config.json").write_text(text, "utf-8")
 
@@ -327,7 +317,7 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
         self._decode = lambda ids: tokenizer.decode(ids, skip_special)
         self._ids: list[int] = []
-        self._start = 0  # window start: decoding from here keeps SentencePiece spaces right
+        self._start = 0  # decode window start: SentencePiece strips the window's first space
         self._read = 0  # ids before this are already returned
 
     def _emit(self, final: bool) -> str:
@@ -335,8 +325,8 @@ class StreamDecoder:
         if not final and text.endswith("\ufffd"):  # a multi-byte character is still open
             return ""
         new = text[len(self._decode(self._ids[self._start : self._read])) :]
-        if new:  # else keep the window start: a window must not begin with text-less ids, or a
-            self._start = self._read  # SentencePiece leading-space strip would eat a real space
+        if new:  # a window never starts on text-less ids, whose strip would eat a real space
+            self._start = self._read
         self._read = len(self._ids)
         return new
 

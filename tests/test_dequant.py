@@ -18,7 +18,19 @@ DEFAULT_GGUF = Path.home() / ".cache/kvrun/models/SmolLM2-135M-Instruct.Q4_1.ggu
 ROWS, COLS = 6, 512  # rows != cols, and COLS is a multiple of every block size (<= 256)
 
 # Types that `gguf.quants.quantize` can produce from float32.
-QUANTIZABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", "MXFP4"]
+QUANTIZABLE = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+]
 
 # Types gguf can only dequantize, with the byte offsets of each block's f16 scale fields
 # (random bytes there could decode to inf / nan, so they are replaced by small values).

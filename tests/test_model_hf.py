@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 
 from kvrun.generate import Session
 from kvrun.kv.full import FullKV
 from kvrun.model import Transformer
 from kvrun.weights import load
-
-import tiny_models
 
 CASES = {
     "llama-gqa": dict(),

@@ -1,0 +1,231 @@
+"""HF safetensors directory -> GGUF file, laid out as llama.cpp's own converter writes it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from kvrun.config import ModelConfig
+from kvrun.errors import KvrunError
+from kvrun.rope import inverse_frequencies
+from kvrun.weights import gguf_name_to_hf, load_safetensors, permute_qk
+
+Progress = Callable[[int, int], None]
+Q = gguf.GGMLQuantizationType
+
+OUTTYPES = {  # outtype -> (type of 2-D weights, general.file_type)
+    "f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LLAMA3_REGEX_PART = "\\p{N}{1,3}"  # the digit rule that sets Llama 3's split regex apart
+
+
+def gguf_name(hf: str) -> str:
+    """The llama.cpp tensor name for a canonical (HF) tensor name."""
+    stem, kind = hf.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        block, part = stem.removeprefix("model.layers.").split(".", 1)
+        name = f"blk.{block}.{_BLOCK[part]}.{kind}" if part in _BLOCK else None
+    else:
+        name = f"{_TOP[stem]}.{kind}" if stem in _TOP else None
+    if name is None or gguf_name_to_hf(name) != hf:
+        raise KvrunError(f"tensor {hf} has no llama.cpp name; is this a Llama-family model?")
+    return name
+
+
+def _encode(w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q | None]:
+    """(data, raw_dtype) for GGUFWriter.add_tensor; 1-D tensors always stay F32."""
+    a = w.float().numpy()
+    if a.ndim == 1 or qtype == Q.F32:
+        return a, None
+    if qtype == Q.F16:
+        return a.astype(np.float16), None
+    if qtype == Q.Q8_0 and a.shape[-1] % 32:
+        return a.astype(np.float16), None  # rows Q8_0 cannot block: F16, as llama.cpp does
+    return gguf.quants.quantize(a, qtype), qtype
+
+
+# ----------------------------------------------------------------------- tokenizer
+def _bpe_pre(tok_json: dict, tok_cfg: dict) -> str:
+    if tok_cfg.get("gguf_pre"):
+        return str(tok_cfg["gguf_pre"])
+    text = json.dumps(tok_json.get("pre_tokenizer"))
+    if '"individual_digits": true' in text:
+        return "smollm"
+    if json.dumps(_LLAMA3_REGEX_PART)[1:-1] in text:
+        return "llama-bpe"
+    return "gpt2"
+
+
+def _add_bpe(w: gguf.GGUFWriter, tok_json: dict, tok_cfg: dict, vocab_size: int) -> None:
+    model = tok_json["model"]
+    by_id = {i: t for t, i in model["vocab"].items()}
+    types = {i: gguf.TokenType.NORMAL for i in by_id}
+    for a in tok_json.get("added_tokens", []):
+        by_id[a["id"]] = a["content"]
+        types[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
+    n = max(vocab_size, max(by_id) + 1)
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_bpe_pre(tok_json, tok_cfg))
+    w.add_token_list(tokens)
+    w.add_token_types([int(types.get(i, gguf.TokenType.UNUSED)) for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
+
+
+def _add_spm(w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: int) -> None:
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(float(sp.get_score(i)))
+        kind = gguf.TokenType.NORMAL
+        if sp.is_unknown(i):
+            kind = gguf.TokenType.UNKNOWN
+        elif sp.is_control(i):
+            kind = gguf.TokenType.CONTROL
+        elif sp.is_unused(i):
+            kind = gguf.TokenType.UNUSED
+        elif sp.is_byte(i):
+            kind = gguf.TokenType.BYTE
+        types.append(kind)
+    for a in (tok_json or {}).get("added_tokens", []):
+        if a["id"] >= len(tokens):
+            tokens += [f"[PAD{i}]" for i in range(len(tokens), a["id"] + 1)]
+            scores += [-1000.0] * (a["id"] + 1 - len(scores))
+            types += [gguf.TokenType.UNUSED] * (a["id"] + 1 - len(types))
+        tokens[a["id"]] = a["content"]
+        types[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types([int(t) for t in types])
+    if tok_json is None:
+        prepend = True  # SentencePiece's default (add_dummy_prefix)
+    else:  # HF writes the dummy prefix as a Prepend normalizer or a Metaspace pre-tokenizer
+        spec = json.dumps([tok_json.get("normalizer"), tok_json.get("pre_tokenizer")])
+        prepend = '"Prepend"' in spec or '"prepend_scheme": "always"' in spec
+    w.add_add_space_prefix(prepend)
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, src: Path, tok, vocab_size: int) -> None:
+    tj_path, tc_path = src / "tokenizer.json", src / "tokenizer_config.json"
+    tok_json = json.loads(tj_path.read_text()) if tj_path.exists() else None
+    tok_cfg = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    if (src / "tokenizer.model").exists():
+        _add_spm(w, src, tok_json, vocab_size)
+    elif tok_json is not None and tok_json["model"].get("type") == "BPE":
+        _add_bpe(w, tok_json, tok_cfg, vocab_size)
+    else:
+        raise KvrunError(f"{src} has no tokenizer.json (BPE) or tokenizer.model (SentencePiece)")
+    if tok.bos_id is not None:
+        w.add_bos_token_id(int(tok.bos_id))
+    if tok.eos_id is not None:
+        w.add_eos_token_id(int(tok.eos_id))
+    w.add_add_bos_token(bool(tok.add_bos))
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+
+
+# ------------------------------------------------------------------------- weights
+def _add_hparams(w: gguf.GGUFWriter, c: ModelConfig, name: str, file_type: int) -> None:
+    w.add_name(name)
+    w.add_file_type(int(file_type))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.dim)
+    w.add_feed_forward_length(c.ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+    if c.rope_scaling is not None and c.rope_scaling.kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling.factor)
+
+
+def hf_to_gguf(
+    src: Path,
+    dst: Path,
+    outtype: str = "auto",
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert an HF Llama / Mistral directory to one GGUF file at dst."""
+    src, dst = Path(src), Path(dst)
+    if outtype != "auto" and outtype not in OUTTYPES:
+        raise KvrunError(
+            f"unsupported outtype {outtype!r} for safetensors -> GGUF (choose: auto, {', '.join(OUTTYPES)})"
+        )
+    lw = load_safetensors(src, torch.float32)
+    if outtype == "auto":  # keep the source precision, as llama.cpp's converter does
+        kinds = set(lw.tensor_types)
+        outtype = "bf16" if "bfloat16" in kinds else "f16" if "float16" in kinds else "f32"
+    if dst.is_dir():
+        dst = dst / f"{src.resolve().name}.{outtype}.gguf"
+    if dst.exists() and not overwrite:
+        raise KvrunError(f"{dst} exists (pass --overwrite to replace it)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    c = lw.config
+    qtype, file_type = OUTTYPES[outtype]
+
+    w = gguf.GGUFWriter(str(dst), "llama")  # llama.cpp files Mistral under "llama" too
+    _add_hparams(w, c, c.name or src.resolve().name, file_type)
+    _add_tokenizer(w, src, lw.tokenizer, c.vocab_size)
+    if c.rope_scaling is not None and c.rope_scaling.kind == "llama3":
+        # llama.cpp keeps llama3 scaling as per-pair divisors of the base frequencies
+        base = inverse_frequencies(c.replace(rope_scaling=None))
+        w.add_tensor("rope_freqs.weight", (base / inverse_frequencies(c)).numpy())
+    names = list(lw.tensors)
+    for i, hf in enumerate(names):
+        t = lw.tensors.pop(hf)  # free as we go: the writer keeps only encoded data
+        if "rotary_emb" in hf:  # old checkpoints store RoPE tables; llama.cpp recomputes them
+            continue
+        if hf.endswith("q_proj.weight"):
+            t = permute_qk(t, c.n_heads)
+        elif hf.endswith("k_proj.weight"):
+            t = permute_qk(t, c.n_kv_heads)
+        data, raw = _encode(t, qtype)
+        w.add_tensor(gguf_name(hf), data, raw_dtype=raw)
+        if progress:
+            progress(i + 1, len(names))
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    return dst

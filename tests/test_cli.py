@@ -1,0 +1,160 @@
+"""The command line through click's runner: the jobs on the default model and every error case."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvrun.cli.main import cli
+
+
+def run(*args, input=None, env=None):
+    return CliRunner().invoke(cli, list(args), input=input, env=env, catch_exceptions=False)
+
+
+def one_error_line(result, *needles):
+    """A failure: non-zero exit, one line on stderr starting with 'error:', naming the problem."""
+    assert result.exit_code != 0, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_generate_json_has_every_field_and_is_deterministic(default_gguf):
+    args = ["generate", "-m", str(default_gguf), "-p", "Name three colors.", "-n", "12",
+            "--temp", "0", "--json"]
+    a = run(*args)
+    assert a.exit_code == 0, a.output
+    out = json.loads(a.stdout)
+    for key in ["text", "tokens", "prompt_tokens", "generated_tokens", "prefill_tok_s",
+                "decode_tok_s", "kv_bytes", "kv_bytes_full", "peak_mem_bytes", "model", "kv"]:
+        assert key in out, key
+    assert out["generated_tokens"] == len(out["tokens"]) > 0
+    assert out["kv"]["method"] == "full"
+    assert out["kv_bytes"] == out["kv_bytes_full"] > 0
+    # full cache in fp32: 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 4 bytes per token
+    # a reply cut by -n leaves its last token unfed; one that ended at EOS fed them all
+    unfed = 1 if out["stop_reason"] == "length" else 0
+    held = out["prompt_tokens"] + out["generated_tokens"] - unfed
+    assert out["kv_bytes"] == held * 2 * 30 * 3 * 64 * 4
+    assert out["settings"]["seed"] >= 0
+    b = run(*args)
+    assert json.loads(b.stdout)["tokens"] == out["tokens"]
+
+
+def test_generate_streams_text_and_stats_line(default_gguf, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The meeting is on Tuesday at 10am in room 4.")
+    r = run("generate", "-m", str(default_gguf), "-f", str(doc), "-p", "When is the meeting?",
+            "-n", "16", "--temp", "0")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip()
+    stats = r.stderr.strip().splitlines()[-1]
+    for part in ["prompt", "tok/s", "KV", "held", "full", "peak mem"]:
+        assert part in stats, stats
+
+
+def test_generate_reads_stdin_raw(default_gguf):
+    r = run("generate", "-m", str(default_gguf), "--raw", "-n", "4", "--temp", "0", "--json",
+            input="Once upon a time")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["settings"]["chat"] is False and out["generated_tokens"] == 4
+
+
+def test_chat_multi_turn_through_stdin(default_gguf):
+    r = run("chat", "-m", str(default_gguf), "--temp", "0", "-n", "8",
+            input="Hello!\n/stats\nWhat is 2+2?\n/reset\nHi\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("\n") >= 3
+    assert "conversation reset" in r.stderr
+    assert "cache holds" in r.stderr
+
+
+def test_info_json(default_gguf):
+    r = run("info", str(default_gguf), "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "llama" and info["layers"] == 30
+    assert info["heads"] == 9 and info["kv_heads"] == 3 and info["head_dim"] == 64
+    assert info["kv_bytes_per_token_f16"] == 2 * 30 * 3 * 64 * 2
+    assert info["tensor_types"]["Q4_1"] > 0 and info["tied_embeddings"] is True
+    assert run("info", "smollm2").exit_code == 0
+
+
+def test_models_and_pull_when_present(default_gguf):
+    r = run("models", "--json")
+    assert r.exit_code == 0
+    listing = json.loads(r.stdout)
+    assert any(p["name"] == "smollm2" and p["downloaded"] for p in listing["pullable"])
+    r = run("pull", "smollm2")
+    assert r.exit_code == 0 and "already" in r.stderr
+
+
+# ------------------------------------------------------------------------- errors
+def test_missing_path():
+    one_error_line(run("generate", "-m", "/no/such/model.gguf", "-p", "hi"), "no such file")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is not a model")
+    one_error_line(run("generate", "-m", str(bad), "-p", "hi"), "not a GGUF file")
+
+
+def test_truncated_gguf(default_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(default_gguf, "rb") as f:
+        cut.write_bytes(f.read(3_000_000))
+    one_error_line(run("generate", "-m", str(cut), "-p", "hi"), "truncated")
+    one_error_line(run("info", str(cut)), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    one_error_line(run("generate", "-m", str(path), "-p", "hi"), "'gpt2'", "not supported")
+
+
+def test_unknown_model_name(tmp_path):
+    r = run("generate", "-m", "llama3-8b", "-p", "hi", env={"KVRUN_MODELS": str(tmp_path)})
+    one_error_line(r, "llama3-8b", str(tmp_path))
+
+
+def test_default_model_missing_says_how_to_pull(tmp_path):
+    r = run("info", env={"KVRUN_MODELS": str(tmp_path)})
+    one_error_line(r, "kvrun pull smollm2")
+
+
+def test_prompt_longer_than_context(default_gguf):
+    r = run("generate", "-m", str(default_gguf), "-c", "16", "-p", "word " * 40)
+    one_error_line(r, "context is 16")
+    assert r.exit_code == 4
+
+
+def test_unknown_kv_method(default_gguf):
+    one_error_line(run("generate", "-m", str(default_gguf), "--kv", "magic", "-p", "hi"),
+                   "unknown KV method", "full")
+
+
+def test_missing_prompt_file(default_gguf):
+    one_error_line(run("generate", "-m", str(default_gguf), "-f", "/no/such.txt"), "cannot read")
+
+
+@pytest.mark.parametrize("name", ["nonexistent"])
+def test_pull_unknown(name):
+    one_error_line(run("pull", name), "smollm2")
