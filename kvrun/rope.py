@@ -9,7 +9,9 @@ import torch
 from .config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+def inverse_frequencies(
+    config: ModelConfig, rope_freqs: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-pair inverse frequencies (D/2,), float32, after the model's scaling."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))

@@ -31,7 +31,9 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise KvrunError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+        raise KvrunError(
+            "--device cuda was asked for but no CUDA GPU is available; use --device cpu"
+        )
     try:
         return torch.device(name)
     except RuntimeError:

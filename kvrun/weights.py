@@ -167,7 +167,9 @@ def _shards(root: Path) -> list[Path]:
     return files
 
 
-def load_safetensors(root: Path, dtype: torch.dtype, progress: Progress | None = None) -> LoadedWeights:
+def load_safetensors(
+    root: Path, dtype: torch.dtype, progress: Progress | None = None
+) -> LoadedWeights:
     """Load an HF directory: config.json, (sharded) safetensors, tokenizer files."""
     from safetensors import safe_open
 

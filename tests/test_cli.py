@@ -26,13 +26,34 @@ def one_error_line(result, *needles):
 
 
 def test_generate_json_has_every_field_and_is_deterministic(default_gguf):
-    args = ["generate", "-m", str(default_gguf), "-p", "Name three colors.", "-n", "12",
-            "--temp", "0", "--json"]
+    args = [
+        "generate",
+        "-m",
+        str(default_gguf),
+        "-p",
+        "Name three colors.",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "--json",
+    ]
     a = run(*args)
     assert a.exit_code == 0, a.output
     out = json.loads(a.stdout)
-    for key in ["text", "tokens", "prompt_tokens", "generated_tokens", "prefill_tok_s",
-                "decode_tok_s", "kv_bytes", "kv_bytes_full", "peak_mem_bytes", "model", "kv"]:
+    for key in [
+        "text",
+        "tokens",
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "kv_bytes",
+        "kv_bytes_full",
+        "peak_mem_bytes",
+        "model",
+        "kv",
+    ]:
         assert key in out, key
     assert out["generated_tokens"] == len(out["tokens"]) > 0
     assert out["kv"]["method"] == "full"
@@ -50,8 +71,19 @@ def test_generate_json_has_every_field_and_is_deterministic(default_gguf):
 def test_generate_streams_text_and_stats_line(default_gguf, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("The meeting is on Tuesday at 10am in room 4.")
-    r = run("generate", "-m", str(default_gguf), "-f", str(doc), "-p", "When is the meeting?",
-            "-n", "16", "--temp", "0")
+    r = run(
+        "generate",
+        "-m",
+        str(default_gguf),
+        "-f",
+        str(doc),
+        "-p",
+        "When is the meeting?",
+        "-n",
+        "16",
+        "--temp",
+        "0",
+    )
     assert r.exit_code == 0, r.output
     assert r.stdout.strip()
     stats = r.stderr.strip().splitlines()[-1]
@@ -60,16 +92,34 @@ def test_generate_streams_text_and_stats_line(default_gguf, tmp_path):
 
 
 def test_generate_reads_stdin_raw(default_gguf):
-    r = run("generate", "-m", str(default_gguf), "--raw", "-n", "4", "--temp", "0", "--json",
-            input="Once upon a time")
+    r = run(
+        "generate",
+        "-m",
+        str(default_gguf),
+        "--raw",
+        "-n",
+        "4",
+        "--temp",
+        "0",
+        "--json",
+        input="Once upon a time",
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["settings"]["chat"] is False and out["generated_tokens"] == 4
 
 
 def test_chat_multi_turn_through_stdin(default_gguf):
-    r = run("chat", "-m", str(default_gguf), "--temp", "0", "-n", "8",
-            input="Hello!\n/stats\nWhat is 2+2?\n/reset\nHi\n/exit\n")
+    r = run(
+        "chat",
+        "-m",
+        str(default_gguf),
+        "--temp",
+        "0",
+        "-n",
+        "8",
+        input="Hello!\n/stats\nWhat is 2+2?\n/reset\nHi\n/exit\n",
+    )
     assert r.exit_code == 0, r.output
     assert r.stdout.count("\n") >= 3
     assert "conversation reset" in r.stderr
@@ -147,8 +197,11 @@ def test_prompt_longer_than_context(default_gguf):
 
 
 def test_unknown_kv_method(default_gguf):
-    one_error_line(run("generate", "-m", str(default_gguf), "--kv", "magic", "-p", "hi"),
-                   "unknown KV method", "full")
+    one_error_line(
+        run("generate", "-m", str(default_gguf), "--kv", "magic", "-p", "hi"),
+        "unknown KV method",
+        "full",
+    )
 
 
 def test_missing_prompt_file(default_gguf):

@@ -10,7 +10,15 @@ import click
 from ..chat import Conversation
 from ..errors import ContextOverflow
 from ..generate import Session
-from .common import err_console, load_with_progress, model_options, sampling_from, sampling_options, set_debug, stats_line
+from .common import (
+    err_console,
+    load_with_progress,
+    model_options,
+    sampling_from,
+    sampling_options,
+    set_debug,
+    stats_line,
+)
 
 HELP = "commands: /reset (new conversation), /stats (last reply's numbers), /exit; Ctrl-C stops a reply"
 
@@ -41,8 +49,14 @@ class _StopFlag:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System message for the conversation.")
-@click.option("-n", "--n-predict", default=-1, show_default=True, type=click.IntRange(min=-1),
-              help="Max tokens per reply (-1 = until the model ends its turn).")
+@click.option(
+    "-n",
+    "--n-predict",
+    default=-1,
+    show_default=True,
+    type=click.IntRange(min=-1),
+    help="Max tokens per reply (-1 = until the model ends its turn).",
+)
 @click.pass_context
 def chat(ctx, system, n_predict, **kw):
     """Chat with a model, streaming replies; history is kept in the KV cache.
@@ -54,7 +68,9 @@ def chat(ctx, system, n_predict, **kw):
     set_debug(ctx, kw.pop("debug"))
     sampling, seed = sampling_from(kw)
     rt = load_with_progress(kw)
-    session = Session(rt.model, rt.tokenizer, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    session = Session(
+        rt.model, rt.tokenizer, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"]
+    )
     conv = Conversation(session, system)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -80,7 +96,9 @@ def chat(ctx, system, n_predict, **kw):
             continue
         if text == "/stats":
             msg = stats_line(last) if last else "no reply yet"
-            err_console.print(f"{msg} | cache holds {len(session.tokens)}/{session.context} tokens", style="dim")
+            err_console.print(
+                f"{msg} | cache holds {len(session.tokens)}/{session.context} tokens", style="dim"
+            )
             continue
         if text in ("/help", "/?"):
             err_console.print(HELP, style="dim")
@@ -88,8 +106,12 @@ def chat(ctx, system, n_predict, **kw):
         try:
             with _StopFlag() as stop:
                 result = conv.reply(
-                    text, n_predict=n_predict, sampling=sampling, seed=seed + turn,
-                    on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()), should_stop=stop,
+                    text,
+                    n_predict=n_predict,
+                    sampling=sampling,
+                    seed=seed + turn,
+                    on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+                    should_stop=stop,
                 )
         except ContextOverflow as e:
             err_console.print(f"error: {e}; /reset starts a new conversation", style="red")

@@ -20,18 +20,45 @@ err_console = Console(stderr=True, highlight=False)
 def model_options(f):
     """-m/--model, --dtype, --device, -c, --ubatch, --kv, --debug."""
     opts = [
-        click.option("-m", "--model", default=None, metavar="NAME|PATH",
-                     help="Model name (in $KVRUN_MODELS) or path to a .gguf / HF directory. Default: smollm2."),
-        click.option("--dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-                     help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA)."),
+        click.option(
+            "-m",
+            "--model",
+            default=None,
+            metavar="NAME|PATH",
+            help="Model name (in $KVRUN_MODELS) or path to a .gguf / HF directory. Default: smollm2.",
+        ),
+        click.option(
+            "--dtype",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+            help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).",
+        ),
         click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N]."),
-        click.option("-c", "--ctx-size", "ctx_size", default=0, show_default=True, type=click.IntRange(min=0),
-                     help="Context size in tokens (0 = the model's)."),
-        click.option("--ubatch", default=512, show_default=True, type=click.IntRange(min=1),
-                     help="Prefill chunk size in tokens."),
-        click.option("--kv", "kv", default="full", show_default=True, metavar="METHOD",
-                     help="KV cache method."),
+        click.option(
+            "-c",
+            "--ctx-size",
+            "ctx_size",
+            default=0,
+            show_default=True,
+            type=click.IntRange(min=0),
+            help="Context size in tokens (0 = the model's).",
+        ),
+        click.option(
+            "--ubatch",
+            default=512,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Prefill chunk size in tokens.",
+        ),
+        click.option(
+            "--kv",
+            "kv",
+            default="full",
+            show_default=True,
+            metavar="METHOD",
+            help="KV cache method.",
+        ),
         click.option("--debug", is_flag=True, hidden=True),
     ]
     for opt in reversed(opts):
@@ -42,15 +69,36 @@ def model_options(f):
 def sampling_options(f):
     """llama.cpp's sampling flags and defaults."""
     opts = [
-        click.option("--temp", default=0.8, show_default=True, type=click.FloatRange(min=0),
-                     help="Temperature; 0 = greedy."),
-        click.option("--top-k", default=40, show_default=True, type=click.IntRange(min=0), help="0 = off."),
-        click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1), help="1 = off."),
-        click.option("--min-p", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="0 = off."),
-        click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0),
-                     help="1 = off."),
-        click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(min=-1),
-                     help="Tokens the penalty looks back over (0 = off, -1 = whole context)."),
+        click.option(
+            "--temp",
+            default=0.8,
+            show_default=True,
+            type=click.FloatRange(min=0),
+            help="Temperature; 0 = greedy.",
+        ),
+        click.option(
+            "--top-k", default=40, show_default=True, type=click.IntRange(min=0), help="0 = off."
+        ),
+        click.option(
+            "--top-p", default=0.95, show_default=True, type=click.FloatRange(0, 1), help="1 = off."
+        ),
+        click.option(
+            "--min-p", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="0 = off."
+        ),
+        click.option(
+            "--repeat-penalty",
+            default=1.0,
+            show_default=True,
+            type=click.FloatRange(min=0),
+            help="1 = off.",
+        ),
+        click.option(
+            "--repeat-last-n",
+            default=64,
+            show_default=True,
+            type=click.IntRange(min=-1),
+            help="Tokens the penalty looks back over (0 = off, -1 = whole context).",
+        ),
         click.option("-s", "--seed", default=-1, show_default=True, type=int, help="-1 = random."),
     ]
     for opt in reversed(opts):
@@ -60,8 +108,9 @@ def sampling_options(f):
 
 def sampling_from(kw: dict) -> tuple[SamplingConfig, int]:
     """SamplingConfig and a concrete seed (a random one is drawn and reported for -1)."""
-    cfg = SamplingConfig(kw["temp"], kw["top_k"], kw["top_p"], kw["min_p"],
-                         kw["repeat_penalty"], kw["repeat_last_n"])
+    cfg = SamplingConfig(
+        kw["temp"], kw["top_k"], kw["top_p"], kw["min_p"], kw["repeat_penalty"], kw["repeat_last_n"]
+    )
     seed = kw["seed"]
     if seed < 0:
         import random
@@ -88,7 +137,10 @@ def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
     with progress_bar("loading") as bar:
         task = bar.add_task("loading model", total=None)
         rt = load_runtime(
-            kw["model"], kw["dtype"], kw["device"], pull_missing=pull_missing,
+            kw["model"],
+            kw["dtype"],
+            kw["device"],
+            pull_missing=pull_missing,
             log=lambda m: err_console.print(f"[dim]{m}[/]"),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )

@@ -13,9 +13,13 @@ from .common import err_console, progress_bar
 @click.command()
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--outtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "f32", "f16", "bf16", "q8_0"]),
-              help="Tensor type written (auto: f32 safetensors, f16 GGUF).")
+@click.option(
+    "--outtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "f32", "f16", "bf16", "q8_0"]),
+    help="Tensor type written (auto: f32 safetensors, f16 GGUF).",
+)
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 def convert(src, dst, outtype, force):
     """Convert a GGUF model to an HF safetensors directory, or an HF directory to GGUF.
@@ -29,6 +33,11 @@ def convert(src, dst, outtype, force):
     path = resolve(src)
     with progress_bar("convert") as bar:
         task = bar.add_task("converting", total=None)
-        out = run_convert(path, dst, outtype=outtype, overwrite=force,
-                          progress=lambda d, t: bar.update(task, completed=d, total=t))
+        out = run_convert(
+            path,
+            dst,
+            outtype=outtype,
+            overwrite=force,
+            progress=lambda d, t: bar.update(task, completed=d, total=t),
+        )
     err_console.print(f"wrote {out}", style="dim")

@@ -12,7 +12,6 @@ from ..errors import KvrunError
 from ..generate import Session
 from .common import (
     dump_json,
-    err_console,
     load_with_progress,
     model_options,
     prefill_progress,
@@ -50,10 +49,20 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 @sampling_options
 @click.option("-p", "--prompt", default=None, help="Prompt text (after the -f file when both).")
 @click.option("-f", "--file", default=None, help="Read the prompt from a file ('-' = stdin).")
-@click.option("-n", "--n-predict", default=256, show_default=True, type=click.IntRange(min=-1),
-              help="Tokens to generate (-1 = until end of text or context).")
-@click.option("--chat/--raw", "chat", default=None,
-              help="Wrap the prompt in the model's chat template (default: --chat when it has one).")
+@click.option(
+    "-n",
+    "--n-predict",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=-1),
+    help="Tokens to generate (-1 = until end of text or context).",
+)
+@click.option(
+    "--chat/--raw",
+    "chat",
+    default=None,
+    help="Wrap the prompt in the model's chat template (default: --chat when it has one).",
+)
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.pass_context
@@ -78,26 +87,36 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
         ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
     else:
         ids = tok.encode(text)
-    session = Session(rt.model, tok, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    session = Session(
+        rt.model, tok, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"]
+    )
     session.check_fits(len(ids))
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with prefill_progress(len(ids), kw["ubatch"]) as progress:
-        result = session.generate(ids, n_predict, sampling, seed=seed, on_text=on_text,
-                                  progress=progress)
+        result = session.generate(
+            ids, n_predict, sampling, seed=seed, on_text=on_text, progress=progress
+        )
     s = result.stats
     if as_json:
         out = {"text": result.text, "tokens": result.tokens}
         out.update(s.as_dict())
-        out.update({
-            "model": str(rt.path),
-            "model_name": rt.config.name,
-            "kv": session.kv.describe(),
-            "settings": {
-                "seed": seed, "n_predict": n_predict, "chat": use_chat, "ctx_size": session.context,
-                "ubatch": session.ubatch, "dtype": str(rt.model.dtype).removeprefix("torch."),
-                "device": str(rt.model.device), **dataclasses.asdict(sampling),
-            },
-        })
+        out.update(
+            {
+                "model": str(rt.path),
+                "model_name": rt.config.name,
+                "kv": session.kv.describe(),
+                "settings": {
+                    "seed": seed,
+                    "n_predict": n_predict,
+                    "chat": use_chat,
+                    "ctx_size": session.context,
+                    "ubatch": session.ubatch,
+                    "dtype": str(rt.model.dtype).removeprefix("torch."),
+                    "device": str(rt.model.device),
+                    **dataclasses.asdict(sampling),
+                },
+            }
+        )
         dump_json(out)
     else:
         sys.stdout.write("\n")

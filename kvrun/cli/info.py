@@ -12,7 +12,8 @@ from rich.table import Table
 
 from ..config import ModelConfig
 from ..errors import KvrunError
-from ..models import REGISTRY, local_models, models_dir, pull as pull_model, resolve
+from ..models import REGISTRY, local_models, models_dir, resolve
+from ..models import pull as pull_model
 from .common import err_console, human_bytes, progress_bar
 
 
@@ -34,8 +35,13 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
                 raise KvrunError(f"{shard} is not a valid safetensors file ({e})") from None
         tok = "tokenizer.json" if (path / "tokenizer.json").exists() else "tokenizer.model"
         size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-        return cfg, {"format": "safetensors", "tensor_types": dict(types), "tokenizer": tok,
-                     "file_bytes": size, "chat_template": _hf_has_template(path)}
+        return cfg, {
+            "format": "safetensors",
+            "tensor_types": dict(types),
+            "tokenizer": tok,
+            "file_bytes": size,
+            "chat_template": _hf_has_template(path),
+        }
     from ..weights import gguf_metadata, open_gguf
 
     reader = open_gguf(path)
@@ -67,7 +73,11 @@ def info(model, as_json):
     path = resolve(model)
     cfg, facts = inspect(path)
     kv16, kv32 = cfg.kv_bytes_per_token(2), cfg.kv_bytes_per_token(4)
-    rope = "none" if cfg.rope_scaling is None else f"{cfg.rope_scaling.kind} x{cfg.rope_scaling.factor:g}"
+    rope = (
+        "none"
+        if cfg.rope_scaling is None
+        else f"{cfg.rope_scaling.kind} x{cfg.rope_scaling.factor:g}"
+    )
     rows = {
         "path": str(path),
         "name": cfg.name,
@@ -103,10 +113,14 @@ def info(model, as_json):
     pretty = dict(rows)
     pretty["parameters"] = f"{cfg.n_params() / 1e6:.1f} M"
     pretty["file_bytes"] = human_bytes(facts["file_bytes"])
-    pretty["tensor_types"] = ", ".join(f"{k} x{v}" for k, v in sorted(facts["tensor_types"].items()))
+    pretty["tensor_types"] = ", ".join(
+        f"{k} x{v}" for k, v in sorted(facts["tensor_types"].items())
+    )
     pretty["kv_bytes_per_token_f16"] = f"{kv16:,} B ({human_bytes(kv16)}) fp16/bf16"
     pretty["kv_bytes_per_token_f32"] = f"{kv32:,} B ({human_bytes(kv32)}) fp32 (CPU default)"
-    pretty["kv_bytes_full_context_f16"] = f"{human_bytes(kv16 * cfg.context_length)} at {cfg.context_length} tokens, fp16"
+    pretty["kv_bytes_full_context_f16"] = (
+        f"{human_bytes(kv16 * cfg.context_length)} at {cfg.context_length} tokens, fp16"
+    )
     for k, v in pretty.items():
         t.add_row(k.replace("_", " "), str(v))
     Console().print(t)
@@ -120,12 +134,23 @@ def models(as_json):
     found = local_models(root)
     have = {m.path.name for m in found}
     if as_json:
-        click.echo(json.dumps({
-            "models_dir": str(root),
-            "local": [{"path": str(m.path), "bytes": m.size} for m in found],
-            "pullable": [{"name": p.name, "file": p.filename, "downloaded": p.filename in have,
-                          "about": p.about} for p in REGISTRY.values()],
-        }))
+        click.echo(
+            json.dumps(
+                {
+                    "models_dir": str(root),
+                    "local": [{"path": str(m.path), "bytes": m.size} for m in found],
+                    "pullable": [
+                        {
+                            "name": p.name,
+                            "file": p.filename,
+                            "downloaded": p.filename in have,
+                            "about": p.about,
+                        }
+                        for p in REGISTRY.values()
+                    ],
+                }
+            )
+        )
         return
     t = Table(title=f"models in {root}")
     t.add_column("file")
@@ -148,7 +173,8 @@ def pull(name):
     with progress_bar("extract", bytes_mode=True) as bar:
         task = bar.add_task("extracting", total=None)
         path = pull_model(
-            name, log=lambda m: err_console.print(m, style="dim"),
+            name,
+            log=lambda m: err_console.print(m, style="dim"),
             extract_progress=lambda d, t: bar.update(task, completed=d, total=t),
         )
     click.echo(str(path))

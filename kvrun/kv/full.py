@@ -37,7 +37,11 @@ class FullKV(KVManager):
         q = self.rope.apply(q, positions)
         k_pos = torch.arange(end, device=positions.device)
         return dense_attention(
-            q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], positions, k_pos,
+            q,
+            self.k[layer, :, :, :end],
+            self.v[layer, :, :, :end],
+            positions,
+            k_pos,
             self.config.sliding_window,
         )
 
