@@ -145,7 +145,7 @@ class Session:
         stats = Stats()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else torch.seed())
-        stream = self.tokenizer.stream()
+        stream = self.tokenizer.stream(after=prompt_ids[-1] if prompt_ids else None)
         out: list[int] = []
         fed = 0
         prompt_ids = self.pending + list(prompt_ids)

@@ -152,6 +152,30 @@ def _read_spm(path: Path) -> tuple[_Backend, dict[str, int]]:
     return tok, {k: v for k, v in (("bos", sp.bos_id()), ("eos", sp.eos_id())) if v >= 0}
 
 
+def _gguf_backend(
+    meta: Mapping[str, Any], kind: str, tokens: list[str], types: list[int]
+) -> tuple[_Backend, int | None, int | None, bool]:
+    """The backend of a GGUF vocabulary, with llama.cpp's default (bos, eos, add_bos)."""
+    if kind == "gpt2":
+        if "tokenizer.ggml.merges" not in meta:
+            raise UnsupportedModel("the GGUF BPE tokenizer has no tokenizer.ggml.merges")
+        pre = str(meta.get("tokenizer.ggml.pre") or "")
+        backend = _bpe_backend(tokens, meta["tokenizer.ggml.merges"], pre)
+        bos, eos, add_bos = None, None, pre in _PRE_ADDS_BOS
+    elif kind == "llama":
+        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+        unk = tokens[unk] if 0 <= unk < len(tokens) else None
+        prefix = {"add_dummy_prefix": meta.get("tokenizer.ggml.add_space_prefix", True)}
+        backend = _spm_backend(tokens, scores, types, unk, prefix)
+        bos, eos, add_bos = 1, 2, True  # llama.cpp's SentencePiece defaults
+    else:
+        supported = "supported: gpt2, llama"
+        raise UnsupportedModel(f"tokenizer type {kind!r} is not supported ({supported})")
+    _add_special(backend, tokens, types)
+    return backend, bos, eos, add_bos
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, end-of-generation ids and the chat template."""
 
@@ -175,23 +199,12 @@ class Tokenizer:
             raise UnsupportedModel("the GGUF file has no tokenizer (tokenizer.ggml.* missing)")
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's names
         types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-        if kind == "gpt2":
-            if "tokenizer.ggml.merges" not in meta:
-                raise UnsupportedModel("the GGUF BPE tokenizer has no tokenizer.ggml.merges")
-            pre = str(meta.get("tokenizer.ggml.pre") or "")
-            backend = _bpe_backend(tokens, meta["tokenizer.ggml.merges"], pre)
-            bos, eos, add_bos = None, None, pre in _PRE_ADDS_BOS
-        elif kind == "llama":
-            scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-            unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-            unk = tokens[unk] if 0 <= unk < len(tokens) else None
-            prefix = {"add_dummy_prefix": meta.get("tokenizer.ggml.add_space_prefix", True)}
-            backend = _spm_backend(tokens, scores, types, unk, prefix)
-            bos, eos, add_bos = 1, 2, True  # llama.cpp's SentencePiece defaults
-        else:
-            supported = "supported: gpt2, llama"
-            raise UnsupportedModel(f"tokenizer type {kind!r} is not supported ({supported})")
-        _add_special(backend, tokens, types)
+        try:
+            backend, bos, eos, add_bos = _gguf_backend(meta, kind, tokens, types)
+        except KvrunError:
+            raise
+        except Exception as e:  # a malformed vocabulary or merge list
+            raise UnsupportedModel(f"cannot build the GGUF tokenizer: {e}") from None
 
         def special(name: str, default: int | None = None) -> int | None:
             value = meta.get(f"tokenizer.ggml.{name}_token_id")
@@ -215,12 +228,18 @@ class Tokenizer:
             json.loads((path / n).read_text("utf-8")) if (path / n).is_file() else {}
             for n in ("tokenizer_config.json", "generation_config.json")
         )
-        if has_json := (path / "tokenizer.json").is_file():
-            backend, ids = _Backend.from_file(str(path / "tokenizer.json")), {}
-        elif (path / "tokenizer.model").is_file():
-            backend, ids = _read_spm(path / "tokenizer.model")
-        else:
+        has_json = (path / "tokenizer.json").is_file()
+        if not has_json and not (path / "tokenizer.model").is_file():
             raise KvrunError(f"no tokenizer.json or tokenizer.model in {path}")
+        try:
+            if has_json:
+                backend, ids = _Backend.from_file(str(path / "tokenizer.json")), {}
+            else:
+                backend, ids = _read_spm(path / "tokenizer.model")
+        except KvrunError:
+            raise
+        except Exception as e:  # a malformed tokenizer.json or tokenizer.model
+            raise KvrunError(f"cannot read the tokenizer in {path}: {e}") from None
         for name in ("bos", "eos"):
             text = config.get(f"{name}_token")
             text = text.get("content") if isinstance(text, dict) else text
@@ -270,9 +289,11 @@ class Tokenizer:
         """The vocabulary entry of one id ('' for None), e.g. '<|im_start|>'."""
         return "" if token_id is None else self._tok.id_to_token(int(token_id)) or ""
 
-    def stream(self, skip_special: bool = False) -> StreamDecoder:
-        """An incremental decoder whose pieces concatenate to decode(all ids pushed)."""
-        return StreamDecoder(self, skip_special)
+    def stream(self, skip_special: bool = False, after: int | None = None) -> StreamDecoder:
+        """An incremental decoder whose pieces concatenate to decode(all ids pushed). after: the
+        id just before the first pushed one (say the prompt's last), so that the first piece
+        keeps the SentencePiece leading space that decode() strips at the start of a text."""
+        return StreamDecoder(self, skip_special, after)
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
@@ -314,11 +335,13 @@ class Tokenizer:
 class StreamDecoder:
     """Turns ids into text one at a time, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special: bool = False, after: int | None = None
+    ) -> None:
         self._decode = lambda ids: tokenizer.decode(ids, skip_special)
-        self._ids: list[int] = []
+        self._ids: list[int] = [] if after is None else [int(after)]
         self._start = 0  # decode window start: SentencePiece strips the window's first space
-        self._read = 0  # ids before this are already returned
+        self._read = len(self._ids)  # ids before this are already returned (or context)
 
     def _emit(self, final: bool) -> str:
         text = self._decode(self._ids[self._start :])

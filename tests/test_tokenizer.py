@@ -187,6 +187,14 @@ def test_spm_stream_keeps_spaces(llama_spm: Path, skip_special: bool) -> None:
     assert "".join(pieces) == tok.decode(ids, skip_special=skip_special)
 
 
+def test_stream_after_keeps_first_space(llama_spm: Path, smol: Tokenizer) -> None:
+    for tok in (Tokenizer.from_gguf(_gguf_meta(llama_spm)), smol):
+        ids = tok.encode("the quick brown fox", add_bos=False)
+        stream = tok.stream(after=ids[1])
+        text = "".join(stream.push(i) for i in ids[2:]) + stream.flush()
+        assert text == tok.decode(ids)[len(tok.decode(ids[:2])) :] == " brown fox"
+
+
 def test_spm_hf_dir_matches_sentencepiece(llama_spm: Path, tmp_path: Path) -> None:
     # a default-trained model too: nmt_nfkc normalization and extra-whitespace removal
     default = _train(tmp_path, "default")
@@ -250,4 +258,15 @@ def test_bad_input_errors(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel):
         Tokenizer.from_gguf({})
     with pytest.raises(KvrunError, match="no tokenizer.json or tokenizer.model"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_malformed_inputs_are_kvrun_errors(tmp_path: Path) -> None:
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]}
+    with pytest.raises(UnsupportedModel, match="no tokenizer.ggml.merges"):
+        Tokenizer.from_gguf(meta)
+    with pytest.raises(UnsupportedModel, match="cannot build the GGUF tokenizer"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.merges": ["x y"]})  # x, y not in vocab
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(KvrunError, match="cannot read the tokenizer"):
         Tokenizer.from_hf_dir(tmp_path)
