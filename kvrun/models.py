@@ -105,13 +105,15 @@ def resolve(name_or_path: str | None, pull_missing: bool = False, log=print) -> 
     if known and (root / known.filename).exists():
         return root / known.filename
     q = _norm(spec)
-    models = local_models(root)
-    exact = [m for m in models if q in m.names]
-    prefix = [m for m in models if any(n.startswith(q) for n in m.names)]
-    partial = [m for m in models if any(q in n for n in m.names)]
-    for hits in (exact, prefix, partial):
-        if hits:
-            return min(hits, key=lambda m: (len(m.path.name), m.path.name)).path
+    # file names first; GGUF metadata (slow to read for big vocabularies) only if they fail
+    for read_meta in (False, True):
+        models = local_models(root, read_meta=read_meta)
+        exact = [m for m in models if q in m.names]
+        prefix = [m for m in models if any(n.startswith(q) for n in m.names)]
+        partial = [m for m in models if any(q in n for n in m.names)]
+        for hits in (exact, prefix, partial):
+            if hits:
+                return min(hits, key=lambda m: (len(m.path.name), m.path.name)).path
     if known:
         if pull_missing:
             return pull(known.name, log=log)

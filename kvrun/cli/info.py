@@ -131,7 +131,7 @@ def info(model, as_json):
 def models(as_json):
     """List the models in the models folder and the ones `kvrun pull` can fetch."""
     root = models_dir()
-    found = local_models(root)
+    found = local_models(root, read_meta=False)
     have = {m.path.name for m in found}
     if as_json:
         click.echo(
