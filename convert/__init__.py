@@ -43,6 +43,8 @@ def convert(
         return gguf_to_hf(src, dst, outtype, progress, overwrite)
     if src.is_dir() and (src / "config.json").exists():
         return hf_to_gguf(src, dst, outtype, progress, overwrite)
+    if src.suffix == ".safetensors" and (src.parent / "config.json").exists():
+        return hf_to_gguf(src.parent, dst, outtype, progress, overwrite)
     if src.is_dir() and len(ggufs := sorted(src.glob("*.gguf"))) == 1:
         return gguf_to_hf(ggufs[0], dst, outtype, progress, overwrite)
     raise KvrunError(f"{src} is neither a GGUF file nor an HF model directory (config.json)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,18 +17,21 @@ DTYPES = {"auto": torch.float32, "f32": torch.float32, "f16": torch.float16, "bf
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+# Files a previous model in dst could leave behind that the loaders would pick up.
+_STALE = ("*.safetensors", "model.safetensors.index.json", "tokenizer.model", "*.gguf")
+
+
 def prepare_dir(dst: Path, overwrite: bool) -> None:
-    """Make dst an empty directory; refuse to clobber a non-empty one unless told to."""
+    """Make dst a directory to write into: a non-empty one only with overwrite, and then
+    only stale model files are removed (the user's other files stay)."""
     if dst.exists() and not dst.is_dir():
+        raise KvrunError(f"{dst} exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()):
         if not overwrite:
-            raise KvrunError(
-                f"{dst} exists and is not a directory (pass --overwrite to replace it)"
-            )
-        dst.unlink()
-    elif dst.is_dir() and any(dst.iterdir()):
-        if not overwrite:
-            raise KvrunError(f"{dst} exists and is not empty (pass --overwrite to replace it)")
-        shutil.rmtree(dst)
+            raise KvrunError(f"{dst} exists and is not empty (pass --overwrite to write into it)")
+        for pattern in _STALE:
+            for p in dst.glob(pattern):
+                p.unlink()
     dst.mkdir(parents=True, exist_ok=True)
 
 
@@ -52,7 +54,7 @@ def gguf_to_hf(
             f"unsupported outtype {outtype!r} for GGUF -> safetensors (choose: {', '.join(DTYPES)})"
         )
     dtype = DTYPES[outtype]
-    w = load_gguf(Path(src), torch.float32, progress)
+    w = load_gguf(Path(src), dtype, progress)  # tensors arrive in dtype one by one
     if "rope_freqs" in w.tensors:
         raise KvrunError(
             f"{src} carries a rope_freqs tensor (Llama 3.1-style RoPE scaling); "
@@ -69,7 +71,7 @@ def gguf_to_hf(
     hf_config["torch_dtype"] = DTYPE_NAMES[dtype]
     _write_json(dst / "config.json", hf_config)
 
-    tensors = {k: v.to(dtype).contiguous() for k, v in w.tensors.items()}
+    tensors = {k: v.contiguous() for k, v in w.tensors.items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
 
     tok.save_hf(dst)

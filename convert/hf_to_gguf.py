@@ -65,13 +65,23 @@ def _encode(w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q | None]:
 
 
 # ----------------------------------------------------------------------- tokenizer
+def _flatten(node: dict | None) -> list[dict]:
+    if not node:
+        return []
+    if node.get("type") == "Sequence":
+        return [s for child in node.get("pretokenizers", []) for s in _flatten(child)]
+    return [node]
+
+
 def _bpe_pre(tok_json: dict, tok_cfg: dict) -> str:
+    """llama.cpp's pre-tokenizer name: as recorded by gguf -> hf, else read off tokenizer.json."""
     if tok_cfg.get("gguf_pre"):
         return str(tok_cfg["gguf_pre"])
-    text = json.dumps(tok_json.get("pre_tokenizer"))
-    if '"individual_digits": true' in text:
-        return "smollm"
-    if json.dumps(_LLAMA3_REGEX_PART)[1:-1] in text:
+    steps = _flatten(tok_json.get("pre_tokenizer"))
+    regexes = [s.get("pattern", {}).get("Regex", "") for s in steps if s.get("type") == "Split"]
+    if r"\p{N}" in regexes or any(s.get("individual_digits") for s in steps):
+        return "smollm"  # digits split one by one before the GPT-2 rules
+    if any(_LLAMA3_REGEX_PART in r for r in regexes):
         return "llama-bpe"
     return "gpt2"
 
@@ -110,7 +120,10 @@ def _add_spm(w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: i
         elif sp.is_byte(i):
             kind = gguf.TokenType.BYTE
         types.append(kind)
+    n_sp = len(tokens)
     for a in (tok_json or {}).get("added_tokens", []):
+        if a["id"] < n_sp and types[a["id"]] != gguf.TokenType.NORMAL:
+            continue  # <unk>, <s>, </s>: SentencePiece's own type is the right one
         if a["id"] >= len(tokens):
             tokens += [f"[PAD{i}]" for i in range(len(tokens), a["id"] + 1)]
             scores += [-1000.0] * (a["id"] + 1 - len(scores))
@@ -190,7 +203,13 @@ def hf_to_gguf(
         raise KvrunError(
             f"unsupported outtype {outtype!r} for safetensors -> GGUF (choose: auto, {', '.join(OUTTYPES)})"
         )
-    lw = load_safetensors(src, torch.float32)
+    try:  # read in the source precision: an 8B model in f32 would need 32 GB
+        declared = json.loads((src / "config.json").read_text())
+        declared = declared.get("torch_dtype") or declared.get("dtype")
+    except (OSError, ValueError):
+        declared = None
+    halves = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    lw = load_safetensors(src, halves.get(str(declared), torch.float32))
     if outtype == "auto":  # keep the source precision, as llama.cpp's converter does
         kinds = set(lw.tensor_types)
         outtype = "bf16" if "bfloat16" in kinds else "f16" if "float16" in kinds else "f32"
@@ -226,6 +245,9 @@ def hf_to_gguf(
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-    finally:
+    except BaseException:
         w.close()
+        dst.unlink(missing_ok=True)  # never leave a truncated GGUF behind
+        raise
+    w.close()
     return dst

@@ -185,6 +185,8 @@ def load_safetensors(
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if key.endswith("rotary_emb.inv_freq"):  # older checkpoints; we compute it
+                        continue
                     w = f.get_tensor(key)
                     types[str(w.dtype).removeprefix("torch.")] += 1
                     tensors[key] = w.to(dtype)

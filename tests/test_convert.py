@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
 import pytest
-import tiny_models
 import torch
-from kvrun.convert import convert
 
+import tiny_models
+from kvrun.convert import convert
 from kvrun.errors import KvrunError, ModelNotFound
 from kvrun.kv.full import FullKV
 from kvrun.model import Transformer
@@ -199,6 +200,20 @@ def test_tiny_gguf_to_hf_matches_hf(tiny, ids, tmp_path, case):
     torch.testing.assert_close(logits, t.logits(ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("outtype", ["f16", "bf16"])
+def test_tiny_gguf_to_hf_half(tiny, ids, tmp_path, outtype):
+    from safetensors import safe_open
+
+    t = tiny["llama-gqa"]
+    out = convert(t.gguf_path, tmp_path / "hf", outtype=outtype)
+    name = {"f16": "float16", "bf16": "bfloat16"}[outtype]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == name
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == getattr(torch, name)
+    ref = t.logits(ids)
+    assert (_logits(out, ids) - ref).abs().max() / ref.abs().max() < 0.1
+
+
 def test_gguf_with_rope_freqs_is_refused(tiny, tmp_path):
     with pytest.raises(KvrunError, match="rope_freqs"):
         convert(tiny["llama-rope-llama3"].gguf_path, tmp_path / "hf")
@@ -229,8 +244,11 @@ def test_outtype_and_destination_errors(tiny, tmp_path):
     with pytest.raises(KvrunError, match="not empty"):
         convert(t.gguf_path, busy)
     assert (busy / "keep.txt").exists()
+    (busy / "model-00001-of-00002.safetensors").write_bytes(b"stale")
     convert(t.gguf_path, busy, overwrite=True)
-    assert (busy / "config.json").exists() and not (busy / "keep.txt").exists()
+    assert (busy / "config.json").exists() and (busy / "keep.txt").read_text() == "mine"
+    assert not (busy / "model-00001-of-00002.safetensors").exists()
+    torch.testing.assert_close(_logits(busy, [5, 6, 7]), t.logits([5, 6, 7]), atol=1e-4, rtol=1e-4)
     (tmp_path / "m.gguf").write_bytes(b"")
     with pytest.raises(KvrunError, match="exists"):
         convert(t.hf_dir, tmp_path / "m.gguf", outtype="f32")
@@ -239,3 +257,45 @@ def test_outtype_and_destination_errors(tiny, tmp_path):
     (tmp_path / "junk").mkdir()
     with pytest.raises(KvrunError, match="neither"):
         convert(tmp_path / "junk", tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def tiny_spm(tmp_path_factory):
+    return tiny_models.build(tmp_path_factory.mktemp("spm"), spm=True)
+
+
+def test_sentencepiece_hf_to_gguf(tiny_spm, tmp_path):
+    t = tiny_spm
+    out = convert(t.hf_dir, tmp_path / "m.gguf", outtype="f32")
+    w = load(out, torch.float32)
+    meta = w.meta
+    assert meta["tokenizer.ggml.model"] == "llama"
+    types = meta["tokenizer.ggml.token_type"]
+    assert types.count(gguf.TokenType.BYTE) == 256
+    assert types[:3] == [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    assert len(meta["tokenizer.ggml.scores"]) == tiny_models.SPM_VOCAB
+    text = "Hello world, llamas read 42 keys. Ünïcödé ✓"  # unseen characters: byte fallback
+    assert w.tokenizer.encode(text) == [1, *t.tokenizer.encode(text)]
+    assert meta["tokenizer.ggml.add_space_prefix"] is True
+    ids = w.tokenizer.encode(tiny_models.TEXT)
+    torch.testing.assert_close(_logits(w, ids), t.logits(ids), atol=1e-4, rtol=1e-4)
+
+    # Llama 2 dirs carry a tokenizer.json next to tokenizer.model (<unk> <s> </s> in it too)
+    both = tmp_path / "both"
+    shutil.copytree(t.hf_dir, both)
+    w.tokenizer.save_hf(both)
+    meta2 = _meta(convert(both, tmp_path / "m2.gguf", outtype="f32"))
+    for key in ("tokens", "token_type", "scores", "add_space_prefix"):
+        assert meta2[f"tokenizer.ggml.{key}"] == meta[f"tokenizer.ggml.{key}"], key
+
+
+def test_sentencepiece_gguf_to_hf(tiny_spm, tmp_path):
+    from transformers import AutoTokenizer
+
+    t = tiny_spm
+    out = convert(t.gguf_path, tmp_path / "hf")
+    text = "Hello world, llamas read 42 keys. Ünïcödé ✓"
+    want = [1, *t.tokenizer.encode(text)]
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == want
+    ids = want[:20]
+    torch.testing.assert_close(_logits(out, ids), t.logits(ids), atol=1e-4, rtol=1e-4)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import tiny_models
 import torch
 
+import tiny_models
 from kvrun.generate import Session
 from kvrun.kv.full import FullKV
 from kvrun.model import Transformer

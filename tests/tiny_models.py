@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 VOCAB = 300
+SPM_VOCAB = 400  # SentencePiece needs room for 256 byte pieces plus every character
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2
 CHAT_TEMPLATE = (
@@ -54,7 +55,7 @@ class Tiny:
     hf: torch.nn.Module  # transformers LlamaForCausalLM / MistralForCausalLM, fp32, eval
     hf_dir: Path
     gguf_path: Path
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: object  # tokenizers.Tokenizer, or sentencepiece.SentencePieceProcessor (spm)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """HF's logits (T, V) for one sequence."""
@@ -92,6 +93,36 @@ def make_tokenizer(digits: bool = False):
     return Tokenizer.from_str(_tokenizer_json(digits))
 
 
+@functools.lru_cache(maxsize=1)
+def make_spm() -> bytes:
+    """A SentencePiece BPE model proto (byte fallback, <unk> <s> </s> = 0 1 2), SPM_VOCAB pieces."""
+    import io
+
+    import sentencepiece
+
+    buf = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 4),
+        model_writer=buf,
+        vocab_size=SPM_VOCAB,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+def save_spm(out: Path) -> None:
+    """tokenizer.model + tokenizer_config.json (Llama 2 style: BOS added) into an HF dir."""
+    (out / "tokenizer.model").write_bytes(make_spm())
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+
+
 def save_tokenizer(tok, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (with the chat template) into an HF dir."""
     tok.save(str(out / "tokenizer.json"))
@@ -114,8 +145,9 @@ def make_hf_model(
     n_kv_heads: int = 2,
     sliding_window: int | None = None,
     seed: int = 0,
+    vocab: int = VOCAB,
 ):
-    """A random fp32 HF model: 2 layers, dim 64, head_dim 16, ffn 128, vocab VOCAB."""
+    """A random fp32 HF model: 2 layers, dim 64, head_dim 16, ffn 128, `vocab` tokens."""
     import transformers
 
     rope_params = {"rope_type": "default", "rope_theta": 10000.0}
@@ -132,7 +164,7 @@ def make_hf_model(
             "rope_theta": 10000.0,
         }
     kw = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -171,8 +203,40 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _add_bpe_tokenizer(w: gguf.GGUFWriter, tok, pre: str) -> None:
+    vocab = json.loads(tok.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+
+
+def _add_spm_tokenizer(w: gguf.GGUFWriter, sp) -> None:
+    n = sp.get_piece_size()
+    kinds = [
+        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+        for i in range(n)
+    ]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(kinds)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_add_bos_token(True)
+
+
 def write_gguf(model, tok, path: Path, pre: str = "gpt2") -> Path:
-    """The HF model's weights and the tokenizer as an F32 llama.cpp GGUF."""
+    """The HF model's weights and the tokenizer (a `tokenizers.Tokenizer`, or a
+    SentencePieceProcessor) as an F32 llama.cpp GGUF."""
     c = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), "llama")
@@ -203,17 +267,10 @@ def write_gguf(model, tok, path: Path, pre: str = "gpt2") -> Path:
         scaled = model.model.rotary_emb.inv_freq.float()
         w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
 
-    vocab = json.loads(tok.to_str())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_add_bos_token(False)
+    if hasattr(tok, "id_to_piece"):  # sentencepiece.SentencePieceProcessor
+        _add_spm_tokenizer(w, tok)
+    else:
+        _add_bpe_tokenizer(w, tok, pre)
     w.add_chat_template(CHAT_TEMPLATE)
 
     for name, t in sd.items():
@@ -247,15 +304,27 @@ def build(
     sliding_window: int | None = None,
     sharded: bool = False,
     digits: bool = False,
+    spm: bool = False,
     seed: int = 0,
 ) -> Tiny:
-    """A tiny model saved under root: `root/hf` (safetensors dir) and `root/model.gguf`."""
-    model = make_hf_model(arch, rope, tied, n_heads, n_kv_heads, sliding_window, seed)
-    tok = make_tokenizer(digits)
+    """A tiny model saved under root: `root/hf` (safetensors dir) and `root/model.gguf`.
+
+    digits: SmolLM-style BPE that splits digits one by one; spm: a SentencePiece
+    tokenizer.model (Llama 2 style) instead of the byte-level BPE tokenizer.json.
+    """
+    vocab = SPM_VOCAB if spm else VOCAB
+    model = make_hf_model(arch, rope, tied, n_heads, n_kv_heads, sliding_window, seed, vocab)
     hf_dir = root / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
     shard = "40KB" if sharded else "1GB"
     model.save_pretrained(hf_dir, safe_serialization=True, max_shard_size=shard)
-    save_tokenizer(tok, hf_dir)
+    if spm:
+        import sentencepiece
+
+        tok = sentencepiece.SentencePieceProcessor(model_proto=make_spm())
+        save_spm(hf_dir)
+    else:
+        tok = make_tokenizer(digits)
+        save_tokenizer(tok, hf_dir)
     path = write_gguf(model, tok, root / "model.gguf", pre="smollm" if digits else "gpt2")
     return Tiny(model, hf_dir, path, tok)

@@ -1,0 +1,237 @@
+"""KIVI store (baselines.md section 5): a packed 2/4-bit body plus a dense tail, per layer.
+
+Keys are quantized per channel (groups of G consecutive tokens), values per token (groups
+of G consecutive channels), asymmetric min/max; codes are packed into int32 words in the
+public KIVI layout. The manager decides when to flush; this file is the mechanism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import Partial, segment_attention
+
+
+def quantize(
+    x: torch.Tensor, bits: int, dim: int, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of groups of `group` consecutive elements along `dim`.
+
+    Returns uint8 codes (x's shape) and scale, zero (x's shape with `dim` cut to n/group) in
+    `dtype`. Scale and zero are rounded to `dtype` first and the codes computed from the
+    rounded values (fp32, round half-to-even); a flat group gets code 0, so x_hat = z exactly.
+    """
+    xt = x.float().movedim(dim, -1)  # (..., n)
+    n = xt.shape[-1]
+    if n % group:
+        raise ValueError(f"kivi: length {n} along dim {dim} is not a multiple of group {group}")
+    xg = xt.reshape(*xt.shape[:-1], n // group, group)  # (..., n/G, G)
+    lo, hi = xg.amin(-1), xg.amax(-1)  # (..., n/G)
+    zero = lo.to(dtype)
+    scale = ((hi - lo) / (2**bits - 1)).to(dtype)
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    q = torch.round((xg - z) / torch.where(s == 0, 1.0, s)).clamp_(0, 2**bits - 1)
+    q = torch.where(s == 0, 0.0, q)  # flat group (or a scale that underflowed): code 0
+    codes = q.to(torch.uint8).reshape(xt.shape).movedim(-1, dim)
+    return codes, scale.movedim(-1, dim), zero.movedim(-1, dim)
+
+
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int, group: int
+) -> torch.Tensor:
+    """x_hat = code * scale + zero in fp32, each group's scale and zero repeated along `dim`."""
+    s = scale.float().repeat_interleave(group, dim=dim)
+    z = zero.float().repeat_interleave(group, dim=dim)
+    return codes.float() * s + z
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes along the last dim into int32 words, 32/bits per word, first code lowest."""
+    per = 32 // bits
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"kivi: cannot pack {n} codes into words of {per}")
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], n // per, per)  # (..., W, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    words = (c << shifts).sum(-1)  # (..., W) in [0, 2^32): fields never overlap
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: uint8 codes, 32/bits per word along the last dim."""
+    per = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF  # (..., W) unsigned
+    shifts = torch.arange(per, device=words.device, dtype=torch.int64) * bits
+    c = (w.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., W, per)
+    return c.reshape(*words.shape[:-1], words.shape[-1] * per).to(torch.uint8)
+
+
+def _grow(t: torch.Tensor, dim: int, need: int) -> torch.Tensor:
+    """`t` with at least `need` slots along `dim` (capacity doubles), contents kept."""
+    cap = t.shape[dim]
+    if need <= cap:
+        return t
+    shape = list(t.shape)
+    shape[dim] = max(need, 2 * cap)
+    new = t.new_empty(shape)
+    new.narrow(dim, 0, cap).copy_(t)
+    return new
+
+
+class KiviLayer:
+    """One layer's KIVI store: a packed quantized body (oldest Tq tokens) + a dense tail (newest Tr)."""
+
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        bits: int,
+        group: int,
+        residual: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if bits not in (1, 2, 4, 8):
+            raise ValueError(f"kivi: bits {bits} must be 1, 2, 4 or 8 (32/bits codes per int32)")
+        per = 32 // bits
+        if group <= 0 or group % per:
+            raise ValueError(f"kivi: group {group} must be a positive multiple of 32/bits = {per}")
+        if residual <= 0 or residual % group:
+            raise ValueError(
+                f"kivi: residual {residual} must be a positive multiple of group {group}"
+            )
+        if head_dim % group:
+            raise ValueError(f"kivi: head_dim {head_dim} must be a multiple of group {group}")
+        self.H, self.D, self.bits, self.G, self.R = n_kv_heads, head_dim, bits, group, residual
+        self.dtype, self.device = dtype, torch.device(device)
+        self.body_len = 0  # Tq, a multiple of G
+        self.tail_len = 0  # Tr
+        H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32
+        self._kq = torch.empty(H, D, 0, device=dev, dtype=i32)  # (Hkv, D, cap*b/32) keys by token
+        self._ks = torch.empty(H, D, 0, device=dev, dtype=dtype)  # (Hkv, D, cap/G)
+        self._kz = torch.empty(H, D, 0, device=dev, dtype=dtype)  # (Hkv, D, cap/G)
+        self._vq = torch.empty(H, 0, D * bits // 32, device=dev, dtype=i32)  # (Hkv, cap, D*b/32)
+        self._vs = torch.empty(H, 0, D // group, device=dev, dtype=dtype)  # (Hkv, cap, D/G)
+        self._vz = torch.empty(H, 0, D // group, device=dev, dtype=dtype)  # (Hkv, cap, D/G)
+        self._tk = torch.empty(H, 0, D, device=dev, dtype=dtype)  # (Hkv, cap, D) dense tail
+        self._tv = torch.empty(H, 0, D, device=dev, dtype=dtype)  # (Hkv, cap, D)
+
+    @property
+    def length(self) -> int:
+        """Tokens held: body plus tail."""
+        return self.body_len + self.tail_len
+
+    # --- occupied views (the layout of baselines.md 5, "Bit packing") --------------------
+    def body(self) -> tuple[torch.Tensor, ...]:
+        """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of the occupied body."""
+        tq, w, g = self.body_len, self.body_len * self.bits // 32, self.body_len // self.G
+        return (self._kq[..., :w], self._ks[..., :g], self._kz[..., :g],
+                self._vq[:, :tq], self._vs[:, :tq], self._vz[:, :tq])  # fmt: skip
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense tail K, V, (Hkv, Tr, D) each, newest last."""
+        return self._tk[:, : self.tail_len], self._tv[:, : self.tail_len]
+
+    # --- mechanism --------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append (Hkv, T, D) post-RoPE keys and values, newest last, to the dense tail."""
+        end = self.tail_len + k.shape[1]
+        self._tk, self._tv = _grow(self._tk, 1, end), _grow(self._tv, 1, end)
+        self._tk[:, self.tail_len : end] = k
+        self._tv[:, self.tail_len : end] = v
+        self.tail_len = end
+
+    def flush(self, unit: int) -> int:
+        """Quantize the oldest largest-multiple-of-`unit` tail tokens into the body; returns the count."""
+        if unit <= 0 or unit % self.G:
+            raise ValueError(
+                f"kivi: flush unit {unit} must be a positive multiple of group {self.G}"
+            )
+        n = self.tail_len // unit * unit
+        if n == 0:
+            return 0
+        b, G, tq = self.bits, self.G, self.body_len
+        k, v = self._tk[:, :n], self._tv[:, :n]  # (Hkv, n, D)
+        kc, ks, kz = quantize(k.transpose(1, 2), b, -1, G, self.dtype)  # (Hkv, D, n), (Hkv, D, n/G)
+        vc, vs, vz = quantize(v, b, -1, G, self.dtype)  # (Hkv, n, D), (Hkv, n, D/G)
+        w0, w1, g0, g1 = tq * b // 32, (tq + n) * b // 32, tq // G, (tq + n) // G
+        self._kq = _grow(self._kq, 2, w1)
+        self._ks, self._kz = _grow(self._ks, 2, g1), _grow(self._kz, 2, g1)
+        self._vq = _grow(self._vq, 1, tq + n)
+        self._vs, self._vz = _grow(self._vs, 1, tq + n), _grow(self._vz, 1, tq + n)
+        self._kq[..., w0:w1] = pack(kc, b)
+        self._ks[..., g0:g1], self._kz[..., g0:g1] = ks, kz
+        self._vq[:, tq : tq + n] = pack(vc, b)
+        self._vs[:, tq : tq + n], self._vz[:, tq : tq + n] = vs, vz
+        rest = self.tail_len - n
+        self._tk[:, :rest] = self._tk[:, n : n + rest].clone()
+        self._tv[:, :rest] = self._tv[:, n : n + rest].clone()
+        self.body_len, self.tail_len = tq + n, rest
+        return n
+
+    def _mask(self, start: int, stop: int, Tq: int, n_new: int) -> torch.Tensor | None:
+        """(Tq, stop-start) visibility of slots [start, stop): own token j seen by query i >= j."""
+        own0 = self.length - n_new  # first own token's slot
+        if n_new == 0 or stop <= own0:
+            return None
+        j = torch.arange(start, stop, device=self.device) - own0  # own index, < 0 for older
+        i = torch.arange(Tq, device=self.device)
+        return j[None, :] <= i[:, None]
+
+    def attend(self, q: torch.Tensor, n_new: int) -> list[Partial]:
+        """[body partial, tail partial] (body omitted when empty) for q (1, Hq, Tq, D) post-RoPE.
+
+        The last `n_new` slots are the queries' own tokens (causal among themselves, n_new is
+        0 or Tq); every older slot is visible to all queries.
+        """
+        Tq = q.shape[2]
+        if n_new not in (0, Tq) or n_new > self.length:
+            raise ValueError(f"kivi: n_new {n_new} must be 0 or Tq={Tq}, at most {self.length}")
+        parts = []
+        if self.body_len:
+            parts.append(self._attend_body(q, self._mask(0, self.body_len, Tq, n_new)))
+        tk, tv = self.tail()
+        mask = self._mask(self.body_len, self.length, Tq, n_new)
+        parts.append(segment_attention(q, tk[None], tv[None], mask))
+        return parts
+
+    def _attend_body(self, q: torch.Tensor, mask: torch.Tensor | None) -> Partial:
+        """Body attention with dequantization fused into the math (torch reference, fp32).
+
+        score_t = (1/sqrt(D)) sum_c q[c] (sK[c,g(t)] kq[t,c] + zK[c,g(t)]),
+        out[c] = sum_t p_t (sV[t,g(c)] vq[t,c] + zV[t,g(c)]).
+        """
+        _, Hq, Tq, D = q.shape
+        H, G, b, Tb = self.H, self.G, self.bits, self.body_len
+        kq, ks, kz, vq, vs, vz = self.body()
+        qg = q.float().reshape(H, Hq // H, Tq, D)  # (Hkv, g, Tq, D)
+        kc = unpack(kq, b).float().view(H, D, Tb // G, G)  # (Hkv, D, Tb/G, G)
+        sk = (kc * ks.float()[..., None]).view(H, D, Tb)  # (Hkv, D, Tb) per-call temporary
+        s = torch.einsum("hgqc,hct->hgqt", qg, sk)  # (Hkv, g, Tq, Tb)
+        qz = torch.einsum("hgqc,hcn->hgqn", qg, kz.float())  # (Hkv, g, Tq, Tb/G): q . zK
+        s = (s + qz.repeat_interleave(G, dim=-1)) / math.sqrt(D)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # (Hkv, g, Tq)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (Hkv, g, Tq, Tb)
+        vc = unpack(vq, b).float().view(H, Tb, D // G, G)  # (Hkv, Tb, D/G, G)
+        sv = (vc * vs.float()[..., None]).view(H, Tb, D)  # (Hkv, Tb, D)
+        out = torch.einsum("hgqt,htc->hgqc", p, sv)  # (Hkv, g, Tq, D)
+        pz = torch.einsum("hgqt,htn->hgqn", p, vz.float())  # (Hkv, g, Tq, D/G): sum_t p zV
+        out = out + pz.repeat_interleave(G, dim=-1)
+        return Partial(out.reshape(1, Hq, Tq, D), lse.reshape(1, Hq, Tq))
+
+    # --- accounting and reference -----------------------------------------------------
+    def nbytes(self) -> int:
+        """Exact bytes of the occupied slots: packed codes, scales, zeros and the dense tail."""
+        return sum(t.numel() * t.element_size() for t in (*self.body(), *self.tail()))
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Hkv, length, D) fp32 K and V: the body dequantized, then the tail."""
+        kq, ks, kz, vq, vs, vz = self.body()
+        k = dequantize(unpack(kq, self.bits), ks, kz, -1, self.G).transpose(1, 2)  # (Hkv, Tq, D)
+        v = dequantize(unpack(vq, self.bits), vs, vz, -1, self.G)  # (Hkv, Tq, D)
+        tk, tv = self.tail()
+        return torch.cat([k, tk.float()], 1), torch.cat([v, tv.float()], 1)
