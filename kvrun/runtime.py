@@ -11,7 +11,10 @@ import torch
 from .config import ModelConfig
 from .errors import KvrunError
 from .kv.base import KVManager
+from .kv.budget import Budget
 from .kv.full import FullKV
+from .kv.manager import CompressedKV
+from .kv.recipes import parse_kv
 from .models import resolve
 from .weights import LoadedWeights, load
 
@@ -23,7 +26,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-KV_METHODS: dict[str, type[KVManager]] = {"full": FullKV}
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -59,12 +61,20 @@ class Runtime:
     path: Path
     weights: LoadedWeights  # tensors dropped after the model is built
 
-    def new_kv(self, spec: str = "full") -> KVManager:
-        """A fresh KV manager for this model."""
-        name = spec.strip().lower()
-        if name not in KV_METHODS:
-            raise KvrunError(f"unknown KV method {spec!r} (available: {', '.join(KV_METHODS)})")
-        return KV_METHODS[name](self.config, self.model.rope, self.model.device, self.model.dtype)
+    def new_kv(self, spec: str = "full", budget: str | float | None = None, **kw) -> KVManager:
+        """A fresh KV manager for this model from --kv and --kv-budget."""
+        return build_kv(
+            spec, budget, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
+        )
+
+
+def build_kv(spec: str, budget, config, rope, device, dtype, **kw) -> KVManager:
+    """`full` gets the plain cache; everything else the composed manager."""
+    parsed = parse_kv(spec)
+    b = Budget.parse(budget) if budget is not None else None
+    if parsed.is_full and not kw:
+        return FullKV(config, rope, device, dtype)
+    return CompressedKV(parsed, b, config, rope, device, dtype, **kw)
 
 
 def load_runtime(

@@ -14,6 +14,7 @@ from .common import (
     err_console,
     load_with_progress,
     model_options,
+    new_kv,
     sampling_from,
     sampling_options,
     set_debug,
@@ -69,7 +70,7 @@ def chat(ctx, system, n_predict, **kw):
     sampling, seed = sampling_from(kw)
     rt = load_with_progress(kw)
     session = Session(
-        rt.model, rt.tokenizer, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"]
+        rt.model, rt.tokenizer, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"]
     )
     conv = Conversation(session, system)
     interactive = sys.stdin.isatty()

@@ -57,7 +57,16 @@ def model_options(f):
             default="full",
             show_default=True,
             metavar="METHOD",
-            help="KV cache method.",
+            help="KV cache method: full, streaming, h2o, snapkv, pyramidkv, kivi2, kivi4; "
+            "stack with + (snapkv+kivi2), options with : (snapkv:window=64). See `kvrun kv list`.",
+        ),
+        click.option(
+            "--kv-budget",
+            "kv_budget",
+            default=None,
+            metavar="B",
+            help="Tokens kept per layer: a fraction of the tokens seen (< 1) or a count (>= 1). "
+            "Default 0.2 for selecting methods.",
         ),
         click.option("--debug", is_flag=True, hidden=True),
     ]
@@ -132,8 +141,26 @@ def progress_bar(description: str, bytes_mode: bool = False) -> Progress:
     return Progress(*cols, console=err_console, transient=True, disable=not sys.stderr.isatty())
 
 
+def check_kv(kw: dict) -> None:
+    """Reject a bad --kv / --kv-budget before the model is loaded."""
+    from ..kv.budget import Budget
+    from ..kv.recipes import parse_kv, protected_tokens
+
+    spec = parse_kv(kw["kv"])
+    if kw.get("kv_budget") is not None:
+        b = Budget.parse(kw["kv_budget"])
+        if spec.select.name != "full":
+            b.check(protected_tokens(spec), spec.select.name)
+
+
+def new_kv(rt: Runtime, kw: dict):
+    """The KV manager the common options ask for."""
+    return rt.new_kv(kw["kv"], kw.get("kv_budget"))
+
+
 def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
     """Load the model named by the common options, with a progress bar on a terminal."""
+    check_kv(kw)
     with progress_bar("loading") as bar:
         task = bar.add_task("loading model", total=None)
         rt = load_runtime(

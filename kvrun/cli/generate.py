@@ -14,6 +14,7 @@ from .common import (
     dump_json,
     load_with_progress,
     model_options,
+    new_kv,
     prefill_progress,
     sampling_from,
     sampling_options,
@@ -87,9 +88,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
         ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
     else:
         ids = tok.encode(text)
-    session = Session(
-        rt.model, tok, rt.new_kv(kw["kv"]), ubatch=kw["ubatch"], context=kw["ctx_size"]
-    )
+    session = Session(rt.model, tok, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"])
     session.check_fits(len(ids))
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with prefill_progress(len(ids), kw["ubatch"]) as progress:

@@ -73,8 +73,10 @@ def segment_attention(
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tk == 0:
-        return Partial(q.new_zeros(B, Hq, Tq, D, dtype=torch.float32),
-                       q.new_full((B, Hq, Tq), float("-inf"), dtype=torch.float32))
+        return Partial(
+            q.new_zeros(B, Hq, Tq, D, dtype=torch.float32),
+            q.new_full((B, Hq, Tq), float("-inf"), dtype=torch.float32),
+        )
     g = Hq // Hkv
     qg = q.float().view(B, Hkv, g, Tq, D)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) / math.sqrt(D)  # (B, Hkv, G, Tq, Tk)

@@ -42,7 +42,9 @@ class Option:
             kind = "true or false" if isinstance(d, bool) else type(d).__name__
             raise KvrunError(f"{where}={text} is not valid: expected {kind}") from None
         if self.choices and v not in self.choices:
-            raise KvrunError(f"{where}={text} is not valid: choose one of {', '.join(map(str, self.choices))}")
+            raise KvrunError(
+                f"{where}={text} is not valid: choose one of {', '.join(map(str, self.choices))}"
+            )
         if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
             rng = f"{self.lo if self.lo is not None else '-inf'}..{self.hi if self.hi is not None else 'inf'}"
             raise KvrunError(f"{where}={text} is out of range ({rng})")
@@ -85,36 +87,63 @@ PARTS: dict[str, Part] = {
     for p in [
         Part("full", "select", "every token, uncompressed"),
         Part(
-            "streaming", "select", "StreamingLLM: attention sinks + recent window",
-            selector="sinks+recent", when="every chunk and step",
+            "streaming",
+            "select",
+            "StreamingLLM: attention sinks + recent window",
+            selector="sinks+recent",
+            when="every chunk and step",
             options=(Option("sinks", 4, "first tokens always kept", lo=0),),
         ),
         Part(
-            "h2o", "select", "H2O: heavy hitters by cumulative attention + recent window",
-            scorer="cumulative", selector="topk+recent", when="every chunk and step",
+            "h2o",
+            "select",
+            "H2O: heavy hitters by cumulative attention + recent window",
+            scorer="cumulative",
+            selector="topk+recent",
+            when="every chunk and step",
             options=(
-                Option("recent", 0.5, "share of the budget for the most recent tokens", lo=0.0, hi=1.0),
+                Option(
+                    "recent", 0.5, "share of the budget for the most recent tokens", lo=0.0, hi=1.0
+                ),
                 Option("sinks", 0, "first tokens always kept", lo=0),
             ),
         ),
         Part(
-            "snapkv", "select", "SnapKV: observation-window votes, max-pooled, top-k per KV head",
-            scorer="window", selector="topk+window", when="prefill-end", options=_SNAP,
+            "snapkv",
+            "select",
+            "SnapKV: observation-window votes, max-pooled, top-k per KV head",
+            scorer="window",
+            selector="topk+window",
+            when="prefill-end",
+            options=_SNAP,
         ),
         Part(
-            "pyramidkv", "select", "PyramidKV: SnapKV with linearly decreasing layer budgets",
-            scorer="window", selector="topk+window", allocator="pyramid", when="prefill-end",
+            "pyramidkv",
+            "select",
+            "PyramidKV: SnapKV with linearly decreasing layer budgets",
+            scorer="window",
+            selector="topk+window",
+            allocator="pyramid",
+            when="prefill-end",
             options=_SNAP + (Option("beta", 20, "last layer gets 1/beta of the mean", lo=1),),
         ),
         Part(
-            "kivi2", "store", "KIVI 2-bit: keys per channel, values per token, fp tail",
-            store="kivi", when="tail flush",
-            options=(Option("bits", 2, "code width (16 = no quantization)", choices=(2, 4, 16)),) + _KIVI,
+            "kivi2",
+            "store",
+            "KIVI 2-bit: keys per channel, values per token, fp tail",
+            store="kivi",
+            when="tail flush",
+            options=(Option("bits", 2, "code width (16 = no quantization)", choices=(2, 4, 16)),)
+            + _KIVI,
         ),
         Part(
-            "kivi4", "store", "KIVI 4-bit: keys per channel, values per token, fp tail",
-            store="kivi", when="tail flush",
-            options=(Option("bits", 4, "code width (16 = no quantization)", choices=(2, 4, 16)),) + _KIVI,
+            "kivi4",
+            "store",
+            "KIVI 4-bit: keys per channel, values per token, fp tail",
+            store="kivi",
+            when="tail flush",
+            options=(Option("bits", 4, "code width (16 = no quantization)", choices=(2, 4, 16)),)
+            + _KIVI,
         ),
     ]
 }
@@ -154,7 +183,9 @@ def parse_kv(text: str) -> KVSpec:
         name = name.strip().lower()
         part = PARTS.get(name)
         if part is None:
-            raise KvrunError(f"unknown KV method {name!r} (available: {', '.join(PARTS)}; see `kvrun kv list`)")
+            raise KvrunError(
+                f"unknown KV method {name!r} (available: {', '.join(PARTS)}; see `kvrun kv list`)"
+            )
         opts = part.defaults()
         known = {o.name: o for o in part.options}
         for item in filter(None, (s.strip() for s in opts_text.split(","))):
@@ -189,9 +220,13 @@ def parse_kv(text: str) -> KVSpec:
         if o["bits"] != 16:
             per_word = 32 // o["bits"]
             if o["residual"] % o["group"]:
-                raise KvrunError(f"{store[0].name}: residual ({o['residual']}) must be a multiple of group ({o['group']})")
+                raise KvrunError(
+                    f"{store[0].name}: residual ({o['residual']}) must be a multiple of group ({o['group']})"
+                )
             if o["group"] % per_word:
-                raise KvrunError(f"{store[0].name}: group ({o['group']}) must be a multiple of {per_word} at {o['bits']} bits")
+                raise KvrunError(
+                    f"{store[0].name}: group ({o['group']}) must be a multiple of {per_word} at {o['bits']} bits"
+                )
     return KVSpec(sel_part, sel_opts, *(store or (None, {})))
 
 

@@ -1,0 +1,245 @@
+"""CompressedKV: one manager for every recipe, composed from the parts of kvrun.kv.
+
+Selection (scorer + selector + allocator) runs at the points the recipe names
+(baselines.md 0.5); the store (dense, or KIVI with a dense staging area during a prefill
+that selects) holds the kept tokens and attends over its own segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import KvrunError
+from .attention import combine
+from .base import KVManager
+from .budget import Budget, pyramid_budgets
+from .dense import DenseSeg
+from .recipes import KVSpec, protected_tokens
+from .select import attention_colsum, keep_indices, window_votes
+
+# on_select(layer, point, positions (Hkv, T)): the debug hook of baselines.md 0.4
+SelectHook = Callable[[int, str, torch.Tensor], None]
+
+
+class _Layer:
+    __slots__ = ("dense", "kivi", "qwin")
+
+    def __init__(self, dense: DenseSeg, kivi):
+        self.dense = dense
+        self.kivi = kivi
+        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) last prefill queries (SnapKV)
+
+
+class CompressedKV(KVManager):
+    """A KV manager built from a parsed --kv spec and --kv-budget."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        budget: Budget | None,
+        config,
+        rope,
+        device,
+        dtype,
+        on_select: SelectHook | None = None,
+    ):
+        super().__init__(config, rope, device, dtype)
+        self.spec = spec
+        self.sel, self.opt = spec.select, spec.select_opts
+        self.protected = protected_tokens(spec)
+        self.budget = budget or Budget.parse("0.2")
+        if self.sel.name != "full":
+            self.budget.check(self.protected, self.sel.name)
+        so = spec.store_opts
+        self.kivi_bits = so.get("bits", 16) if spec.store else 16
+        self.decode_time = self.sel.when == "every chunk and step"
+        # positions are stored only where a later step needs them (baselines.md 0.4)
+        self.pos_rows = {"streaming": 1, "h2o": config.n_kv_heads}.get(self.sel.name, 0)
+        self.count_pos = self.pos_rows > 0
+        self.on_select = on_select
+        if on_select is not None and not self.pos_rows:
+            self.pos_rows = config.n_kv_heads  # a debug record outside the cache, not counted
+        self.name = spec.name
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        super().reset()
+        c = self.config
+        self.layers = [_Layer(self._dense(), self._kivi()) for _ in range(c.n_layers)]
+
+    def _dense(self) -> DenseSeg:
+        c = self.config
+        return DenseSeg(
+            c.n_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            self.pos_rows,
+            scores=self.sel.scorer == "cumulative",
+        )
+
+    def _kivi(self):
+        if self.kivi_bits == 16:
+            return None
+        from .kivi import KiviLayer
+
+        o = self.spec.store_opts
+        try:
+            return KiviLayer(
+                self.config.n_kv_heads,
+                self.config.head_dim,
+                o["bits"],
+                o["group"],
+                o["residual"],
+                self.dtype,
+                self.device,
+            )
+        except ValueError as e:
+            raise KvrunError(f"{self.spec.store.name}: {e}") from None
+
+    def _direct_to_store(self) -> bool:
+        """New tokens go straight into the KIVI store (no selection pending on them)."""
+        return self.layers[0].kivi is not None and (self.sel.name == "full" or not self.in_prefill)
+
+    # ---------------------------------------------------------------- attend
+    def attend(self, layer, q, k, v, positions):
+        st = self.layers[layer]
+        T = k.shape[2]
+        window = self.config.sliding_window
+        if window and self.seen + T > window and st.dense.pos is None:
+            raise KvrunError(
+                f"--kv {self.name} cannot run sliding-window attention past {window} tokens "
+                "(it keeps no positions); use --kv full, streaming or h2o, or a shorter input"
+            )
+        qr = self.rope.apply(q, positions)
+        kr = self.rope.apply(k, positions)
+        if self._direct_to_store():
+            st.kivi.append(kr[0], v[0])
+            return combine(st.kivi.attend(qr, T), self.dtype)
+        st.dense.append(kr, v, positions)
+        if self.sel.scorer == "window" and self.in_prefill:
+            w = self.opt["window"]
+            prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
+            st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -w:]
+        if self.sel.scorer == "cumulative":
+            out, col = attention_colsum(
+                qr, st.dense.k, st.dense.v, st.dense.mask(positions, T, window)
+            )
+            st.dense.acc += col
+            return out.to(self.dtype)
+        if st.kivi is not None and st.kivi.length:
+            parts = st.kivi.attend(qr, 0) + [st.dense.partial(qr, positions, T, window)]
+            return combine(parts, self.dtype)
+        return st.dense.attend(qr, positions, T, window)
+
+    # ------------------------------------------------------- compression points
+    def begin_prefill(self, n_tokens: int) -> None:
+        super().begin_prefill(n_tokens)
+        for st in self.layers:
+            st.qwin = None
+
+    def end_chunk(self, n_tokens: int) -> None:
+        super().end_chunk(n_tokens)
+        if self.decode_time:
+            self._evict("chunk")
+        elif self.sel.scorer == "window" and self.opt["chunked"]:
+            self._select_window("chunk")
+        if self._direct_to_store():
+            unit = self.spec.store_opts["residual"]
+            for st in self.layers:
+                st.kivi.flush(unit)
+
+    def end_prefill(self) -> None:
+        if self.sel.scorer == "window":
+            self._select_window("prefill")
+        for st in self.layers:
+            st.qwin = None
+            if st.kivi is not None and st.dense.length:
+                k, v = st.dense.take()  # selected tokens enter the store in position order
+                st.kivi.append(k[0], v[0])
+                st.kivi.flush(self.spec.store_opts["residual"])
+        super().end_prefill()
+
+    def end_step(self) -> None:
+        super().end_step()
+        if self.decode_time:
+            self._evict("step")
+        if self.layers[0].kivi is not None:
+            r = self.spec.store_opts["residual"]
+            for st in self.layers:
+                if st.kivi.tail_len >= r:
+                    st.kivi.flush(r)
+
+    # -------------------------------------------------------------- selection
+    def _report(self, layer: int, point: str) -> None:
+        if self.on_select is not None:
+            pos = self.layers[layer].dense.pos
+            self.on_select(layer, point, pos.expand(self.config.n_kv_heads, -1).clone())
+
+    def _evict(self, point: str) -> None:
+        """Decode-time eviction (streaming, h2o) down to B(n) in every layer."""
+        n = self.seen
+        B = self.budget.tokens(n, self.protected)
+        for i, st in enumerate(self.layers):
+            d = st.dense
+            if d.length > B:
+                pos = d.pos.long()  # (1 or Hkv, T)
+                sinks = pos < self.opt["sinks"]
+                if self.sel.name == "streaming":
+                    idx = keep_indices(pos.float(), sinks, B)  # newest positions win
+                else:
+                    recent = pos >= n - int(self.opt["recent"] * B)
+                    idx = keep_indices(d.acc, sinks | recent, B)
+                d.keep(idx)
+            self._report(i, point)
+
+    def _select_window(self, point: str) -> None:
+        """SnapKV / PyramidKV selection over the dense slots of every layer."""
+        w = self.opt["window"]
+        # dense store: select over all slots, budget from all tokens seen; KIVI store: only the
+        # new tokens held in staging, with the same rule (methods/README.md, later turns)
+        T = self.layers[0].dense.length
+        n = T if self.layers[0].kivi is not None else self.seen
+        B = self.budget.tokens(n, self.protected)
+        if self.sel.allocator == "pyramid":
+            budgets = pyramid_budgets(B, T, w, self.config.n_layers, self.opt["beta"])
+        else:
+            budgets = [B] * self.config.n_layers
+        for i, st in enumerate(self.layers):
+            d, Bl = st.dense, budgets[i]
+            if d.length > Bl and st.qwin is not None:
+                ww = st.qwin.shape[1]
+                votes = window_votes(st.qwin, d.k[0], self.opt["kernel"], self.opt["pool"])
+                scores = torch.cat(
+                    [votes, votes.new_full((votes.shape[0], ww), float("inf"))], dim=1
+                )
+                d.keep(keep_indices(scores, None, Bl))
+            self._report(i, point)
+
+    # ------------------------------------------------------------- accounting
+    def nbytes(self) -> int:
+        total = 0
+        for st in self.layers:
+            total += st.dense.nbytes(self.count_pos)
+            if st.kivi is not None:
+                total += st.kivi.nbytes()
+            if st.qwin is not None:  # SnapKV's saved window queries count while held (0.6)
+                total += st.qwin.numel() * st.qwin.element_size()
+        return total
+
+    def describe(self) -> dict:
+        d = self.spec.describe()
+        if self.sel.name != "full":
+            d["budget"] = (
+                float(self.budget.value) if self.budget.is_fraction else int(self.budget.value)
+            )
+        return d
+
+    def kept_counts(self) -> list[int]:
+        """Slots held per layer (dense + store), for tests and `kvrun bench`."""
+        return [
+            st.dense.length + (st.kivi.length if st.kivi is not None else 0) for st in self.layers
+        ]

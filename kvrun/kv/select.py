@@ -1,0 +1,95 @@
+"""Scorers and the top-k selector, GQA-native: scores are per KV head (query heads summed).
+
+Ties rank by position ascending (baselines.md 0.7): slots are always held in position
+order, so a stable descending sort over slots is that rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 2048  # keys per block when scoring, so no (Hq, w, n) matrix is built
+QUERY_BLOCK = 64  # queries per block for attention with column sums
+
+
+def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Slots to keep (H, k), ascending: protected ones first, then the best scores.
+
+    scores (H, T) fp32; protected (H, T) bool or None.
+    """
+    if protected is not None:
+        scores = scores.masked_fill(protected, float("inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=-1).values
+
+
+def group_sum(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(Hq, ...) -> (Hkv, ...): sum the query heads of each KV head."""
+    return x.view(n_kv_heads, x.shape[0] // n_kv_heads, *x.shape[1:]).sum(1)
+
+
+def window_votes(
+    qw: torch.Tensor,  # (Hq, w, D) post-RoPE queries of the last w slots
+    k: torch.Tensor,  # (Hkv, T, D) post-RoPE keys, the last w of them the window's own
+    kernel: int,
+    pool: str,
+) -> torch.Tensor:  # (Hkv, T - w) fp32
+    """SnapKV's votes: window attention summed over rows, pooled, then summed per KV head.
+
+    Softmax runs over all T keys (window included, causal inside it); two passes over key
+    blocks (row log-sum-exp, then probabilities) keep scratch at O(Hq * T).
+    """
+    Hq, w, D = qw.shape
+    Hkv, T, _ = k.shape
+    g = Hq // Hkv
+    q = qw.float().view(Hkv, g, w, D) / math.sqrt(D)
+    row_pos = torch.arange(T - w, T, device=k.device)  # slot of each window row
+
+    def block_scores(s: int, e: int) -> torch.Tensor:
+        sc = torch.einsum("hgwd,htd->hgwt", q, k[:, s:e].float())  # (Hkv, G, w, e-s)
+        cols = torch.arange(s, e, device=k.device)
+        return sc.masked_fill(cols[None, :] > row_pos[:, None], float("-inf"))
+
+    lse = torch.full((Hkv, g, w), float("-inf"), device=k.device)
+    for s in range(0, T, KEY_BLOCK):
+        lse = torch.logaddexp(lse, torch.logsumexp(block_scores(s, min(s + KEY_BLOCK, T)), -1))
+    prefix = T - w
+    vote = torch.empty(Hkv, g, prefix, device=k.device)
+    for s in range(0, prefix, KEY_BLOCK):
+        e = min(s + KEY_BLOCK, prefix)
+        vote[..., s:e] = torch.exp(block_scores(s, e) - lse[..., None]).sum(2)
+    vote = vote.view(Hq, 1, prefix)
+    if pool == "max":
+        pooled = F.max_pool1d(vote, kernel, stride=1, padding=kernel // 2)
+    else:
+        pooled = F.avg_pool1d(vote, kernel, stride=1, padding=kernel // 2)
+    return group_sum(pooled.view(Hq, prefix), Hkv)  # pool first, then sum the group
+
+
+def attention_colsum(
+    q: torch.Tensor,  # (1, Hq, Tq, D) post-RoPE
+    k: torch.Tensor,  # (1, Hkv, T, D)
+    v: torch.Tensor,  # (1, Hkv, T, D)
+    mask: torch.Tensor | None,  # (Tq, T) or (Hkv, Tq, T) bool, True = visible
+) -> tuple[torch.Tensor, torch.Tensor]:  # out (1, Hq, Tq, D) fp32, colsum (Hkv, T) fp32
+    """Attention that also sums each key's probabilities over all query heads and rows (H2O)."""
+    _, Hq, Tq, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    kf, vf = k[0].float(), v[0].float()
+    out = torch.empty(Hkv, g, Tq, D, device=q.device)
+    col = torch.zeros(Hkv, T, device=q.device)
+    qg = q[0].float().view(Hkv, g, Tq, D) / math.sqrt(D)
+    for s in range(0, Tq, QUERY_BLOCK):
+        e = min(s + QUERY_BLOCK, Tq)
+        sc = torch.einsum("hgqd,htd->hgqt", qg[:, :, s:e], kf)  # (Hkv, G, b, T)
+        if mask is not None:
+            m = mask[s:e] if mask.dim() == 2 else mask[:, None, s:e]
+            sc = sc.masked_fill(~m, float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        out[:, :, s:e] = torch.einsum("hgqt,htd->hgqd", p, vf)
+        col += p.sum(dim=(1, 2))
+    return out.view(1, Hq, Tq, D), col
