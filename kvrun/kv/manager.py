@@ -7,7 +7,9 @@ that selects) holds the kept tokens and attends over its own segments.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
@@ -191,7 +193,9 @@ class CompressedKV(KVManager):
                 if self.sel.name == "streaming":
                     idx = keep_indices(pos.float(), sinks, B)  # newest positions win
                 else:
-                    recent = pos >= n - int(self.opt["recent"] * B)
+                    # W(n) = floor(recent * B(n)) exactly from the decimal (as B(n), 0.2)
+                    W = math.floor(Fraction(str(self.opt["recent"])) * B)
+                    recent = pos >= n - W
                     idx = keep_indices(d.acc, sinks | recent, B)
                 d.keep(idx)
             self._report(i, point)

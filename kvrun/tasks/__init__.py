@@ -1,0 +1,1 @@
+"""Tasks built on generation: pass-key retrieval (more in the experiments issue)."""
