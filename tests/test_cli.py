@@ -211,3 +211,45 @@ def test_missing_prompt_file(default_gguf):
 @pytest.mark.parametrize("name", ["nonexistent"])
 def test_pull_unknown(name):
     one_error_line(run("pull", name), "smollm2")
+
+
+@pytest.mark.parametrize(
+    "kv, budget, needles",
+    [
+        ("magic", None, ["unknown KV method", "snapkv", "kivi2"]),
+        ("snapkv:foo=1", None, ["unknown option 'foo'", "window"]),
+        ("snapkv:kernel=4", None, ["must be odd"]),
+        ("snapkv:window=0", None, ["out of range"]),
+        ("snapkv:chunked=maybe", None, ["true or false"]),
+        ("kivi2:bits=3", None, ["2, 4, 16"]),
+        ("kivi2:group=20", None, ["multiple of group"]),
+        ("h2o+kivi2", None, ["not supported", "snapkv"]),
+        ("snapkv+h2o", None, ["cannot stack two selection"]),
+        ("kivi2+kivi4", None, ["cannot stack two stores"]),
+        ("snapkv", "0", ["must be > 0"]),
+        ("snapkv", "-0.5", ["must be > 0"]),
+        ("snapkv", "lots", ["not a number"]),
+        ("snapkv", "8", ["protected minimum of 32"]),
+        ("streaming:sinks=4", "3", ["protected minimum of 5"]),
+    ],
+)
+def test_bad_kv_options_fail_before_loading(kv, budget, needles):
+    args = ["generate", "--kv", kv, "-p", "hi"] + (["--kv-budget", budget] if budget else [])
+    one_error_line(run(*args), *needles)
+
+
+def test_kv_list_names_every_method():
+    r = run("kv", "list", "--json")
+    assert r.exit_code == 0
+    names = {m["name"] for m in json.loads(r.stdout)}
+    assert names == {"full", "streaming", "h2o", "snapkv", "pyramidkv", "kivi2", "kivi4"}
+    assert "window" in run("kv", "list").stdout
+
+
+@pytest.mark.parametrize("kv", [["--kv", "streaming", "--kv-budget", "64"],
+                                ["--kv", "snapkv+kivi2", "--kv-budget", "0.5"]])
+def test_chat_on_a_compressed_cache(default_gguf, kv):
+    r = run("chat", "-m", str(default_gguf), "--temp", "0", "-n", "24", *kv,
+            input="Tell me about the moon.\nAnd the sun?\n/stats\n")
+    assert r.exit_code == 0, r.output
+    assert "cache holds" in r.stderr and "KV" in r.stderr
