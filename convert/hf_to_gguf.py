@@ -13,7 +13,7 @@ import torch
 from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.rope import inverse_frequencies
-from kvrun.weights import gguf_name_to_hf, load_safetensors, permute_qk
+from kvrun.weights import GGUF_BLOCK, GGUF_TOP, gguf_name_to_hf, load_safetensors, permute_qk
 
 Progress = Callable[[int, int], None]
 Q = gguf.GGMLQuantizationType
@@ -24,18 +24,9 @@ OUTTYPES = {  # outtype -> (type of 2-D weights, general.file_type)
     "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
-_BLOCK = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# llama.cpp names, the inverse of the loader's maps (rope_freqs is written separately)
+_BLOCK = {hf: name for name, hf in GGUF_BLOCK.items()}
+_TOP = {hf: name for name, hf in GGUF_TOP.items() if name != "rope_freqs"}
 _LLAMA3_REGEX_PART = "\\p{N}{1,3}"  # the digit rule that sets Llama 3's split regex apart
 
 

@@ -22,7 +22,7 @@ from .errors import KvrunError, ModelNotFound, UnsupportedModel
 
 Progress = Callable[[int, int], None]  # (done, total) tensors
 
-_GGUF_BLOCK = {
+GGUF_BLOCK = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -33,7 +33,7 @@ _GGUF_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_GGUF_TOP = {
+GGUF_TOP = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
@@ -60,10 +60,10 @@ def gguf_name_to_hf(name: str) -> str | None:
     m = _BLK.match(name)
     if m:
         block, part, kind = m.groups()
-        hf = _GGUF_BLOCK.get(part)
+        hf = GGUF_BLOCK.get(part)
         return f"model.layers.{block}.{hf}.{kind}" if hf else None
     stem, _, kind = name.rpartition(".")
-    hf = _GGUF_TOP.get(stem)
+    hf = GGUF_TOP.get(stem)
     return f"{hf}.{kind}" if hf and hf != "rope_freqs" else hf
 
 
@@ -206,7 +206,7 @@ def load_safetensors(
 def _check_tensors(tensors: Mapping[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.n_layers):
-        need += [f"model.layers.{i}.{p}.weight" for p in _GGUF_BLOCK.values()]
+        need += [f"model.layers.{i}.{p}.weight" for p in GGUF_BLOCK.values()]
     if not config.tie_embeddings:
         need.append("lm_head.weight")
     missing = [k for k in need if k not in tensors]
