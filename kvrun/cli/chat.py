@@ -12,6 +12,7 @@ from ..errors import ContextOverflow
 from ..generate import Session
 from .common import (
     err_console,
+    kv_options,
     load_with_progress,
     model_options,
     new_kv,
@@ -48,6 +49,7 @@ class _StopFlag:
 
 @click.command()
 @model_options
+@kv_options()
 @sampling_options
 @click.option("--system", default=None, help="System message for the conversation.")
 @click.option(

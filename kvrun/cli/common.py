@@ -18,7 +18,7 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def model_options(f):
-    """-m/--model, --dtype, --device, -c, --ubatch, --kv, --debug."""
+    """-m/--model, --dtype, --device, -c, --ubatch, --debug."""
     opts = [
         click.option(
             "-m",
@@ -51,28 +51,40 @@ def model_options(f):
             type=click.IntRange(min=1),
             help="Prefill chunk size in tokens.",
         ),
-        click.option(
-            "--kv",
-            "kv",
-            default="full",
-            show_default=True,
-            metavar="METHOD",
-            help="KV cache method: full, streaming, h2o, snapkv, pyramidkv, kivi2, kivi4; "
-            "stack with + (snapkv+kivi2), options with : (snapkv:window=64). See `kvrun kv list`.",
-        ),
-        click.option(
-            "--kv-budget",
-            "kv_budget",
-            default=None,
-            metavar="B",
-            help="Tokens kept per layer: a fraction of the tokens seen (< 1) or a count (>= 1). "
-            "Default 0.2 for selecting methods.",
-        ),
         click.option("--debug", is_flag=True, hidden=True),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def kv_options(multiple: bool = False):
+    """--kv and --kv-budget; with multiple=True both may be given several times (grids)."""
+    kv_help = (
+        "KV cache method: full, streaming, h2o, snapkv, pyramidkv, kivi2, kivi4; stack with + "
+        "(snapkv+kivi2), options with : (snapkv:window=64). See `kvrun kv list`."
+    )
+    budget_help = (
+        "Tokens kept per layer: a fraction of the tokens seen (< 1) or a count (>= 1). "
+        "Default 0.2 for selecting methods."
+    )
+    if multiple:
+        kv_help += " Repeat for several methods."
+        budget_help += " Comma-separated for several budgets."
+
+    def deco(f):
+        f = click.option("--kv-budget", "kv_budget", default=None, metavar="B", help=budget_help)(f)
+        return click.option(
+            "--kv",
+            "kv",
+            default=("full",) if multiple else "full",
+            multiple=multiple,
+            show_default=True,
+            metavar="METHOD",
+            help=kv_help,
+        )(f)
+
+    return deco
 
 
 def sampling_options(f):

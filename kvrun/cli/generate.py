@@ -12,6 +12,7 @@ from ..errors import KvrunError
 from ..generate import Session
 from .common import (
     dump_json,
+    kv_options,
     load_with_progress,
     model_options,
     new_kv,
@@ -47,6 +48,7 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 
 @click.command()
 @model_options
+@kv_options()
 @sampling_options
 @click.option("-p", "--prompt", default=None, help="Prompt text (after the -f file when both).")
 @click.option("-f", "--file", default=None, help="Read the prompt from a file ('-' = stdin).")
