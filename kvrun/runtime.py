@@ -90,6 +90,10 @@ def load_runtime(
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    from .presets import is_preset, preset_runtime
+
+    if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
+        return preset_runtime(spec, dt, dev, progress)
     path = resolve(spec, pull_missing=pull_missing, log=log)
     w = load(path, dt, progress)
     model = Transformer.from_weights(w.config, w.tensors, dev)

@@ -59,7 +59,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import chat, convert, generate, info, kv
+    from . import bench, chat, convert, generate, info, kv
 
     cli.add_command(generate.generate)
     cli.add_command(chat.chat)
@@ -68,6 +68,7 @@ def _register() -> None:
     cli.add_command(info.pull)
     cli.add_command(convert.convert)
     cli.add_command(kv.kv)
+    cli.add_command(bench.bench)
 
 
 _register()

@@ -1,0 +1,185 @@
+"""The headline table: every KV method on one model, quality and cost side by side.
+
+    python bench/headline.py --text book.txt [-m smollm2] [--budget 0.25] [--quick]
+
+For each method (all of `kvrun kv list`, plus the snapkv+kivi2 stack), selecting methods at
+--budget:
+  - pass key: accuracy over lengths 1k, 2k, 4k x depths 0, 50, 100 % (kvrun needle's grid,
+    our own filler from prompts/passkey_filler.txt, greedy, raw prompts);
+  - KL vs full: mean KL(P_full || P_method) over 64 teacher-forced tokens after a 4000-token
+    prefix of --text (kvrun perplexity's scoring; supply any long English text yourself);
+  - KV bytes / full: measured nbytes() / nbytes_full() after a --depth-token fill + decode;
+  - decode tok/s and its ratio to the full cache (kvrun bench's loop, random token ids).
+The table goes to stdout and into bench/README.md between headline markers (replaced on
+each run) with the date, machine and command. --quick is a tiny smoke run of the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from kvrun.errors import KvrunError
+from kvrun.generate import Session
+from kvrun.kv.recipes import PARTS
+from kvrun.runtime import load_runtime
+from kvrun.tasks import needle as nd
+from kvrun.tasks import perplexity as ppl
+from kvrun.tasks.bench import BenchSettings, bench_row, machine
+from kvrun.tasks.passkey import filler_units
+
+BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+README = Path(__file__).with_name("README.md")
+
+
+def args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None, help="model name or path (default smollm2)")
+    ap.add_argument("--text", default=None, help="long English text for the KL column")
+    ap.add_argument("--budget", default="0.25", help="budget of selecting methods")
+    ap.add_argument("--methods", default=",".join(PARTS) + ",snapkv+kivi2")
+    ap.add_argument("--lengths", default="1000,2000,4000")
+    ap.add_argument("--depths", default="0,50,100")
+    ap.add_argument("--kl-context", type=int, default=4000)
+    ap.add_argument("--kl-tokens", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=4000, help="cache fill before timed decode")
+    ap.add_argument("-n", type=int, default=64, help="decode tokens timed per rep")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    ap.add_argument("--out", default=str(README), help="markdown file to update")
+    a = ap.parse_args()
+    if a.quick:
+        a.lengths, a.depths, a.kl_context, a.kl_tokens = "600", "50", 256, 16
+        a.depth, a.n, a.reps = 256, 8, 1
+    return a
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def passkey_accuracy(rt, configs, a) -> dict:
+    """(method, budget) -> (correct, trials) over the length x depth grid."""
+    task = nd.NeedleTask("passkey", filler_units(), rt.tokenizer.encode, a.seed)
+    cells = nd.grid(nd.parse_lengths(a.lengths), nd.parse_depths(a.depths), 1)
+    records = []
+    for i, rec in enumerate(nd.run_grid(rt, task, configs, cells, n_predict=12)):
+        records.append(rec)
+        if (i + 1) % len(configs) == 0:
+            log(f"pass key: {(i + 1) // len(configs)}/{len(cells)} prompts")
+    return {
+        (s["method"], s["budget"]): (s["correct"], s["trials"])
+        for s in nd.summarize(records, configs)
+    }
+
+
+def kl_vs_full(rt, configs, a) -> tuple[dict, str]:
+    """(method, budget) -> mean KL over the eval tokens of one window of --text."""
+    if a.text is None:
+        return {}, "no --text given: KL not measured"
+    try:
+        text = Path(a.text).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise KvrunError(f"cannot read --text {a.text}: {e.strerror}") from None
+    tok = rt.tokenizer
+    tokens = ppl.file_tokens(tok, text)
+    context = min(a.kl_context, rt.config.context_length - a.kl_tokens)
+    ppl.check_file(len(tokens), context, a.kl_tokens, 1)
+    bos = tok.bos_id if tok.add_bos else None
+    out = {}
+    for cfg in configs:
+        method = Session(rt.model, tok, rt.new_kv(cfg.method, cfg.budget))
+        ref = None if cfg.method == "full" else Session(rt.model, tok, rt.new_kv("full"))
+        rep = ppl.evaluate(method, ref, tokens, context, a.kl_tokens, 1, bos)
+        out[(cfg.method, cfg.budget)] = rep.summary()["kl"]
+        log(f"KL: {cfg.label} {out[(cfg.method, cfg.budget)]:.4f}")
+    note = f"{Path(a.text).name}: {a.kl_tokens} tokens after a {context}-token prefix"
+    return out, note
+
+
+def speed(rt, configs, a) -> dict:
+    """(method, budget) -> bench row: decode tok/s and KV bytes after a --depth fill."""
+    out = {}
+    for cfg in configs:
+        s = BenchSettings(0, a.n, (a.depth,), a.reps, (cfg.method,), (cfg.budget,), a.seed)
+        out[(cfg.method, cfg.budget)] = bench_row(rt, cfg.method, cfg.budget, a.depth, s)
+        log(f"speed: {cfg.label} {out[(cfg.method, cfg.budget)]['decode_tok_s']:.1f} tok/s")
+    return out
+
+
+def table(configs, acc, kl, rows) -> list[str]:
+    lines = [
+        "| method | budget | pass key | KL vs full (nats) | KV bytes / full | decode tok/s | vs full |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    full = rows[("full", None)]["decode_tok_s"]
+    for cfg in configs:
+        key = (cfg.method, cfg.budget)
+        c, n = acc[key]
+        r = rows[key]
+        k = f"{kl[key]:.4f}" if key in kl else "-"
+        lines.append(
+            f"| {cfg.method} | {cfg.budget or '-'} | {c}/{n} ({c / n:.0%}) | {k} | "
+            f"{r['kv_ratio']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x |"
+        )
+    return lines
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace the text between the headline markers, or append the section."""
+    old = path.read_text(encoding="utf-8") if path.exists() else "# kvrun benchmarks\n"
+    section = f"{BEGIN}\n{body}\n{END}"
+    if BEGIN in old and END in old:
+        head, _, rest = old.partition(BEGIN)
+        new = head + section + rest.partition(END)[2]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(new, encoding="utf-8")
+
+
+def main() -> None:
+    a = args()
+    rt = load_runtime(a.model, a.dtype, a.device, log=log)
+    methods = list(dict.fromkeys(["full", *a.methods.split(",")]))  # full is the reference
+    configs = nd.kv_configs(tuple(methods), a.budget)
+    t0 = time.time()
+    acc = passkey_accuracy(rt, configs, a)
+    kl, kl_note = kl_vs_full(rt, configs, a)
+    rows = speed(rt, configs, a)
+    lines = table(configs, acc, kl, rows)
+    m = machine(rt.model.device)
+    dt = str(rt.model.dtype).removeprefix("torch.")
+    body = "\n".join(
+        [
+            "## Headline" + (" (--quick smoke run)" if a.quick else ""),
+            "",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{time.time() - t0:.0f} s",
+            f"- machine: {m['device_name']} ({m['device']}), {dt}, {m['threads']} threads, "
+            f"torch {m['torch']}, {m['platform']}",
+            f"- model: {rt.config.name or rt.path.name} ({rt.path.name})",
+            f"- command: `python bench/headline.py {shlex.join(sys.argv[1:])}`",
+            f"- pass key: lengths {a.lengths} x depths {a.depths} %, greedy, 12 tokens",
+            f"- KL: {kl_note}",
+            f"- KV bytes and decode: {a.depth}-token fill of random ids, {a.n} greedy decode "
+            f"steps, mean of {a.reps} reps after a warm-up",
+            "",
+            *lines,
+        ]
+    )
+    print(body)
+    write_section(Path(a.out), body)
+    log(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KvrunError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,174 @@
+"""Shape presets: real model shapes with random weights, for speed and memory measurements.
+
+`-m llama3-8b-synthetic` builds a Llama-3-8B-shaped model straight on the target device in
+the compute dtype (never a float32 copy on the CPU first). Its output means nothing; every
+number measured on it is labelled synthetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import KvrunError
+
+SUFFIX = "-synthetic"
+INIT_STD = 0.02  # small normal init: activations stay finite through 32 layers in bf16
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b-synthetic": ModelConfig(
+        arch="llama", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+        ffn_dim=14336, vocab_size=128256, rope_theta=500000.0, context_length=8192,
+    ),
+    # Mistral-7B v0.2 shapes (v0.1's 4096-token sliding window dropped, 32k context)
+    "mistral-7b-synthetic": ModelConfig(
+        arch="mistral", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+        ffn_dim=14336, vocab_size=32000, rope_theta=10000.0, context_length=32768,
+        sliding_window=None,
+    ),
+    "llama2-7b-synthetic": ModelConfig(
+        arch="llama", n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, head_dim=128,
+        ffn_dim=11008, vocab_size=32000, rope_theta=10000.0, context_length=4096,
+    ),
+    "tiny-synthetic": ModelConfig(
+        arch="llama", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=32,
+        ffn_dim=128, vocab_size=256, rope_theta=10000.0, context_length=2048,
+    ),
+}  # fmt: skip
+
+
+def is_preset(spec: str | None) -> bool:
+    """True for a name that asks for a shape preset (`*-synthetic`) rather than a file."""
+    return bool(spec) and spec.lower().endswith(SUFFIX) and not Path(spec).expanduser().exists()
+
+
+def preset_config(spec: str) -> ModelConfig:
+    """The preset's ModelConfig (named '<preset> (random weights)'), or a one-line error."""
+    name = spec.lower()
+    if name not in PRESETS:
+        raise KvrunError(f"unknown shape preset {spec!r} (available: {', '.join(PRESETS)})")
+    return PRESETS[name].replace(name=f"{name} (random weights)")
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on the device: CUDA free bytes, or MemAvailable from /proc/meminfo."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None  # unknown (not Linux): let the allocator decide
+
+
+def check_fits(spec: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, in one line, a preset whose weights exceed the memory free on the device."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    need = config.n_params() * elem
+    free = available_bytes(device)
+    if free is None or need <= free:
+        return
+    dt = str(dtype).removeprefix("torch.")
+    hints = ["a smaller preset (tiny-synthetic)"]
+    if elem > 2:
+        hints.append("--dtype bfloat16")
+    if device.type != "cuda":
+        hints.append("a GPU (--device cuda)")
+    tries = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + " or " + hints[-1]
+    raise KvrunError(
+        f"{spec} needs {need / 2**30:.1f} GiB of weights in {dt} but only "
+        f"{free / 2**30:.1f} GiB is free on {device}; try {tries}"
+    )
+
+
+class SyntheticTokenizer:
+    """Stands in for the tokenizer of a random-weight model: ids only, no text.
+
+    `kvrun bench` never tokenizes; anything that does gets a clear error instead of a crash.
+    """
+
+    bos_id = eos_id = None
+    stop_ids: frozenset[int] = frozenset()
+    add_bos = add_eos = False
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        raise KvrunError(
+            "a synthetic model has random weights and no tokenizer; use it with `kvrun bench`"
+        )
+
+    def render_chat(self, messages, add_generation_prompt: bool = True, **extra) -> str:
+        return self.encode("")  # raises the same one-line error
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return "".join(f"[{int(i)}]" for i in ids)
+
+    def token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else f"[{int(token_id)}]"
+
+    def stream(self, skip_special: bool = False, after: int | None = None):
+        from .tokenizer import StreamDecoder
+
+        return StreamDecoder(self, skip_special, after)
+
+
+def random_weights(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A canonical state dict of random tensors, each made on `device` in `dtype` directly."""
+    from .model import Transformer
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(config).state_dict().items()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, INIT_STD, generator=gen)
+        out[name] = t
+        if progress:
+            progress(i + 1, len(shapes))
+    return out
+
+
+def preset_runtime(
+    spec: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: Callable[[int, int], None] | None = None,
+):
+    """A Runtime for a shape preset: random weights, a SyntheticTokenizer, format 'synthetic'."""
+    from .model import Transformer
+    from .runtime import Runtime
+    from .weights import LoadedWeights
+
+    config = preset_config(spec)
+    check_fits(spec.lower(), config, dtype, device)
+    tensors = random_weights(config, dtype, device, progress=progress)
+    model = Transformer.from_weights(config, tensors, device)
+    tok = SyntheticTokenizer(config.vocab_size)
+    path = Path(spec.lower())
+    meta = {"synthetic": True, "preset": spec.lower(), "init_std": INIT_STD}
+    return Runtime(
+        model, tok, config, path, LoadedWeights(config, {}, tok, path, "synthetic", meta=meta)
+    )
+
+
+def is_synthetic(rt) -> bool:
+    """True for a Runtime built from a shape preset."""
+    return getattr(rt.weights, "format", "") == "synthetic"

@@ -1,0 +1,268 @@
+"""llama-bench style speed and memory measurements over KV methods, budgets and depths.
+
+For every (method, budget, depth) row and every rep: a fresh cache is filled with `depth`
+random tokens (one prefill, not timed), then a prompt of `n_prompt` tokens is prefilled
+(timed: pp) and `n_gen` tokens are decoded greedily one at a time (timed: tg). The first
+rep of each row warms up and is dropped.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import ContextOverflow, KvrunError
+from ..generate import Session, peak_memory_bytes
+from ..kv.budget import Budget
+from ..kv.recipes import parse_kv, protected_tokens
+
+BANDWIDTH_NOTE = (
+    "achieved bandwidth ~ (weight bytes + KV bytes read per token) x decode tok/s / 1e9, where "
+    "weight bytes = sum of parameter numel x element size in the compute dtype, and KV bytes "
+    "read per token ~ the bytes the cache held during decode (mean of before and after); "
+    "an approximation: it ignores activations, and caches or kernels that skip bytes"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    """What to measure; recorded as-is in the JSON."""
+
+    n_prompt: int  # tokens prefilled and timed (pp), 0 = skip
+    n_gen: int  # tokens decoded and timed (tg), 0 = skip
+    depths: tuple[int, ...]  # tokens in the cache before the timed prompt
+    reps: int  # measured reps per row, after one warm-up rep
+    methods: tuple[str, ...]  # --kv specs
+    budgets: tuple[str | None, ...]  # --kv-budget values; None = the method's default
+    seed: int = 0
+    ubatch: int = 512
+    ctx_size: int = 0  # 0 = the model's context
+
+
+def parse_counts(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated non-negative token counts ('0,4096'), or a one-line error."""
+    try:
+        out = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise KvrunError(
+            f"{flag} expects comma-separated token counts like 0,4096 (got {text!r})"
+        ) from None
+    if any(x < 0 for x in out):
+        raise KvrunError(f"{flag} values must be >= 0 (got {text!r})")
+    return out
+
+
+def parse_budgets(text: str | None) -> tuple[str | None, ...]:
+    """--kv-budget as a comma list ('0.25,1024'); None keeps each method's default."""
+    if text is None:
+        return (None,)
+    out = tuple(b.strip() for b in str(text).split(","))
+    for b in out:
+        Budget.parse(b)
+    return out
+
+
+def check_settings(s: BenchSettings, context: int | None = None) -> None:
+    """Reject bad settings in one line before any work; context None skips the length check."""
+    for flag, v in (("-p/--n-prompt", s.n_prompt), ("-n/--n-gen", s.n_gen)):
+        if v < 0:
+            raise KvrunError(f"{flag} must be >= 0 (got {v})")
+    if not s.depths:
+        raise KvrunError("-d/--n-depth needs at least one depth")
+    if s.n_prompt == 0 and s.n_gen == 0:
+        raise KvrunError("nothing to measure: -p/--n-prompt and -n/--n-gen are both 0")
+    if s.reps < 1:
+        raise KvrunError(f"--reps must be >= 1 (got {s.reps})")
+    for kv in s.methods:
+        spec = parse_kv(kv)
+        if spec.select.name != "full":
+            for b in s.budgets:
+                if b is not None:
+                    Budget.parse(b).check(protected_tokens(spec), spec.select.name)
+    if context is not None:
+        d = max(s.depths)
+        total = d + s.n_prompt + s.n_gen
+        if total > context:
+            raise ContextOverflow(
+                f"depth {d} + prompt {s.n_prompt} + gen {s.n_gen} = {total} tokens exceed the "
+                f"context of {context}; lower -d/-p/-n or raise -c/--ctx-size"
+            )
+
+
+def cases(s: BenchSettings) -> list[tuple[str, str | None, int]]:
+    """(method, budget, depth) per row: budgets multiply only methods that select tokens."""
+    out = []
+    for kv in s.methods:
+        selects = parse_kv(kv).select.name != "full"
+        for b in s.budgets if selects else (None,):
+            out.extend((kv, b, d) for d in s.depths)
+    return out
+
+
+def row_labels(s: BenchSettings, depth: int) -> tuple[str | None, str | None]:
+    """llama-bench's test labels: 'pp512 @ d4096', 'tg128' (depth 0 is not written)."""
+    at = f" @ d{depth}" if depth else ""
+    pp = f"pp{s.n_prompt}{at}" if s.n_prompt else None
+    tg = f"tg{s.n_gen}{at}" if s.n_gen else None
+    return pp, tg
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter in the compute dtype (tied tensors counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(key: str, xs: list[float]) -> dict:
+    """{key: mean, key_std: sample std (0 for one rep), key_reps: xs}; None when not measured."""
+    mean = statistics.mean(xs) if xs else None
+    std = (statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else None
+    return {key: mean, f"{key}_std": std, f"{key}_reps": xs}
+
+
+def _one_rep(rt, kv_spec, budget, fill, prompt, first, s: BenchSettings) -> dict:
+    """One fill + timed prompt + timed decode on a fresh cache."""
+    dev = rt.model.device
+    kv = rt.new_kv(kv_spec, budget)
+    sess = Session(rt.model, rt.tokenizer, kv, ubatch=s.ubatch, context=s.ctx_size)
+    logits = sess.prefill(fill) if fill else None
+    _sync(dev)
+    t0 = time.perf_counter()
+    if prompt:
+        logits = sess.prefill(prompt)
+    _sync(dev)
+    t1 = time.perf_counter()
+    held_before = kv.nbytes()
+    tok = int(logits.argmax()) if logits is not None else first
+    t2 = time.perf_counter()
+    for _ in range(s.n_gen):
+        tok = int(sess.decode(tok).argmax())  # greedy, with the per-token sync a runner pays
+    _sync(dev)
+    t3 = time.perf_counter()
+    return {
+        "pp": len(prompt) / (t1 - t0) if prompt else None,
+        "tg": s.n_gen / (t3 - t2) if s.n_gen else None,
+        "kv_bytes": kv.nbytes(),
+        "kv_bytes_full": kv.nbytes_full(),
+        "kv_read": (held_before + kv.nbytes()) / 2,
+        "describe": kv.describe(),
+    }
+
+
+def bench_row(
+    rt, kv_spec: str, budget: str | None, depth: int, s: BenchSettings, on_rep=None
+) -> dict:
+    """Measure one (method, budget, depth) row: one warm-up rep, then s.reps timed reps."""
+    dev = rt.model.device
+    gen = torch.Generator().manual_seed(s.seed)  # the same tokens for every method
+    ids = torch.randint(0, rt.config.vocab_size, (depth + s.n_prompt + 1,), generator=gen).tolist()
+    fill, prompt, first = ids[:depth], ids[depth : depth + s.n_prompt], ids[-1]
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    reps = []
+    for r in range(s.reps + 1):
+        out = _one_rep(rt, kv_spec, budget, fill, prompt, first, s)
+        if r:  # rep 0 warms up
+            reps.append(out)
+        if on_rep:
+            on_rep(r)
+    last = reps[-1]
+    pp = [x["pp"] for x in reps if x["pp"] is not None]
+    tg = [x["tg"] for x in reps if x["tg"] is not None]
+    wb = weight_bytes(rt.model)
+    kv_read = statistics.mean(x["kv_read"] for x in reps)
+    bw = [(wb + kv_read) * t / 1e9 for t in tg]
+    test_pp, test_tg = row_labels(s, depth)
+    desc = last["describe"]
+    return {
+        "kv": kv_spec,
+        "kv_method": desc,
+        "budget": desc.get("budget"),
+        "depth": depth,
+        "n_prompt": s.n_prompt,
+        "n_gen": s.n_gen,
+        "reps": len(reps),
+        "test_pp": test_pp,
+        "test_tg": test_tg,
+        **_stats("prefill_tok_s", pp),
+        **_stats("decode_tok_s", tg),
+        "kv_bytes": last["kv_bytes"],
+        "kv_bytes_full": last["kv_bytes_full"],
+        "kv_ratio": last["kv_bytes"] / last["kv_bytes_full"] if last["kv_bytes_full"] else 1.0,
+        "kv_bytes_read_per_token": kv_read if tg else None,
+        "weight_bytes": wb,
+        **_stats("bandwidth_gb_s", bw),
+        "peak_mem_bytes": peak_memory_bytes(dev),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device) -> dict:
+    """Where the numbers were taken."""
+    cuda = device.type == "cuda"
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+
+
+def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None) -> dict:
+    """Every row of the grid, plus the settings, machine and model facts, as one JSON object."""
+    from ..presets import is_synthetic
+
+    check_settings(s, s.ctx_size or rt.config.context_length)
+    synthetic = is_synthetic(rt)
+    name = rt.config.name or rt.path.name
+    dev = rt.model.device
+    grid = cases(s)
+    for kv_spec, budget in dict.fromkeys((k, b) for k, b, _ in grid):
+        rt.new_kv(kv_spec, budget)  # a method that cannot run on this model fails before timing
+    rows = []
+    for kv_spec, budget, depth in grid:
+        pp, tg = row_labels(s, depth)
+        label = f"{kv_spec}{f' {budget}' if budget else ''} {pp or tg}"
+        cb = (lambda r, label=label: on_rep(f"{label} rep {r}/{s.reps}")) if on_rep else None
+        row = bench_row(rt, kv_spec, budget, depth, s, cb)
+        rows.append({"model": name, "synthetic": synthetic, **row})
+    return {
+        "model": name,
+        "model_path": str(rt.path),
+        "synthetic": synthetic,
+        "weight_bytes": weight_bytes(rt.model),
+        "settings": {
+            **asdict(s),
+            "ctx_size": s.ctx_size or rt.config.context_length,
+            "warmup_reps": 1,
+            "dtype": str(rt.model.dtype).removeprefix("torch."),
+            "device": str(dev),
+            "tokens": "random ids from torch.Generator(seed), the same for every method",
+            "decode": "greedy; tg tok/s = n_gen decode steps / their time",
+        },
+        "peak_mem_kind": "cuda max allocated, reset per row"
+        if dev.type == "cuda"
+        else "process peak RSS (not reset per row)",
+        "bandwidth_note": BANDWIDTH_NOTE,
+        "machine": machine(dev),
+        "rows": rows,
+    }

@@ -1,0 +1,219 @@
+"""kvrun bench and the shape presets: JSON fields, grid, reps, synthetic labels, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvrun.cli.bench import bench
+from kvrun.cli.main import KvrunGroup
+from kvrun.errors import KvrunError
+from kvrun.presets import PRESETS, SyntheticTokenizer, check_fits, is_preset, preset_config
+from kvrun.runtime import load_runtime
+
+ROW_FIELDS = {
+    "model", "synthetic", "kv", "kv_method", "budget", "depth", "n_prompt", "n_gen", "reps",
+    "test_pp", "test_tg", "prefill_tok_s", "prefill_tok_s_std", "prefill_tok_s_reps",
+    "decode_tok_s", "decode_tok_s_std", "decode_tok_s_reps", "kv_bytes", "kv_bytes_full",
+    "kv_ratio", "kv_bytes_read_per_token", "weight_bytes", "bandwidth_gb_s",
+    "bandwidth_gb_s_std", "bandwidth_gb_s_reps", "peak_mem_bytes",
+}  # fmt: skip
+TOP_FIELDS = {
+    "model", "model_path", "synthetic", "weight_bytes", "settings", "peak_mem_kind",
+    "bandwidth_note", "machine", "rows",
+}  # fmt: skip
+SETTINGS = {"n_prompt", "n_gen", "depths", "reps", "methods", "budgets", "seed", "ubatch"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: one thread keeps timings sane and the tests fast."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@click.group(cls=KvrunGroup)
+def group():
+    pass
+
+
+group.add_command(bench)
+
+
+def run(*args):
+    return CliRunner().invoke(group, ["bench", *args], catch_exceptions=False)
+
+
+def run_json(*args) -> dict:
+    r = run(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def one_error_line(result, *needles):
+    assert result.exit_code != 0, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny_models import build
+
+    return build(tmp_path_factory.mktemp("tiny")).gguf_path
+
+
+def test_synthetic_json_has_every_field_and_the_grid(monkeypatch):
+    out = run_json(
+        "-m", "tiny-synthetic", "-p", "16", "-n", "4", "-d", "0,24", "-r", "2",
+        "--kv", "full", "--kv", "snapkv", "--kv", "kivi2", "--kv-budget", "0.25,0.5",
+        "--seed", "7",
+    )  # fmt: skip
+    assert TOP_FIELDS <= out.keys() and SETTINGS <= out["settings"].keys()
+    assert out["synthetic"] is True and "random weights" in out["model"]
+    assert out["settings"]["seed"] == 7 and out["settings"]["warmup_reps"] == 1
+    assert "approximation" in out["bandwidth_note"]
+    rows = out["rows"]
+    # full and kivi2 ignore budgets: (1 + 2 + 1) method-budget pairs x 2 depths
+    got = [(r["kv"], r["budget"], r["depth"]) for r in rows]
+    assert got == [
+        ("full", None, 0), ("full", None, 24),
+        ("snapkv", 0.25, 0), ("snapkv", 0.25, 24), ("snapkv", 0.5, 0), ("snapkv", 0.5, 24),
+        ("kivi2", None, 0), ("kivi2", None, 24),
+    ]  # fmt: skip
+    for r in rows:
+        assert set(r) == ROW_FIELDS, set(r) ^ ROW_FIELDS
+        assert r["synthetic"] is True and "synthetic" in r["model"]
+        assert r["reps"] == 2 and len(r["decode_tok_s_reps"]) == 2
+        assert len(r["prefill_tok_s_reps"]) == 2
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["bandwidth_gb_s"] > 0
+        assert 0 < r["kv_bytes"] and r["kv_bytes_full"] > 0 and r["peak_mem_bytes"] > 0
+        at = f" @ d{r['depth']}" if r["depth"] else ""
+        assert (r["test_pp"], r["test_tg"]) == (f"pp16{at}", f"tg4{at}")
+    full = rows[1]
+    # the full cache holds every token: depth + prompt + decoded, fp32 K and V
+    c = PRESETS["tiny-synthetic"]
+    assert full["kv_bytes"] == full["kv_bytes_full"] == (24 + 16 + 4) * c.kv_bytes_per_token(4)
+    assert rows[3]["kv_bytes"] < rows[3]["kv_bytes_full"]  # snapkv 0.25 at depth 24
+
+
+def test_real_model_markdown_table_and_json(tiny_gguf):
+    args = ["-m", str(tiny_gguf), "-p", "8", "-n", "3", "-d", "0,8", "-r", "1"]
+    args += ["--kv", "full", "--kv", "streaming"]
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    assert table[0].split("|")[1:-1][3].strip() == "test"
+    assert len(table) == 2 + 2 * 2 * 2  # header, rule, (pp + tg) x methods x depths
+    assert all(ln.count("|") == 9 for ln in table)
+    assert any("tg3 @ d8" in ln for ln in table) and any("pp8 |" in ln for ln in table)
+    assert "synthetic" not in r.stdout and "1 reps after 1 warm-up" in r.stdout
+    out = run_json(*args)
+    assert out["synthetic"] is False and not any(row["synthetic"] for row in out["rows"])
+    assert len(out["rows"]) == 4 and out["rows"][2]["budget"] == 0.2  # streaming's default
+
+
+def test_markdown_marks_synthetic_rows():
+    r = run("-m", "tiny-synthetic", "-p", "0", "-n", "2", "-r", "1")
+    assert r.exit_code == 0, r.output
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("| tiny")]
+    assert len(table) == 1 and "tiny-synthetic (random weights)" in table[0] and "tg2" in table[0]
+    assert "synthetic: random weights" in r.stdout
+
+
+def test_prompt_only_and_decode_only_rows():
+    pp_only = run_json("-m", "tiny-synthetic", "-p", "4", "-n", "0", "-r", "1")["rows"][0]
+    assert pp_only["test_tg"] is None and pp_only["decode_tok_s"] is None
+    assert pp_only["bandwidth_gb_s"] is None and pp_only["prefill_tok_s"] > 0
+    tg_only = run_json("-m", "tiny-synthetic", "-p", "0", "-n", "2", "-r", "1")["rows"][0]
+    assert tg_only["test_pp"] is None and tg_only["prefill_tok_s"] is None
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["-d", "x"], ["-d/--n-depth", "'x'"]),
+        (["-d", "0,-4"], [">= 0"]),
+        (["-p", "-1"], ["-p/--n-prompt"]),
+        (["-n", "-2"], ["-n/--n-gen"]),
+        (["-p", "0", "-n", "0"], ["nothing to measure"]),
+        (["-r", "0"], ["--reps"]),
+        (["-d", "0,2040", "-p", "8", "-n", "1"], ["2049 tokens", "context of 2048"]),
+        (["-c", "64", "-p", "60", "-n", "8"], ["context of 64"]),
+        (["--kv", "bogus"], ["unknown KV method 'bogus'"]),
+        (["--kv", "full", "--kv", "h2o+kivi2"], ["not supported"]),
+        (["--kv", "snapkv", "--kv-budget", "0.5,8"], ["protected minimum of 32"]),
+        (["--kv-budget", "lots"], ["not a number"]),
+    ],
+)
+def test_bad_input_is_one_line_before_loading(args, needles, monkeypatch):
+    import kvrun.presets
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model must not be built for bad input")
+
+    monkeypatch.setattr(kvrun.presets, "preset_runtime", no_loading)
+    one_error_line(run("-m", "tiny-synthetic", *args), *needles)
+
+
+def test_unknown_preset_and_a_method_the_model_cannot_run(tiny_gguf):
+    one_error_line(run("-m", "llama3-70b-synthetic"), "unknown shape preset", "llama3-8b-synthetic")
+    # the tiny model's head_dim 16 is not a multiple of KIVI's group 32: caught before timing
+    r = run("-m", str(tiny_gguf), "--kv", "full", "--kv", "kivi2", "-p", "4", "-n", "1")
+    one_error_line(r, "group")
+    assert "|" not in r.stdout
+
+
+def test_preset_shapes():
+    l3, m7, l2 = (PRESETS[n] for n in ("llama3-8b-synthetic", "mistral-7b-synthetic",
+                                       "llama2-7b-synthetic"))  # fmt: skip
+    assert abs(l3.n_params() - 8.03e9) < 0.01e9 and l3.rope_theta == 500000.0
+    assert (l3.n_kv_heads, l3.ffn_dim, l3.vocab_size, l3.context_length) == (8, 14336, 128256, 8192)
+    assert abs(m7.n_params() - 7.24e9) < 0.01e9 and m7.sliding_window is None
+    assert m7.context_length == 32768 and m7.arch == "mistral"
+    assert abs(l2.n_params() - 6.74e9) < 0.01e9 and l2.n_kv_heads == 32 and l2.ffn_dim == 11008
+    assert is_preset("LLAMA3-8B-synthetic") and not is_preset("smollm2") and not is_preset(None)
+    assert preset_config("tiny-synthetic").name == "tiny-synthetic (random weights)"
+
+
+def test_preset_refuses_when_memory_is_short(monkeypatch):
+    import kvrun.presets
+
+    monkeypatch.setattr(kvrun.presets, "available_bytes", lambda dev: 8 * 2**30)
+    cfg = preset_config("llama3-8b-synthetic")
+    with pytest.raises(KvrunError, match=r"needs 29.9 GiB .* float32 .* --dtype bfloat16"):
+        check_fits("llama3-8b-synthetic", cfg, torch.float32, torch.device("cpu"))
+    # through the CLI: one line, nothing allocated
+    r = run("-m", "llama3-8b-synthetic", "--device", "cpu", "--dtype", "bfloat16")
+    one_error_line(r, "15.0 GiB", "bfloat16", "smaller preset")
+
+
+def test_preset_runtime_is_built_in_the_dtype_and_runs():
+    from kvrun.generate import Session
+    from kvrun.sampling import SamplingConfig
+
+    rt = load_runtime("tiny-synthetic", "bfloat16", "cpu", log=lambda m: None)
+    assert {p.dtype for p in rt.model.parameters()} == {torch.bfloat16}
+    assert rt.weights.format == "synthetic" and rt.weights.meta["synthetic"] is True
+    tok = rt.tokenizer
+    assert isinstance(tok, SyntheticTokenizer) and tok.stop_ids == frozenset()
+    with pytest.raises(KvrunError, match="no tokenizer"):
+        tok.encode("hello")
+    s = Session(rt.model, tok, rt.new_kv("snapkv", "0.5"))
+    res = s.generate(list(range(40)), 3, SamplingConfig(temp=0), seed=0)
+    assert len(res.tokens) == 3 and res.text.startswith("[")
+    again = load_runtime("tiny-synthetic", "bfloat16", "cpu", log=lambda m: None)
+    w0, w1 = (
+        rt.model.model.layers[0].mlp.up_proj.weight,
+        again.model.model.layers[0].mlp.up_proj.weight,
+    )
+    assert torch.equal(w0, w1)  # seeded: the same random weights every time
