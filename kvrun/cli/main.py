@@ -59,7 +59,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import bench, chat, convert, generate, info, kv
+    from . import bench, chat, convert, generate, info, kv, perplexity
 
     cli.add_command(generate.generate)
     cli.add_command(chat.chat)
@@ -69,6 +69,7 @@ def _register() -> None:
     cli.add_command(convert.convert)
     cli.add_command(kv.kv)
     cli.add_command(bench.bench)
+    cli.add_command(perplexity.perplexity)
 
 
 _register()
