@@ -87,12 +87,14 @@ def kv_options(multiple: bool = False):
     return deco
 
 
-def sampling_options(f):
-    """llama.cpp's sampling flags and defaults."""
+def sampling_options(f=None, *, temp: float = 0.8):
+    """llama.cpp's sampling flags and defaults; `@sampling_options(temp=0)` makes a command greedy."""
+    if f is None:
+        return lambda g: sampling_options(g, temp=temp)
     opts = [
         click.option(
             "--temp",
-            default=0.8,
+            default=temp,
             show_default=True,
             type=click.FloatRange(min=0),
             help="Temperature; 0 = greedy.",

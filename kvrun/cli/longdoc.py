@@ -1,0 +1,264 @@
+"""kvrun longdoc: answer or summarize long documents, one by one or as a resumable JSONL batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import KvrunError
+from ..generate import Session, Stats
+from ..tasks import longdoc as task
+from .common import (
+    kv_options,
+    load_with_progress,
+    model_options,
+    new_kv,
+    progress_bar,
+    sampling_from,
+    sampling_options,
+    set_debug,
+    stats_line,
+)
+
+
+@click.command()
+@model_options
+@kv_options()
+@sampling_options(temp=0.0)  # greedy: answers should not depend on the seed
+@click.argument("files", nargs=-1, metavar="[FILE]...")
+@click.option(
+    "-q",
+    "--question",
+    default=None,
+    help="Question asked of every document (of each --jsonl line without one).",
+)
+@click.option(
+    "--summarize",
+    is_flag=True,
+    help="Summarize every document (each --jsonl line without a question) instead.",
+)
+@click.option(
+    "--jsonl",
+    default=None,
+    metavar="IN",
+    help='Batch input, one JSON object a line: {"id", "text" or "path", "question"?}; '
+    "'-' = stdin; relative paths are taken from the current directory.",
+)
+@click.option(
+    "-o", "--out", default=None, metavar="OUT", help="Write the JSON lines here (default: stdout)."
+)
+@click.option("--resume", is_flag=True, help="Skip ids already answered in OUT; retry its errors.")
+@click.option(
+    "--truncate",
+    type=click.Choice(task.TRUNCATE_MODES),
+    default="middle",
+    show_default=True,
+    help="Documents longer than the context: keep head+tail, keep the tail, or fail the document.",
+)
+@click.option(
+    "-n",
+    "--n-predict",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Tokens to generate per document (reserved in the context).",
+)
+@click.option(
+    "--chat/--raw",
+    "chat",
+    default=None,
+    help="Wrap prompts in the model's chat template (default: --chat when it has one).",
+)
+@click.option(
+    "--template",
+    default=None,
+    metavar="FILE",
+    help="Own prompt template with a {document} slot and an optional {question} slot.",
+)
+@click.pass_context
+def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_predict, chat,
+            template, **kw):  # fmt: skip
+    """Answer a question about long documents, or summarize them, on a fresh KV cache each.
+
+    Documents longer than the context (minus the prompt and -n) are cut on tokens by
+    --truncate; the prompt template and question are never cut. With FILEs, each answer is
+    printed under a header with its stats line on stderr. With --jsonl (or --out), each
+    document gives one JSON line (answer, tokens, stats, truncated/dropped_tokens, kv, error),
+    written as soon as it is done; every line repeats the run's settings (model, seed,
+    n_predict, truncate, sampling, ...) under "settings" (with FILEs they go once to stderr).
+    A failing document gets a line with its error and the batch goes on; the exit status is 1
+    when any failed. --resume skips ids already answered in OUT. Greedy (--temp 0) by default.
+
+    \b
+    kvrun longdoc report.txt -q "Who signed the contract?"
+    kvrun longdoc --summarize --kv snapkv --kv-budget 0.25 a.txt b.txt
+    kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --summarize --truncate left
+    kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
+    cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
+    """
+    set_debug(ctx, kw.pop("debug"))
+    out = None if out == "-" else out
+    if files and jsonl:
+        raise KvrunError("give FILEs or --jsonl IN, not both")
+    if not files and not jsonl:
+        raise KvrunError("no documents: give FILE... or --jsonl IN")
+    if question is not None and summarize:
+        raise KvrunError("give --question or --summarize, not both")
+    if question is None and not summarize and not jsonl:
+        raise KvrunError('nothing to ask: give --question "..." or --summarize')
+    if resume and not out:
+        raise KvrunError("--resume needs --out OUT (the file to continue)")
+    if out and not Path(out).absolute().parent.is_dir():
+        raise KvrunError(f"cannot write --out {out}: its folder does not exist")
+    docs = _read_docs(files, jsonl)
+    done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
+    templates = {t: task.load_template(t, template) for t in ("question", "summarize")}
+    sampling, seed = sampling_from(kw)
+    rt = load_with_progress(kw)
+    tok = rt.tokenizer
+    session = Session(rt.model, tok, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    settings = {
+        "model": str(rt.path),
+        "model_name": rt.config.name,
+        "seed": seed,
+        "n_predict": n_predict,
+        "truncate": truncate,
+        "chat": chat if chat is not None else tok.chat_template is not None,
+        "template": template or "builtin",
+        "ctx_size": session.context,
+        "ubatch": session.ubatch,
+        "dtype": str(rt.model.dtype).removeprefix("torch."),
+        "device": str(rt.model.device),
+        **dataclasses.asdict(sampling),
+    }
+    job = task.Job(
+        templates, question, summarize, settings["chat"], n_predict, truncate, sampling, seed,
+        session.kv.describe(), settings, debug=bool((ctx.find_root().obj or {}).get("debug")),
+    )  # fmt: skip
+    if note:
+        click.echo(note, err=True)
+    if jsonl or out:
+        failed = _run_records(ctx, session, docs, job, out, done)
+    else:
+        click.echo("settings: " + json.dumps({"kv": job.kv, **settings}), err=True)
+        failed = _run_text(session, docs, job)
+    if failed:
+        raise KvrunError(f"{failed} of {len(docs)} documents failed (their errors are above)")
+
+
+def _read_docs(files, jsonl) -> list[task.Doc]:
+    """Docs from FILE arguments (checked now, before the model loads) or from --jsonl IN."""
+    if files:
+        for f in files:
+            if f != "-" and not Path(f).is_file():
+                raise KvrunError(f"cannot read {f}: no such file")
+        return [task.Doc(f, text=sys.stdin.read() if f == "-" else None, path=f) for f in files]
+    try:
+        text = sys.stdin.read() if jsonl == "-" else Path(jsonl).read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvrunError(
+            f"cannot read --jsonl {jsonl}: {getattr(e, 'strerror', None) or e}"
+        ) from None
+    docs = task.docs_from_jsonl(text.split("\n"))  # JSON strings may hold U+2028
+    if not docs:
+        raise KvrunError(f"--jsonl {jsonl} holds no documents")
+    return docs
+
+
+def _stats(rec: dict) -> Stats:
+    return Stats(**{f.name: rec[f.name] for f in dataclasses.fields(Stats)})
+
+
+def _run_text(session, docs, job) -> int:
+    """Answers streamed to stdout under a header; stats (or the error) on stderr."""
+    prefill = _PrefillBar(session.ubatch)
+
+    def start(doc):
+        click.echo(f"==> {doc.id} <==")
+        return (lambda s: (sys.stdout.write(s), sys.stdout.flush())), prefill
+
+    def finish(doc, rec):
+        prefill.close()
+        click.echo("\n")
+        if rec["error"] and len(docs) == 1:
+            raise KvrunError(f"{doc.id}: {rec['error']}")
+        if rec["error"]:
+            click.echo(f"error: {doc.id}: {rec['error']}", err=True)
+            return
+        if rec["truncated"]:
+            cut = f"{doc.id}: truncated ({job.truncate}), {rec['dropped_tokens']} tokens dropped"
+            click.echo(cut, err=True)
+        click.echo(stats_line(_stats(rec)), err=True)
+
+    return task.run_batch(session, docs, job, lambda rec: None, set(), start, finish)
+
+
+def _run_records(ctx, session, docs, job, out, done) -> int:
+    """One JSON line per document to OUT (appended, flushed each) or stdout; a bar over docs."""
+    try:
+        sink = open(out, "a", encoding="utf-8") if out else sys.stdout  # noqa: SIM115
+    except OSError as e:
+        raise KvrunError(f"cannot write --out {out}: {e.strerror}") from None
+    written = 0
+
+    def write(rec):
+        nonlocal written
+        line = json.dumps(rec, ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from a JSON escape) stays escaped
+            line = json.dumps(rec)
+        sink.write(line + "\n")
+        sink.flush()
+        written += 1
+
+    with progress_bar("documents") as bar:
+        docs_task = bar.add_task("documents", total=len(docs))
+        prefill_task = bar.add_task("prefill", total=None, visible=False)
+
+        def start(doc):
+            return None, lambda n, t: bar.update(prefill_task, completed=n, total=t, visible=True)
+
+        def finish(doc, rec):
+            bar.update(prefill_task, visible=False)
+            bar.advance(docs_task)
+            if rec is not None:
+                line = f"error: {rec['error']}" if rec["error"] else stats_line(_stats(rec))
+                name = doc.id if doc.id is not None else f"line {doc.line}"
+                click.echo(f"{name}: {line}", err=True)
+
+        try:
+            return task.run_batch(session, docs, job, write, done, start, finish)
+        except KeyboardInterrupt:
+            where = f"; rerun with --out {out} --resume to go on" if out else ""
+            click.echo(f"interrupted after {written} new documents{where}", err=True)
+            ctx.exit(130)
+        finally:
+            if out:
+                sink.close()
+
+
+class _PrefillBar:
+    """A prefill bar for text mode, shown for long prompts and gone before the answer streams."""
+
+    def __init__(self, ubatch: int):
+        self.ubatch, self.bar = ubatch, None
+
+    def __call__(self, n: int, total: int) -> None:
+        if self.bar is None:
+            if total <= 2 * self.ubatch or not sys.stderr.isatty():
+                return
+            self.bar = progress_bar("prefill").__enter__()
+            self.task = self.bar.add_task("prefill", total=total)
+        self.bar.update(self.task, completed=n)
+        if n >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
