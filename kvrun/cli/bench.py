@@ -116,7 +116,7 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
     )
     _check_before_loading(settings, kw)
     # the common loader checks a single --kv; ours were checked above
-    rt = load_with_progress({**kw, "kv": "full", "kv_budget": None})
+    rt = load_with_progress(kw)
     with progress_bar("bench") as bar:
         total = len(cases(settings)) * (settings.reps + 1)
         task = bar.add_task("bench", total=total)

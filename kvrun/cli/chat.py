@@ -11,6 +11,7 @@ from ..chat import Conversation
 from ..errors import ContextOverflow
 from ..generate import Session
 from .common import (
+    check_kv,
     err_console,
     kv_options,
     load_with_progress,
@@ -70,6 +71,7 @@ def chat(ctx, system, n_predict, **kw):
     """
     set_debug(ctx, kw.pop("debug"))
     sampling, seed = sampling_from(kw)
+    check_kv(kw)
     rt = load_with_progress(kw)
     session = Session(
         rt.model, rt.tokenizer, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"]

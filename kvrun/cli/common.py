@@ -173,8 +173,10 @@ def new_kv(rt: Runtime, kw: dict):
 
 
 def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
-    """Load the model named by the common options, with a progress bar on a terminal."""
-    check_kv(kw)
+    """Load the model named by the common options, with a progress bar on a terminal.
+
+    Commands validate --kv themselves first (check_kv), before paying for the load.
+    """
     with progress_bar("loading") as bar:
         task = bar.add_task("loading model", total=None)
         rt = load_runtime(

@@ -11,6 +11,7 @@ import click
 from ..errors import KvrunError
 from ..generate import Session
 from .common import (
+    check_kv,
     dump_json,
     kv_options,
     load_with_progress,
@@ -80,6 +81,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
     set_debug(ctx, kw.pop("debug"))
     sampling, seed = sampling_from(kw)
     text = read_prompt(prompt, file)
+    check_kv(kw)
     rt = load_with_progress(kw)
     tok = rt.tokenizer
     use_chat = chat if chat is not None else tok.chat_template is not None

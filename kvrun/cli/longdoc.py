@@ -13,6 +13,7 @@ from ..errors import KvrunError
 from ..generate import Session, Stats
 from ..tasks import longdoc as task
 from .common import (
+    check_kv,
     kv_options,
     load_with_progress,
     model_options,
@@ -118,6 +119,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
     templates = {t: task.load_template(t, template) for t in ("question", "summarize")}
     sampling, seed = sampling_from(kw)
+    check_kv(kw)
     rt = load_with_progress(kw)
     tok = rt.tokenizer
     session = Session(rt.model, tok, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"])

@@ -1,0 +1,261 @@
+"""kvrun needle: pass-key / needle-in-a-haystack accuracy over lengths x depths x KV methods."""
+
+from __future__ import annotations
+
+import click
+from rich.columns import Columns
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import KvrunError
+from ..tasks import needle as nd
+from ..tasks.passkey import filler_units, read_haystack
+from .common import (
+    check_kv,
+    err_console,
+    kv_options,
+    load_with_progress,
+    model_options,
+    progress_bar,
+    set_debug,
+)
+
+
+def _haystack_units(mode, haystack, needle_text, question, answer) -> list[str]:
+    """Validate the niah flags and read the haystack (before the model loads)."""
+    if mode == "niah":
+        missing = [
+            flag
+            for flag, v in [("--haystack", haystack), ("--needle", needle_text)]
+            + [("--question", question), ("--answer", answer)]
+            if not (v and v.strip())
+        ]
+        if missing:
+            raise KvrunError(f"--mode niah needs {', '.join(missing)} (see kvrun needle --help)")
+    else:
+        given = [f for f, v in [("--needle", needle_text), ("--question", question)] if v]
+        given += ["--answer"] if answer else []
+        if given:
+            raise KvrunError(f"{', '.join(given)} only apply to --mode niah")
+    return read_haystack(haystack) if haystack else filler_units()
+
+
+def _color(acc: float) -> str:
+    r, g = round(210 * min(1.0, 2 * (1 - acc))), round(190 * min(1.0, 2 * acc))
+    return f"bold black on rgb({r},{g},60)"
+
+
+def heat_table(records, cfg, lengths, depths) -> Table:
+    """Rows = depths, columns = lengths, cells = accuracy coloured red -> green."""
+    cells = nd.heat(records, cfg)
+    t = Table(title=cfg.label, title_justify="left")
+    t.add_column("depth", justify="right")
+    for n in lengths:
+        t.add_column(nd.fmt_length(n), justify="center")
+    for d in depths:
+        row = [nd.fmt_depth(d)]
+        for n in lengths:
+            c, k = cells.get((d, n), (0, 0))
+            row.append(f"[{_color(c / k)}] {c / k:4.0%} [/]" if k else "[dim]-[/]")
+        t.add_row(*row)
+    return t
+
+
+def summary_table(summary: list[dict], trials: int) -> Table:
+    per = f"{trials} trial{'s' if trials > 1 else ''} per cell"
+    t = Table(title=f"summary  [dim]({per})[/]", title_justify="left")
+    for col in ["method", "budget", "accuracy", "KV held/full", "prefill tok/s", "decode tok/s"]:
+        left = col in ("method", "budget")
+        t.add_column(
+            col, justify="left" if left else "right", overflow="fold" if left else "ellipsis"
+        )
+    t.add_column("trials", justify="right")
+    for s in summary:
+        acc = f"[{_color(s['accuracy'])}] {s['accuracy']:.1%} [/]" if s["trials"] else "-"
+        t.add_row(
+            s["method"], s["budget"] or "-", acc, f"{s['kv_ratio']:.1%}",
+            f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.1f}", str(s["trials"]),
+        )  # fmt: skip
+    return t
+
+
+@click.command()
+@model_options
+@kv_options(multiple=True)
+@click.option(
+    "--mode",
+    type=click.Choice(["passkey", "niah"]),
+    default="passkey",
+    show_default=True,
+    help="passkey: find 'the pass key is N' in our filler. niah: your needle in your haystack.",
+)
+@click.option(
+    "--lengths",
+    default=None,
+    metavar="N,N..",
+    help="Prompt lengths in tokens (1k = 1000; 1k,2k,1500). Default: 1k,2k,4k,8k where they fit.",
+)
+@click.option(
+    "--depths",
+    default="0,25,50,75,100",
+    show_default=True,
+    metavar="P,P..",
+    help="Needle depths, percent of the haystack before it.",
+)
+@click.option(
+    "--trials", default=1, show_default=True, type=click.IntRange(min=1), help="Prompts per cell."
+)
+@click.option(
+    "-s",
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seed of keys and haystack offsets.",
+)
+@click.option(
+    "-n",
+    "--n-predict",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Tokens to generate, greedy. Default: 12 (passkey), 32 (niah).",
+)
+@click.option(
+    "--chat/--raw", "chat", default=False, help="Wrap prompts in the chat template (default: raw)."
+)
+@click.option(
+    "--haystack",
+    default=None,
+    metavar="FILE",
+    help="Text to hide the needle in, cut or repeated to each length (niah; in passkey mode it replaces our filler).",
+)
+@click.option(
+    "--needle", "needle_text", default=None, metavar="TEXT", help="The sentence to hide (niah)."
+)
+@click.option(
+    "--question", default=None, metavar="TEXT", help="The question asked after the haystack (niah)."
+)
+@click.option(
+    "--answer",
+    default=None,
+    metavar="TEXT",
+    help="Correct when this text is in the reply, any case (niah).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    metavar="FILE",
+    help="Every trial and the settings, rewritten after each trial ('-' = stdout at the end).",
+)
+@click.option(
+    "--plot", default=None, metavar="FILE.png", help="Heat maps as an image (needs matplotlib)."
+)
+@click.pass_context
+def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, needle_text, question, answer, json_path, plot, **kw):  # fmt: skip
+    """Needle retrieval accuracy over prompt lengths x depths x KV methods.
+
+    \b
+    kvrun needle --lengths 1k,2k,4k --kv full --kv snapkv --kv-budget 0.1,0.25
+    kvrun needle --kv full --kv snapkv+kivi2 --trials 3 --json needle.json --plot needle.png
+    kvrun needle --mode niah --haystack essay.txt --needle "The secret code is tulip." \\
+        --question "What is the secret code?" --answer tulip --lengths 2k,4k
+    """
+    set_debug(ctx, kw.pop("debug"))
+    n_predict = n_predict or (12 if mode == "passkey" else 32)
+    depth_list = nd.parse_depths(depths)
+    if lengths is not None:
+        nd.parse_lengths(lengths)
+    units = _haystack_units(mode, haystack, needle_text, question, answer)
+    configs = nd.kv_configs(kw.pop("kv"), kw.get("kv_budget"))
+    for cfg in configs:
+        check_kv({"kv": cfg.method, "kv_budget": cfg.budget})
+    if plot:
+        from ..tasks.needle_plot import require_matplotlib
+
+        require_matplotlib()
+    if lengths is not None and kw["ctx_size"]:
+        nd.pick_lengths(lengths, kw["ctx_size"], n_predict)
+    rt = load_with_progress(kw)
+    context = kw["ctx_size"] or rt.config.context_length
+    length_list = nd.pick_lengths(lengths, context, n_predict)
+    for cfg in configs:  # what only the model can tell (head_dim vs. KIVI group) fails now
+        rt.new_kv(cfg.method, cfg.budget)
+    tok = rt.tokenizer
+
+    def encode(text: str) -> list[int]:
+        if chat:
+            text = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tok.encode(text)
+
+    task = nd.NeedleTask(mode, units, encode, seed, needle_text or "", question or "", answer or "")
+    task.check_fits(min(length_list))
+    cells = nd.grid(length_list, depth_list, trials)
+    niah = {"needle": needle_text, "question": question, "answer": answer}
+    doc = {
+        "task": "needle",
+        "settings": nd.settings(
+            rt,
+            mode=mode,
+            seed=seed,
+            lengths=length_list,
+            depths=depth_list,
+            trials=trials,
+            n_predict=n_predict,
+            decoding="greedy",
+            chat=chat,
+            kv=[{"method": c.method, "budget": c.budget} for c in configs],
+            ctx_size=context,
+            ubatch=kw["ubatch"],
+            haystack=haystack,
+            **(niah if mode == "niah" else {}),
+        ),  # fmt: skip
+        "complete": False,
+        "summary": [],
+        "trials": [],
+    }
+    records: list[dict] = doc["trials"]
+    total = len(cells) * len(configs)
+
+    def save(complete: bool) -> None:
+        doc["complete"] = complete
+        doc["summary"] = nd.summarize(records, configs)
+        if json_path and json_path != "-":
+            nd.write_json(json_path, doc)
+
+    save(False)  # an unwritable --json fails now, before any trial
+    interrupted = False
+    try:
+        with progress_bar("needle") as bar:
+            task_id = bar.add_task("needle", total=total)
+
+            def on_start(cell, cfg):
+                where = f"{nd.fmt_length(cell.length)} @ {nd.fmt_depth(cell.depth)}"
+                bar.update(task_id, description=f"{cfg.label}  {where}")
+
+            for rec in nd.run_grid(
+                rt, task, configs, cells, n_predict, kw["ubatch"], context, on_start
+            ):
+                records.append(rec)
+                save(False)
+                bar.advance(task_id)
+    except KeyboardInterrupt:
+        interrupted = True
+    save(not interrupted)
+    out = err_console if json_path == "-" else Console(highlight=False)
+    out.print(Columns([heat_table(records, c, length_list, depth_list) for c in configs]))
+    out.print(summary_table(doc["summary"], trials))
+    if json_path == "-":
+        import json
+
+        click.echo(json.dumps(doc, ensure_ascii=False))
+    if plot and records:
+        from ..tasks.needle_plot import plot_heatmaps
+
+        plot_heatmaps(plot, records, configs, length_list, depth_list)
+    if interrupted:
+        where = f"; written to {json_path}" if json_path and json_path != "-" else ""
+        click.echo(f"interrupted: {len(records)} of {total} trials done{where}", err=True)
+        ctx.exit(130)
+    if json_path and json_path != "-":
+        err_console.print(f"[dim]trials written to {json_path}[/]")
