@@ -7,6 +7,17 @@ import pytest
 from kvrun.models import REGISTRY, models_dir
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: on a busy 2-core machine, two threads run far slower."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def default_gguf():
     """Path of the default model's GGUF; skips (with the command to fix it) when absent."""

@@ -7,6 +7,7 @@ import json
 import click
 import pytest
 import torch
+from cli_checks import one_error_line
 from click.testing import CliRunner
 
 from kvrun.cli.bench import bench
@@ -29,13 +30,7 @@ TOP_FIELDS = {
 SETTINGS = {"n_prompt", "n_gen", "depths", "reps", "methods", "budgets", "seed", "ubatch"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: one thread keeps timings sane and the tests fast."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @click.group(cls=KvrunGroup)
@@ -54,15 +49,6 @@ def run_json(*args) -> dict:
     r = run(*args, "--json")
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
-
-
-def one_error_line(result, *needles):
-    assert result.exit_code != 0, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_checks import one_error_line
 from click.testing import CliRunner
 
 from kvrun.cli.main import cli
@@ -12,17 +13,6 @@ from kvrun.cli.main import cli
 
 def run(*args, input=None, env=None):
     return CliRunner().invoke(cli, list(args), input=input, env=env, catch_exceptions=False)
-
-
-def one_error_line(result, *needles):
-    """A failure: non-zero exit, one line on stderr starting with 'error:', naming the problem."""
-    assert result.exit_code != 0, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def test_generate_json_has_every_field_and_is_deterministic(default_gguf):
@@ -246,10 +236,21 @@ def test_kv_list_names_every_method():
     assert "window" in run("kv", "list").stdout
 
 
-@pytest.mark.parametrize("kv", [["--kv", "streaming", "--kv-budget", "64"],
-                                ["--kv", "snapkv+kivi2", "--kv-budget", "0.5"]])
+@pytest.mark.parametrize(
+    "kv",
+    [["--kv", "streaming", "--kv-budget", "64"], ["--kv", "snapkv+kivi2", "--kv-budget", "0.5"]],
+)
 def test_chat_on_a_compressed_cache(default_gguf, kv):
-    r = run("chat", "-m", str(default_gguf), "--temp", "0", "-n", "24", *kv,
-            input="Tell me about the moon.\nAnd the sun?\n/stats\n")
+    r = run(
+        "chat",
+        "-m",
+        str(default_gguf),
+        "--temp",
+        "0",
+        "-n",
+        "24",
+        *kv,
+        input="Tell me about the moon.\nAnd the sun?\n/stats\n",
+    )
     assert r.exit_code == 0, r.output
     assert "cache holds" in r.stderr and "KV" in r.stderr

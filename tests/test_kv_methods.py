@@ -25,14 +25,7 @@ E = 4  # bytes per fp32 element
 L, HKV, D = 3, 2, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tensors here are tiny: one intra-op thread is faster, and 2 threads on a busy 2-core
-    machine are over ten times slower. Restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is faster
 
 
 # --- the tiny model and a driver ------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from cli_checks import one_error_line
 from click.testing import CliRunner
 
 import tiny_models
@@ -35,15 +36,6 @@ def run(*args, model=None, input=None):
     base = ["longdoc", "--device", "cpu", "--dtype", "float32", "-n", "2"]
     base += ["-m", str(model)] if model else []
     return CliRunner().invoke(GROUP, base + list(args), input=input, catch_exceptions=False)
-
-
-def one_error_line(result, *needles):
-    assert result.exit_code != 0, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def records(text: str) -> list[dict]:

@@ -25,8 +25,21 @@ def passkey_file(default_runtime, tmp_path_factory):
     [("full", None), ("snapkv", "0.5"), ("kivi4", None), ("snapkv+kivi4", "0.5")],
 )
 def test_passkey_through_cli(default_gguf, passkey_file, kv, budget):
-    args = ["generate", "-m", str(default_gguf), "--raw", "-f", str(passkey_file), "-n", "8",
-            "--temp", "0", "--kv", kv, "--json"]
+    args = [
+        "generate",
+        "-m",
+        str(default_gguf),
+        "--raw",
+        "-f",
+        str(passkey_file),
+        "-n",
+        "8",
+        "--temp",
+        "0",
+        "--kv",
+        kv,
+        "--json",
+    ]
     if budget:
         args += ["--kv-budget", budget]
     r = CliRunner().invoke(cli, args, catch_exceptions=False)

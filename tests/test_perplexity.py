@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from cli_checks import one_error_line
 from click.testing import CliRunner
 
 from kvrun.cli.main import KvrunGroup
@@ -50,13 +51,7 @@ PROSE = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: several threads on a busy 2-core machine run ten times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -176,14 +171,6 @@ def invoke(*args, input=None):
     group = KvrunGroup(name="kvrun")
     group.add_command(perplexity)
     return CliRunner().invoke(group, ["perplexity", *args], input=input, catch_exceptions=False)
-
-
-def one_error_line(r, *needles):
-    assert r.exit_code != 0, r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def test_cli_json_has_every_field(tiny, text_file):
