@@ -161,7 +161,8 @@ class Session:
         limit = n_predict if n_predict >= 0 else self.context
         stats.stop_reason = "length"
         while len(out) < limit:
-            tok = sample(logits.float().cpu(), sampling, self.tokens[-1024:] + out, gen)
+            # every token sampled so far has been fed, so the cache's tokens are the history
+            tok = sample(logits.float().cpu(), sampling, self.tokens[-1024:], gen)
             if tok in self.tokenizer.stop_ids:
                 stats.stop_reason = "eos"
                 break

@@ -153,7 +153,8 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
 
 
 # --------------------------------------------------------------------- safetensors
-def _shards(root: Path) -> list[Path]:
+def shard_paths(root: Path) -> list[Path]:
+    """The safetensors files of an HF directory (from the index when sharded)."""
     index = root / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -178,7 +179,7 @@ def load_safetensors(
     config = ModelConfig.from_hf(root / "config.json")
     tensors: dict[str, torch.Tensor] = {}
     types: Counter = Counter()
-    shards = _shards(root)
+    shards = shard_paths(root)
     for n, shard in enumerate(shards):
         if not shard.exists():
             raise ModelNotFound(f"missing weight shard {shard}")

@@ -22,11 +22,11 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
     if path.is_dir():
         from safetensors import safe_open
 
-        from ..weights import _shards
+        from ..weights import shard_paths
 
         cfg = ModelConfig.from_hf(path / "config.json")
         types: Counter = Counter()
-        for shard in _shards(path):
+        for shard in shard_paths(path):
             try:
                 with safe_open(str(shard), framework="pt") as f:
                     for k in f.keys():  # noqa: SIM118
