@@ -103,6 +103,7 @@ class Session:
     ) -> torch.Tensor:
         """Feed ids in chunks of --ubatch; return the logits (V,) after the last one."""
         self.check_fits(len(ids))
+        self._scoring_pass(ids)
         self.kv.begin_prefill(len(ids))
         logits = None
         for s in range(0, len(ids), self.ubatch):
@@ -117,6 +118,28 @@ class Session:
                 progress(s + len(chunk), len(ids))
         self.kv.end_prefill()
         return logits
+
+    def _scoring_pass(self, ids: Sequence[int]) -> None:
+        """A planning pass for managers that ask for one (XKV's plan=two-pass).
+
+        `kv.scoring_pass(n)` returns a manager that stores no KV across layers (it attends
+        within the prompt, records scores and hands its plan to `kv` at its end_prefill), or
+        None. Only a prompt that fits one --ubatch chunk can be planned this way: a chunked
+        prefill must keep every layer exact until its last chunk (xkv.md, Planning).
+        """
+        plan = getattr(self.kv, "scoring_pass", None)
+        if plan is None or len(ids) > self.ubatch:
+            return
+        pre = plan(len(ids))
+        if pre is None:
+            return
+        start = len(self.tokens)
+        tok = torch.tensor([list(ids)], device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)
+        pre.begin_prefill(len(ids))
+        self.model(tok, pos, pre, last_only=True)
+        pre.end_chunk(len(ids))
+        pre.end_prefill()
 
     @torch.inference_mode()
     def decode(self, token: int) -> torch.Tensor:

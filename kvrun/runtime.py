@@ -14,7 +14,7 @@ from .kv.base import KVManager
 from .kv.budget import Budget
 from .kv.full import FullKV
 from .kv.manager import CompressedKV
-from .kv.recipes import parse_kv
+from .kv.recipes import KVSpec, check_budget, parse_kv
 from .models import resolve
 from .weights import LoadedWeights, load
 
@@ -69,12 +69,31 @@ class Runtime:
 
 
 def build_kv(spec: str, budget, config, rope, device, dtype, **kw) -> KVManager:
-    """`full` gets the plain cache; everything else the composed manager."""
+    """`full` gets the plain cache; everything else the manager of its store and allocator."""
     parsed = parse_kv(spec)
     b = Budget.parse(budget) if budget is not None else None
+    check_budget(parsed, b)
     if parsed.is_full and not kw:
         return FullKV(config, rope, device, dtype)
-    return CompressedKV(parsed, b, config, rope, device, dtype, **kw)
+    return manager_class(parsed)(parsed, b, config, rope, device, dtype, **kw)
+
+
+def manager_class(spec: KVSpec) -> type[KVManager]:
+    """MiniCache's merged pairs and SpindleKV's codebooks are their own managers; XKV extends
+    the composed manager with its allocator and scoring pass; the rest is CompressedKV."""
+    if spec.select.store == "merged":
+        from .kv.minicache import MiniCacheKV
+
+        return MiniCacheKV
+    if spec.select.store == "codebook":
+        from .kv.spindle import SpindleKV
+
+        return SpindleKV
+    if spec.select.allocator == "xkv":
+        from .kv.xkv import XKV
+
+        return XKV
+    return CompressedKV
 
 
 def load_runtime(

@@ -158,13 +158,11 @@ def progress_bar(description: str, bytes_mode: bool = False) -> Progress:
 def check_kv(kw: dict) -> None:
     """Reject a bad --kv / --kv-budget before the model is loaded."""
     from ..kv.budget import Budget
-    from ..kv.recipes import parse_kv, protected_tokens
+    from ..kv.recipes import check_budget, parse_kv
 
     spec = parse_kv(kw["kv"])
     if kw.get("kv_budget") is not None:
-        b = Budget.parse(kw["kv_budget"])
-        if spec.select.name != "full":
-            b.check(protected_tokens(spec), spec.select.name)
+        check_budget(spec, Budget.parse(kw["kv_budget"]))
 
 
 def new_kv(rt: Runtime, kw: dict):

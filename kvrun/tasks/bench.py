@@ -19,7 +19,7 @@ import torch
 from ..errors import ContextOverflow, KvrunError
 from ..generate import Session, peak_memory_bytes
 from ..kv.budget import Budget
-from ..kv.recipes import parse_kv, protected_tokens
+from ..kv.recipes import check_budget, parse_kv, takes_budget
 
 BANDWIDTH_NOTE = (
     "achieved bandwidth ~ (weight bytes + KV bytes read per token) x decode tok/s / 1e9, where "
@@ -80,10 +80,10 @@ def check_settings(s: BenchSettings, context: int | None = None) -> None:
         raise KvrunError(f"--reps must be >= 1 (got {s.reps})")
     for kv in s.methods:
         spec = parse_kv(kv)
-        if spec.select.name != "full":
+        if takes_budget(spec):
             for b in s.budgets:
                 if b is not None:
-                    Budget.parse(b).check(protected_tokens(spec), spec.select.name)
+                    check_budget(spec, Budget.parse(b))
     if context is not None:
         d = max(s.depths)
         total = d + s.n_prompt + s.n_gen
@@ -98,8 +98,7 @@ def cases(s: BenchSettings) -> list[tuple[str, str | None, int]]:
     """(method, budget, depth) per row: budgets multiply only methods that select tokens."""
     out = []
     for kv in s.methods:
-        selects = parse_kv(kv).select.name != "full"
-        for b in s.budgets if selects else (None,):
+        for b in s.budgets if takes_budget(parse_kv(kv)) else (None,):
             out.extend((kv, b, d) for d in s.depths)
     return out
 

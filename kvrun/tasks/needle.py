@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import KvrunError
 from ..generate import Session
-from ..kv.recipes import parse_kv
+from ..kv.recipes import parse_kv, takes_budget
 from ..sampling import SamplingConfig
 from . import passkey
 
@@ -93,8 +93,7 @@ def kv_configs(methods: tuple[str, ...], budgets: str | None) -> list[KvConfig]:
     bs = [b.strip() for b in budgets.split(",")] if budgets else [None]
     out: list[KvConfig] = []
     for m in methods:
-        selects = parse_kv(m).select.name != "full"
-        out += [KvConfig(m, b) for b in bs] if selects else [KvConfig(m, None)]
+        out += [KvConfig(m, b) for b in bs] if takes_budget(parse_kv(m)) else [KvConfig(m, None)]
     return list(dict.fromkeys(out))
 
 
