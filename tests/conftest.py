@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton kernels run in the interpreter on CPU tensors unless a GPU is present; the variable
+# must be set before any @triton.jit function is defined, so it is set here, first.
+if os.environ.get("TRITON_INTERPRET") is None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
 
 from kvrun.models import REGISTRY, models_dir
 

@@ -147,7 +147,7 @@ class CompressedKV(KVManager):
         super().end_chunk(n_tokens)
         if self.decode_time:
             self._evict("chunk")
-        elif self.sel.scorer == "window" and self.opt["chunked"]:
+        elif self.sel.scorer == "window" and self.opt.get("chunked"):
             self._select_window("chunk")
         if self._direct_to_store():
             unit = self.spec.store_opts["residual"]
