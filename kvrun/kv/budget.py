@@ -96,3 +96,20 @@ def pyramid_budgets_compat(B: int, n: int, window: int, n_layers: int, beta: int
         return [B] * L
     step = (max_num - min_num) // (L - 1)
     return [max_num - layer * step + w for layer in range(L)]
+
+
+def minikv_pyramid_shares(n_layers: int, depth: int, direction: str = "down") -> list[Fraction]:
+    """x_lambda / x of MiniKV's pyramid (minikv.md step 3): linear from 2 - 1/delta at layer
+    0 to 1/delta at layer L-1, mean 1; `up` reverses it (the paper's App. H reading)."""
+    L, top, bottom = n_layers, 2 - Fraction(1, depth), Fraction(1, depth)
+    if L == 1:
+        return [Fraction(1)]
+    shares = [top + (bottom - top) * Fraction(layer, L - 1) for layer in range(L)]
+    return shares if direction == "down" else shares[::-1]
+
+
+def minikv_pyramid(n_hh: int, n_layers: int, depth: int, direction: str = "down") -> list[int]:
+    """Heavy-hitter counts per layer summing to exactly L * n_hh (largest remainder, ties to
+    the lower layer)."""
+    shares = minikv_pyramid_shares(n_layers, depth, direction)
+    return largest_remainder([n_hh * s for s in shares], n_layers * n_hh)

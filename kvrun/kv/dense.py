@@ -16,12 +16,21 @@ class DenseSeg:
     """
 
     def __init__(
-        self, n_kv: int, head_dim: int, dtype, device, pos_rows: int = 0, scores: bool = False
+        self,
+        n_kv: int,
+        head_dim: int,
+        dtype,
+        device,
+        pos_rows: int = 0,
+        scores: bool = False,
+        score_rows: int | None = None,
     ):
         self.k = torch.empty(1, n_kv, 0, head_dim, dtype=dtype, device=device)  # (1, Hkv, T, D)
         self.v = torch.empty_like(self.k)  # (1, Hkv, T, D)
         self.pos = torch.empty(pos_rows, 0, dtype=torch.int32, device=device) if pos_rows else None
-        self.acc = torch.empty(n_kv, 0, device=device) if scores else None  # (Hkv, T) fp32
+        # (Hkv or score_rows, T) fp32 accumulated attention (H2O, MiniKV; MiniKV's gqa_agg=max
+        # keeps one row per query head)
+        self.acc = torch.empty(score_rows or n_kv, 0, device=device) if scores else None
 
     @property
     def length(self) -> int:
@@ -49,7 +58,8 @@ class DenseSeg:
         if self.pos is not None:
             self.pos = torch.gather(self.pos, 1, idx.expand(self.pos.shape[0], -1))
         if self.acc is not None:
-            self.acc = torch.gather(self.acc, 1, full)
+            rows = full.repeat_interleave(len(self.acc) // Hkv, dim=0)  # per query head rows
+            self.acc = torch.gather(self.acc, 1, rows)
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove and return all K, V (1, Hkv, T, D)."""

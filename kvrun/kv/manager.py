@@ -16,22 +16,23 @@ import torch
 from ..errors import KvrunError
 from .attention import combine
 from .base import KVManager
-from .budget import Budget, pyramid_budgets
+from .budget import Budget, minikv_pyramid, pyramid_budgets
 from .dense import DenseSeg
 from .recipes import KVSpec, protected_tokens
-from .select import attention_colsum, keep_indices, window_votes
+from .select import attention_colsum, dense_colsum, keep_indices, prefill_colsum, window_votes
 
 # on_select(layer, point, positions (Hkv, T)): the debug hook of baselines.md 0.4
 SelectHook = Callable[[int, str, torch.Tensor], None]
 
 
 class _Layer:
-    __slots__ = ("dense", "kivi", "qwin")
+    __slots__ = ("dense", "kivi", "qwin", "held")
 
-    def __init__(self, dense: DenseSeg, kivi):
-        self.dense = dense
+    def __init__(self, dense: DenseSeg, kivi, held: DenseSeg | None = None):
+        self.dense = dense  # staging (selection pending) or the whole dense store
         self.kivi = kivi
         self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) last prefill queries (SnapKV)
+        self.held = held  # MiniKV quant=none: the selected turns, apart from the staging
 
 
 class CompressedKV(KVManager):
@@ -54,8 +55,16 @@ class CompressedKV(KVManager):
         self.budget = budget or Budget.parse("0.2")
         if self.sel.name != "full":
             self.budget.check(self.protected, self.sel.name)
-        so = spec.store_opts
-        self.kivi_bits = so.get("bits", 16) if spec.store else 16
+        self.kivi_cfg = spec.kivi()  # {bits, group, residual} or None
+        self.kivi_bits = self.kivi_cfg["bits"] if self.kivi_cfg else 16
+        # MiniKV: prompt-only column sums, selection once per turn at end_prefill, then a store
+        # that only grows (minikv.md); its budget comes from heavy/recent unless given
+        self.minikv = self.sel.name.startswith("minikv")
+        self.user_budget = budget
+        if self.minikv and self.opt["colsum"] == "triton" and torch.device(device).type != "cuda":
+            raise KvrunError(
+                f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
+            )
         self.decode_time = self.sel.when == "every chunk and step"
         # positions are stored only where a later step needs them (baselines.md 0.4)
         self.pos_rows = {"streaming": 1, "h2o": config.n_kv_heads}.get(self.sel.name, 0)
@@ -70,25 +79,35 @@ class CompressedKV(KVManager):
     def reset(self) -> None:
         super().reset()
         c = self.config
-        self.layers = [_Layer(self._dense(), self._kivi()) for _ in range(c.n_layers)]
+        held = self.minikv and self.kivi_cfg is None
+        self.layers = [
+            _Layer(self._dense(), self._kivi(), self._held() if held else None)
+            for _ in range(c.n_layers)
+        ]
 
     def _dense(self) -> DenseSeg:
         c = self.config
+        per_q = self.minikv and self.opt["gqa_agg"] == "max"
         return DenseSeg(
             c.n_kv_heads,
             c.head_dim,
             self.dtype,
             self.device,
             self.pos_rows,
-            scores=self.sel.scorer == "cumulative",
+            scores=self.sel.scorer == "cumulative" or self.minikv,
+            score_rows=c.n_heads if per_q else None,
         )
+
+    def _held(self) -> DenseSeg:
+        c = self.config
+        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device)
 
     def _kivi(self):
         if self.kivi_bits == 16:
             return None
         from .kivi import KiviLayer
 
-        o = self.spec.store_opts
+        o = self.kivi_cfg
         try:
             return KiviLayer(
                 self.config.n_kv_heads,
@@ -100,7 +119,7 @@ class CompressedKV(KVManager):
                 self.device,
             )
         except ValueError as e:
-            raise KvrunError(f"{self.spec.store.name}: {e}") from None
+            raise KvrunError(f"{self.spec.name}: {e}") from None
 
     def _direct_to_store(self) -> bool:
         """New tokens go straight into the KIVI store (no selection pending on them)."""
@@ -111,13 +130,15 @@ class CompressedKV(KVManager):
         st = self.layers[layer]
         T = k.shape[2]
         window = self.config.sliding_window
-        if window and self.seen + T > window and st.dense.pos is None:
+        if window and self.seen + T > window and (st.dense.pos is None or self.minikv):
             raise KvrunError(
                 f"--kv {self.name} cannot run sliding-window attention past {window} tokens "
                 "(it keeps no positions); use --kv full, streaming or h2o, or a shorter input"
             )
         qr = self.rope.apply(q, positions)
         kr = self.rope.apply(k, positions)
+        if self.minikv:
+            return self._attend_minikv(st, qr, kr, v, positions)
         if self._direct_to_store():
             st.kivi.append(kr[0], v[0])
             return combine(st.kivi.attend(qr, T), self.dtype)
@@ -137,6 +158,36 @@ class CompressedKV(KVManager):
             return combine(parts, self.dtype)
         return st.dense.attend(qr, positions, T, window)
 
+    def _attend_minikv(self, st: _Layer, qr, kr, v, positions) -> torch.Tensor:
+        """MiniKV: prefill stages this turn's tokens with column sums over every prompt query;
+        decode appends to the store, flushing a full residual before attention (Alg. 1)."""
+        T = kr.shape[2]
+        if not self.in_prefill:
+            if st.kivi is not None:
+                st.kivi.append(kr[0], v[0])
+                r = self.kivi_cfg["residual"]
+                if st.kivi.tail_len >= r:
+                    st.kivi.flush(r)
+                return combine(st.kivi.attend(qr, T), self.dtype)
+            st.held.append(kr, v, positions)
+            return combine([st.held.partial(qr, positions, T, None)], self.dtype)
+        st.dense.append(kr, v, positions)
+        if st.kivi is not None and st.kivi.length:  # earlier turns, as stored
+            older = st.kivi.attend(qr, 0)
+        elif st.held is not None and st.held.length:
+            older = [st.held.partial(qr, positions, 0, None)]
+        else:
+            older = []
+        per_head = self.opt["gqa_agg"] == "max"
+        d = st.dense
+        if self.opt["colsum"] == "dense" and not older:
+            part, col = dense_colsum(qr, d.k, d.v, per_head)
+        else:
+            other = torch.logsumexp(torch.stack([p.lse for p in older]), 0) if older else None
+            part, col = prefill_colsum(qr, d.k, d.v, other, per_head)
+        d.acc += col
+        return combine(older + [part], self.dtype)
+
     # ------------------------------------------------------- compression points
     def begin_prefill(self, n_tokens: int) -> None:
         super().begin_prefill(n_tokens)
@@ -150,19 +201,26 @@ class CompressedKV(KVManager):
         elif self.sel.scorer == "window" and self.opt.get("chunked"):
             self._select_window("chunk")
         if self._direct_to_store():
-            unit = self.spec.store_opts["residual"]
+            unit = self.kivi_cfg["residual"]
             for st in self.layers:
                 st.kivi.flush(unit)
 
     def end_prefill(self) -> None:
         if self.sel.scorer == "window":
             self._select_window("prefill")
+        if self.minikv:
+            self._select_minikv("prefill")
+        # MiniKV quantizes whole groups of the kept tokens (flush unit G); other stacks whole
+        # residuals, keeping the newest tokens dense
+        unit = self.kivi_cfg["group" if self.minikv else "residual"] if self.kivi_cfg else 0
         for st in self.layers:
             st.qwin = None
             if st.kivi is not None and st.dense.length:
                 k, v = st.dense.take()  # selected tokens enter the store in position order
                 st.kivi.append(k[0], v[0])
-                st.kivi.flush(self.spec.store_opts["residual"])
+                st.kivi.flush(unit)
+            elif st.held is not None and st.dense.length:
+                st.held.append(*st.dense.take(), torch.empty(0))
         super().end_prefill()
 
     def end_step(self) -> None:
@@ -170,7 +228,7 @@ class CompressedKV(KVManager):
         if self.decode_time:
             self._evict("step")
         if self.layers[0].kivi is not None:
-            r = self.spec.store_opts["residual"]
+            r = self.kivi_cfg["residual"]
             for st in self.layers:
                 if st.kivi.tail_len >= r:
                     st.kivi.flush(r)
@@ -198,6 +256,43 @@ class CompressedKV(KVManager):
                     recent = pos >= n - W
                     idx = keep_indices(d.acc, sinks | recent, B)
                 d.keep(idx)
+            self._report(i, point)
+
+    def minikv_budgets(self, t: int) -> tuple[list[int], int]:
+        """(heavy hitters per layer, recent window) for a turn of t tokens (minikv.md step 3)."""
+        o = self.opt
+        if self.user_budget is not None:  # B(t) split evenly, protected minimum 0
+            B = self.user_budget.tokens(t, 0)
+            n_rw = B // 2
+            n_hh = B - n_rw
+        else:
+            n_rw = math.floor(Fraction(str(o["recent"])) * t)
+            n_hh = math.floor(Fraction(str(o["heavy"])) * t)
+        L = self.config.n_layers
+        if o["alloc"] == "pyramid":
+            hh = minikv_pyramid(n_hh, L, o["depth"], o["pyramid_dir"])
+        else:
+            hh = [n_hh] * L
+        if o["align"]:  # round heavy hitters down so the kept count fills whole groups
+            hh = [max(0, h - (h + n_rw) % o["align"]) for h in hh]
+        return hh, n_rw
+
+    def _select_minikv(self, point: str) -> None:
+        """Heavy hitters by the turn's column sums + the recent window, per KV head, once."""
+        t = self.layers[0].dense.length
+        hh, n_rw = self.minikv_budgets(t)
+        Hkv = self.config.n_kv_heads
+        j = torch.arange(t, device=self.device)
+        recent = (j >= t - n_rw)[None].expand(Hkv, t)
+        for i, st in enumerate(self.layers):
+            d = st.dense
+            if hh[i] + n_rw < t:
+                acc = d.acc
+                if len(acc) != Hkv:  # gqa_agg=max: the best query head of each group
+                    acc = acc.view(Hkv, -1, t).amax(1)
+                if self.opt["score_norm"] == "length":  # queries that could see token j
+                    acc = acc / (t - j).float()
+                d.keep(keep_indices(acc, recent, hh[i] + n_rw))
             self._report(i, point)
 
     def _select_window(self, point: str) -> None:
@@ -228,6 +323,8 @@ class CompressedKV(KVManager):
         total = 0
         for st in self.layers:
             total += st.dense.nbytes(self.count_pos)
+            if st.held is not None:
+                total += st.held.nbytes(False)
             if st.kivi is not None:
                 total += st.kivi.nbytes()
             if st.qwin is not None:  # SnapKV's saved window queries count while held (0.6)
@@ -236,7 +333,12 @@ class CompressedKV(KVManager):
 
     def describe(self) -> dict:
         d = self.spec.describe()
-        if self.sel.name != "full":
+        if self.minikv and self.opt["report"] == "paper":
+            # MiniKV App. I: (layers x hidden) bytes per kept or generated token, MHA, 2-bit,
+            # residual ignored; logged beside the measured bytes for comparison only
+            c = self.config
+            d["bytes_paper"] = sum(self.kept_counts()) * c.n_heads * c.head_dim
+        if self.sel.name != "full" and not (self.minikv and self.user_budget is None):
             d["budget"] = (
                 float(self.budget.value) if self.budget.is_fraction else int(self.budget.value)
             )
@@ -245,5 +347,8 @@ class CompressedKV(KVManager):
     def kept_counts(self) -> list[int]:
         """Slots held per layer (dense + store), for tests and `kvrun bench`."""
         return [
-            st.dense.length + (st.kivi.length if st.kivi is not None else 0) for st in self.layers
+            st.dense.length
+            + (st.kivi.length if st.kivi is not None else 0)
+            + (st.held.length if st.held is not None else 0)
+            for st in self.layers
         ]
