@@ -2,8 +2,9 @@
 
     python bench/headline.py --text book.txt [-m smollm2] [--budget 0.25] [--quick]
 
-For each method (all of `kvrun kv list`, plus the snapkv+kivi2 stack), selecting methods at
---budget:
+For each method (all of `kvrun kv list`, plus the snapkv+kivi2, minicache+kivi4 and
+xkv+kivi2 stacks), methods that take a budget at --budget (MiniKV's heavy/recent split it in
+half), the others at their defaults:
   - pass key: accuracy over lengths 1k, 2k, 4k x depths 0, 50, 100 % (kvrun needle's grid,
     our own filler from prompts/passkey_filler.txt, greedy, raw prompts);
   - KL vs full: mean KL(P_full || P_method) over 64 teacher-forced tokens after a 4000-token
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
-from kvrun.kv.recipes import PARTS
+from kvrun.kv.recipes import PARTS, parse_kv
 from kvrun.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks import perplexity as ppl
@@ -40,7 +41,9 @@ def args() -> argparse.Namespace:
     ap.add_argument("-m", "--model", default=None, help="model name or path (default smollm2)")
     ap.add_argument("--text", default=None, help="long English text for the KL column")
     ap.add_argument("--budget", default="0.25", help="budget of selecting methods")
-    ap.add_argument("--methods", default=",".join(PARTS) + ",snapkv+kivi2")
+    ap.add_argument(
+        "--methods", default=",".join(PARTS) + ",snapkv+kivi2,minicache+kivi4,xkv+kivi2"
+    )
     ap.add_argument("--lengths", default="1000,2000,4000")
     ap.add_argument("--depths", default="0,50,100")
     ap.add_argument("--kl-context", type=int, default=4000)
@@ -113,10 +116,19 @@ def speed(rt, configs, a) -> dict:
     return out
 
 
+def settings(method: str) -> str:
+    """The recipe's axes: scorer / allocator / store (stacked store parts named)."""
+    spec = parse_kv(method)
+    p = spec.select
+    store = spec.store.name if spec.store else p.store
+    return f"{p.scorer} / {p.allocator} / {store}" if p.name != "full" else f"- / - / {store}"
+
+
 def table(configs, acc, kl, rows) -> list[str]:
     lines = [
-        "| method | budget | pass key | KL vs full (nats) | KV bytes / full | decode tok/s | vs full |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method | settings (scorer / allocator / store) | budget | pass key | KL vs full (nats) "
+        "| KV bytes / full | decode tok/s | vs full |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full = rows[("full", None)]["decode_tok_s"]
     for cfg in configs:
@@ -125,7 +137,7 @@ def table(configs, acc, kl, rows) -> list[str]:
         r = rows[key]
         k = f"{kl[key]:.4f}" if key in kl else "-"
         lines.append(
-            f"| {cfg.method} | {cfg.budget or '-'} | {c}/{n} ({c / n:.0%}) | {k} | "
+            f"| {cfg.method} | {settings(cfg.method)} | {cfg.budget or '-'} | {c}/{n} ({c / n:.0%}) | {k} | "
             f"{r['kv_ratio']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x |"
         )
     return lines
