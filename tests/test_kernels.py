@@ -255,14 +255,13 @@ def test_kivi_decode_ref_matches_dequantize_then_attend(Hkv, g, Tq, Tb, D, bits,
     q = _randn(1, Hkv * g, Tq, D, seed=21)
     out, lse = kd.kivi_decode_ref(q, *body, bits, G, causal)
     assert_partial((out, lse), naive_kivi(q, body, bits, G, causal), atol=1e-4, rtol=1e-4)
-    # the same numbers as KiviLayer._attend_body, which it replaces; the layer's causal mask
-    # for Tq own tokens at the end of the body is causal_offset = Tb - Tq
+    # KiviLayer attends its body through this kernel: Tq own tokens at the end of the body
+    # are causal_offset = Tb - Tq, older slots (n_new = 0) are all visible
     layer = KiviLayer(Hkv, D, bits, G, G, F32, "cpu")
     layer.append(k, v)
     layer.flush(G)
-    mask = None if causal is None else layer._mask(0, Tb, Tq, Tq)
     assert causal is None or causal == Tb - Tq
-    p = layer._attend_body(q, mask)
+    p = layer._attend_body(q, 0 if causal is None else Tq)
     assert torch.equal(p.out, out) and torch.equal(p.lse, lse)
 
 

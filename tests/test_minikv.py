@@ -19,9 +19,10 @@ from click.testing import CliRunner
 from test_kv_methods import HKV, drive, full_logits, hooked, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
+from kvrun.kernels.colsum import colsum_ref
 from kvrun.kv.budget import minikv_pyramid, minikv_pyramid_shares
 from kvrun.kv.kivi import KiviLayer, dequantize, pack, quantize, unpack
-from kvrun.kv.select import dense_colsum, prefill_colsum
+from kvrun.kv.select import dense_colsum
 from kvrun.tasks.passkey import answer_matches, passkey_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,18 +64,19 @@ def test_column_sums_match_dense_reference(t, g):
     out_ref, p = ref_colsum(q[0], k[0], v[0])
     a_q = p.sum(1)  # (Hq, T)
     a_h = a_q.view(Hkv, g, t).sum(1)
-    for part, col in (prefill_colsum(q, k, v), dense_colsum(q, k, v)):
-        torch.testing.assert_close(col.double(), a_h, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(part.out[0].double(), out_ref, rtol=1e-4, atol=1e-5)
+    out, _, col = colsum_ref(q, k, v)
+    for o, c in ((out, col), (dense_colsum(q, k, v)[0].out, dense_colsum(q, k, v)[1])):
+        torch.testing.assert_close(c.double(), a_h, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(o[0].double(), out_ref, rtol=1e-4, atol=1e-5)
         assert torch.allclose(
             col.sum(-1).double(), torch.full((Hkv,), float(g * t), dtype=torch.float64), rtol=1e-3
         )
-    _, per_q = prefill_colsum(q, k, v, per_head=True)
+    _, _, per_q = colsum_ref(q, k, v, per_head=True)
     torch.testing.assert_close(per_q.double(), a_q, rtol=1e-4, atol=1e-6)
     # A_q[t-1] = P_q[t-1, t-1]: only the last row sees the last key
     torch.testing.assert_close(per_q[:, -1].double(), p[:, -1, -1], rtol=1e-5, atol=1e-7)
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(prefill_colsum(q, k, v)[0].out, sdpa, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(colsum_ref(q, k, v)[0], sdpa, rtol=1e-4, atol=1e-5)
 
 
 def test_column_sums_with_older_keys_are_true_probabilities():
@@ -88,7 +90,7 @@ def test_column_sums_with_older_keys_are_true_probabilities():
     ref = p[:, :, Told:].sum(1).view(Hkv, g, Tq).sum(1)
     s_old = (q[0].double() @ k[0, :, :Told].double().repeat_interleave(g, 0).mT) / math.sqrt(D)
     other = torch.logsumexp(s_old, -1)[None].float()  # (1, Hq, Tq)
-    _, col = prefill_colsum(q, k[:, :, Told:], v[:, :, Told:], other)
+    _, _, col = colsum_ref(q, k[:, :, Told:], v[:, :, Told:], other_lse=other)
     torch.testing.assert_close(col.double(), ref, rtol=1e-4, atol=1e-6)
 
 

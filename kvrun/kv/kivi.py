@@ -7,10 +7,10 @@ public KIVI layout. The manager decides when to flush; this file is the mechanis
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..kernels.kivi_decode import kivi_decode
+from ..kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
 from .attention import Partial, segment_attention
 
 
@@ -22,20 +22,16 @@ def quantize(
     Returns uint8 codes (x's shape) and scale, zero (x's shape with `dim` cut to n/group) in
     `dtype`. Scale and zero are rounded to `dtype` first and the codes computed from the
     rounded values (fp32, round half-to-even); a flat group gets code 0, so x_hat = z exactly.
+    The arithmetic is kernels.kivi_pack's reference, which the Triton kernel matches bit
+    for bit.
     """
-    xt = x.float().movedim(dim, -1)  # (..., n)
-    n = xt.shape[-1]
-    if n % group:
-        raise ValueError(f"kivi: length {n} along dim {dim} is not a multiple of group {group}")
-    xg = xt.reshape(*xt.shape[:-1], n // group, group)  # (..., n/G, G)
-    lo, hi = xg.amin(-1), xg.amax(-1)  # (..., n/G)
-    zero = lo.to(dtype)
-    scale = ((hi - lo) / (2**bits - 1)).to(dtype)
-    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
-    q = torch.round((xg - z) / torch.where(s == 0, 1.0, s)).clamp_(0, 2**bits - 1)
-    q = torch.where(s == 0, 0.0, q)  # flat group (or a scale that underflowed): code 0
-    codes = q.to(torch.uint8).reshape(xt.shape).movedim(-1, dim)
-    return codes, scale.movedim(-1, dim), zero.movedim(-1, dim)
+    xt = x.movedim(dim, -1)
+    if xt.shape[-1] % group:
+        raise ValueError(
+            f"kivi: length {xt.shape[-1]} along dim {dim} is not a multiple of group {group}"
+        )
+    codes, scale, zero = quantize_groups(xt, bits, group, dtype)
+    return codes.to(torch.uint8).movedim(-1, dim), scale.movedim(-1, dim), zero.movedim(-1, dim)
 
 
 def dequantize(
@@ -49,23 +45,14 @@ def dequantize(
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack codes along the last dim into int32 words, 32/bits per word, first code lowest."""
-    per = 32 // bits
-    n = codes.shape[-1]
-    if n % per:
-        raise ValueError(f"kivi: cannot pack {n} codes into words of {per}")
-    c = codes.to(torch.int64).reshape(*codes.shape[:-1], n // per, per)  # (..., W, per)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
-    words = (c << shifts).sum(-1)  # (..., W) in [0, 2^32): fields never overlap
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if codes.shape[-1] % (32 // bits):
+        raise ValueError(f"kivi: cannot pack {codes.shape[-1]} codes into words of {32 // bits}")
+    return pack_codes(codes, bits)
 
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 codes, 32/bits per word along the last dim."""
-    per = 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF  # (..., W) unsigned
-    shifts = torch.arange(per, device=words.device, dtype=torch.int64) * bits
-    c = (w.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., W, per)
-    return c.reshape(*words.shape[:-1], words.shape[-1] * per).to(torch.uint8)
+    return unpack_codes(words, bits).to(torch.uint8)
 
 
 def _grow(t: torch.Tensor, dim: int, need: int) -> torch.Tensor:
@@ -153,17 +140,16 @@ class KiviLayer:
         if n == 0:
             return 0
         b, G, tq = self.bits, self.G, self.body_len
-        k, v = self._tk[:, :n], self._tv[:, :n]  # (Hkv, n, D)
-        kc, ks, kz = quantize(k.transpose(1, 2), b, -1, G, self.dtype)  # (Hkv, D, n), (Hkv, D, n/G)
-        vc, vs, vz = quantize(v, b, -1, G, self.dtype)  # (Hkv, n, D), (Hkv, n, D/G)
+        # (Hkv, D, n*b/32), (Hkv, D, n/G) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on CUDA
+        kq, ks, kz, vq, vs, vz = kivi_pack(self._tk[:, :n], self._tv[:, :n], b, G)
         w0, w1, g0, g1 = tq * b // 32, (tq + n) * b // 32, tq // G, (tq + n) // G
         self._kq = _grow(self._kq, 2, w1)
         self._ks, self._kz = _grow(self._ks, 2, g1), _grow(self._kz, 2, g1)
         self._vq = _grow(self._vq, 1, tq + n)
         self._vs, self._vz = _grow(self._vs, 1, tq + n), _grow(self._vz, 1, tq + n)
-        self._kq[..., w0:w1] = pack(kc, b)
+        self._kq[..., w0:w1] = kq
         self._ks[..., g0:g1], self._kz[..., g0:g1] = ks, kz
-        self._vq[:, tq : tq + n] = pack(vc, b)
+        self._vq[:, tq : tq + n] = vq
         self._vs[:, tq : tq + n], self._vz[:, tq : tq + n] = vs, vz
         rest = self.tail_len - n
         self._tk[:, :rest] = self._tk[:, n : n + rest].clone()
@@ -191,37 +177,18 @@ class KiviLayer:
             raise ValueError(f"kivi: n_new {n_new} must be 0 or Tq={Tq}, at most {self.length}")
         parts = []
         if self.body_len:
-            parts.append(self._attend_body(q, self._mask(0, self.body_len, Tq, n_new)))
+            parts.append(self._attend_body(q, n_new))
         tk, tv = self.tail()
         mask = self._mask(self.body_len, self.length, Tq, n_new)
         parts.append(segment_attention(q, tk[None], tv[None], mask))
         return parts
 
-    def _attend_body(self, q: torch.Tensor, mask: torch.Tensor | None) -> Partial:
-        """Body attention with dequantization fused into the math (torch reference, fp32).
-
-        score_t = (1/sqrt(D)) sum_c q[c] (sK[c,g(t)] kq[t,c] + zK[c,g(t)]),
-        out[c] = sum_t p_t (sV[t,g(c)] vq[t,c] + zV[t,g(c)]).
-        """
-        _, Hq, Tq, D = q.shape
-        H, G, b, Tb = self.H, self.G, self.bits, self.body_len
-        kq, ks, kz, vq, vs, vz = self.body()
-        qg = q.float().reshape(H, Hq // H, Tq, D)  # (Hkv, g, Tq, D)
-        kc = unpack(kq, b).float().view(H, D, Tb // G, G)  # (Hkv, D, Tb/G, G)
-        sk = (kc * ks.float()[..., None]).view(H, D, Tb)  # (Hkv, D, Tb) per-call temporary
-        s = torch.einsum("hgqc,hct->hgqt", qg, sk)  # (Hkv, g, Tq, Tb)
-        qz = torch.einsum("hgqc,hcn->hgqn", qg, kz.float())  # (Hkv, g, Tq, Tb/G): q . zK
-        s = (s + qz.repeat_interleave(G, dim=-1)) / math.sqrt(D)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)  # (Hkv, g, Tq)
-        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (Hkv, g, Tq, Tb)
-        vc = unpack(vq, b).float().view(H, Tb, D // G, G)  # (Hkv, Tb, D/G, G)
-        sv = (vc * vs.float()[..., None]).view(H, Tb, D)  # (Hkv, Tb, D)
-        out = torch.einsum("hgqt,htc->hgqc", p, sv)  # (Hkv, g, Tq, D)
-        pz = torch.einsum("hgqt,htn->hgqn", p, vz.float())  # (Hkv, g, Tq, D/G): sum_t p zV
-        out = out + pz.repeat_interleave(G, dim=-1)
-        return Partial(out.reshape(1, Hq, Tq, D), lse.reshape(1, Hq, Tq))
+    def _attend_body(self, q: torch.Tensor, n_new: int) -> Partial:
+        """Body attention with the dequantization inside the dot products (kernels.kivi_decode:
+        Triton on CUDA, its torch reference elsewhere); the own tokens are causal."""
+        own0 = self.length - n_new  # first own token's slot
+        off = None if n_new == 0 or self.body_len <= own0 else own0
+        return Partial(*kivi_decode(q, *self.body(), self.bits, self.G, off))
 
     # --- accounting and reference -----------------------------------------------------
     def nbytes(self) -> int:

@@ -14,12 +14,13 @@ from fractions import Fraction
 import torch
 
 from ..errors import KvrunError
-from .attention import combine
+from ..kernels.colsum import colsum, colsum_ref, colsum_triton
+from .attention import Partial, combine
 from .base import KVManager
 from .budget import Budget, minikv_pyramid, pyramid_budgets
 from .dense import DenseSeg
 from .recipes import KVSpec, protected_tokens
-from .select import attention_colsum, dense_colsum, keep_indices, prefill_colsum, window_votes
+from .select import attention_colsum, dense_colsum, keep_indices, window_votes
 
 # on_select(layer, point, positions (Hkv, T)): the debug hook of baselines.md 0.4
 SelectHook = Callable[[int, str, torch.Tensor], None]
@@ -180,11 +181,14 @@ class CompressedKV(KVManager):
             older = []
         per_head = self.opt["gqa_agg"] == "max"
         d = st.dense
-        if self.opt["colsum"] == "dense" and not older:
+        mode = self.opt["colsum"]
+        if mode == "dense" and not older:
             part, col = dense_colsum(qr, d.k, d.v, per_head)
-        else:
+        else:  # two launches on CUDA (Triton), blocks of 256 query rows in torch elsewhere
+            fn = {"triton": colsum_triton, "chunked": colsum_ref}.get(mode, colsum)
             other = torch.logsumexp(torch.stack([p.lse for p in older]), 0) if older else None
-            part, col = prefill_colsum(qr, d.k, d.v, other, per_head)
+            out, lse, col = fn(qr, d.k, d.v, per_head, other)
+            part = Partial(out, lse[None])
         d.acc += col
         return combine(older + [part], self.dtype)
 

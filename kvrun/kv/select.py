@@ -97,56 +97,10 @@ def attention_colsum(
     return out.view(1, Hq, Tq, D), col
 
 
-COLSUM_BLOCK = 256  # query rows per block in MiniKV's chunked column sums (minikv.md step 2)
-
-
-def prefill_colsum(
-    q: torch.Tensor,  # (1, Hq, Tq, D) post-RoPE, the queries of slots T-Tq..T-1
-    k: torch.Tensor,  # (1, Hkv, T, D)
-    v: torch.Tensor,  # (1, Hkv, T, D)
-    other_lse: torch.Tensor | None = None,  # (1, Hq, Tq): keys held elsewhere (earlier turns)
-    per_head: bool = False,
-    block: int = COLSUM_BLOCK,
-) -> tuple[Partial, torch.Tensor]:  # colsum (Hkv, T), or (Hq, T) per query head, fp32
-    """Causal attention of the newest Tq slots plus the column sums of its probabilities.
-
-    MiniKV's CPU path (minikv.md step 2): per block of `block` query rows, S against the
-    keys that block can see, an exact row softmax, O = P V and A += colsum(P); at most one
-    block x T score tile per head exists. When `other_lse` is given, the rows' softmax also
-    runs over keys held in other segments, so the column sums are the true probabilities
-    of these keys; the returned Partial (normalised over these keys only) combines with
-    those segments' partials.
-    """
-    _, Hq, Tq, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    kf, vf = k[0].float(), v[0].float()
-    qg = q[0].float().view(Hkv, g, Tq, D) / math.sqrt(D)
-    other = None if other_lse is None else other_lse[0].float().view(Hkv, g, Tq)
-    out = torch.empty(Hkv, g, Tq, D, device=q.device)
-    lse = torch.empty(Hkv, g, Tq, device=q.device)
-    col = torch.zeros(Hkv, g, T, device=q.device)
-    for s in range(0, Tq, block):
-        e = min(s + block, Tq)
-        end = T - Tq + e  # the block's last row sees keys [0, end)
-        sc = torch.einsum("hgqd,htd->hgqt", qg[:, :, s:e], kf[:, :end])  # (Hkv, g, b, end)
-        rows = torch.arange(T - Tq + s, T - Tq + e, device=q.device)
-        sc = sc.masked_fill(torch.arange(end, device=q.device)[None, :] > rows[:, None], -math.inf)
-        blk_lse = torch.logsumexp(sc, dim=-1)  # (Hkv, g, b)
-        p = torch.exp(sc - blk_lse[..., None])
-        out[:, :, s:e] = torch.einsum("hgqt,htd->hgqd", p, vf[:, :end])
-        lse[:, :, s:e] = blk_lse
-        if other is not None:  # renormalise over every key the rows see
-            p = p * torch.exp(blk_lse - torch.logaddexp(blk_lse, other[:, :, s:e]))[..., None]
-        col[:, :, :end] += p.sum(dim=2)
-    part = Partial(out.view(1, Hq, Tq, D), lse.view(1, Hq, Tq))
-    return part, (col.view(Hq, T) if per_head else col.sum(1))
-
-
 def dense_colsum(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: bool = False
 ) -> tuple[Partial, torch.Tensor]:
-    """The materialised reference of `prefill_colsum` (MiniKV's colsum=dense; small prompts)."""
+    """The materialised reference of kernels.colsum (MiniKV's colsum=dense; small prompts)."""
     _, Hq, Tq, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     kf = k[0].float().repeat_interleave(Hq // Hkv, dim=0)  # (Hq, T, D)
