@@ -15,12 +15,13 @@ import torch
 
 from ..errors import KvrunError
 from ..kernels.colsum import colsum, colsum_ref, colsum_triton
+from ..kernels.dense_decode import dense_decode
 from .attention import Partial, combine
 from .base import KVManager
 from .budget import Budget, minikv_pyramid, pyramid_budgets
 from .dense import DenseSeg
 from .recipes import KVSpec, protected_tokens
-from .select import attention_colsum, dense_colsum, keep_indices, window_votes
+from .select import attention_colsum, dense_colsum, group_sum, keep_indices, window_votes
 
 # on_select(layer, point, positions (Hkv, T)): the debug hook of baselines.md 0.4
 SelectHook = Callable[[int, str, torch.Tensor], None]
@@ -149,9 +150,12 @@ class CompressedKV(KVManager):
             prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
             st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -w:]
         if self.sel.scorer == "cumulative":
-            out, col = attention_colsum(
-                qr, st.dense.k, st.dense.v, st.dense.mask(positions, T, window)
-            )
+            mask = st.dense.mask(positions, T, window)
+            if T == 1 and mask is None and qr.is_cuda:  # H2O decode: one kernel, probabilities out
+                out, _, p = dense_decode(qr, st.dense.k, st.dense.v, return_probs=True)
+                st.dense.acc += group_sum(p[0, :, 0], st.dense.k.shape[1])
+                return out.to(self.dtype)
+            out, col = attention_colsum(qr, st.dense.k, st.dense.v, mask)
             st.dense.acc += col
             return out.to(self.dtype)
         if st.kivi is not None and st.kivi.length:
