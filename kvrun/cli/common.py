@@ -61,12 +61,13 @@ def model_options(f):
 def kv_options(multiple: bool = False):
     """--kv and --kv-budget; with multiple=True both may be given several times (grids)."""
     kv_help = (
-        "KV cache method: full, streaming, h2o, snapkv, pyramidkv, kivi2, kivi4; stack with + "
-        "(snapkv+kivi2), options with : (snapkv:window=64). See `kvrun kv list`."
+        "KV cache method: full, minikv, minikv-pyramid, xkv, minicache, spindlekv, streaming, h2o, "
+        "snapkv, pyramidkv, kivi2, kivi4; stack with + (snapkv+kivi2, minicache+kivi4), options "
+        "with : (snapkv:window=64). See `kvrun kv list`."
     )
     budget_help = (
         "Tokens kept per layer: a fraction of the tokens seen (< 1) or a count (>= 1). "
-        "Default 0.2 for selecting methods."
+        "Default 0.2 for selecting methods (MiniKV: 25% heavy + 25% recent; MiniCache: none)."
     )
     if multiple:
         kv_help += " Repeat for several methods."

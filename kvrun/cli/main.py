@@ -59,7 +59,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import bench, chat, convert, generate, info, kv, longdoc, needle, perplexity
+    from . import bench, chat, convert, generate, info, kv, longdoc, needle, perplexity, profile
 
     cli.add_command(generate.generate)
     cli.add_command(chat.chat)
@@ -72,6 +72,7 @@ def _register() -> None:
     cli.add_command(perplexity.perplexity)
     cli.add_command(longdoc.longdoc)
     cli.add_command(needle.needle)
+    cli.add_command(profile.profile)
 
 
 _register()

@@ -424,6 +424,11 @@ def check_budget(spec: KVSpec, budget) -> None:
             "minicache has no token budget (it merges layers, it keeps every token); drop "
             "--kv-budget, or stack a store (minicache+kivi4) for more compression"
         )
+    if spec.select.name == "xkv" and spec.select_opts["target"] > 0:
+        raise KvrunError(
+            "xkv:target=R keeps a share of the attention mass and takes no --kv-budget; "
+            "give one of them"
+        )
     if takes_budget(spec):
         budget.check(protected_tokens(spec), spec.select.name)
 
@@ -435,8 +440,9 @@ def protected_tokens(spec: KVSpec) -> int:
         return o["sinks"] + 1
     if s.name == "h2o":
         return o["sinks"] + 1
-    if s.name == "xkv":  # window + floor (xkv.md, budget mode)
-        return o["window"] + (o["window"] if o["min_tokens"] < 0 else o["min_tokens"])
+    if s.name == "xkv":  # window + floor (xkv.md, budget mode); the floor alone in context scope
+        floor = o["window"] if o["min_tokens"] < 0 else o["min_tokens"]
+        return floor + (o["window"] if o["budget_scope"] == "total" else 0)
     if s.scorer == "window":
         return o["window"]
     return 0

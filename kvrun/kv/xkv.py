@@ -1,0 +1,594 @@
+"""XKV (methods/xkv.md): SnapKV-style eviction at the end of prefill with its own budget n_i
+per layer, chosen by a global top-N over per-layer-normalised window scores.
+
+Budgets come from a scoring pass of the same model that keeps no KV (plan=two-pass), from the
+prefill itself (plan=deferred, chunked prefills, later chat turns) or from a saved profile.
+With a plan in hand and a one-chunk prefill, each layer evicts right after its attention, so
+the peak is the compressed earlier layers plus one full layer. Nothing is evicted in decode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import KvrunError
+from .base import KVManager
+from .budget import Budget, largest_remainder
+from .manager import CompressedKV
+from .select import group_sum, keep_indices
+
+
+# --------------------------------------------------------------------------------- scores
+def pool_scores(x: torch.Tensor, pool: str) -> torch.Tensor:
+    """Pool each row of x (R, C) along C: avg:K / max:K, stride 1, same padding; or none.
+
+    avg counts the zero pads (torch's avg_pool1d default), so index j still means token j.
+    """
+    if pool == "none" or x.shape[-1] == 0:
+        return x
+    kind, _, k = pool.partition(":")
+    size = int(k)
+    x3 = x.unsqueeze(1)  # (R, 1, C)
+    if kind == "avg":
+        out = F.avg_pool1d(x3, size, stride=1, padding=size // 2, count_include_pad=True)
+    else:
+        out = F.max_pool1d(x3, size, stride=1, padding=size // 2)
+    return out.squeeze(1)
+
+
+def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """a_q[j] (Hq, T - w) fp32: softmax attention of the w window rows over all T keys (causal
+    inside the window), averaged over the rows, for the T - w context keys.
+
+    qw (Hq, w, D) post-RoPE queries of the last w tokens; k (Hkv, T, D) post-RoPE keys, the
+    last w of them the window's own. Query head q reads KV head q // G.
+    """
+    Hq, w, D = qw.shape
+    Hkv, T, _ = k.shape
+    G = Hq // Hkv
+    # contiguous fp32 copies: the scoring pass and the prefill feed equal values in different
+    # layouts, and the scores must come out bit-identical (plan equivalence)
+    q = qw.float().contiguous().view(Hkv, G * w, D)
+    kf = k.float().contiguous()
+    logits = torch.bmm(q, kf.transpose(1, 2)).view(Hkv, G, w, T) / math.sqrt(D)
+    rows = torch.arange(T - w, T, device=k.device)  # slot of each window row
+    future = torch.arange(T, device=k.device)[None, :] > rows[:, None]  # (w, T)
+    p = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+    return p[..., : T - w].mean(dim=2).reshape(Hq, T - w)  # (1/ows) sum over rows
+
+
+def layer_scores(
+    qw: torch.Tensor, k: torch.Tensor, pool: str
+) -> tuple[torch.Tensor, torch.Tensor]:  # w (C,), s (Hkv, C) fp32
+    """XKV's scores of one layer: w_i = pool(mean of a_q over all query heads), the allocation
+    score, and s_{i,h} = pool(sum of a_q over the group of KV head h), the selection score."""
+    a = window_attention(qw, k)  # (Hq, C)
+    w = pool_scores(a.mean(dim=0, keepdim=True), pool)[0]
+    s = pool_scores(group_sum(a, k.shape[0]), pool)
+    return w, s
+
+
+def normalise(w: torch.Tensor) -> torch.Tensor:
+    """p_i = w_i / sum_j w_i[j] (zeros stay zeros)."""
+    total = w.sum()
+    return w / total if float(total) > 0 else torch.zeros_like(w)
+
+
+# ----------------------------------------------------------------------------- allocation
+def _ranked(p: list[torch.Tensor], floor: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Each layer's p in rank order (score descending, position ascending) and its floor."""
+    vals = [torch.sort(x.detach().float().cpu(), descending=True, stable=True).values for x in p]
+    return vals, [min(floor, v.numel()) for v in vals]
+
+
+def _candidates(vals: list[torch.Tensor], f: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-floor entries of all layers in global order: p descending, then lower layer,
+    then higher rank (a stable sort over entries listed layer by layer, rank by rank)."""
+    cand = torch.cat([v[fi:] for v, fi in zip(vals, f, strict=True)])
+    layer = torch.cat(
+        [torch.full((v.numel() - fi,), i) for i, (v, fi) in enumerate(zip(vals, f, strict=True))]
+    )
+    order = torch.sort(cand, descending=True, stable=True).indices
+    return cand[order], layer[order]
+
+
+def _greedy(vals, f, steps: int | None, target: float | None) -> list[int]:
+    """Alg. 1 corrected: start at the floors; a wait list holds each layer's next entry (-inf
+    once exhausted); take the largest (ties: lower layer) until `steps` are taken or the mean
+    retained mass reaches `target`."""
+    lists = [v.tolist() for v in vals]
+    L, n = len(lists), list(f)
+    mass = 0.0
+    for v, fi in zip(lists, f, strict=True):
+        for x in v[:fi]:
+            mass += x
+    wait = [v[fi] if fi < len(v) else -math.inf for v, fi in zip(lists, f, strict=True)]
+    taken = 0
+    while True:
+        if (steps is not None and taken == steps) or (target is not None and mass / L >= target):
+            break
+        best = max(range(L), key=lambda i: (wait[i], -i))
+        if wait[best] == -math.inf:
+            break  # every layer exhausted
+        mass += wait[best]
+        n[best] += 1
+        taken += 1
+        wait[best] = lists[best][n[best]] if n[best] < len(lists[best]) else -math.inf
+    return n
+
+
+def allocate_budget(
+    p: list[torch.Tensor], n_ctx: int, floor: int, alloc: str = "topk"
+) -> list[int]:
+    """Budget mode (Eqs. 17-18): context tokens n_i per layer, summing to n_ctx clamped to
+    [sum f_i, sum C_i], that maximise the mean retained mass; f_i = min(floor, C_i).
+
+    p: per-layer normalised scores (C_i,). Exact global top-N over the non-floor entries;
+    alloc="loop" runs the literal greedy instead (the same result, the reference).
+    """
+    vals, f = _ranked(p, floor)
+    C = [v.numel() for v in vals]
+    extra = max(sum(f), min(n_ctx, sum(C))) - sum(f)
+    if alloc == "loop":
+        return _greedy(vals, f, extra, None)
+    _, layer = _candidates(vals, f)
+    counts = torch.bincount(layer[:extra], minlength=len(p)).tolist()
+    return [fi + c for fi, c in zip(f, counts, strict=True)]
+
+
+def allocate_target(
+    p: list[torch.Tensor], target: float, floor: int, alloc: str = "topk"
+) -> list[int]:
+    """Target mode: from the floors, add entries in global descending p until the mean
+    retained mass (1/L) sum_i sum_{top n_i} p_i reaches `target` (everything if it never does)."""
+    vals, f = _ranked(p, floor)
+    if alloc == "loop":
+        return _greedy(vals, f, None, target)
+    L = len(p)
+    base = 0.0  # the floors' mass, summed in the same order as the greedy loop
+    for v, fi in zip(vals, f, strict=True):
+        for x in v[:fi].tolist():
+            base += x
+    cand, layer = _candidates(vals, f)
+    mass = torch.cat([torch.tensor([base], dtype=torch.float64), cand.double()]).cumsum(0)
+    reached = (mass / L >= target).nonzero()
+    m = int(reached[0]) if reached.numel() else cand.numel()
+    counts = torch.bincount(layer[:m], minlength=L).tolist()
+    return [fi + c for fi, c in zip(f, counts, strict=True)]
+
+
+def context_budget(
+    budget: Budget, n: int, n_layers: int, window: int, rows: int, floor: int, scope: str
+) -> int:
+    """N, the context tokens to distribute: L*B(n) - L*ows with the window counted in the
+    budget (scope total; P = window + floor), or L*B(n) of context alone (scope context)."""
+    if scope == "total":
+        return n_layers * budget.tokens(n, window + floor) - n_layers * rows
+    return n_layers * budget.tokens(n, floor)
+
+
+# -------------------------------------------------------------------------------- profiles
+@dataclass(slots=True)
+class Profile:
+    """A saved allocation: per-layer fractions of the prompt (or token counts), a running mean
+    over `count` prompts of one task type."""
+
+    model: str
+    n_layers: int
+    window: int
+    pool: str
+    units: str  # "fractions" | "tokens"
+    values: list[float]  # phi_i per layer
+    count: int
+
+    def to_json(self) -> dict:
+        return {
+            "method": "xkv",
+            "model": self.model,
+            "n_layers": self.n_layers,
+            "window": self.window,
+            "pool": self.pool,
+            "units": self.units,
+            self.units: self.values,
+            "count": self.count,
+        }
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file; anything wrong is a one-line KvrunError."""
+    where = f"profile {path}"
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KvrunError(f"cannot read {where}: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError):
+        raise KvrunError(
+            f"{where} is not valid JSON; delete it or make a new one with `kvrun profile`"
+        ) from None
+    if not isinstance(obj, dict) or obj.get("method") != "xkv":
+        raise KvrunError(f'{where} is not an XKV profile (no "method": "xkv")')
+    units = obj.get("units", "fractions" if "fractions" in obj else "tokens")
+    values, L, count = obj.get(units), obj.get("n_layers"), obj.get("count", 1)
+
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    ok = (
+        units in ("fractions", "tokens")
+        and isinstance(L, int)
+        and L > 0
+        and isinstance(values, list)
+        and len(values) == L
+        and all(number(x) and x >= 0 for x in values)
+        and (units == "tokens" or all(x <= 1 for x in values))
+        and isinstance(count, int)
+        and count >= 1
+        and isinstance(obj.get("window", 8), int)
+        and isinstance(obj.get("pool", "avg:7"), str)
+    )
+    if not ok:
+        raise KvrunError(
+            f"{where} is malformed (need n_layers, {units}: one number >= 0 per "
+            "layer, count); make a new one with `kvrun profile`"
+        )
+    return Profile(
+        str(obj.get("model", "")),
+        L,
+        obj.get("window", 8),
+        obj.get("pool", "avg:7"),
+        units,
+        [float(x) for x in values],
+        count,
+    )
+
+
+def check_profile(
+    prof: Profile, path, n_layers: int, model: str, window: int, pool: str, units: str | None = None
+) -> None:
+    """A profile made for another model shape, window, pooling (or units, when folding) is an
+    error: its fractions would not mean the same thing."""
+    where = f"profile {path}"
+    if prof.n_layers != n_layers:
+        raise KvrunError(
+            f"{where} has {prof.n_layers} layers but the model has {n_layers}; "
+            "make a profile for this model with `kvrun profile`"
+        )
+    if prof.model and model and prof.model != model:
+        raise KvrunError(
+            f"{where} was made for model {prof.model!r}, not {model!r}; "
+            "make one for this model with `kvrun profile`"
+        )
+    if (prof.window, prof.pool) != (window, pool):
+        raise KvrunError(
+            f"{where} was made with window={prof.window},pool={prof.pool}; run with "
+            "those xkv options or make a new profile"
+        )
+    if units is not None and prof.units != units:
+        raise KvrunError(
+            f"{where} stores {prof.units}, not {units}; set xkv:profile_units="
+            f"{prof.units} or write to a new file"
+        )
+
+
+def fold_profile(
+    prof: Profile | None, values: list[float], *, model: str, window: int, pool: str, units: str
+) -> Profile:
+    """The running mean with one more prompt's values (a new profile when prof is None)."""
+    if prof is None:
+        return Profile(model, len(values), window, pool, units, list(values), 1)
+    k = prof.count
+    mean = [(old * k + new) / (k + 1) for old, new in zip(prof.values, values, strict=True)]
+    return Profile(prof.model or model, prof.n_layers, window, pool, units, mean, k + 1)
+
+
+def save_profile(path: str | Path, prof: Profile) -> None:
+    """Write the profile as JSON, atomically (a crash never leaves half a file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(prof.to_json(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise KvrunError(f"cannot write profile {path}: {e.strerror}") from None
+
+
+def profile_budgets(
+    values: list[float], units: str, t: int, n_ctx: int, floor: int, C: int, target: bool
+) -> list[int]:
+    """Context tokens per layer for a prompt of t tokens (C = t - ows) from a profile.
+
+    Target mode: n_i = floor(phi_i * t + 1/2) clipped to [f, C]. Budget mode: f plus the
+    largest-remainder split of N - L*f (ties to the lower layer), layers above C cut to C and
+    the excess given to the others up to C in descending phi order, so sum n_i = N.
+
+    The split is in proportion to what each layer's profile share puts above the floor,
+    (phi_i * t - f)+, not to phi_i as xkv.md literally writes: with f > 0 the literal rule
+    would not give back the saved n_i at the same length (xkv.md test 10), this one does.
+    """
+    L, f = len(values), min(floor, max(C, 0))
+    if C <= 0:
+        return [0] * L
+    pred = [Fraction(v) * t if units == "fractions" else Fraction(v) for v in values]
+    if target:
+        return [min(C, max(f, math.floor(x + Fraction(1, 2)))) for x in pred]
+    N = max(L * f, min(n_ctx, L * C))
+    weights = [max(x - f, Fraction(0)) for x in pred]
+    if sum(weights) == 0:
+        weights = pred if sum(pred) > 0 else [Fraction(1)] * L
+    total = sum(weights)
+    extra = largest_remainder([(N - L * f) * w / total for w in weights], N - L * f)
+    n = [f + e for e in extra]
+    excess = sum(max(0, x - C) for x in n)
+    n = [min(x, C) for x in n]
+    for i in sorted(range(L), key=lambda i: (-values[i], i)):
+        add = min(excess, C - n[i])
+        n[i] += add
+        excess -= add
+    return n
+
+
+# --------------------------------------------------------------------------------- manager
+@dataclass(slots=True)
+class Allocation:
+    """Per-layer budgets of one prefill: n[i] context tokens plus `window` window tokens."""
+
+    n: list[int]
+    t: int  # tokens (slots) it was made for
+    window: int  # observation-window tokens kept on top of n[i] in every layer
+    source: str  # "two-pass" | "deferred" | "profile"
+
+
+class XKV(CompressedKV):
+    """XKV on the composed manager: its own allocator, scores and planning; the dense or KIVI
+    store and the window-query buffer of CompressedKV."""
+
+    def __init__(self, spec, budget: Budget | None, config, rope, device, dtype, on_select=None):
+        o = spec.select_opts
+        if o["target"] > 0 and budget is not None:
+            raise KvrunError(
+                f"xkv:target={o['target']} sets the retained attention mass, so it takes no "
+                "--kv-budget; give one of them"
+            )
+        super().__init__(spec, budget, config, rope, device, dtype, on_select)
+        self.window = o["window"]
+        self.floor = o["window"] if o["min_tokens"] < 0 else o["min_tokens"]
+        self.target = o["target"]
+        self.pool = o["pool"]
+        self.profile_path = Path(o["profile"]) if o["profile"] else None
+        self._usable_profile()  # a bad profile fails now, before any prefill
+
+    def reset(self) -> None:
+        super().reset()
+        L = self.config.n_layers
+        self.allocation: Allocation | None = None
+        self._plan: tuple[Allocation, list[torch.Tensor]] | None = None  # from a scoring pass
+        self._held: list[torch.Tensor | None] = [None] * L  # the plan's selection scores
+        self._evict_now = False
+        self._done = [False] * L
+        self._prefill_n = 0
+        self._first = True
+        self.layer_budgets: list[int] | None = None  # n_i + ows after the last prefill
+
+    # ------------------------------------------------------------------- planning
+    def scoring_pass(self, n_tokens: int) -> KVManager | None:
+        """Session hook: a manager for pass 1 of plan=two-pass, or None when no pass is needed
+        (plan=deferred, a later turn, a usable profile, nothing to evict, a sliding window)."""
+        self._plan = None
+        sw = self.config.sliding_window
+        if (
+            self.opt["plan"] != "two-pass"
+            or self.seen > 0
+            or n_tokens <= self.window
+            or (sw and n_tokens > sw)
+            or self._usable_profile() is not None
+        ):
+            return None
+        return _ScoringPass(self)
+
+    def _usable_profile(self) -> Profile | None:
+        """The profile to load instead of planning: FILE exists and profile_update is off."""
+        p = self.profile_path
+        if p is None or self.opt["profile_update"] or not p.exists():
+            return None
+        prof = load_profile(p)
+        check_profile(prof, p, self.config.n_layers, self.config.name, self.window, self.pool)
+        return prof
+
+    def _allocate(
+        self, w: list[torch.Tensor], n: int, rows: int, source: str, t: int
+    ) -> Allocation:
+        """Budgets from the allocation scores w_i of every layer (budget or target mode)."""
+        p = [normalise(x) for x in w]
+        alloc = self.opt["alloc"]
+        if self.target > 0:
+            counts = allocate_target(p, self.target, self.floor, alloc)
+        else:
+            L = self.config.n_layers
+            N = context_budget(
+                self.budget, n, L, self.window, rows, self.floor, self.opt["budget_scope"]
+            )
+            counts = allocate_budget(p, N, self.floor, alloc)
+        return Allocation(counts, t, rows, source)
+
+    def _adopt_plan(self, w: list[torch.Tensor], sel: list[torch.Tensor], t: int) -> None:
+        """End of pass 1: allocate, keep the selection scores for the real prefill."""
+        a = self._allocate(w, t, min(self.window, t), "two-pass", t)
+        self.allocation = a
+        self._plan = (a, sel)
+        self._record_profile(a)
+
+    def _record_profile(self, a: Allocation) -> None:
+        """Write (or fold into) profile=FILE after planning the first prefill normally."""
+        if self.profile_path is None:
+            return
+        units = self.opt["profile_units"]
+        values = [x / a.t if units == "fractions" else float(x) for x in a.n]
+        old = None
+        if self.profile_path.exists():
+            old = load_profile(self.profile_path)
+            check_profile(
+                old,
+                self.profile_path,
+                self.config.n_layers,
+                self.config.name,
+                self.window,
+                self.pool,
+                units,
+            )
+        prof = fold_profile(
+            old, values, model=self.config.name, window=self.window, pool=self.pool, units=units
+        )
+        save_profile(self.profile_path, prof)
+
+    # --------------------------------------------------------------- sequence points
+    def begin_prefill(self, n_tokens: int) -> None:
+        super().begin_prefill(n_tokens)
+        L = self.config.n_layers
+        self._prefill_n, self._first = n_tokens, self.seen == 0
+        self._done, self._held, self._evict_now = [False] * L, [None] * L, False
+        plan, self._plan = self._plan, None
+        self.allocation = None
+        if not self._first:
+            return  # later turns: deferred over the slots held (as snapkv)
+        if plan is not None and plan[0].t == n_tokens:
+            self.allocation, self._held = plan[0], list(plan[1])
+            self._evict_now = True
+            return
+        prof = self._usable_profile()
+        if prof is not None:
+            rows = min(self.window, n_tokens)
+            C = n_tokens - rows
+            N = context_budget(
+                self.budget, n_tokens, L, self.window, rows, self.floor, self.opt["budget_scope"]
+            )
+            n = profile_budgets(
+                prof.values, prof.units, n_tokens, N, self.floor, C, self.target > 0
+            )
+            self.allocation = Allocation(n, n_tokens, rows, "profile")
+            self._evict_now = True
+
+    def attend(self, layer, q, k, v, positions):
+        out = super().attend(layer, q, k, v, positions)
+        if self._evict_now and self.in_prefill and k.shape[2] == self._prefill_n:
+            # one-chunk prefill with budgets known: this layer is final, evict it now
+            st = self.layers[layer]
+            score = self._held[layer]
+            if score is None:
+                score = self._selection_score(st)
+            self._keep(st, score, self.allocation.n[layer])
+            self._held[layer], st.qwin = None, None
+            self._done[layer] = True
+        return out
+
+    def _selection_score(self, st) -> torch.Tensor:
+        """s_{i,h} (Hkv, C) of a layer from its window queries and keys; (1, C) w_i for
+        select=layer (one kept set for all KV heads)."""
+        w, s = layer_scores(st.qwin, st.dense.k[0], self.pool)
+        return w[None] if self.opt["select"] == "layer" else s
+
+    def _keep(self, st, score: torch.Tensor, n_ctx: int) -> None:
+        """Keep the top-n_ctx context slots by score (ties: lower position) plus the window."""
+        d = st.dense
+        C = score.shape[1]
+        if n_ctx >= C:
+            return
+        rows = d.length - C
+        full = torch.cat([score, score.new_full((score.shape[0], rows), float("inf"))], dim=1)
+        d.keep(keep_indices(full, None, n_ctx + rows))
+
+    def _select_window(self, point: str) -> None:
+        """end_prefill: deferred scoring, allocation and eviction for the layers not yet done."""
+        todo = [i for i, done in enumerate(self._done) if not done]
+        if todo:
+            kivi = self.layers[0].kivi is not None
+            # dense store: all slots held, budget from all tokens seen; KIVI: this turn only
+            n = self.layers[0].dense.length if kivi else self.seen
+            scores = {}
+            for i in todo:
+                st = self.layers[i]
+                if st.qwin is not None and st.dense.length > st.qwin.shape[1]:
+                    scores[i] = layer_scores(st.qwin, st.dense.k[0], self.pool)
+            qwin = self.layers[todo[0]].qwin
+            rows = qwin.shape[1] if qwin is not None else 0
+            if self.allocation is None and scores:
+                w = [
+                    scores[i][0] if i in scores else torch.zeros(0) for i in range(len(self._done))
+                ]
+                self.allocation = self._allocate(w, n, rows, "deferred", n)
+                if self._first:
+                    self._record_profile(self.allocation)
+            elif self.allocation is None:  # nothing to evict: the turn fits in the window
+                C = [st.dense.length - rows for st in self.layers]
+                self.allocation = Allocation(C, n, rows, "deferred")
+            for i in scores:
+                w, s = scores[i]
+                sel = w[None] if self.opt["select"] == "layer" else s
+                self._keep(self.layers[i], sel, self.allocation.n[i])
+        a = self.allocation
+        self.layer_budgets = [n + a.window for n in a.n]
+        self._held = [None] * len(self._done)
+        self._evict_now = False
+        for i in range(len(self.layers)):
+            self._report(i, point)
+
+    # --------------------------------------------------------------------- accounting
+    def nbytes(self) -> int:
+        """Cache bytes plus the plan's selection scores while held across calls (0.6)."""
+        held = list(self._held)
+        if self._plan is not None:
+            held += self._plan[1]
+        return super().nbytes() + sum(x.numel() * x.element_size() for x in held if x is not None)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self.target > 0:
+            d.pop("budget", None)
+        if self.layer_budgets is not None and self.allocation is not None:
+            d["layer_budgets"] = list(self.layer_budgets)
+            d["plan_used"] = self.allocation.source
+        return d
+
+
+class _ScoringPass(KVManager):
+    """Pass 1 of plan=two-pass: exact causal attention within the one-chunk prompt, nothing
+    kept across layers; records w_i and the selection scores, and hands the plan to its XKV
+    at end_prefill. (The model still runs the last MLP and head row: one row, negligible.)"""
+
+    name = "xkv-scoring-pass"
+
+    def __init__(self, owner: XKV):
+        super().__init__(owner.config, owner.rope, owner.device, owner.dtype)
+        L = owner.config.n_layers
+        self.owner = owner
+        self.w: list[torch.Tensor | None] = [None] * L  # (C,) allocation scores
+        self.sel: list[torch.Tensor | None] = [None] * L  # (Hkv or 1, C) selection scores
+
+    def attend(self, layer, q, k, v, positions):
+        o = self.owner
+        qr = self.rope.apply(q, positions)
+        kr = self.rope.apply(k, positions)
+        seg = o._dense()  # the same segment (and mask) the real prefill attends with
+        seg.append(kr, v, positions)
+        T = kr.shape[2]
+        out = seg.attend(qr, positions, T, self.config.sliding_window)
+        rows = min(o.window, T)
+        qw = torch.cat([qr.new_empty(qr.shape[1], 0, qr.shape[3]), qr[0]], dim=1)[:, -rows:]
+        w, s = layer_scores(qw, seg.k[0], o.pool)
+        self.w[layer] = w
+        self.sel[layer] = w[None] if o.opt["select"] == "layer" else s
+        return out
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.w + self.sel if x is not None)
+
+    def end_prefill(self) -> None:
+        super().end_prefill()
+        self.owner._adopt_plan(self.w, self.sel, self.seen)
