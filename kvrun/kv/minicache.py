@@ -1,0 +1,491 @@
+"""MiniCache (methods/minicache.md): adjacent upper layers share one merged KV direction.
+
+Pairs (l-1, l), odd l >= S, keep per token and KV head one SLERP-merged direction E (for K and
+for V), each layer's own norm, and the most distinct rows of both layers exactly (retention).
+Attention restores X_hat = E * n / ||E|| with the retained rows put back. Other layers keep a
+plain cache. Prefill attends exactly; each turn's tokens are merged at end_prefill; a decode
+token is merged as soon as layer l has attended. E and the unpaired layers may sit in a KIVI
+store (minicache+kivi4), norms and retained rows stay in the KV dtype.
+
+Spec decisions beyond the paper: norm, angle and retention per (token, KV head) (granularity=
+token: per token over all heads); decode tokens are merged with both norms appended and never
+retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
+after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import KvrunError
+from ..rope import Rope
+from .attention import combine, dense_attention
+from .base import KVManager
+from .budget import Budget
+from .kivi import KiviLayer
+from .recipes import KVSpec
+
+# --- the merge math (pure functions, fp32) ------------------------------------------------------
+
+
+def pairing(n_layers: int, start: int = -1) -> list[tuple[int, int]]:
+    """Merged pairs (l-1, l) for every odd l with S <= l <= L-1; S = L // 2 when start < 0."""
+    s = n_layers // 2 if start < 0 else start
+    return [(ly - 1, ly) for ly in range(max(s | 1, 1), n_layers, 2)]
+
+
+def merge(
+    xa: torch.Tensor,  # (..., m) x^{l-1}
+    xb: torch.Tensor,  # (..., m) x^l
+    t: float = 0.6,
+    sin_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MERGE of the spec per row: (E (..., m), n_a (...), n_b (...), d (...)), all fp32.
+
+    Omega = 2 atan2(||u_b - u_a||, ||u_b + u_a||) (stable near 0 and pi); SLERP with weight t
+    on the later layer (Eq. 3) where sin(Omega) >= sin_eps, else normalised LERP (u_b when that
+    is shorter than 1e-6); d = Omega / pi. Zero rows get u = 0, so nothing is NaN.
+    Spec decisions 3 and 6: t weights layer l as in Eq. 3 (Alg. 2 swaps the weights; t=0.4
+    reproduces it), and the paper has no rule for sin(Omega) ~ 0, hence the LERP fallback.
+    """
+    xa, xb = xa.float(), xb.float()
+    na = torch.linalg.vector_norm(xa, dim=-1)  # (...)
+    nb = torch.linalg.vector_norm(xb, dim=-1)
+    ua = xa / torch.where(na > 0, na, 1.0).unsqueeze(-1)  # (..., m); 0 for a zero row
+    ub = xb / torch.where(nb > 0, nb, 1.0).unsqueeze(-1)
+    omega = 2 * torch.atan2(
+        torch.linalg.vector_norm(ub - ua, dim=-1), torch.linalg.vector_norm(ub + ua, dim=-1)
+    )  # (...) in [0, pi]
+    s = torch.sin(omega)
+    slerp = (s >= sin_eps) & (s > 0)  # s > 0 too: sin_eps=0 must not divide by zero
+    s = torch.where(slerp, s, 1.0)
+    wa = (torch.sin((1 - t) * omega) / s).unsqueeze(-1)
+    wb = (torch.sin(t * omega) / s).unsqueeze(-1)
+    lerp = (1 - t) * ua + t * ub  # (..., m)
+    ln = torch.linalg.vector_norm(lerp, dim=-1, keepdim=True)
+    lerp = torch.where(ln >= 1e-6, lerp / torch.where(ln > 0, ln, 1.0), ub)
+    e = torch.where(slerp.unsqueeze(-1), wa * ua + wb * ub, lerp)
+    return e, na, nb, omega / math.pi
+
+
+def direction(e: torch.Tensor) -> torch.Tensor:
+    """e / ||e|| per row in fp32, with ||e|| recomputed (a dequantized row too); 0 where ||e|| = 0."""
+    e = e.float()
+    n = torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+    return e / torch.where(n > 0, n, 1.0)
+
+
+def restore(e: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Eq. 2: x_hat = e * n / ||e|| per row (fp32); e (..., m), norms (...)."""
+    return direction(e) * norms.float().unsqueeze(-1)
+
+
+def retention(
+    d: torch.Tensor,  # (G, T) angular distances of one turn's tokens, per group
+    gamma: float = 0.05,
+    rule: str = "distinct",
+    retain: str = "range",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens stay unmerged: (mask (G, T) bool, threshold (G,) fp32).
+
+    range: distinct keeps d > d_max - (d_max - d_min) gamma, paper keeps d < d_min + (...) gamma
+    (Eq. 4 as printed); both are empty when d_max = d_min. topk:F keeps the ceil(F T) largest d
+    (paper: smallest), ties to the lower index. The threshold is what a decode token must exceed
+    (distinct) or stay under (paper) to be retained with decode_retain=1.
+    Spec decision 1: Eq. 4 and Alg. 2 print `d < ...`, which keeps the most *similar* pairs
+    while the text keeps the distinct ones; the spec keeps the distinct (rule=paper: as printed).
+    Decision 2: gamma is a fraction of the distance range, not of the tokens (topk:F is that).
+    """
+    d = d.float()
+    G, T = d.shape
+    paper = rule == "paper"
+    if retain == "range":
+        if T == 0:
+            never = d.new_full((G,), -math.inf if paper else math.inf)
+            return d.new_zeros(G, 0, dtype=torch.bool), never
+        lo, hi = d.amin(-1), d.amax(-1)  # (G,)
+        if paper:
+            thr = lo + (hi - lo) * gamma
+            return d < thr.unsqueeze(-1), thr
+        thr = hi - (hi - lo) * gamma
+        return d > thr.unsqueeze(-1), thr
+    k = min(T, math.ceil(Fraction(retain.partition(":")[2]) * T))  # exact from the decimal
+    order = torch.sort(d, dim=-1, descending=not paper, stable=True).indices  # (G, T)
+    mask = torch.zeros_like(d, dtype=torch.bool).scatter_(1, order[:, :k], True)
+    if k == 0:
+        return mask, d.new_full((G,), -math.inf if paper else math.inf)
+    return mask, d.gather(1, order[:, k - 1 : k]).squeeze(1)
+
+
+# --- storage -------------------------------------------------------------------------------------
+
+
+class _Grow:
+    """A tensor growing along `dim` with spare capacity; `data` is the occupied part."""
+
+    def __init__(self, shape: tuple[int, ...], dim: int, dtype, device, reserve: int = 0):
+        shape = list(shape)
+        shape[dim] = reserve
+        self.buf = torch.empty(shape, dtype=dtype, device=device)
+        self.dim, self.n = dim, 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.buf.narrow(self.dim, 0, self.n)
+
+    def append(self, x: torch.Tensor) -> None:
+        end = self.n + x.shape[self.dim]
+        if end > self.buf.shape[self.dim]:
+            shape = list(self.buf.shape)
+            shape[self.dim] = max(end, 2 * shape[self.dim], 64)
+            new = self.buf.new_empty(shape)
+            new.narrow(self.dim, 0, self.n).copy_(self.data)
+            self.buf = new
+        self.buf.narrow(self.dim, self.n, x.shape[self.dim]).copy_(x)
+        self.n = end
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.buf.element_size()
+
+
+class _Half:
+    """The merged K (or V) of one pair: E, both norms and the ragged retention data.
+
+    Groups g are the KV heads (granularity=head) or one group over all heads (token); m is the
+    length of one group's vector (D or Hkv*D). Retained rows are sorted by (group, index).
+    """
+
+    def __init__(
+        self, g: int, m: int, hkv: int, d: int, dense_e: bool, thr: float | None, dtype, device
+    ):
+        self.e = _Grow((hkv, 0, d), 1, dtype, device) if dense_e else None  # (Hkv, T, D)
+        self.na = _Grow((g, 0), 1, dtype, device)  # (g, T) norms of layer l-1
+        self.nb = _Grow((g, 0), 1, dtype, device)  # (g, T) norms of layer l
+        self.ridx = torch.empty(0, dtype=torch.int32, device=device)  # (N_r,) token indices
+        self.ra = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l-1
+        self.rb = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l
+        self.roff = torch.zeros(g + 1, dtype=torch.int64, device=device)  # (g+1,) group starts
+        # decode_retain: the latest prefill threshold per group (fp32, counted); starts at a
+        # value no decode token passes
+        self.thr = torch.full((g,), thr, device=device) if thr is not None else None
+
+    def groups(self) -> torch.Tensor:
+        """(N_r,) int64 group of each retained row, from the offsets."""
+        g = self.roff.numel() - 1
+        return torch.repeat_interleave(torch.arange(g, device=self.roff.device), self.roff.diff())
+
+    def add(self, gid: torch.Tensor, idx: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor) -> None:
+        """Insert retained rows (group gid, token idx, exact rows ra, rb), keeping the order."""
+        g = self.roff.numel() - 1
+        allg = torch.cat([self.groups(), gid])
+        alli = torch.cat([self.ridx.long(), idx])
+        order = torch.argsort(allg * (1 << 32) + alli)  # (group, index) pairs are unique
+        self.ridx = alli[order].to(torch.int32)
+        self.ra = torch.cat([self.ra, ra.to(self.ra.dtype)])[order]
+        self.rb = torch.cat([self.rb, rb.to(self.rb.dtype)])[order]
+        counts = torch.bincount(allg, minlength=g)
+        self.roff = torch.cat([self.roff[:1], counts.cumsum(0)])
+
+    def nbytes(self) -> int:
+        ts = [self.ridx, self.ra, self.rb, self.roff] + ([self.thr] if self.thr is not None else [])
+        total = sum(t.numel() * t.element_size() for t in ts)
+        return total + self.na.nbytes() + self.nb.nbytes() + (self.e.nbytes() if self.e else 0)
+
+
+class _Pair:
+    """Layers (a, b) = (l-1, l): merged halves, exact buffers during a prefill, pending slot."""
+
+    def __init__(self, a: int, b: int, kivi: KiviLayer | None):
+        self.a, self.b = a, b
+        self.k: _Half | None = None  # created at the first merge
+        self.v: _Half | None = None
+        self.kivi = kivi  # holds E_K as keys and E_V as values (KIVI store)
+        self.exact: dict[int, tuple[_Grow, _Grow]] | None = None  # this turn's K, V per layer
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
+        self.length = 0  # merged tokens (slot index = position)
+
+
+# --- the manager ---------------------------------------------------------------------------------
+
+
+class MiniCacheKV(KVManager):
+    """Cross-layer merged KV cache (methods/minicache.md), optionally on a KIVI store."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        budget: Budget | None,
+        config: ModelConfig,
+        rope: Rope,
+        device: torch.device,
+        dtype: torch.dtype,
+        on_select=None,  # the selection debug hook: MiniCache selects no tokens, unused
+    ):
+        super().__init__(config, rope, device, dtype)
+        if budget is not None:  # build_kv rejects it first; kept for direct construction
+            raise KvrunError("minicache has no token budget; drop --kv-budget")
+        self.spec, self.name = spec, spec.name
+        o = spec.select_opts
+        self.t, self.gamma, self.sin_eps = float(o["slerp_t"]), float(o["gamma"]), o["sin_eps"]
+        self.rule, self.retain = o["retain_rule"], o["retain"]
+        if self.retain != "range":
+            kind, _, f = self.retain.partition(":")
+            try:
+                ok = kind == "topk" and 0 <= Fraction(f) <= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise KvrunError(
+                    f"minicache:retain={self.retain} is not valid: use range or topk:F"
+                )
+        self.token = o["granularity"] == "token"
+        self.decode_retain = bool(o["decode_retain"])
+        kv = spec.kivi()
+        self.kv_layout = kv if kv is not None and kv["bits"] != 16 else None
+        c = config
+        self.H, self.D = c.n_kv_heads, c.head_dim
+        self.g, self.m = (1, self.H * self.D) if self.token else (self.H, self.D)
+        self.pair_list = pairing(c.n_layers, o["start"])
+        self.role = {}  # layer -> (pair number, is the later layer l)
+        for i, (a, b) in enumerate(self.pair_list):
+            self.role[a], self.role[b] = (i, False), (i, True)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def _kivi(self) -> KiviLayer | None:
+        kv = self.kv_layout
+        if kv is None:
+            return None
+        try:
+            return KiviLayer(
+                self.H, self.D, kv["bits"], kv["group"], kv["residual"], self.dtype, self.device
+            )
+        except ValueError as e:
+            raise KvrunError(f"{self.name}: {e}") from None
+
+    def reset(self) -> None:
+        super().reset()
+        plain = [i for i in range(self.config.n_layers) if i not in self.role]
+        shape = (1, self.H, 0, self.D)
+        if self.kv_layout is None:  # dense K, V (1, Hkv, T, D) each
+            dense = lambda: _Grow(shape, 2, self.dtype, self.device)  # noqa: E731
+            self.plain = {i: (dense(), dense()) for i in plain}
+        else:
+            self.plain = {i: self._kivi() for i in plain}
+        self.pairs = [_Pair(a, b, self._kivi()) for a, b in self.pair_list]
+        self._work = None  # (pair, (uK, uV)): unit directions shared by layers a and b
+        self._sk = self._sv = None  # restore scratch (1, Hkv, cap, D), reused by every layer
+
+    def begin_prefill(self, n_tokens: int) -> None:
+        super().begin_prefill(n_tokens)
+        shape, dt, dev = (1, self.H, 0, self.D), self.dtype, self.device
+        for p in self.pairs:
+            p.pending = None
+            p.exact = {
+                ly: (_Grow(shape, 2, dt, dev, n_tokens), _Grow(shape, 2, dt, dev, n_tokens))
+                for ly in (p.a, p.b)
+            }
+
+    # ---------------------------------------------------------------- attend
+    def attend(self, layer, q, k, v, positions):
+        qr = self.rope.apply(q, positions)  # (1, Hq, T, D)
+        kr = self.rope.apply(k, positions)  # (1, Hkv, T, D)
+        role = self.role.get(layer)
+        if role is None:
+            return self._attend_plain(layer, qr, kr, v, positions)
+        pair, second = self.pairs[role[0]], role[1]
+        T, n = kr.shape[2], pair.length
+        window = self.config.sliding_window
+        if self.in_prefill:
+            kb, vb = pair.exact[layer]
+            kb.append(kr)
+            vb.append(v)
+            if n == 0:  # first turn: exact attention over the buffer, as `full`
+                k_pos = torch.arange(kb.n, device=self.device)
+                return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
+            ks, vs = self._restored(pair, second, kb.n)
+            ks[:, :, n:], vs[:, :, n:] = kb.data, vb.data  # this turn's tokens, exact
+        else:
+            ks, vs = self._restored(pair, second, T)
+            ks[:, :, n:], vs[:, :, n:] = kr, v  # the new tokens, exact
+        k_pos = torch.arange(ks.shape[2], device=self.device)
+        out = dense_attention(qr, ks, vs, positions, k_pos, window)
+        if second:
+            self._work = None
+            if not self.in_prefill:  # merge the pending tokens of layer l-1 with layer l's
+                if pair.pending is None:
+                    raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
+                (ka, va), pair.pending = pair.pending, None
+                self._merge(pair, ka[0], va[0], kr[0], v[0], prefill=False)
+        elif not self.in_prefill:
+            pair.pending = (kr, v)
+        return out
+
+    def _attend_plain(self, layer, qr, kr, v, positions) -> torch.Tensor:
+        """An unpaired layer: a plain cache (dense or KIVI), every token kept."""
+        window = self.config.sliding_window
+        st = self.plain[layer]
+        if isinstance(st, KiviLayer):
+            st.append(kr[0], v[0])
+            k_pos = torch.arange(st.length, device=self.device)
+            if st.body_len == 0:  # only the dense tail (a one-chunk prefill): as `full`
+                tk, tv = st.tail()
+                return dense_attention(qr, tk[None], tv[None], positions, k_pos, window)
+            if not window or self.seen + kr.shape[2] <= window:
+                return combine(st.attend(qr, kr.shape[2]), self.dtype)
+            kd, vd = st.dequantized()  # a sliding window: mask by position over the dequantized
+            return dense_attention(qr, kd[None].to(self.dtype), vd[None].to(self.dtype),
+                                   positions, k_pos, window)  # fmt: skip
+        kb, vb = st
+        kb.append(kr)
+        vb.append(v)
+        k_pos = torch.arange(kb.n, device=self.device)
+        return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
+
+    # --------------------------------------------------------------- restore
+    def _directions(self, pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit directions (g, T, m) fp32 of the pair's merged K and V (dequantized for KIVI)."""
+        if pair.kivi is not None:
+            ek, ev = pair.kivi.dequantized()  # (Hkv, T, D) fp32 each
+        else:
+            ek, ev = pair.k.e.data, pair.v.e.data
+        return direction(self._groups(ek)), direction(self._groups(ev))
+
+    def _groups(self, x: torch.Tensor) -> torch.Tensor:
+        """(Hkv, T, D) -> (g, T, m): per head, or all heads of a token in one row."""
+        return x.transpose(0, 1).reshape(1, x.shape[1], -1) if self.token else x
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(g, T, m) -> (Hkv, T, D), the inverse of _groups."""
+        return x.reshape(x.shape[1], self.H, self.D).transpose(0, 1) if self.token else x
+
+    def _restore_into(self, pair: _Pair, second: bool, dirs, out_k, out_v) -> None:
+        """Write X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D): direction times
+        the layer's own norm, then the retained rows put back exactly."""
+        for half, u, out in ((pair.k, dirs[0], out_k), (pair.v, dirs[1], out_v)):
+            n = (half.nb if second else half.na).data.unsqueeze(-1)  # (g, T, 1)
+            if self.token:
+                out.copy_(self._heads(u * n))
+            else:
+                torch.mul(u, n, out=out)
+            rows = half.rb if second else half.ra  # (N_r, m)
+            if rows.shape[0]:
+                idx = half.ridx.long()
+                if self.token:
+                    out[:, idx] = rows.view(-1, self.H, self.D).transpose(0, 1).to(out.dtype)
+                else:
+                    out[half.groups(), idx] = rows.to(out.dtype)
+
+    def _restored(self, pair: _Pair, second: bool, extra: int):
+        """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
+        n = pair.length
+        if self._sk is None or self._sk.shape[2] < n + extra:
+            cap = max(n + extra, 2 * (self._sk.shape[2] if self._sk is not None else 0), 256)
+            self._sk = torch.empty(1, self.H, cap, self.D, dtype=self.dtype, device=self.device)
+            self._sv = torch.empty_like(self._sk)
+        ks, vs = self._sk[:, :, : n + extra], self._sv[:, :, : n + extra]
+        if n:
+            if self._work is None or self._work[0] is not pair:  # layer a computes, b reuses
+                self._work = (pair, self._directions(pair))
+            self._restore_into(pair, second, self._work[1], ks[0, :, :n], vs[0, :, :n])
+        return ks, vs
+
+    def restored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cache as attention sees it, (Hkv, T, D) fp32 K and V (tests, debugging)."""
+        role = self.role.get(layer)
+        if role is None:
+            st = self.plain[layer]
+            if isinstance(st, KiviLayer):
+                return st.dequantized()
+            return st[0].data[0].float(), st[1].data[0].float()
+        pair = self.pairs[role[0]]
+        out_k = torch.zeros(self.H, pair.length, self.D, device=self.device)
+        out_v = torch.zeros_like(out_k)
+        if pair.length:
+            self._restore_into(pair, role[1], self._directions(pair), out_k, out_v)
+        return out_k, out_v
+
+    # ------------------------------------------------------------------ merge
+    def _merge(self, pair: _Pair, ka, va, kb, vb, prefill: bool) -> None:
+        """Merge tokens of layers a and b, (Hkv, n, D) each, and append them to the pair."""
+        n, start = ka.shape[1], pair.length
+        if n == 0:
+            return
+        if pair.k is None:
+            never = -math.inf if self.rule == "paper" else math.inf
+            thr = never if self.decode_retain else None
+            args = (self.g, self.m, self.H, self.D, pair.kivi is None, thr)
+            pair.k = _Half(*args, self.dtype, self.device)
+            pair.v = _Half(*args, self.dtype, self.device)
+        dirs = []
+        for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
+            ga, gb = self._groups(xa), self._groups(xb)  # (g, n, m)
+            e, na, nb, d = merge(ga, gb, self.t, self.sin_eps)
+            keep = None
+            if prefill:  # retention over this turn's tokens
+                keep, thr = retention(d, self.gamma, self.rule, self.retain)
+                if half.thr is not None:
+                    half.thr = thr
+            elif half.thr is not None:  # decode_retain: beyond the prefill threshold
+                thr = half.thr.unsqueeze(-1)
+                keep = d < thr if self.rule == "paper" else d > thr
+            e = self._heads(e)  # (Hkv, n, D) fp32
+            if half.e is not None:
+                half.e.append(e)
+            dirs.append(e)
+            half.na.append(na)
+            half.nb.append(nb)
+            if keep is not None and bool(keep.any()):
+                gid, j = keep.nonzero(as_tuple=True)
+                half.add(gid, j + start, ga[gid, j], gb[gid, j])
+        if pair.kivi is not None:
+            pair.kivi.append(dirs[0].to(self.dtype), dirs[1].to(self.dtype))
+            if prefill:
+                pair.kivi.flush(self.kv_layout["group"])  # prefill flush unit U = G
+        pair.length += n
+
+    # ------------------------------------------------------- compression points
+    def end_chunk(self, n_tokens: int) -> None:
+        super().end_chunk(n_tokens)
+        if self.kv_layout is not None:  # prefill flush unit U = G, after the chunk's attention
+            for st in self.plain.values():
+                st.flush(self.kv_layout["group"])
+
+    def end_prefill(self) -> None:
+        for p in self.pairs:
+            if p.exact is not None:
+                (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
+                self._merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
+                p.exact = None  # free the exact buffers
+        self._work = None
+        super().end_prefill()
+
+    def end_step(self) -> None:
+        super().end_step()
+        if self.kv_layout is not None:
+            r = self.kv_layout["residual"]
+            stores = list(self.plain.values()) + [p.kivi for p in self.pairs]
+            for st in stores:
+                if st.tail_len >= r:
+                    st.flush(r)
+
+    # ------------------------------------------------------------- accounting
+    def nbytes(self) -> int:
+        total = 0
+        for st in self.plain.values():
+            total += st.nbytes() if isinstance(st, KiviLayer) else st[0].nbytes() + st[1].nbytes()
+        for p in self.pairs:
+            if p.exact is not None:  # exact buffers held during a prefill count
+                total += sum(b.nbytes() for kv in p.exact.values() for b in kv)
+            if p.k is not None:
+                total += p.k.nbytes() + p.v.nbytes()
+            if p.kivi is not None:
+                total += p.kivi.nbytes()
+        return total
+
+    def describe(self) -> dict:
+        return self.spec.describe()
