@@ -1,0 +1,560 @@
+"""SpindleKV (spindlekv.md): linearly falling per-layer eviction budgets, per-query-head
+selection stored once per KV head with a keep mask per query head, and per-layer codebooks
+of pre-RoPE K and V (unit entries, one index and one magnitude per slot).
+
+Per layer the store holds a *coded* segment (codebook indices and magnitudes) and a *dense*
+segment (pre-RoPE K and V: codebook=off, or decode tokens with decode_codebook=off), each
+with int32 positions and uint8 keep masks, slots padded so every KV head has the same count.
+Attention rebuilds K = RoPE(C_K[idx_K] * mag_K, pos) and V = C_V[idx_V] * mag_V and masks
+query head j of group h to the slots of head h with bit j set (torch path on every device).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import KvrunError
+from .attention import dense_attention, position_mask
+from .base import KVManager
+from .budget import Budget
+from .codebook import assign, build_codebook, unit_vectors
+from .recipes import KVSpec
+from .select import KEY_BLOCK, keep_indices
+
+INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
+
+
+# --- step 3: the per-layer schedule --------------------------------------------------------------
+def endpoints(r_c: Fraction, beta: Fraction) -> tuple[Fraction, Fraction]:
+    """(r_c(0), r_c(L-1)) of Eq. 5 as corrected by the spec (decision 2).
+
+    The paper prints rL = 1 - 2 r_c and a hard-coded 0.05; 2 r_c - 1 and beta keep the mean of
+    the two endpoints at r_c. r_c <= beta is a flat schedule; r_c >= 1 keeps everything.
+    """
+    alpha = (1 + beta) / 2
+    if r_c >= 1:
+        return Fraction(1), Fraction(1)
+    if r_c <= beta:
+        flat = max(r_c, Fraction(0))
+        return flat, flat
+    if r_c <= alpha:
+        return 2 * r_c - beta, beta
+    return Fraction(1), 2 * r_c - 1
+
+
+def layer_ratios(
+    r_c: Fraction, n_layers: int, beta: Fraction, schedule: str = "linear"
+) -> list[Fraction]:
+    """r_c(lambda) for every layer (Eq. 6), exact; their mean is r_c (0 <= r_c <= 1)."""
+    if schedule == "flat" or n_layers == 1:  # one layer: Eq. 6 is 0/0, the mean is r_c itself
+        return [min(max(r_c, Fraction(0)), Fraction(1))] * n_layers
+    r0, rl = endpoints(r_c, beta)
+    return [r0 + (rl - r0) * Fraction(lam, n_layers - 1) for lam in range(n_layers)]
+
+
+def spindle_keep(
+    t: int, budget: int, window: int, n_layers: int, beta: Fraction, schedule: str = "linear"
+) -> list[int] | None:
+    """k_lambda = floor(r_c(lambda) * n_ctx) context tokens per query head (Eq. 7), or None when
+    everything is kept (n_ctx <= 0 or r_c >= 1). budget = B(t), window included."""
+    n_ctx = t - window
+    if n_ctx <= 0:
+        return None
+    r_c = Fraction(budget - window, n_ctx)
+    if r_c >= 1:
+        return None
+    return [math.floor(r * n_ctx) for r in layer_ratios(r_c, n_layers, beta, schedule)]
+
+
+# --- steps 2, 4, 5: scores, per-query-head selection, unions with masks ------------------------
+def qhead_scores(
+    qw: torch.Tensor,  # (Hq, w, D) post-RoPE queries of the turn's last w tokens
+    k: torch.Tensor,  # (Hkv, t, D) post-RoPE keys of the turn
+    sliding: int | None = None,
+    length_norm: bool = True,
+) -> torch.Tensor:  # (Hq, t - w) fp32
+    """ac_q[a] = sum_b A_q[b, a] / (t - a) over the window rows b (Eq. 2), per query head.
+
+    Softmax in fp32 over every key the row sees (causal; the model's sliding window too, so a
+    token the model can never attend to scores 0). Two passes over key blocks (row LSE, then
+    probabilities) keep the scratch at O(Hq * t), as select.window_votes does per KV head.
+    """
+    Hq, w, D = qw.shape
+    Hkv, t, _ = k.shape
+    g = Hq // Hkv
+    n_ctx = t - w
+    q = qw.float().view(Hkv, g, w, D) / math.sqrt(D)
+    rows = torch.arange(t - w, t, device=k.device)
+
+    def block(s: int, e: int) -> torch.Tensor:  # (Hkv, g, w, e - s) masked logits
+        sc = torch.einsum("hgwd,htd->hgwt", q, k[:, s:e].float())
+        diff = rows[:, None] - torch.arange(s, e, device=k.device)[None, :]
+        vis = diff >= 0
+        if sliding:
+            vis &= diff < sliding
+        return sc.masked_fill(~vis, float("-inf"))
+
+    lse = torch.full((Hkv, g, w), float("-inf"), device=k.device)
+    for s in range(0, t, KEY_BLOCK):
+        lse = torch.logaddexp(lse, torch.logsumexp(block(s, min(s + KEY_BLOCK, t)), -1))
+    vote = torch.empty(Hkv, g, n_ctx, device=k.device)
+    for s in range(0, n_ctx, KEY_BLOCK):
+        e = min(s + KEY_BLOCK, n_ctx)
+        vote[..., s:e] = torch.exp(block(s, e) - lse[..., None]).sum(2)
+    vote = vote.view(Hq, n_ctx)
+    if length_norm:
+        vote = vote / (t - torch.arange(n_ctx, device=k.device)).float()
+    return vote
+
+
+def pool_scores(s: torch.Tensor, pool: str) -> torch.Tensor:
+    """Optional 1-D pooling of (H, n) scores: none, avg:K or max:K (stride 1, same length)."""
+    if pool == "none":
+        return s
+    kind, _, kk = pool.partition(":")
+    kernel = int(kk)
+    fn = F.max_pool1d if kind == "max" else F.avg_pool1d
+    return fn(s[:, None, :], kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
+def select_keep(scores: torch.Tensor, k: int, t: int, n_kv: int, gqa: str) -> torch.Tensor:
+    """Keep bits (Hkv, g, t): per query head the top k of scores (Hq, t - w), ties to the lower
+    position, plus the window; gqa=mean picks once per KV head on the group-mean score."""
+    Hq, n_ctx = scores.shape
+    g = Hq // n_kv
+    if gqa == "mean":
+        top = keep_indices(scores.view(n_kv, g, n_ctx).mean(1), None, k).repeat_interleave(g, 0)
+    else:
+        top = keep_indices(scores, None, k)  # (Hq, k)
+    keep = torch.zeros(Hq, t, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, top, True)
+    keep[:, n_ctx:] = True
+    return keep.view(n_kv, g, t)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(..., g) bool -> (..., ceil(g/8)) uint8, bit j of byte j // 8 = query head j."""
+    g = bits.shape[-1]
+    out = torch.zeros(*bits.shape[:-1], -(-g // 8), dtype=torch.uint8, device=bits.device)
+    for j in range(g):
+        out[..., j // 8] |= bits[..., j].to(torch.uint8) << (j % 8)
+    return out
+
+
+def unpack_bits(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """(..., ceil(g/8)) uint8 -> (..., g) bool."""
+    j = torch.arange(g, device=mask.device)
+    return ((mask[..., j // 8] >> (j % 8).to(torch.uint8)) & 1).bool()
+
+
+@dataclass
+class Slots:
+    """A KV-head-major slot layout: each head's union in position order, padded to S."""
+
+    rel: torch.Tensor  # (Hkv, S) int64 token index within the turn; 0 on padding
+    valid: torch.Tensor  # (Hkv, S) bool; False on padding
+    mask: torch.Tensor  # (Hkv, S, ceil(g/8)) uint8 keep bits; 0 on padding
+
+
+def union_slots(keep: torch.Tensor) -> Slots:
+    """Union over the group of keep bits (Hkv, g, t): each kept token once, with its g bits."""
+    Hkv, g, t = keep.shape
+    union = keep.any(1)  # (Hkv, t)
+    count = union.sum(1)  # (Hkv,)
+    S = int(count.max()) if t else 0
+    # a stable sort puts each head's kept tokens first, in position order
+    order = torch.sort((~union).to(torch.int8), dim=1, stable=True).indices[:, :S]  # (Hkv, S)
+    valid = torch.arange(S, device=keep.device)[None, :] < count[:, None]
+    rel = torch.where(valid, order, 0)
+    bits = keep.gather(2, rel[:, None, :].expand(Hkv, g, S)) & valid[:, None, :]  # (Hkv, g, S)
+    return Slots(rel, valid, pack_bits(bits.transpose(1, 2)))
+
+
+# --- storage ---------------------------------------------------------------------------------------
+class _Book:
+    """A growable codebook (rows of unit vectors); only the n used rows are counted."""
+
+    def __init__(self, d: int, dtype: torch.dtype, device):
+        self.data = torch.empty(0, d, dtype=dtype, device=device)  # (capacity, d)
+        self.n = 0
+
+    def rows(self) -> torch.Tensor:  # (n, d)
+        return self.data[: self.n]
+
+    def append(self, rows: torch.Tensor) -> None:
+        m = rows.shape[0]
+        if self.n + m > self.data.shape[0]:
+            cap = max(2 * self.data.shape[0], self.n + m, 64)
+            grown = self.data.new_empty(cap, self.data.shape[1])
+            grown[: self.n] = self.rows()
+            self.data = grown
+        self.data[self.n : self.n + m] = rows
+        self.n += m
+
+    def nbytes(self) -> int:
+        return self.n * self.data.shape[1] * self.data.element_size()
+
+
+def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new], dim=1)
+
+
+def _size(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class _Layer:
+    """One layer's SpindleKV state (every tensor counted by nbytes)."""
+
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype):
+        self.books_k = [_Book(d, dtype, device) for _ in range(n_books)]
+        self.books_v = [_Book(d, dtype, device) for _ in range(n_books)]
+        self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
+        # coded segment, (Hkv, S_c[, nb])
+        self.idx_k = self.idx_v = self.mag_k = self.mag_v = None
+        self.pos_c = self.mask_c = None
+        # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
+        self.k_d = self.v_d = self.pos_d = self.mask_d = None
+        self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
+        # prefill state of the current turn (counted while held, baselines.md 0.6)
+        self.held_k = self.held_v = None  # (Hkv, capacity, D) pre-RoPE K, V
+        self.held_n = 0
+        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
+
+    @property
+    def n_slots(self) -> int:
+        return sum(0 if p is None else p.shape[1] for p in (self.pos_c, self.pos_d))
+
+    def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
+        """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
+        T = k.shape[1]
+        if self.held_k is None or self.held_n + T > self.held_k.shape[1]:
+            cap = max(capacity, self.held_n + T)
+            hk, hv = (
+                k.new_empty(k.shape[0], cap, k.shape[2]),
+                v.new_empty(k.shape[0], cap, k.shape[2]),
+            )
+            if self.held_k is not None:
+                hk[:, : self.held_n] = self.held_k[:, : self.held_n]
+                hv[:, : self.held_n] = self.held_v[:, : self.held_n]
+            self.held_k, self.held_v = hk, hv
+        self.held_k[:, self.held_n : self.held_n + T] = k
+        self.held_v[:, self.held_n : self.held_n + T] = v
+        self.held_n += T
+
+    def drop_turn(self) -> None:
+        self.held_k = self.held_v = self.qwin = None
+        self.held_n = 0
+
+    def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
+        self.idx_k, self.idx_v = _cat(self.idx_k, idx_k), _cat(self.idx_v, idx_v)
+        self.mag_k, self.mag_v = _cat(self.mag_k, mag_k), _cat(self.mag_v, mag_v)
+        self.pos_c, self.mask_c = _cat(self.pos_c, pos), _cat(self.mask_c, mask)
+
+    def append_dense(self, k, v, pos, mask) -> None:
+        self.k_d, self.v_d = _cat(self.k_d, k), _cat(self.v_d, v)
+        self.pos_d, self.mask_d = _cat(self.pos_d, pos), _cat(self.mask_d, mask)
+
+    def nbytes(self) -> int:
+        books = sum(b.nbytes() for b in self.books_k + self.books_v)
+        stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
+                  self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
+        held = 0
+        if self.held_k is not None:
+            held = 2 * self.held_k[:, : self.held_n].numel() * self.held_k.element_size()
+        return books + sum(_size(t) for t in stored) + held
+
+
+def _gather(books: list[_Book], idx: torch.Tensor) -> torch.Tensor:
+    """Codebook rows of idx (Hkv, S) -> (Hkv, S, d); one book per layer or one per KV head."""
+    if len(books) == 1:
+        return books[0].rows()[idx.long()]
+    rows = []
+    for h, b in enumerate(books):
+        r = b.rows()
+        rows.append(r[idx[h].long()] if b.n else r.new_zeros(idx.shape[1], r.shape[1]))
+    return torch.stack(rows)
+
+
+# --- the manager ------------------------------------------------------------------------------------
+class SpindleKV(KVManager):
+    """SpindleKV on kvrun's manager contract; options are the spindlekv Part's (recipes.py)."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        budget: Budget | None,
+        config,
+        rope,
+        device,
+        dtype,
+        on_select=None,
+    ):
+        super().__init__(config, rope, device, dtype)
+        self.spec, self.name = spec, spec.name
+        self.opt = dict(spec.select_opts)
+        self.window = self.opt["window"]
+        self.budget = budget or Budget.parse("0.2")
+        self.budget.check(self.window, "spindlekv")
+        self.beta = Fraction(str(self.opt["beta"]))
+        # accepted for the runtime's signature and unused: per-query-head unions have ragged
+        # sizes, which the (Hkv, T) positions of the debug hook cannot carry
+        self.on_select = on_select
+        self.group = config.n_heads // config.n_kv_heads
+        self.ones_mask = pack_bits(
+            torch.ones(config.n_kv_heads, 1, self.group, dtype=torch.bool, device=device)
+        )  # (Hkv, 1, ceil(g/8)) a decode slot: every query head sees it
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        super().reset()
+        c = self.config
+        n_books = c.n_kv_heads if self.opt["codebook_scope"] == "head" else 1
+        idx = torch.int32 if self.opt["index"] == "int32" else torch.int16
+        self.layers = [
+            _Layer(n_books, c.head_dim, self.dtype, self.device, idx) for _ in range(c.n_layers)
+        ]
+        self.turn_start, self.turn_len = 0, 0
+        self._plan: tuple[int, list[int] | None] | None = None
+
+    def begin_prefill(self, n_tokens: int) -> None:
+        super().begin_prefill(n_tokens)
+        self.turn_start, self.turn_len = self.seen, n_tokens
+        for st in self.layers:
+            st.drop_turn()
+
+    def end_prefill(self) -> None:
+        for i, st in enumerate(self.layers):
+            if st.held_n:  # chunked prefill: every layer compresses here (step 8)
+                self._compress(i, st.held_k[:, : st.held_n], st.held_v[:, : st.held_n], st.qwin)
+            st.drop_turn()
+        super().end_prefill()
+
+    # ---------------------------------------------------------------- attend
+    def attend(self, layer, q, k, v, positions):
+        st = self.layers[layer]
+        qr = self.rope.apply(q, positions)  # (1, Hq, T, D)
+        if not self.in_prefill:
+            for i in range(k.shape[2]):  # decode: each token coded, then attended over
+                self._append_token(layer, k[0, :, i], v[0, :, i], positions[i : i + 1])
+            return self._attention(st, qr, positions)
+        T = k.shape[2]
+        if st.held_n == 0 and T == self.turn_len:  # the whole turn in one chunk (step 7)
+            kp, vp = k[0], v[0]
+        else:
+            st.hold(k[0], v[0], self.turn_len)
+            kp, vp = st.held_k[:, : st.held_n], st.held_v[:, : st.held_n]
+        n = kp.shape[1]
+        tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
+        kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
+        out = self._attention(st, qr, positions, kr, vp[None], tpos)
+        prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
+        st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]
+        if st.held_n == 0:  # compress now, so the peak is one layer of full KV
+            self._compress(layer, kp, vp, st.qwin)
+            st.drop_turn()
+        return out
+
+    def _attention(self, st: _Layer, qr, q_pos, k_new=None, v_new=None, k_pos_new=None):
+        """Attention of qr (1, Hq, T, D) over the stored slots (masked per query head) and the
+        turn's exact keys k_new (1, Hkv, n, D) post-RoPE, if any."""
+        window = self.config.sliding_window
+        if st.n_slots == 0:
+            return dense_attention(qr, k_new, v_new, q_pos, k_pos_new, window)
+        ks, vs, pos, mask = self.materialise(st)
+        Hq, Tq = qr.shape[1], qr.shape[2]
+        vis = position_mask(q_pos, pos, window)  # (Hkv, Tq, S) or None
+        m = None
+        if not st.all_bits:
+            m = unpack_bits(mask, self.group).transpose(1, 2).reshape(Hq, 1, -1)  # (Hq, 1, S)
+        if vis is not None:
+            vis = vis.repeat_interleave(self.group, dim=0)  # (Hq, Tq, S)
+            m = vis if m is None else m & vis
+        if k_new is not None:
+            ks, vs = torch.cat([ks, k_new], dim=2), torch.cat([vs, v_new], dim=2)
+            mn = position_mask(q_pos, k_pos_new, window)  # (Tq, n) or None
+            if m is not None or mn is not None:
+                S, n = pos.shape[1], k_pos_new.numel()
+                ms = torch.ones(1, 1, 1, dtype=torch.bool, device=qr.device) if m is None else m
+                mn = torch.ones(1, 1, dtype=torch.bool, device=qr.device) if mn is None else mn
+                m = torch.cat([ms.expand(Hq, Tq, S), mn.expand(Hq, Tq, n)], dim=-1)
+        if m is not None:
+            m = m.expand(Hq, Tq, ks.shape[2])[None]
+        return F.scaled_dot_product_attention(qr, ks, vs, attn_mask=m, enable_gqa=True)
+
+    def materialise(self, st: _Layer):
+        """The layer's slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV
+        dtype, positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
+        kp, vp, pos, mask = [], [], [], []
+        if st.pos_c is not None:
+            kp.append(_gather(st.books_k, st.idx_k) * st.mag_k[..., None])
+            vp.append(_gather(st.books_v, st.idx_v) * st.mag_v[..., None])
+            pos.append(st.pos_c)
+            mask.append(st.mask_c)
+        if st.pos_d is not None:
+            kp.append(st.k_d), vp.append(st.v_d), pos.append(st.pos_d), mask.append(st.mask_d)
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+        pos_all = cat(pos).long()
+        k = self.rope.apply(cat(kp)[None], pos_all)  # RoPE at each slot's position
+        return k, cat(vp)[None], pos_all, cat(mask)
+
+    # ------------------------------------------------------------ compression
+    def _keep_plan(self, t: int) -> list[int] | None:
+        """k_lambda for a turn of t tokens; B from the turn's own length (later turns too)."""
+        if self._plan is None or self._plan[0] != t:
+            B = self.budget.tokens(t, self.window)
+            L = self.config.n_layers
+            self._plan = (t, spindle_keep(t, B, self.window, L, self.beta, self.opt["schedule"]))
+        return self._plan[1]
+
+    def _compress(self, layer: int, kp: torch.Tensor, vp: torch.Tensor, qwin) -> None:
+        """Steps 2-7 for one layer over the turn's pre-RoPE K, V (Hkv, t, D).
+
+        Later chat turns (methods/README.md): only the new turn's tokens are compressed, with
+        the same rule and fractions (B from the turn's length) and a softmax over the turn's
+        own keys, as SnapKV does over a KIVI staging area; earlier turns stay as stored. The
+        turn's kept vectors get their own greedy build, whose entries are appended to the
+        layer's codebook (earlier entries and indices unchanged, as at decode).
+        """
+        st, o = self.layers[layer], self.opt
+        Hkv, t, _ = kp.shape
+        plan = self._keep_plan(t)
+        if plan is None:
+            keep = torch.ones(Hkv, self.group, t, dtype=torch.bool, device=kp.device)
+        else:
+            tpos = torch.arange(self.turn_start, self.turn_start + t, device=kp.device)
+            kr = self.rope.apply(kp[None], tpos)[0]  # (Hkv, t, D) post-RoPE, transient
+            sc = qhead_scores(qwin, kr, self.config.sliding_window, o["score_norm"] == "length")
+            sc = pool_scores(sc, o["pool"])
+            keep = select_keep(sc, plan[layer], t, Hkv, o["gqa"])
+        sl = union_slots(keep)
+        st.all_bits &= bool(sl.valid.all()) and bool(keep.all(1).eq(keep.any(1)).all())
+        pos = torch.where(sl.valid, sl.rel + self.turn_start, 0).to(torch.int32)  # (Hkv, S)
+        gather = sl.rel[..., None].expand(-1, -1, kp.shape[2])
+        ks, vs = kp.gather(1, gather), vp.gather(1, gather)  # (Hkv, S, D) kept, in slot order
+        if not o["codebook"]:
+            z = sl.valid[..., None]
+            st.append_dense(ks * z, vs * z, pos, sl.mask)  # padding slots hold zeros
+            return
+        ik, mk = self._build(st.books_k, ks, sl.valid, o["theta_k"])
+        iv, mv = self._build(st.books_v, vs, sl.valid, o["theta_v"])
+        self._widen(layer, st)
+        st.append_coded(ik.to(st.idx_dtype[0]), iv.to(st.idx_dtype[1]), mk, mv, pos, sl.mask)
+
+    def _build(self, books: list[_Book], x: torch.Tensor, valid: torch.Tensor, theta: float):
+        """Code the valid slots of x (Hkv, S, D): idx (Hkv, S) int64 and magnitudes (Hkv, S)
+        in the KV dtype, 0 on padding; new entries appended to the books."""
+        idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
+        mag = torch.zeros(valid.shape, dtype=self.dtype, device=x.device)
+        groups = [(books[0], valid)] if len(books) == 1 else []
+        for h, b in enumerate(books if len(books) > 1 else []):
+            sel = torch.zeros_like(valid)
+            sel[h] = valid[h]
+            groups.append((b, sel))
+        for book, sel in groups:  # candidates ordered by head, then position
+            u, m = unit_vectors(x[sel])
+            entries, ix = build_codebook(u, theta, self.opt["cb_block"], self.dtype)
+            idx[sel] = ix + book.n
+            mag[sel] = m.to(self.dtype)
+            book.append(entries)
+        return idx, mag
+
+    def _widen(self, layer: int, st: _Layer) -> None:
+        """Switch a layer's K or V indices to int32 once its codebook exceeds 32767 entries."""
+        for i, (books, name) in enumerate(((st.books_k, "key"), (st.books_v, "value"))):
+            size = max(b.n for b in books)
+            if size <= INT16_MAX or st.idx_dtype[i] == torch.int32:
+                continue
+            if self.opt["index"] == "int16-strict":
+                raise KvrunError(
+                    f"spindlekv: layer {layer}'s {name} codebook has {size} entries, more than "
+                    "int16 indices address; use spindlekv:index=auto or index=int32"
+                )
+            st.idx_dtype[i] = torch.int32
+            if i == 0 and st.idx_k is not None:
+                st.idx_k = st.idx_k.to(torch.int32)
+            if i == 1 and st.idx_v is not None:
+                st.idx_v = st.idx_v.to(torch.int32)
+
+    def _append_token(self, layer: int, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor):
+        """Store one decode token, k and v (Hkv, D) pre-RoPE at position p (1,)."""
+        st, Hkv = self.layers[layer], k.shape[0]
+        pos = p.to(torch.int32).expand(Hkv, 1)
+        o = self.opt
+        if not (o["codebook"] and o["decode_codebook"]):
+            st.append_dense(k[:, None], v[:, None], pos, self.ones_mask)
+            return
+        ik, mk = self._assign(st.books_k, k, o["theta_k"])
+        iv, mv = self._assign(st.books_v, v, o["theta_v"])
+        self._widen(layer, st)
+        st.append_coded(
+            ik.to(st.idx_dtype[0])[:, None],
+            iv.to(st.idx_dtype[1])[:, None],
+            mk.to(self.dtype)[:, None],
+            mv.to(self.dtype)[:, None],
+            pos,
+            self.ones_mask,
+        )
+
+    @staticmethod
+    def _assign(books: list[_Book], x: torch.Tensor, theta: float):
+        """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32."""
+        if len(books) == 1:
+            idx, new, m = assign(books[0].rows(), x, theta)
+            books[0].append(new)
+            return idx, m
+        out = [assign(b.rows(), x[h : h + 1], theta) for h, b in enumerate(books)]
+        for b, (_, new, _) in zip(books, out, strict=True):
+            b.append(new)
+        return torch.cat([i for i, _, _ in out]), torch.cat([m for _, _, m in out])
+
+    # ------------------------------------------------------------- accounting
+    def nbytes(self) -> int:
+        return sum(st.nbytes() for st in self.layers)
+
+    def codebook_sizes(self) -> list[tuple[int, int]]:
+        """(|C_K|, |C_V|) per layer (summed over heads with codebook_scope=head)."""
+        return [(sum(b.n for b in st.books_k), sum(b.n for b in st.books_v)) for st in self.layers]
+
+    def describe(self) -> dict:
+        b = self.budget
+        d = {"method": self.name, **self.opt}
+        d["budget"] = float(b.value) if b.is_fraction else int(b.value)
+        if self.opt["report"] == "paper":
+            d["paper"] = self.paper_ratios()
+        return d
+
+    def paper_ratios(self) -> dict:
+        """The paper's Eq. 15 size r = r1 * r2 * r3 per layer (report=paper; decision 9).
+
+        r1: tokens kept per query head over tokens seen; r2: codebook entries (K and V) over
+        the per-query-head vectors they stand for; r3 = (d + int_bits / (elem_bits + 1)) / d.
+        It prices indices and magnitudes at the codebook fraction, so it understates bytes.
+        """
+        c, g = self.config, self.group
+        elem_bits = 8 * torch.empty(0, dtype=self.dtype).element_size()
+        r1s, r2s, r3s, rs = [], [], [], []
+        for st in self.layers:
+            masks = [m for m in (st.mask_c, st.mask_d) if m is not None]
+            kept = sum(int(unpack_bits(m, g).sum()) for m in masks)
+            r1 = kept / (c.n_heads * self.seen) if self.seen else 1.0
+            entries = sum(b.n for b in st.books_k + st.books_v)
+            r2 = entries / (2 * kept) if self.opt["codebook"] and kept else 1.0
+            r3 = 1.0
+            if self.opt["codebook"]:
+                int_bits = 8 * max(torch.empty(0, dtype=t).element_size() for t in st.idx_dtype)
+                r3 = (c.head_dim + int_bits / (elem_bits + 1)) / c.head_dim
+            r1s.append(round(r1, 6))
+            r2s.append(round(r2, 6))
+            r3s.append(round(r3, 6))
+            rs.append(r1 * r2 * r3)
+        return {"ratio": round(sum(rs) / len(rs), 6), "r1": r1s, "r2": r2s, "r3": r3s}
