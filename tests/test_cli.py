@@ -232,7 +232,8 @@ def test_kv_list_names_every_method():
     r = run("kv", "list", "--json")
     assert r.exit_code == 0
     names = {m["name"] for m in json.loads(r.stdout)}
-    assert names == {"full", "streaming", "h2o", "snapkv", "pyramidkv", "kivi2", "kivi4"}
+    assert names == {"full", "streaming", "h2o", "snapkv", "pyramidkv", "kivi2", "kivi4",
+                     "minikv", "minikv-pyramid", "xkv", "minicache", "spindlekv"}  # fmt: skip
     assert "window" in run("kv", "list").stdout
 
 
