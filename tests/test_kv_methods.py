@@ -36,13 +36,11 @@ def config(n_heads: int = 4, n_layers: int = L) -> ModelConfig:
     )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=4)
-def tiny(n_heads: int = 4) -> Transformer:
-    """Random weights (fixed seed); q/k projections large enough that attention is peaked."""
-    c = config(n_heads)
+def random_transformer(c: ModelConfig, seed: int, qk: float = 0.25) -> Transformer:
+    """Random weights (fixed seed); q/k projections scaled by `qk` so attention is peaked."""
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(c).state_dict().items()}
-    g = torch.Generator().manual_seed(1234 + n_heads)
+    g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in sorted(shapes.items()):
         if name.endswith("norm.weight"):
@@ -50,10 +48,16 @@ def tiny(n_heads: int = 4) -> Transformer:
         elif "embed_tokens" in name:
             tensors[name] = torch.randn(shape, generator=g)
         elif "q_proj" in name or "k_proj" in name:
-            tensors[name] = 0.25 * torch.randn(shape, generator=g)
+            tensors[name] = qk * torch.randn(shape, generator=g)
         else:
             tensors[name] = 0.1 * torch.randn(shape, generator=g)
     return Transformer.from_weights(c, tensors)
+
+
+@functools.lru_cache(maxsize=4)
+def tiny(n_heads: int = 4) -> Transformer:
+    """The tiny model of these tests: 3 layers, 2 KV heads, head_dim 32."""
+    return random_transformer(config(n_heads), 1234 + n_heads)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

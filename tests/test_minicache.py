@@ -17,7 +17,7 @@ import pytest
 import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
-from test_kv_methods import drive, new_kv, prompt, tap
+from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 
 from kvrun.cli.main import cli
 from kvrun.config import ModelConfig
@@ -43,21 +43,7 @@ def config6(window: int | None = None) -> ModelConfig:
 
 @functools.lru_cache(maxsize=2)
 def model6(window: int | None = None) -> Transformer:
-    c = config6(window)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Transformer(c).state_dict().items()}
-    g = torch.Generator().manual_seed(77)
-    tensors = {}
-    for name, shape in sorted(shapes.items()):
-        if name.endswith("norm.weight"):
-            tensors[name] = 1 + 0.1 * torch.randn(shape, generator=g)
-        elif "embed_tokens" in name:
-            tensors[name] = torch.randn(shape, generator=g)
-        elif "q_proj" in name or "k_proj" in name:
-            tensors[name] = 0.25 * torch.randn(shape, generator=g)
-        else:
-            tensors[name] = 0.1 * torch.randn(shape, generator=g)
-    return Transformer.from_weights(c, tensors)
+    return random_transformer(config6(window), 77)
 
 
 def ref_pairs(n_layers: int, start: int = -1) -> list[tuple[int, int]]:

@@ -19,7 +19,18 @@ import pytest
 import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
-from test_kv_methods import HKV, Shadow, budget_tokens, capture, drive, feed, layer_kv, prompt, tiny
+from test_kv_methods import (
+    HKV,
+    Shadow,
+    budget_tokens,
+    capture,
+    drive,
+    feed,
+    layer_kv,
+    prompt,
+    random_transformer,
+    tiny,
+)
 from test_kv_methods import config as tiny_config
 from test_kv_methods import new_kv as build
 
@@ -142,21 +153,7 @@ def f32(p: list[list[float]]) -> list[list[float]]:
 @functools.lru_cache(maxsize=2)
 def toy(n_layers: int = 2, n_heads: int = 4) -> Transformer:
     """A random model with peaked attention (as test_kv_methods.tiny), any number of layers."""
-    c = tiny_config(n_heads, n_layers)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Transformer(c).state_dict().items()}
-    g = torch.Generator().manual_seed(77 + n_layers)
-    tensors_ = {}
-    for name, shape in sorted(shapes.items()):
-        if name.endswith("norm.weight"):
-            tensors_[name] = 1 + 0.1 * torch.randn(shape, generator=g)
-        elif "embed_tokens" in name:
-            tensors_[name] = torch.randn(shape, generator=g)
-        elif "q_proj" in name or "k_proj" in name:
-            tensors_[name] = 0.3 * torch.randn(shape, generator=g)
-        else:
-            tensors_[name] = 0.1 * torch.randn(shape, generator=g)
-    return Transformer.from_weights(c, tensors_)
+    return random_transformer(tiny_config(n_heads, n_layers), 77 + n_layers, qk=0.3)
 
 
 class Hook(list):

@@ -232,16 +232,6 @@ class MiniCacheKV(KVManager):
         o = spec.select_opts
         self.t, self.gamma, self.sin_eps = float(o["slerp_t"]), float(o["gamma"]), o["sin_eps"]
         self.rule, self.retain = o["retain_rule"], o["retain"]
-        if self.retain != "range":
-            kind, _, f = self.retain.partition(":")
-            try:
-                ok = kind == "topk" and 0 <= Fraction(f) <= 1
-            except ValueError:
-                ok = False
-            if not ok:
-                raise KvrunError(
-                    f"minicache:retain={self.retain} is not valid: use range or topk:F"
-                )
         self.token = o["granularity"] == "token"
         self.decode_retain = bool(o["decode_retain"])
         kv = spec.kivi()
