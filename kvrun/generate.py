@@ -103,7 +103,7 @@ class Session:
     ) -> torch.Tensor:
         """Feed ids in chunks of --ubatch; return the logits (V,) after the last one."""
         self.check_fits(len(ids))
-        self._scoring_pass(ids)
+        self.plan(ids)
         self.kv.begin_prefill(len(ids))
         logits = None
         for s in range(0, len(ids), self.ubatch):
@@ -119,7 +119,8 @@ class Session:
         self.kv.end_prefill()
         return logits
 
-    def _scoring_pass(self, ids: Sequence[int]) -> None:
+    @torch.inference_mode()
+    def plan(self, ids: Sequence[int]) -> None:
         """A planning pass for managers that ask for one (XKV's plan=two-pass).
 
         `kv.scoring_pass(n)` returns a manager that stores no KV across layers (it attends

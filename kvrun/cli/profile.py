@@ -156,7 +156,7 @@ def _plan(session: Session, kv: XKV, ids: list[int]):
     """XKV's allocation for one sample: the scoring pass alone when the sample fits one
     --ubatch (plan=two-pass), else a deferred prefill (allocation at its end)."""
     session.reset()
-    session._scoring_pass(ids)
+    session.plan(ids)
     if kv.allocation is None:
         session.prefill(ids)
     a = kv.allocation
