@@ -120,7 +120,11 @@ def settings(method: str) -> str:
     """The recipe's axes: scorer / allocator / store (stacked store parts named)."""
     spec = parse_kv(method)
     p = spec.select
-    store = spec.store.name if spec.store else p.store
+    store = (
+        f"{p.store}+{spec.store.name}"
+        if spec.store and p.store != "dense"
+        else (spec.store.name if spec.store else p.store)
+    )
     return f"{p.scorer} / {p.allocator} / {store}" if p.name != "full" else f"- / - / {store}"
 
 
