@@ -15,10 +15,23 @@ import torch
 
 from kvrun.errors import KvrunError
 
-try:
-    import triton
-except ImportError:  # the torch references need no triton
-    triton = None
+
+def _kernels_can_run() -> bool:
+    """Triton is imported only where a kernel can run (a CUDA GPU, the interpreter, or
+    KVRUN_KERNELS=triton): elsewhere its import would add ~0.2 s to every start-up."""
+    return (
+        torch.cuda.is_available()
+        or os.environ.get("TRITON_INTERPRET") == "1"
+        or os.environ.get("KVRUN_KERNELS") == "triton"
+    )
+
+
+triton = None
+if _kernels_can_run():
+    try:
+        import triton
+    except ImportError:  # the torch references need no triton
+        triton = None
 
 # Forcing Triton without a GPU means the interpreter, which triton.jit picks when a kernel is
 # defined, so the variable is set before any family module defines its kernels.

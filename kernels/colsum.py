@@ -11,16 +11,15 @@ processes blocks of 256 query rows, never holding more than one 256 x T block pe
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 
-from . import jit, next_pow2, use_triton
+from . import HAVE_TRITON, jit, next_pow2, use_triton
 
-try:
-    import triton.language as tl
-except ImportError:  # the reference path needs no triton
-    tl = None
+# the kernels below need triton.language as a module global; the references need no triton
+tl = importlib.import_module("triton.language") if HAVE_TRITON else None
 
 REF_ROWS = 256  # query rows per block of the torch reference (minikv.md step 2, CPU)
 BLOCK_M, BLOCK_N = 64, 64  # Triton tiles (minikv.md: 64 x 64)

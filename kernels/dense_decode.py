@@ -8,16 +8,15 @@ partial (out, lse) are merged exactly by log-sum-exp in a second small kernel.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 
-from . import jit, next_pow2, use_triton
+from . import HAVE_TRITON, jit, next_pow2, use_triton
 
-try:
-    import triton.language as tl
-except ImportError:  # the reference path needs no triton
-    tl = None
+# the kernels below need triton.language as a module global; the references need no triton
+tl = importlib.import_module("triton.language") if HAVE_TRITON else None
 
 BLOCK_N = 64  # keys per tile
 MAX_ROWS = 128  # g * Tq query rows per program: the kernel is for decode, not prefill

@@ -9,18 +9,17 @@ of a KV head and the tokens are split over programs, merged by log-sum-exp.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 
-from . import jit, next_pow2, use_triton
+from . import HAVE_TRITON, jit, next_pow2, use_triton
 from .dense_decode import MAX_ROWS, combine_splits, split_size
 from .kivi_pack import unpack_codes
 
-try:
-    import triton.language as tl
-except ImportError:  # the reference path needs no triton
-    tl = None
+# the kernels below need triton.language as a module global; the references need no triton
+tl = importlib.import_module("triton.language") if HAVE_TRITON else None
 
 
 def _check(

@@ -13,14 +13,14 @@ so that kvrun.kv.kivi can import this module without an import cycle.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from . import jit, next_pow2, use_triton
+from . import HAVE_TRITON, jit, next_pow2, use_triton
 
-try:
-    import triton.language as tl
-except ImportError:  # the reference path needs no triton
-    tl = None
+# the kernels below need triton.language as a module global; the references need no triton
+tl = importlib.import_module("triton.language") if HAVE_TRITON else None
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, bits: int, group: int) -> tuple[int, int, int]:

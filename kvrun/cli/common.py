@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ..errors import KvrunError
 from ..generate import Stats
 from ..runtime import Runtime, load_runtime
 from ..sampling import SamplingConfig
@@ -242,3 +244,17 @@ def stats_line(s: Stats) -> str:
 
 def dump_json(obj: dict) -> None:
     click.echo(json.dumps(obj, ensure_ascii=False))
+
+
+def read_text(file: str) -> str:
+    """The text of FILE ('-' = stdin); a one-line error when it is missing, unreadable or empty."""
+    if file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(file).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise KvrunError(f"cannot read {file}: {e.strerror or e}") from None
+    if not text.strip():
+        raise KvrunError(f"{file} is empty")
+    return text

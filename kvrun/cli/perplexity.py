@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import click
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import KvrunError
 from ..generate import Session
 from ..kv.recipes import parse_kv
 from ..tasks.perplexity import Report, check_context, check_file, evaluate, file_tokens
@@ -22,22 +18,9 @@ from .common import (
     model_options,
     new_kv,
     progress_bar,
+    read_text,
     set_debug,
 )
-
-
-def read_text(file: str) -> str:
-    """The text of FILE ('-' = stdin); a one-line error when it is missing, unreadable or empty."""
-    if file == "-":
-        text = sys.stdin.read()
-    else:
-        try:
-            text = Path(file).read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            raise KvrunError(f"cannot read {file}: {e.strerror or e}") from None
-    if not text.strip():
-        raise KvrunError(f"{file} is empty")
-    return text
 
 
 @click.command()

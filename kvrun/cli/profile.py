@@ -20,6 +20,7 @@ from .common import (
     load_with_progress,
     model_options,
     progress_bar,
+    read_text,
     set_debug,
 )
 
@@ -76,7 +77,7 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     """
     set_debug(ctx, kw.pop("debug"))
     spec, budget = _check_kv(kv, kv_budget)
-    texts = [_read_sample(f) for f in files]
+    texts = [read_text(f) for f in files]
     o = spec.select_opts
     units = o["profile_units"]
     out_path = Path(out)
@@ -135,20 +136,8 @@ def _check_kv(text: str, kv_budget: str | None):
     if spec.select_opts["profile"]:
         raise KvrunError("give the profile file with -o FILE, not xkv:profile=")
     budget = Budget.parse(kv_budget) if kv_budget is not None else None
-    check_budget(spec, budget)
-    if spec.select_opts["target"] > 0 and budget is not None:
-        raise KvrunError("xkv:target=R takes no --kv-budget; give one of them")
+    check_budget(spec, budget)  # also refuses xkv:target=R with a budget
     return spec, budget
-
-
-def _read_sample(f: str) -> str:
-    try:
-        text = Path(f).read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise KvrunError(f"cannot read sample {f}: {e.strerror}") from None
-    if not text.strip():
-        raise KvrunError(f"sample {f} is empty")
-    return text
 
 
 @torch.inference_mode()
