@@ -54,14 +54,19 @@ def dense_decode_ref(
     s = torch.einsum("bhgqd,bhtd->bhgqt", qg, k.float()) / math.sqrt(D)  # (B, Hkv, g, Tq, T)
     t = torch.arange(T, device=q.device)
     vis = torch.ones(B, Tq, T, dtype=torch.bool, device=q.device)
+    vf = v.float()
     if lengths is not None:
-        vis &= (t[None, :] < lengths.to(q.device).long()[:, None])[:, None, :]
+        held = t[None, :] < lengths.to(q.device).long()[:, None]  # (B, T)
+        vis &= held[:, None, :]
+        # keys past a length may be never-written memory (a static cache's spare room): even
+        # NaN there must not reach the output through 0 * NaN
+        vf = vf.masked_fill(~held[:, None, :, None], 0.0)
     if causal_offset is not None:
         vis &= t[None, :] <= causal_offset + torch.arange(Tq, device=q.device)[:, None]
     s = s.masked_fill(~vis[:, None, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g, Tq); -inf for an empty row
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, Hkv, g, Tq, T)
-    out = torch.einsum("bhgqt,bhtd->bhgqd", p, v.float())
+    out = torch.einsum("bhgqt,bhtd->bhgqd", p, vf)
     res = (out.reshape(B, Hq, Tq, D), lse.reshape(B, Hq, Tq))
     return (*res, p.reshape(B, Hq, Tq, T)) if return_probs else res
 

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .errors import ContextOverflow
+from .errors import ContextOverflow, KvrunError
+from .graph import DecodeGraph, static_unsupported
 from .sampling import SamplingConfig, sample
 
 
@@ -69,12 +70,27 @@ def _sync(device: torch.device) -> None:
 class Session:
     """One sequence on one model: owns the KV manager and the tokens it has seen."""
 
-    def __init__(self, model, tokenizer, kv, ubatch: int = 512, context: int = 0):
+    def __init__(
+        self, model, tokenizer, kv, ubatch: int = 512, context: int = 0, graph: str = "off"
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
         self.ubatch = max(1, ubatch)
         self.context = context or model.config.context_length
+        # "on": decode steps replay a CUDA graph (kvrun/graph.py); "static": the same static
+        # step without capture (CPU tests); "off": eager dynamic steps
+        self.graph: DecodeGraph | None = None
+        self.graph_note = ""  # why a requested graph is not used (the CLI prints it)
+        if graph not in ("off", "on", "static"):
+            raise ValueError(f"graph mode {graph!r}: use off, on or static")
+        if graph == "on" and self.device.type != "cuda":
+            raise KvrunError("--cuda-graph needs a CUDA device (--device cuda)")
+        why = static_unsupported(kv) if graph != "off" else None
+        if why:
+            self.graph_note = f"CUDA graph off: {why}; decoding eagerly"
+            graph = "off"
+        self.graph_mode = graph
         self.tokens: list[int] = []  # every token fed to the cache, in order
         self.pending: list[int] = []  # sampled last turn but not yet fed to the cache
 
@@ -142,12 +158,32 @@ class Session:
         pre.end_chunk(len(ids))
         pre.end_prefill()
 
+    def prepare_decode(self, n_more: int) -> None:
+        """Set up graph decoding for up to n_more more tokens (capture happens here, so
+        callers that time decode steps can leave it out); a no-op with graph mode off."""
+        if self.graph_mode == "off":
+            return
+        need = min(len(self.tokens) + max(n_more, 1), self.context)
+        with torch.inference_mode():
+            if self.graph is None:
+                capture = self.graph_mode == "on"
+                self.graph = DecodeGraph(self.model, self.kv, need, self.context, capture)
+            elif need > self.graph.capacity:
+                self.graph.reserve(need)
+            if self.graph.capture:
+                self.graph.step(0, len(self.tokens))  # warm up and capture; writes nothing kept
+
     @torch.inference_mode()
     def decode(self, token: int) -> torch.Tensor:
         """Feed one token; return the next-token logits (V,)."""
-        pos = torch.tensor([len(self.tokens)], device=self.device)
-        tok = torch.tensor([[token]], device=self.device)
-        logits = self.model(tok, pos, self.kv)[0, -1]
+        if self.graph_mode != "off":
+            if self.graph is None:
+                self.prepare_decode(1)
+            logits = self.graph.step(token, len(self.tokens))
+        else:
+            pos = torch.tensor([len(self.tokens)], device=self.device)
+            tok = torch.tensor([[token]], device=self.device)
+            logits = self.model(tok, pos, self.kv)[0, -1]
         self.kv.end_step()
         self.tokens.append(token)
         return logits
@@ -183,6 +219,8 @@ class Session:
         stats.prefill_s = t1 - t0
         text_parts: list[str] = []
         limit = n_predict if n_predict >= 0 else self.context
+        if limit > 1:
+            self.prepare_decode(limit - 1)  # a graph capture counts as decode time
         stats.stop_reason = "length"
         while len(out) < limit:
             # every token sampled so far has been fed, so the cache's tokens are the history

@@ -51,15 +51,31 @@ class Rope:
         emb = torch.cat([ang, ang], dim=-1)  # (n, D)
         self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin tables (T, D) for integer positions (T,)."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+    def reserve(self, n: int) -> None:
+        """Tables for positions 0..n-1, built now (a captured CUDA graph cannot grow them)."""
+        if n > self._cos.shape[0]:
+            self._grow(n)
+
+    def cos_sin(
+        self, positions: torch.Tensor, bound: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables (T, D) for integer positions (T,).
+
+        `bound`: the caller's promise that every position is below it, so the tables are
+        sized without reading the positions back from the device (no host sync: the static
+        decode step of a CUDA graph passes its capacity).
+        """
+        if bound is not None:
+            self.reserve(bound)
+        elif positions.numel() and int(positions.max()) >= self._cos.shape[0]:
             self._grow(int(positions.max()) + 1)
         return self._cos[positions], self._sin[positions]
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x (B, H, T, D) at positions (T,)."""
-        cos, sin = self.cos_sin(positions)
+    def apply(
+        self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None
+    ) -> torch.Tensor:
+        """Rotate x (B, H, T, D) at positions (T,) (`bound` as in cos_sin)."""
+        cos, sin = self.cos_sin(positions, bound)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

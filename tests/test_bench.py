@@ -21,13 +21,23 @@ ROW_FIELDS = {
     "test_pp", "test_tg", "prefill_tok_s", "prefill_tok_s_std", "prefill_tok_s_reps",
     "decode_tok_s", "decode_tok_s_std", "decode_tok_s_reps", "kv_bytes", "kv_bytes_full",
     "kv_ratio", "kv_bytes_read_per_token", "weight_bytes", "bandwidth_gb_s",
-    "bandwidth_gb_s_std", "bandwidth_gb_s_reps", "peak_mem_bytes",
+    "bandwidth_gb_s_std", "bandwidth_gb_s_reps", "peak_mem_bytes", "cuda_graph",
 }  # fmt: skip
 TOP_FIELDS = {
     "model", "model_path", "synthetic", "weight_bytes", "settings", "peak_mem_kind",
     "bandwidth_note", "machine", "rows",
 }  # fmt: skip
-SETTINGS = {"n_prompt", "n_gen", "depths", "reps", "methods", "budgets", "seed", "ubatch"}
+SETTINGS = {
+    "n_prompt",
+    "n_gen",
+    "depths",
+    "reps",
+    "methods",
+    "budgets",
+    "seed",
+    "ubatch",
+    "cuda_graph",
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -143,6 +143,21 @@ def test_dense_decode_triton_matches_ref(device, B, Hkv, g, Tq, T, D, split, len
         assert_partial(got, ref, **_tol(dtype))
 
 
+def test_dense_decode_ignores_nan_past_the_length(device):
+    """A static cache's spare room is never-written memory: NaN there must not leak (the
+    reference masks values as well as scores; the kernel never loads past the length)."""
+    q = _randn(1, 4, 1, 64, seed=10, device=device)
+    k, v = (
+        _randn(1, 2, 200, 64, seed=11, device=device),
+        _randn(1, 2, 200, 64, seed=12, device=device),
+    )
+    k[:, :, 77:], v[:, :, 77:] = float("nan"), float("nan")
+    L = torch.tensor([77], dtype=torch.int32, device=device)
+    want = dd.dense_decode_ref(q, k[:, :, :77], v[:, :, :77])
+    for fn in (dd.dense_decode_ref, dd.dense_decode_triton):
+        assert_partial(fn(q, k, v, L), want, atol=1e-5, rtol=1e-5)
+
+
 def test_dense_decode_splits_agree_with_one_split():
     """Split-K partials merged by log-sum-exp equal one pass over all keys."""
     q = _randn(1, 8, 1, 64, seed=7)

@@ -15,6 +15,7 @@ from ..tasks.bench import (
 )
 from .common import (
     dump_json,
+    graph_option,
     human_bytes,
     kv_options,
     load_with_progress,
@@ -37,7 +38,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         budget = "-" if r["budget"] is None else str(r["budget"])
         kv = f"{human_bytes(r['kv_bytes'])} / {human_bytes(r['kv_bytes_full'])}"
-        head = f"| {r['model']} | {r['kv']} | {budget} |"
+        graph = " (graph)" if r.get("cuda_graph") else ""
+        head = f"| {r['model']} | {r['kv']}{graph} | {budget} |"
         tail = f"{kv} | {human_bytes(r['peak_mem_bytes'])} |"
         if r["test_pp"]:
             t = _ts(r["prefill_tok_s"], r["prefill_tok_s_std"])
@@ -60,6 +62,7 @@ def markdown(result: dict) -> str:
 
 @click.command()
 @model_options
+@graph_option
 @kv_options(multiple=True)
 @click.option(
     "-p", "--n-prompt", default=512, show_default=True, help="Prompt tokens to time (0 = skip)."
@@ -101,6 +104,7 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
     kvrun bench -p 512 -n 128 -d 0,4096 --reps 5 --kv full --kv kivi2 --kv snapkv
     kvrun bench -m llama3-8b-synthetic --dtype bfloat16 --kv full --kv snapkv --kv-budget 0.1,0.25
     kvrun bench -m tiny-synthetic -p 64 -n 16 -r 2 --json
+    kvrun bench -p 0 -n 128 --kv full --cuda-graph        # decode steps as one CUDA graph
     """
     set_debug(ctx, kw.pop("debug"))
     settings = BenchSettings(
@@ -113,6 +117,7 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
         seed=seed,
         ubatch=kw["ubatch"],
         ctx_size=kw["ctx_size"],
+        cuda_graph=kw["cuda_graph"],
     )
     _check_before_loading(settings, kw)
     # the common loader checks a single --kv; ours were checked above

@@ -9,14 +9,15 @@ import click
 
 from ..chat import Conversation
 from ..errors import ContextOverflow
-from ..generate import Session
 from .common import (
     check_kv,
     err_console,
+    graph_option,
     kv_options,
     load_with_progress,
     model_options,
     new_kv,
+    new_session,
     sampling_from,
     sampling_options,
     set_debug,
@@ -50,6 +51,7 @@ class _StopFlag:
 
 @click.command()
 @model_options
+@graph_option
 @kv_options()
 @sampling_options
 @click.option("--system", default=None, help="System message for the conversation.")
@@ -73,9 +75,7 @@ def chat(ctx, system, n_predict, **kw):
     sampling, seed = sampling_from(kw)
     check_kv(kw)
     rt = load_with_progress(kw)
-    session = Session(
-        rt.model, rt.tokenizer, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"]
-    )
+    session = new_session(rt, new_kv(rt, kw), kw)
     conv = Conversation(session, system)
     interactive = sys.stdin.isatty()
     if interactive:

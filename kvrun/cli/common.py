@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..errors import KvrunError
-from ..generate import Stats
+from ..generate import Session, Stats
 from ..runtime import Runtime, load_runtime
 from ..sampling import SamplingConfig
 
@@ -58,6 +58,30 @@ def model_options(f):
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def graph_option(f):
+    """--cuda-graph for the commands that decode (generate, chat, longdoc, bench)."""
+    return click.option(
+        "--cuda-graph/--no-cuda-graph",
+        "cuda_graph",
+        default=False,
+        show_default=True,
+        help="Replay each decode step as one CUDA graph (needs --device cuda; the full cache; "
+        "other methods decode eagerly, with a note).",
+    )(f)
+
+
+def new_session(rt: Runtime, kv, kw: dict) -> Session:
+    """A Session with the command's --ubatch, -c and --cuda-graph; notes why a requested graph
+    is not used."""
+    graph = "on" if kw.get("cuda_graph") else "off"
+    session = Session(
+        rt.model, rt.tokenizer, kv, ubatch=kw["ubatch"], context=kw["ctx_size"], graph=graph
+    )
+    if session.graph_note:
+        err_console.print(session.graph_note, style="yellow")
+    return session
 
 
 def kv_options(multiple: bool = False):

@@ -9,14 +9,15 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..generate import Session
 from .common import (
     check_kv,
     dump_json,
+    graph_option,
     kv_options,
     load_with_progress,
     model_options,
     new_kv,
+    new_session,
     prefill_progress,
     sampling_from,
     sampling_options,
@@ -49,6 +50,7 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 
 @click.command()
 @model_options
+@graph_option
 @kv_options()
 @sampling_options
 @click.option("-p", "--prompt", default=None, help="Prompt text (after the -f file when both).")
@@ -92,7 +94,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
         ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
     else:
         ids = tok.encode(text)
-    session = Session(rt.model, tok, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    session = new_session(rt, new_kv(rt, kw), kw)
     session.check_fits(len(ids))
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with prefill_progress(len(ids), kw["ubatch"]) as progress:

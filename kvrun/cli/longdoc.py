@@ -10,14 +10,16 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..generate import Session, Stats
+from ..generate import Stats
 from ..tasks import longdoc as task
 from .common import (
     check_kv,
+    graph_option,
     kv_options,
     load_with_progress,
     model_options,
     new_kv,
+    new_session,
     progress_bar,
     sampling_from,
     sampling_options,
@@ -28,6 +30,7 @@ from .common import (
 
 @click.command()
 @model_options
+@graph_option
 @kv_options()
 @sampling_options(temp=0.0)  # greedy: answers should not depend on the seed
 @click.argument("files", nargs=-1, metavar="[FILE]...")
@@ -122,7 +125,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     check_kv(kw)
     rt = load_with_progress(kw)
     tok = rt.tokenizer
-    session = Session(rt.model, tok, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    session = new_session(rt, new_kv(rt, kw), kw)
     settings = {
         "model": str(rt.path),
         "model_name": rt.config.name,

@@ -42,6 +42,7 @@ class BenchSettings:
     seed: int = 0
     ubatch: int = 512
     ctx_size: int = 0  # 0 = the model's context
+    cuda_graph: bool = False  # decode steps replay a CUDA graph where the method allows
 
 
 def parse_counts(text: str, flag: str) -> tuple[int, ...]:
@@ -132,7 +133,8 @@ def _one_rep(rt, kv_spec, budget, fill, prompt, first, s: BenchSettings) -> dict
     """One fill + timed prompt + timed decode on a fresh cache."""
     dev = rt.model.device
     kv = rt.new_kv(kv_spec, budget)
-    sess = Session(rt.model, rt.tokenizer, kv, ubatch=s.ubatch, context=s.ctx_size)
+    graph = "on" if s.cuda_graph else "off"
+    sess = Session(rt.model, rt.tokenizer, kv, ubatch=s.ubatch, context=s.ctx_size, graph=graph)
     logits = sess.prefill(fill) if fill else None
     _sync(dev)
     t0 = time.perf_counter()
@@ -142,6 +144,9 @@ def _one_rep(rt, kv_spec, budget, fill, prompt, first, s: BenchSettings) -> dict
     t1 = time.perf_counter()
     held_before = kv.nbytes()
     tok = int(logits.argmax()) if logits is not None else first
+    if s.n_gen:
+        sess.prepare_decode(s.n_gen)  # a CUDA graph is captured once per sequence, untimed
+    _sync(dev)
     t2 = time.perf_counter()
     for _ in range(s.n_gen):
         tok = int(sess.decode(tok).argmax())  # greedy, with the per-token sync a runner pays
@@ -154,6 +159,7 @@ def _one_rep(rt, kv_spec, budget, fill, prompt, first, s: BenchSettings) -> dict
         "kv_bytes_full": kv.nbytes_full(),
         "kv_read": (held_before + kv.nbytes()) / 2,
         "describe": kv.describe(),
+        "cuda_graph": sess.graph_mode == "on",
     }
 
 
@@ -194,6 +200,7 @@ def bench_row(
         "test_tg": test_tg,
         **_stats("prefill_tok_s", pp),
         **_stats("decode_tok_s", tg),
+        "cuda_graph": last["cuda_graph"],
         "kv_bytes": last["kv_bytes"],
         "kv_bytes_full": last["kv_bytes_full"],
         "kv_ratio": last["kv_bytes"] / last["kv_bytes_full"] if last["kv_bytes_full"] else 1.0,
@@ -256,7 +263,8 @@ def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None)
             "dtype": str(rt.model.dtype).removeprefix("torch."),
             "device": str(dev),
             "tokens": "random ids from torch.Generator(seed), the same for every method",
-            "decode": "greedy; tg tok/s = n_gen decode steps / their time",
+            "decode": "greedy; tg tok/s = n_gen decode steps / their time (a CUDA graph's "
+            "capture, once per sequence, is not timed)",
         },
         "peak_mem_kind": "cuda max allocated, reset per row"
         if dev.type == "cuda"

@@ -1,0 +1,128 @@
+"""CUDA-graph decode (kvrun/graph.py): the static decode step equals the dynamic one.
+
+On CPU the static step runs without capture (graph="static"), through the torch reference and,
+with KVRUN_KERNELS=triton, through the interpreted split-K kernel over the whole capacity with
+the length as a tensor. The captured graph itself needs a GPU (skipped, with the reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_kv_methods import config, new_kv, prompt, random_transformer, tiny
+
+from kvrun.errors import KvrunError
+from kvrun.generate import Session
+from kvrun.graph import ROUND
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graphs need one")
+
+
+def run(model, graph: str, turns, n_decode: int, spec: str = "full", ubatch: int = 64):
+    """Logits of every decode step over chat-like turns (prefill, greedy decode, next turn)."""
+    kv = new_kv(model, spec) if model.device.type == "cpu" else _kv_on(model, spec)
+    sess = Session(model, None, kv, ubatch=ubatch, graph=graph)
+    out = []
+    for ids in turns:
+        logits = sess.prefill(ids)
+        sess.prepare_decode(n_decode)
+        for _ in range(n_decode):
+            logits = sess.decode(int(logits.argmax()))
+            out.append(logits.float().cpu())
+    return torch.stack(out), sess
+
+
+def _kv_on(model, spec):
+    from kvrun.runtime import build_kv
+
+    return build_kv(spec, None, model.config, model.rope, model.device, model.dtype)
+
+
+def test_static_step_equals_dynamic_step():
+    m = tiny()
+    turns = [prompt(200, seed=1), prompt(37, seed=2)]
+    ref, _ = run(m, "off", turns, 12)
+    got, sess = run(m, "static", turns, 12)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert sess.kv.static and sess.kv.capacity % ROUND == 0
+
+
+def test_static_step_grows_past_its_capacity():
+    m = tiny()
+    turns = [prompt(250, seed=3)]  # the first capacity is 256: decoding crosses it
+    ref, _ = run(m, "off", turns, 20)
+    sess_out, sess = run(m, "static", turns, 20)
+    torch.testing.assert_close(sess_out, ref, rtol=1e-5, atol=1e-5)
+    assert sess.kv.capacity >= 270
+
+
+def test_static_step_through_the_triton_kernel(monkeypatch):
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+    monkeypatch.setenv("KVRUN_KERNELS", "triton")
+    m = tiny()
+    turns = [prompt(70, seed=4)]
+    got, _ = run(m, "static", turns, 3)
+    monkeypatch.setenv("KVRUN_KERNELS", "torch")
+    ref, _ = run(m, "off", turns, 3)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_reset_keeps_the_buffers_and_the_next_sequence_is_exact():
+    m = tiny()
+    ref_a, _ = run(m, "off", [prompt(40, seed=5)], 5)
+    ref_b, _ = run(m, "off", [prompt(90, seed=6)], 5)
+    kv = new_kv(m, "full")
+    sess = Session(m, None, kv, ubatch=32, graph="static")
+    got = []
+    for ids in (prompt(40, seed=5), prompt(90, seed=6)):
+        sess.reset()
+        logits = sess.prefill(ids)
+        steps = []
+        for _ in range(5):
+            logits = sess.decode(int(logits.argmax()))
+            steps.append(logits)
+        got.append(torch.stack(steps))
+    torch.testing.assert_close(got[0], ref_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], ref_b, rtol=1e-5, atol=1e-5)
+
+
+def test_methods_without_a_static_form_decode_eagerly():
+    m = tiny()
+    sess = Session(m, None, new_kv(m, "kivi2"), graph="static")
+    assert sess.graph_mode == "off" and "kivi2" in sess.graph_note
+    c = dataclasses.replace(config(), sliding_window=16)
+    mw = random_transformer(c, 7)
+    sess = Session(mw, None, new_kv(mw, "full"), graph="static")
+    assert sess.graph_mode == "off" and "sliding-window" in sess.graph_note
+
+
+def test_graph_on_needs_cuda():
+    m = tiny()
+    with pytest.raises(KvrunError, match="CUDA device"):
+        Session(m, None, new_kv(m, "full"), graph="on")
+
+
+def test_rope_bound_gives_the_same_rotation():
+    m = tiny()
+    x = torch.randn(1, 2, 3, m.config.head_dim)
+    pos = torch.tensor([5, 600, 1000])
+    a = m.rope.apply(x, pos)
+    b = m.rope.apply(x, pos, bound=2048)
+    torch.testing.assert_close(a, b)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_graph_equals_eager_decode(dtype):
+    c = config()
+    m = random_transformer(c, 11).to(device="cuda", dtype=dtype)
+    m.rope = type(m.rope)(m.rope.inv_freq, torch.device("cuda"), dtype)
+    turns = [prompt(300, seed=8), prompt(20, seed=9)]
+    ref, _ = run(m, "off", turns, 16)
+    got, sess = run(m, "on", turns, 16)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    assert sess.graph.graph is not None  # the steps replayed a captured graph
