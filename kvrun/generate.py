@@ -170,8 +170,7 @@ class Session:
                 self.graph = DecodeGraph(self.model, self.kv, need, self.context, capture)
             elif need > self.graph.capacity:
                 self.graph.reserve(need)
-            if self.graph.capture:
-                self.graph.step(0, len(self.tokens))  # warm up and capture; writes nothing kept
+            self.graph.ready(len(self.tokens))
 
     @torch.inference_mode()
     def decode(self, token: int) -> torch.Tensor:

@@ -72,15 +72,20 @@ class DecodeGraph:
         self.graph = graph
         self.key = self.kv.static_buffers()
 
-    def step(self, token: int, position: int) -> torch.Tensor:
-        """Logits (V,) after feeding `token` at `position` (the caller then calls end_step)."""
+    def ready(self, position: int) -> None:
+        """Room for a token at `position`, and a graph captured over the current buffers."""
         if position >= self.capacity:
             self.reserve(2 * position + 1)
+        if self.capture and (self.graph is None or self.key != self.kv.static_buffers()):
+            self.pos.fill_(position)
+            self._capture()
+
+    def step(self, token: int, position: int) -> torch.Tensor:
+        """Logits (V,) after feeding `token` at `position` (the caller then calls end_step)."""
+        self.ready(position)
         self.tok.fill_(token)
         self.pos.fill_(position)
         if not self.capture:
             return self._forward()
-        if self.graph is None or self.key != self.kv.static_buffers():
-            self._capture()
         self.graph.replay()
         return self.logits.clone()
