@@ -400,7 +400,10 @@ def main() -> None:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     if a.compile:
-        os.environ.pop("TRITON_INTERPRET", None)  # compile for real, before kernels are defined
+        # compile for real (TRITON_INTERPRET=0), and have kvrun.kernels import triton without a
+        # GPU (KVRUN_KERNELS=triton), both before the kernels are defined
+        os.environ["TRITON_INTERPRET"] = "0"
+        os.environ["KVRUN_KERNELS"] = "triton"
         sys.exit(0 if compile_only(a.compile) else 1)
     if a.check:
         if not cuda:  # the Triton interpreter must be chosen before any kernel is defined
