@@ -23,3 +23,14 @@ def test_triton_path_equals_reference_path(monkeypatch, spec):
         body = kv.layers[0].kivi.body_len
     assert body > 0  # the quantized body was attended, not only the dense tail
     torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-4, atol=1e-4)
+
+
+def test_full_cache_decode_through_the_split_k_kernel(monkeypatch):
+    """The full cache's decode steps use the dense split-K kernel where Triton runs."""
+    m, ids = tiny(), prompt(70, seed=5)
+    toks = [3, 8, 1, 12]
+    out = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("KVRUN_KERNELS", mode)
+        out[mode] = drive(m, new_kv(m, "full"), ids, 35, n_decode=len(toks), tokens=toks)
+    torch.testing.assert_close(out["triton"], out["torch"], rtol=1e-4, atol=1e-4)
