@@ -161,7 +161,7 @@ class Session:
     def prepare_decode(self, n_more: int) -> None:
         """Set up graph decoding for up to n_more more tokens (capture happens here, so
         callers that time decode steps can leave it out); a no-op with graph mode off."""
-        if self.graph_mode == "off":
+        if self.graph_mode == "off" or len(self.tokens) >= self.context:
             return
         need = min(len(self.tokens) + max(n_more, 1), self.context)
         with torch.inference_mode():
