@@ -89,6 +89,50 @@ def test_reset_keeps_the_buffers_and_the_next_sequence_is_exact():
     torch.testing.assert_close(got[1], ref_b, rtol=1e-5, atol=1e-5)
 
 
+class HostReads:
+    """Fail on any tensor value read back to Python (what a CUDA graph cannot capture): the
+    CPU stand-in for CUDA's sync debug mode."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.mp = monkeypatch
+
+    def __enter__(self):
+        for name in self.NAMES:
+            self.mp.setattr(torch.Tensor, name, self._fail(name))
+        return self
+
+    def __exit__(self, *exc):
+        self.mp.undo()
+
+    @staticmethod
+    def _fail(name):
+        def read(*a, **k):
+            raise AssertionError(f"the static decode step read a tensor value (Tensor.{name})")
+
+        return read
+
+
+def test_static_step_reads_no_tensor_value(monkeypatch):
+    m = tiny()
+    sess = Session(m, None, new_kv(m, "full"), ubatch=64, graph="static")
+    logits = sess.prefill(prompt(100, seed=12))
+    sess.prepare_decode(8)
+    tok = int(logits.argmax())
+    g = sess.graph
+    for p in (100, 101):
+        with torch.inference_mode():
+            g.ready(p)
+            g.tok.fill_(tok)
+            g.pos.fill_(p)
+            with HostReads(monkeypatch):
+                out = g._forward()  # the step a graph captures
+        sess.kv.end_step()
+        sess.tokens.append(tok)
+        tok = int(out.argmax())
+
+
 def test_methods_without_a_static_form_decode_eagerly():
     m = tiny()
     sess = Session(m, None, new_kv(m, "kivi2"), graph="static")
