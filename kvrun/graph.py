@@ -19,10 +19,7 @@ ROUND = 256  # capacities are multiples of this, so nearby lengths share one cap
 
 def static_unsupported(kv) -> str | None:
     """Why `kv` cannot decode in a graph, or None when it can."""
-    why = getattr(kv, "static_unsupported", None)
-    if why is None:
-        return f"the {kv.name} cache has no static decode form (only full has one)"
-    return why()
+    return kv.static_unsupported()
 
 
 class DecodeGraph:
@@ -73,19 +70,31 @@ class DecodeGraph:
         self.key = self.kv.static_buffers()
 
     def ready(self, position: int) -> None:
-        """Room for a token at `position`, and a graph captured over the current buffers."""
+        """Room for a token at `position`, and a graph captured over the current buffers
+        (when the next step can be static at all)."""
         if position >= self.capacity:
             self.reserve(2 * position + 1)
-        if self.capture and (self.graph is None or self.key != self.kv.static_buffers()):
+        stale = self.graph is None or self.key != self.kv.static_buffers()
+        if self.capture and stale and self.kv.static_step_ok():
             self.pos.fill_(position)
             self._capture()
+            self.warmup = 1  # recaptures (after a KIVI flush) need no compile warm-up
 
     def step(self, token: int, position: int) -> torch.Tensor:
         """Logits (V,) after feeding `token` at `position` (the caller then calls end_step)."""
         self.ready(position)
         self.tok.fill_(token)
         self.pos.fill_(position)
-        if not self.capture:
-            return self._forward()
-        self.graph.replay()
-        return self.logits.clone()
+        if not self.kv.static_step_ok():  # e.g. MiniKV flushing before it attends: eager
+            self.kv.static = False
+            try:
+                return self._forward()
+            finally:
+                self.kv.static = True
+        if self.capture:
+            self.graph.replay()
+            out = self.logits.clone()
+        else:
+            out = self._forward()
+        self.kv.after_static_step()
+        return out

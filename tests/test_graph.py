@@ -16,6 +16,7 @@ from test_kv_methods import config, new_kv, prompt, random_transformer, tiny
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.graph import ROUND
+from kvrun.kv.kivi import KiviLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graphs need one")
@@ -41,13 +42,28 @@ def _kv_on(model, spec):
     return build_kv(spec, None, model.config, model.rope, model.device, model.dtype)
 
 
-def test_static_step_equals_dynamic_step():
+STATIC = ["full", "kivi2:residual=32", "kivi4", "minikv:residual=32", "snapkv+kivi2:residual=32",
+          "xkv+kivi2:residual=32"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", STATIC)
+def test_static_step_equals_dynamic_step(monkeypatch, spec):
+    """Two turns with decode steps across KIVI flushes (recaptures) and MiniKV's eager
+    flush-before-attention steps."""
     m = tiny()
     turns = [prompt(200, seed=1), prompt(37, seed=2)]
-    ref, _ = run(m, "off", turns, 12)
-    got, sess = run(m, "static", turns, 12)
+    n = 40 if "residual=32" in spec else 12
+    ref, _ = run(m, "off", turns, n, spec)
+    calls = []
+    real = KiviLayer.attend_static
+    monkeypatch.setattr(KiviLayer, "attend_static", lambda *a: calls.append(1) or real(*a))
+    got, sess = run(m, "static", turns, n, spec)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert sess.kv.static and sess.kv.capacity % ROUND == 0
+    assert sess.kv.static and sess.graph_mode == "static"
+    if spec == "full":
+        assert sess.kv.capacity % ROUND == 0
+    else:  # most steps went through the static KIVI step, in every layer
+        assert len(calls) >= 0.75 * 2 * n * m.config.n_layers
 
 
 def test_static_step_grows_past_its_capacity():
@@ -59,14 +75,15 @@ def test_static_step_grows_past_its_capacity():
     assert sess.kv.capacity >= 270
 
 
-def test_static_step_through_the_triton_kernel(monkeypatch):
+@pytest.mark.parametrize("spec", ["full", "kivi2:residual=32"])
+def test_static_step_through_the_triton_kernels(monkeypatch, spec):
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
     monkeypatch.setenv("KVRUN_KERNELS", "triton")
     m = tiny()
     turns = [prompt(70, seed=4)]
-    got, _ = run(m, "static", turns, 3)
+    got, _ = run(m, "static", turns, 3, spec)
     monkeypatch.setenv("KVRUN_KERNELS", "torch")
-    ref, _ = run(m, "off", turns, 3)
+    ref, _ = run(m, "off", turns, 3, spec)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -114,9 +131,10 @@ class HostReads:
         return read
 
 
-def test_static_step_reads_no_tensor_value(monkeypatch):
+@pytest.mark.parametrize("spec", ["full", "kivi2:residual=32", "minikv:residual=32", "xkv+kivi2"])
+def test_static_step_reads_no_tensor_value(monkeypatch, spec):
     m = tiny()
-    sess = Session(m, None, new_kv(m, "full"), ubatch=64, graph="static")
+    sess = Session(m, None, new_kv(m, spec), ubatch=64, graph="static")
     logits = sess.prefill(prompt(100, seed=12))
     sess.prepare_decode(8)
     tok = int(logits.argmax())
@@ -126,21 +144,33 @@ def test_static_step_reads_no_tensor_value(monkeypatch):
             g.ready(p)
             g.tok.fill_(tok)
             g.pos.fill_(p)
+            assert sess.kv.static_step_ok()
             with HostReads(monkeypatch):
                 out = g._forward()  # the step a graph captures
+            sess.kv.after_static_step()
         sess.kv.end_step()
         sess.tokens.append(tok)
         tok = int(out.argmax())
 
 
-def test_methods_without_a_static_form_decode_eagerly():
+@pytest.mark.parametrize(
+    "spec,why",
+    [("h2o", "evicts at every decode step"), ("streaming", "evicts at every decode step"),
+     ("snapkv", "no KIVI store"), ("minikv:quant=none", "no KIVI store"),
+     ("minicache", "no static decode form"), ("spindlekv", "no static decode form")],
+)  # fmt: skip
+def test_methods_without_a_static_form_decode_eagerly(spec, why):
     m = tiny()
-    sess = Session(m, None, new_kv(m, "kivi2"), graph="static")
-    assert sess.graph_mode == "off" and "kivi2" in sess.graph_note
+    sess = Session(m, None, new_kv(m, spec), graph="static")
+    assert sess.graph_mode == "off" and why in sess.graph_note
+
+
+def test_sliding_window_models_decode_eagerly():
     c = dataclasses.replace(config(), sliding_window=16)
     mw = random_transformer(c, 7)
-    sess = Session(mw, None, new_kv(mw, "full"), graph="static")
-    assert sess.graph_mode == "off" and "sliding-window" in sess.graph_note
+    for spec in ("full", "kivi2"):
+        sess = Session(mw, None, new_kv(mw, spec), graph="static")
+        assert sess.graph_mode == "off" and "sliding-window" in sess.graph_note
 
 
 def test_graph_on_needs_cuda():
@@ -160,13 +190,14 @@ def test_rope_bound_gives_the_same_rotation():
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_captured_graph_equals_eager_decode(dtype):
+@pytest.mark.parametrize("spec", ["full", "kivi2:residual=32", "minikv:residual=32"])
+def test_captured_graph_equals_eager_decode(dtype, spec):
     c = config()
     m = random_transformer(c, 11).to(device="cuda", dtype=dtype)
     m.rope = type(m.rope)(m.rope.inv_freq, torch.device("cuda"), dtype)
     turns = [prompt(300, seed=8), prompt(20, seed=9)]
-    ref, _ = run(m, "off", turns, 16)
-    got, sess = run(m, "on", turns, 16)
+    ref, _ = run(m, "off", turns, 40, spec)
+    got, sess = run(m, "on", turns, 40, spec)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got, ref, **tol)
     assert sess.graph.graph is not None  # the steps replayed a captured graph

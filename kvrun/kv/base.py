@@ -70,6 +70,35 @@ class KVManager:
         """Store the new k, v as the method says and attend over everything the layer keeps."""
         raise NotImplementedError
 
+    # --- static decode (CUDA graphs, kvrun/graph.py) ------------------------------------
+    # A manager with a static form decodes one token with no host sync and fixed shapes once
+    # `make_static(capacity)` was called: `attend` then takes positions only as a tensor.
+    static = False
+
+    def static_unsupported(self) -> str | None:
+        """Why decode steps cannot be static (captured in a graph), or None when they can."""
+        return f"the {self.name} cache has no static decode form"
+
+    def make_static(self, capacity: int) -> None:
+        """Decode statically from now on, with room for positions below `capacity`."""
+        raise NotImplementedError
+
+    @property
+    def capacity(self) -> int:
+        """Positions below this fit a static step without growing anything."""
+        return 0
+
+    def static_buffers(self) -> tuple:
+        """What a captured step depends on (addresses, lengths): it is recaptured on change."""
+        raise NotImplementedError
+
+    def static_step_ok(self) -> bool:
+        """Whether the next decode step can be the static one (else it runs eagerly)."""
+        return True
+
+    def after_static_step(self) -> None:
+        """Python-side bookkeeping of a static step (its tensors were written in the graph)."""
+
     # --- accounting ---------------------------------------------------------------------
     def nbytes(self) -> int:
         """Exact bytes held: every stored tensor (values, scales, positions, indices...)."""

@@ -24,7 +24,6 @@ class FullKV(KVManager):
 
     def __init__(self, config, rope, device, dtype):
         super().__init__(config, rope, device, dtype)
-        self.static = False  # decode steps with static shapes (make_static)
         self._alloc(256)
 
     def _alloc(self, capacity: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dense_decode import dense_decode
 from ..kernels.kivi_decode import kivi_decode
 from ..kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
 from .attention import Partial, segment_attention
@@ -182,6 +183,32 @@ class KiviLayer:
         mask = self._mask(self.body_len, self.length, Tq, n_new)
         parts.append(segment_attention(q, tk[None], tv[None], mask))
         return parts
+
+    # --- static decode (CUDA graphs, kvrun/graph.py) ------------------------------------
+    def reserve_tail(self, n: int) -> None:
+        """Room for n dense tail tokens, so static steps never grow the tail."""
+        self._tk, self._tv = _grow(self._tk, 1, n), _grow(self._tv, 1, n)
+
+    def attend_static(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
+    ) -> list[Partial]:
+        """One decode token with no host sync: k, v (Hkv, 1, D) written at tail slot `slot`
+        (a (1,) device tensor), then [body partial, tail partial] over the tail up to it.
+
+        The body is read at its Python-known length (constant until the next flush); the
+        caller advances `tail_len` after the step (`tail_len += 1`), as `append` would.
+        """
+        self._tk.index_copy_(1, slot, k)
+        self._tv.index_copy_(1, slot, v)
+        parts = [self._attend_body(q, 0)] if self.body_len else []
+        lengths = (slot + 1).to(torch.int32)  # (B=1,) tail slots 0..slot
+        out, lse = dense_decode(q, self._tk[None], self._tv[None], lengths)
+        return parts + [Partial(out, lse)]
+
+    def static_key(self) -> tuple:
+        """What a captured static step depends on: buffer addresses and the body length."""
+        bufs = (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz, self._tk, self._tv)
+        return (*(t.data_ptr() for t in bufs), self.body_len)
 
     def _attend_body(self, q: torch.Tensor, n_new: int) -> Partial:
         """Body attention with the dequantization inside the dot products (kernels.kivi_decode:

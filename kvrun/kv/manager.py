@@ -127,10 +127,61 @@ class CompressedKV(KVManager):
         """New tokens go straight into the KIVI store (no selection pending on them)."""
         return self.layers[0].kivi is not None and (self.sel.name == "full" or not self.in_prefill)
 
+    # ---------------------------------------------------------- static decode
+    # Methods whose decode steps only append to a KIVI store (kivi2/4, the stacks on KIVI and
+    # MiniKV) decode statically: the new token goes to tail slot position + (tail_len - seen),
+    # a Python constant between flushes, the tail is attended up to that slot as a device
+    # tensor, and the body at its length (constant until the next flush, which changes the
+    # captured step's key so the graph is recaptured, once per residual of R steps).
+    _cap = 0
+
+    def static_unsupported(self) -> str | None:
+        if self.decode_time:
+            return f"{self.name} evicts at every decode step"
+        if self.layers[0].kivi is None:
+            return f"{self.name} has no KIVI store (static decode covers full and KIVI stores)"
+        if self.config.sliding_window:
+            return "a sliding-window model masks by position"
+        return None
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def make_static(self, capacity: int) -> None:
+        r = self.kivi_cfg["residual"]
+        for st in self.layers:
+            st.kivi.reserve_tail(r + 1)  # the tail never exceeds R between flushes
+        self._cap = max(self._cap, capacity)
+        self.rope.reserve(self._cap)
+        self.static = True
+
+    def static_buffers(self) -> tuple:
+        keys = (st.kivi.static_key() + (st.kivi.tail_len - self.seen,) for st in self.layers)
+        return (self._cap, *keys)
+
+    def static_step_ok(self) -> bool:
+        """MiniKV flushes a full residual before it attends (Alg. 1): that step runs eagerly."""
+        r = self.kivi_cfg["residual"]
+        return not self.minikv or all(st.kivi.tail_len + 1 < r for st in self.layers)
+
+    def after_static_step(self) -> None:
+        for st in self.layers:
+            st.kivi.tail_len += 1  # the step wrote its token at the tail's end
+
+    def _attend_static(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
+        cap = self._cap
+        qr = self.rope.apply(q, positions, bound=cap)
+        kr = self.rope.apply(k, positions, bound=cap)
+        slot = positions + (st.kivi.tail_len - self.seen)  # (1,) this token's tail slot
+        return combine(st.kivi.attend_static(qr, kr[0], v[0], slot), self.dtype)
+
     # ---------------------------------------------------------------- attend
     def attend(self, layer, q, k, v, positions):
         st = self.layers[layer]
         T = k.shape[2]
+        if self.static and not self.in_prefill and T == 1:
+            return self._attend_static(st, q, k, v, positions)
         window = self.config.sliding_window
         if window and self.seen + T > window and (st.dense.pos is None or self.minikv):
             raise KvrunError(
