@@ -74,6 +74,8 @@ class DecodeGraph:
         (when the next step can be static at all)."""
         if position >= self.capacity:
             self.reserve(2 * position + 1)
+        else:  # a prefill since the last step may have used the room the manager reserved
+            self.kv.make_static(self.capacity)
         stale = self.graph is None or self.key != self.kv.static_buffers()
         if self.capture and stale and self.kv.static_step_ok():
             self.pos.fill_(position)

@@ -16,6 +16,7 @@ from test_kv_methods import config, new_kv, prompt, random_transformer, tiny
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.graph import ROUND
+from kvrun.kv.dense import DenseSeg
 from kvrun.kv.kivi import KiviLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,7 +44,7 @@ def _kv_on(model, spec):
 
 
 STATIC = ["full", "kivi2:residual=32", "kivi4", "minikv:residual=32", "snapkv+kivi2:residual=32",
-          "xkv+kivi2:residual=32"]  # fmt: skip
+          "xkv+kivi2:residual=32", "snapkv", "pyramidkv", "xkv", "minikv:quant=none"]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", STATIC)
@@ -55,14 +56,15 @@ def test_static_step_equals_dynamic_step(monkeypatch, spec):
     n = 40 if "residual=32" in spec else 12
     ref, _ = run(m, "off", turns, n, spec)
     calls = []
-    real = KiviLayer.attend_static
-    monkeypatch.setattr(KiviLayer, "attend_static", lambda *a: calls.append(1) or real(*a))
+    for cls in (KiviLayer, DenseSeg):
+        real = cls.attend_static
+        monkeypatch.setattr(cls, "attend_static", lambda *a, f=real: calls.append(1) or f(*a))
     got, sess = run(m, "static", turns, n, spec)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert sess.kv.static and sess.graph_mode == "static"
     if spec == "full":
         assert sess.kv.capacity % ROUND == 0
-    else:  # most steps went through the static KIVI step, in every layer
+    else:  # most steps went through the static segment step, in every layer
         assert len(calls) >= 0.75 * 2 * n * m.config.n_layers
 
 
@@ -75,7 +77,7 @@ def test_static_step_grows_past_its_capacity():
     assert sess.kv.capacity >= 270
 
 
-@pytest.mark.parametrize("spec", ["full", "kivi2:residual=32"])
+@pytest.mark.parametrize("spec", ["full", "kivi2:residual=32", "snapkv"])
 def test_static_step_through_the_triton_kernels(monkeypatch, spec):
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
     monkeypatch.setenv("KVRUN_KERNELS", "triton")
@@ -131,7 +133,10 @@ class HostReads:
         return read
 
 
-@pytest.mark.parametrize("spec", ["full", "kivi2:residual=32", "minikv:residual=32", "xkv+kivi2"])
+@pytest.mark.parametrize(
+    "spec",
+    ["full", "kivi2:residual=32", "minikv:residual=32", "xkv+kivi2", "snapkv", "minikv:quant=none"],
+)
 def test_static_step_reads_no_tensor_value(monkeypatch, spec):
     m = tiny()
     sess = Session(m, None, new_kv(m, spec), ubatch=64, graph="static")
@@ -156,7 +161,6 @@ def test_static_step_reads_no_tensor_value(monkeypatch, spec):
 @pytest.mark.parametrize(
     "spec,why",
     [("h2o", "evicts at every decode step"), ("streaming", "evicts at every decode step"),
-     ("snapkv", "no KIVI store"), ("minikv:quant=none", "no KIVI store"),
      ("minicache", "no static decode form"), ("spindlekv", "no static decode form")],
 )  # fmt: skip
 def test_methods_without_a_static_form_decode_eagerly(spec, why):
@@ -168,7 +172,7 @@ def test_methods_without_a_static_form_decode_eagerly(spec, why):
 def test_sliding_window_models_decode_eagerly():
     c = dataclasses.replace(config(), sliding_window=16)
     mw = random_transformer(c, 7)
-    for spec in ("full", "kivi2"):
+    for spec in ("full", "kivi2", "snapkv"):
         sess = Session(mw, None, new_kv(mw, spec), graph="static")
         assert sess.graph_mode == "off" and "sliding-window" in sess.graph_note
 

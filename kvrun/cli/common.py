@@ -67,8 +67,9 @@ def graph_option(f):
         "cuda_graph",
         default=False,
         show_default=True,
-        help="Replay each decode step as one CUDA graph (needs --device cuda; full, KIVI and "
-        "MiniKV caches and stacks on KIVI; other methods decode eagerly, with a note).",
+        help="Replay each decode step as one CUDA graph (needs --device cuda; every method "
+        "that only appends at decode steps; h2o, streaming, minicache and spindlekv decode "
+        "eagerly, with a note).",
     )(f)
 
 

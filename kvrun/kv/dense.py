@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.dense_decode import dense_decode
 from .attention import Partial, position_mask, segment_attention
 
 
@@ -25,21 +26,46 @@ class DenseSeg:
         scores: bool = False,
         score_rows: int | None = None,
     ):
-        self.k = torch.empty(1, n_kv, 0, head_dim, dtype=dtype, device=device)  # (1, Hkv, T, D)
-        self.v = torch.empty_like(self.k)  # (1, Hkv, T, D)
+        # K and V live in buffers with spare room (1, Hkv, cap, D); `k`, `v` are the occupied
+        # slots, so a decode step writes one slot instead of copying the whole segment
+        self._k = torch.empty(1, n_kv, 0, head_dim, dtype=dtype, device=device)
+        self._v = torch.empty_like(self._k)
+        self.n = 0
         self.pos = torch.empty(pos_rows, 0, dtype=torch.int32, device=device) if pos_rows else None
         # (Hkv or score_rows, T) fp32 accumulated attention (H2O, MiniKV; MiniKV's gqa_agg=max
         # keeps one row per query head)
         self.acc = torch.empty(score_rows or n_kv, 0, device=device) if scores else None
 
     @property
+    def k(self) -> torch.Tensor:  # (1, Hkv, T, D) post-RoPE
+        return self._k[:, :, : self.n]
+
+    @property
+    def v(self) -> torch.Tensor:  # (1, Hkv, T, D)
+        return self._v[:, :, : self.n]
+
+    @property
     def length(self) -> int:
-        return self.k.shape[2]
+        return self.n
+
+    def reserve(self, n: int) -> None:
+        """Room for n slots (doubling, so appends cost O(1) copies per slot amortised)."""
+        cap = self._k.shape[2]
+        if n <= cap:
+            return
+        cap = max(n, 2 * cap, 64)
+        shape = (*self._k.shape[:2], cap, self._k.shape[3])
+        k, v = self._k.new_empty(shape), self._v.new_empty(shape)
+        k[:, :, : self.n], v[:, :, : self.n] = self.k, self.v
+        self._k, self._v = k, v
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Add new tokens (1, Hkv, T, D) at the end; positions (T,)."""
-        self.k = torch.cat([self.k, k], dim=2)
-        self.v = torch.cat([self.v, v], dim=2)
+        end = self.n + k.shape[2]
+        self.reserve(end)
+        self._k[:, :, self.n : end] = k
+        self._v[:, :, self.n : end] = v
+        self.n = end
         if self.pos is not None:
             new = positions.to(torch.int32).expand(self.pos.shape[0], -1)
             self.pos = torch.cat([self.pos, new], dim=1)
@@ -50,11 +76,12 @@ class DenseSeg:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep slots idx (Hkv, T') or (1, T') (same for every head), ascending."""
-        Hkv, D = self.k.shape[1], self.k.shape[3]
+        Hkv, D = self._k.shape[1], self._k.shape[3]
         full = idx.expand(Hkv, -1)
         gather = full[None, :, :, None].expand(1, Hkv, full.shape[1], D)
-        self.k = torch.gather(self.k, 2, gather)
-        self.v = torch.gather(self.v, 2, gather)
+        self._k = torch.gather(self.k, 2, gather)
+        self._v = torch.gather(self.v, 2, gather)
+        self.n = full.shape[1]
         if self.pos is not None:
             self.pos = torch.gather(self.pos, 1, idx.expand(self.pos.shape[0], -1))
         if self.acc is not None:
@@ -62,14 +89,26 @@ class DenseSeg:
             self.acc = torch.gather(self.acc, 1, rows)
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Remove and return all K, V (1, Hkv, T, D)."""
+        """Remove and return all K, V (1, Hkv, T, D) (the segment starts a new buffer)."""
         k, v = self.k, self.v
-        self.k, self.v = k[:, :, :0], v[:, :, :0]
+        self._k, self._v, self.n = k[:, :, :0].clone(), v[:, :, :0].clone(), 0
         if self.pos is not None:
             self.pos = self.pos[:, :0]
         if self.acc is not None:
             self.acc = self.acc[:, :0]
         return k, v
+
+    def attend_static(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
+    ) -> Partial:
+        """One decode token with no host sync (CUDA graphs): k, v (1, Hkv, 1, D) written at
+        `slot` (a (1,) device tensor, inside the reserved room), then attention over slots up
+        to it. The caller advances `n` after the step. Only for segments without positions
+        or scores (their rows would grow)."""
+        self._k.index_copy_(2, slot, k)
+        self._v.index_copy_(2, slot, v)
+        lengths = (slot + 1).to(torch.int32)  # (B=1,)
+        return Partial(*dense_decode(q, self._k, self._v, lengths))
 
     def mask(self, q_pos: torch.Tensor, n_new: int, window: int | None) -> torch.Tensor | None:
         """Visibility (Tq, T) or (Hkv, Tq, T): by positions when held, else by slot order

@@ -128,53 +128,83 @@ class CompressedKV(KVManager):
         return self.layers[0].kivi is not None and (self.sel.name == "full" or not self.in_prefill)
 
     # ---------------------------------------------------------- static decode
-    # Methods whose decode steps only append to a KIVI store (kivi2/4, the stacks on KIVI and
-    # MiniKV) decode statically: the new token goes to tail slot position + (tail_len - seen),
-    # a Python constant between flushes, the tail is attended up to that slot as a device
-    # tensor, and the body at its length (constant until the next flush, which changes the
-    # captured step's key so the graph is recaptured, once per residual of R steps).
+    # Methods whose decode steps only append (no eviction at steps) decode statically: the new
+    # token goes to slot position + (held - seen) of its layer's decode segment (the KIVI tail,
+    # MiniKV's held turns, or the dense store), a Python constant between compressions, and
+    # the segment is attended up to that slot as a device tensor. A KIVI body keeps its length
+    # until the next flush, which changes the captured step's key, so the graph is recaptured
+    # once per residual of R steps.
     _cap = 0
 
     def static_unsupported(self) -> str | None:
         if self.decode_time:
             return f"{self.name} evicts at every decode step"
-        if self.layers[0].kivi is None:
-            return f"{self.name} has no KIVI store (static decode covers full and KIVI stores)"
         if self.config.sliding_window:
             return "a sliding-window model masks by position"
+        st = self.layers[0]
+        if (
+            st.kivi is None
+            and st.held is None
+            and (st.dense.pos is not None or st.dense.acc is not None)
+        ):
+            return f"{self.name} keeps positions or scores per slot"
         return None
+
+    def _decode_seg(self, st: _Layer):
+        """The segment a decode token of this layer goes to: KIVI store or a DenseSeg."""
+        if st.kivi is not None:
+            return st.kivi
+        return st.held if st.held is not None else st.dense
 
     @property
     def capacity(self) -> int:
         return self._cap
 
     def make_static(self, capacity: int) -> None:
-        r = self.kivi_cfg["residual"]
-        for st in self.layers:
-            st.kivi.reserve_tail(r + 1)  # the tail never exceeds R between flushes
         self._cap = max(self._cap, capacity)
+        for st in self.layers:
+            if st.kivi is not None:
+                st.kivi.reserve_tail(self.kivi_cfg["residual"] + 1)  # R at most between flushes
+            else:
+                seg = self._decode_seg(st)
+                seg.reserve(self._cap + seg.n - self.seen)  # slots up to position cap - 1
         self.rope.reserve(self._cap)
         self.static = True
 
     def static_buffers(self) -> tuple:
-        keys = (st.kivi.static_key() + (st.kivi.tail_len - self.seen,) for st in self.layers)
+        keys = []
+        for st in self.layers:
+            if st.kivi is not None:
+                keys.append(st.kivi.static_key() + (st.kivi.tail_len - self.seen,))
+            else:
+                seg = self._decode_seg(st)
+                keys.append((seg._k.data_ptr(), seg._v.data_ptr(), seg.n - self.seen))
         return (self._cap, *keys)
 
     def static_step_ok(self) -> bool:
         """MiniKV flushes a full residual before it attends (Alg. 1): that step runs eagerly."""
+        if not self.minikv or self.kivi_cfg is None:
+            return True
         r = self.kivi_cfg["residual"]
-        return not self.minikv or all(st.kivi.tail_len + 1 < r for st in self.layers)
+        return all(st.kivi.tail_len + 1 < r for st in self.layers)
 
     def after_static_step(self) -> None:
-        for st in self.layers:
-            st.kivi.tail_len += 1  # the step wrote its token at the tail's end
+        for st in self.layers:  # the step wrote its token at the segment's end
+            if st.kivi is not None:
+                st.kivi.tail_len += 1
+            else:
+                self._decode_seg(st).n += 1
 
     def _attend_static(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
         cap = self._cap
         qr = self.rope.apply(q, positions, bound=cap)
         kr = self.rope.apply(k, positions, bound=cap)
-        slot = positions + (st.kivi.tail_len - self.seen)  # (1,) this token's tail slot
-        return combine(st.kivi.attend_static(qr, kr[0], v[0], slot), self.dtype)
+        if st.kivi is not None:
+            slot = positions + (st.kivi.tail_len - self.seen)  # (1,) this token's tail slot
+            return combine(st.kivi.attend_static(qr, kr[0], v[0], slot), self.dtype)
+        seg = self._decode_seg(st)
+        slot = positions + (seg.n - self.seen)
+        return combine([seg.attend_static(qr, kr, v, slot)], self.dtype)
 
     # ---------------------------------------------------------------- attend
     def attend(self, layer, q, k, v, positions):
