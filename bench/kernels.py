@@ -195,6 +195,7 @@ def _triton_version() -> str | None:
 
 def check(a, cuda: bool) -> bool:
     """Triton vs reference on every kernel; True when all agree within tolerance."""
+    from kvrun.kernels import codebook_decode as cb_
     from kvrun.kernels import colsum as cs
     from kvrun.kernels import dense_decode as dd
     from kvrun.kernels import kivi_decode as kd
@@ -262,6 +263,30 @@ def check(a, cuda: bool) -> bool:
             for per_head in (False, True):
                 report(f"colsum T={T} Tq={Tq} per_head={per_head}", cs.colsum_triton(qc, kc, vc, per_head),
                        cs.colsum_ref(qc, kc, vc, per_head), dtype)  # fmt: skip
+        S, n_rows = (6000, 4096) if cuda else (200, 64)
+        ang = torch.arange(2 * S, device=dev)[:, None] * 10000.0 ** (
+            -torch.arange(0, D, 2, device=dev) / D
+        )
+        cos, sin = (
+            torch.cat([ang, ang], 1).cos().to(dtype),
+            torch.cat([ang, ang], 1).sin().to(dtype),
+        )
+        books = [
+            torch.nn.functional.normalize(rnd(n_rows, D, dtype=torch.float32), dim=-1).to(dtype)
+            for _ in "kv"
+        ]
+        idx = [
+            torch.randint(0, n_rows, (Hkv, S), device=dev, generator=gen).to(torch.int16)
+            for _ in "kv"
+        ]
+        mag = [rnd(Hkv, S, dtype=dtype).abs() * 4 for _ in "kv"]
+        pos = torch.randperm(2 * S, device=dev, generator=gen)[:S].sort().values.to(torch.int32)
+        pos = pos.expand(Hkv, S).contiguous()
+        mask = torch.randint(0, 1 << g, (Hkv, S, 1), device=dev, generator=gen).to(torch.uint8)
+        args = (q[:1], books[0], idx[0], mag[0], books[1], idx[1], mag[1], pos, cos, sin)
+        for m in (None, mask):
+            report(f"codebook_decode S={S} mask={m is not None}", cb_.codebook_decode_triton(*args, m),
+                   cb_.codebook_decode_ref(*args, m), dtype)  # fmt: skip
     return ok
 
 
@@ -278,16 +303,20 @@ def compile_only(arch: int) -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kvrun.kernels import codebook_decode as cb_
     from kvrun.kernels import colsum as cs
     from kvrun.kernels import dense_decode as dd
     from kvrun.kernels import kivi_decode as kd
     from kvrun.kernels import kivi_pack as kp
 
     unit = {"sqd", "skd", "svd", "ssn", "skc_w", "sks_g", "svc_w", "svs_g"}
+    unit |= {"sbk_d", "sbv_d", "sik_s", "siv_s", "smk_s", "smv_s", "sp_s", "sc_d", "sm_b"}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     ok = True
 
-    def build(fn, consts: dict, dt: str) -> None:
+    def build(fn, consts: dict, dt: str, types: dict | None = None, hints: bool = True) -> None:
+        """types: pointer types by argument name; hints=False: no divisibility claimed for
+        integer arguments (strides of ragged tensors)."""
         nonlocal ok
         sig, const, attrs = {}, {}, {}
         for i, name in enumerate(fn.arg_names):
@@ -296,7 +325,7 @@ def compile_only(arch: int) -> bool:
             elif name in consts:
                 sig[name], const[name] = "constexpr", consts[name]
             elif name.endswith("_ptr"):
-                sig[name] = (
+                sig[name] = (types or {}).get(name) or (
                     "*i32"
                     if name[:2] in ("kc", "vc") or name == "len_ptr"
                     else (
@@ -308,9 +337,9 @@ def compile_only(arch: int) -> bool:
                 attrs[(i,)] = [["tt.divisibility", 16]]
             else:
                 sig[name] = "fp32" if name == "sm_scale" else "i32"
-                if name.startswith("s") and name not in ("split", "sm_scale"):
+                if hints and name.startswith("s") and name not in ("split", "sm_scale"):
                     attrs[(i,)] = [["tt.divisibility", 16]]  # strides: multiples of D
-        keys = ("BITS", "GROUP", "HAS_LEN", "PER_HEAD")
+        keys = ("BITS", "GROUP", "HAS_LEN", "PER_HEAD", "CODED", "HAS_MASK")
         label = f"{fn.__name__} {dt} " + " ".join(f"{k}={consts[k]}" for k in keys if k in consts)
         try:
             k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32))
@@ -345,6 +374,13 @@ def compile_only(arch: int) -> bool:
         build(cs._attn_fwd_kernel, dict(base, BLOCK_M=64), dt)
         build(cs._colsum_kernel, dict(base, BLOCK_M=64, PER_HEAD=False), dt)
         build(cs._colsum_kernel, dict(base, BLOCK_M=64, PER_HEAD=True), dt)
+        cb = dict(base, BLOCK_H=64, BLOCK_N=32, OFF_K=False, OFF_V=False)
+        types = {"ik_ptr": "*i16", "iv_ptr": "*i16", "pos_ptr": "*i32", "msk_ptr": "*u8",
+                 "ok_ptr": "*i32", "ov_ptr": "*i32", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}"}  # fmt: skip
+        build(cb_._codebook_decode_kernel, dict(cb, CODED=True, HAS_MASK=False), dt, types, False)
+        build(cb_._codebook_decode_kernel, dict(cb, CODED=True, HAS_MASK=True, OFF_K=True,
+                                               OFF_V=True), dt, types, False)  # fmt: skip
+        build(cb_._codebook_decode_kernel, dict(cb, CODED=False, HAS_MASK=True), dt, types, False)
     build(dd._combine_kernel, dict(BLOCK_S=64, BLOCK_D=128), "fp32")
     return ok
 

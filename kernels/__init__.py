@@ -1,6 +1,7 @@
 """Triton kernels for kvrun's hot paths, each next to a torch reference of the same signature.
 
-Every family module (dense_decode, kivi_decode, kivi_pack, colsum) exposes `<name>_ref`
+Every family module (dense_decode, kivi_decode, kivi_pack, colsum, codebook_decode,
+merged_decode) exposes `<name>_ref`
 (torch, any device), `<name>_triton` (Triton) and a dispatcher `<name>` that picks Triton
 for CUDA tensors when triton imports, else the reference. KVRUN_KERNELS=torch forces the
 reference, =triton forces Triton (on CPU tensors it then runs in the Triton interpreter).

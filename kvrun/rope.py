@@ -56,6 +56,12 @@ class Rope:
         if n > self._cos.shape[0]:
             self._grow(n)
 
+    def tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos, sin tables (>= n, D), covering positions below n, for kernels that
+        read rows by position themselves (kernels.codebook_decode)."""
+        self.reserve(n)
+        return self._cos, self._sin
+
     def cos_sin(
         self, positions: torch.Tensor, bound: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,11 @@ of pre-RoPE K and V (unit entries, one index and one magnitude per slot).
 Per layer the store holds a *coded* segment (codebook indices and magnitudes) and a *dense*
 segment (pre-RoPE K and V: codebook=off, or decode tokens with decode_codebook=off), each
 with int32 positions and uint8 keep masks, slots padded so every KV head has the same count.
-Attention rebuilds K = RoPE(C_K[idx_K] * mag_K, pos) and V = C_V[idx_V] * mag_V and masks
-query head j of group h to the slots of head h with bit j set (torch path on every device).
+Attention sees K = RoPE(C_K[idx_K] * mag_K, pos) and V = C_V[idx_V] * mag_V and masks query
+head j of group h to the slots of head h with bit j set. A decode step attends through
+kernels.codebook_decode, which gathers and rotates inside the kernel (Triton on CUDA, a
+torch reference elsewhere), one partial per segment merged by log-sum-exp; prefill, and
+decode under a sliding window that may mask, rebuild the slots densely for SDPA.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import KvrunError
-from .attention import dense_attention, position_mask
+from ..kernels import use_triton
+from ..kernels.codebook_decode import codebook_decode
+from .attention import Partial, combine, dense_attention, position_mask
 from .base import KVManager
 from .budget import Budget
 from .codebook import assign, build_codebook, unit_vectors
@@ -176,28 +181,56 @@ def union_slots(keep: torch.Tensor) -> Slots:
 
 
 # --- storage ---------------------------------------------------------------------------------------
-class _Book:
-    """A growable codebook (rows of unit vectors); only the n used rows are counted."""
+class _Shelf:
+    """One layer's K (or V) codebooks, one shared or one per KV head, in one buffer
+    (n_books, capacity, d): book h starts at row h * capacity of its flat view, so the decode
+    kernel reads per-head books through offsets, with no concatenation (nothing copied per
+    step; all books grow together, by doubling, when one is full)."""
 
-    def __init__(self, d: int, dtype: torch.dtype, device):
-        self.data = torch.empty(0, d, dtype=dtype, device=device)  # (capacity, d)
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device):
+        self.data = torch.empty(n_books, 0, d, dtype=dtype, device=device)  # (n_books, cap, d)
+        self.books = [_Book(self, h) for h in range(n_books)]
+        self._off: torch.Tensor | None = None  # (n_books,) int32 h * capacity, per capacity
+
+    def reserve(self, n: int) -> None:
+        """Room for n rows in every book."""
+        cap = self.data.shape[1]
+        if n <= cap:
+            return
+        grown = self.data.new_empty(self.data.shape[0], max(2 * cap, n, 64), self.data.shape[2])
+        for b in self.books:
+            grown[b.h, : b.n] = self.data[b.h, : b.n]
+        self.data, self._off = grown, None
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every book as rows of one table (n_books * capacity, d) and the first row of each
+        book (n_books,) int32 (None for one book): kernels.codebook_decode's book and off."""
+        n_books, cap, d = self.data.shape
+        if n_books == 1:
+            return self.data[0], None
+        if self._off is None:
+            self._off = torch.arange(n_books, device=self.data.device, dtype=torch.int32) * cap
+        return self.data.view(n_books * cap, d), self._off
+
+
+class _Book:
+    """A growable codebook (rows of unit vectors) on its shelf; only the n used rows count."""
+
+    def __init__(self, shelf: _Shelf, h: int):
+        self.shelf, self.h = shelf, h
         self.n = 0
 
     def rows(self) -> torch.Tensor:  # (n, d)
-        return self.data[: self.n]
+        return self.shelf.data[self.h, : self.n]
 
     def append(self, rows: torch.Tensor) -> None:
         m = rows.shape[0]
-        if self.n + m > self.data.shape[0]:
-            cap = max(2 * self.data.shape[0], self.n + m, 64)
-            grown = self.data.new_empty(cap, self.data.shape[1])
-            grown[: self.n] = self.rows()
-            self.data = grown
-        self.data[self.n : self.n + m] = rows
+        self.shelf.reserve(self.n + m)
+        self.shelf.data[self.h, self.n : self.n + m] = rows
         self.n += m
 
     def nbytes(self) -> int:
-        return self.n * self.data.shape[1] * self.data.element_size()
+        return self.n * self.shelf.data.shape[2] * self.shelf.data.element_size()
 
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -212,8 +245,9 @@ class _Layer:
     """One layer's SpindleKV state (every tensor counted by nbytes)."""
 
     def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype):
-        self.books_k = [_Book(d, dtype, device) for _ in range(n_books)]
-        self.books_v = [_Book(d, dtype, device) for _ in range(n_books)]
+        self.shelf_k = _Shelf(n_books, d, dtype, device)
+        self.shelf_v = _Shelf(n_books, d, dtype, device)
+        self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
         self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
         # coded segment, (Hkv, S_c[, nb])
         self.idx_k = self.idx_v = self.mag_k = self.mag_v = None
@@ -309,6 +343,7 @@ class SpindleKV(KVManager):
         self.ones_mask = pack_bits(
             torch.ones(config.n_kv_heads, 1, self.group, dtype=torch.bool, device=device)
         )  # (Hkv, 1, ceil(g/8)) a decode slot: every query head sees it
+        self._fused = True  # decode through kernels.codebook_decode (False: the old path, tests)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -343,6 +378,8 @@ class SpindleKV(KVManager):
         if not self.in_prefill:
             for i in range(k.shape[2]):  # decode: each token coded, then attended over
                 self._append_token(layer, k[0, :, i], v[0, :, i], positions[i : i + 1])
+            if self._fuse(st, qr):
+                return self._decode_attention(st, qr)
             return self._attention(st, qr, positions)
         T = k.shape[2]
         if st.held_n == 0 and T == self.turn_len:  # the whole turn in one chunk (step 7)
@@ -360,6 +397,37 @@ class SpindleKV(KVManager):
             self._compress(layer, kp, vp, st.qwin)
             st.drop_turn()
         return out
+
+    def _fuse(self, st: _Layer, qr: torch.Tensor) -> bool:
+        """Whether a decode step attends through kernels.codebook_decode: one new token (more
+        would need causal masks among themselves); not when the model's sliding window may
+        hide a slot (all positions up to the query's must fit in it); not for a layer of dense
+        slots only (codebook=off) on the torch path, whose SDPA over the rotated slots equals
+        `full` bit for bit (spindlekv.md, test 2)."""
+        window = self.config.sliding_window
+        if not self._fused or qr.shape[2] != 1:
+            return False
+        if window is not None and self.seen + 1 > window:
+            return False
+        return st.pos_c is not None or use_triton(qr)
+
+    def _decode_attention(self, st: _Layer, qr: torch.Tensor) -> torch.Tensor:
+        """Decode attention of qr (1, Hq, Tq, D) as the log-sum-exp combine of the coded and
+        the dense segment's partials, each gathered and rotated inside codebook_decode."""
+        cos, sin = self.rope.tables(self.seen + qr.shape[2])
+        parts = []
+        if st.pos_c is not None:
+            (bk, ok), (bv, ov) = st.shelf_k.table(), st.shelf_v.table()
+            mask = None if st.all_bits else st.mask_c
+            out, lse = codebook_decode(qr, bk, st.idx_k, st.mag_k, bv, st.idx_v, st.mag_v,
+                                       st.pos_c, cos, sin, mask, ok, ov)  # fmt: skip
+            parts.append(Partial(out, lse))
+        if st.pos_d is not None:
+            mask = None if st.all_bits else st.mask_d
+            out, lse = codebook_decode(qr, st.k_d, None, None, st.v_d, None, None, st.pos_d,
+                                       cos, sin, mask)  # fmt: skip
+            parts.append(Partial(out, lse))
+        return combine(parts, qr.dtype)
 
     def _attention(self, st: _Layer, qr, q_pos, k_new=None, v_new=None, k_pos_new=None):
         """Attention of qr (1, Hq, T, D) over the stored slots (masked per query head) and the
