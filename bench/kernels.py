@@ -200,6 +200,7 @@ def check(a, cuda: bool) -> bool:
     from kvrun.kernels import dense_decode as dd
     from kvrun.kernels import kivi_decode as kd
     from kvrun.kernels import kivi_pack as kp
+    from kvrun.kernels import merged_decode as md
 
     dev = "cuda" if cuda else "cpu"
     dtypes = (
@@ -287,6 +288,18 @@ def check(a, cuda: bool) -> bool:
         for m in (None, mask):
             report(f"codebook_decode S={S} mask={m is not None}", cb_.codebook_decode_triton(*args, m),
                    cb_.codebook_decode_ref(*args, m), dtype)  # fmt: skip
+        T = 5000 if cuda else 200
+        ek, ev = rnd(Hkv, T, D, dtype=dtype), rnd(Hkv, T, D, dtype=dtype)
+        nk, nv = rnd(Hkv, T, dtype=dtype).abs() * 8, rnd(Hkv, T, dtype=dtype).abs() * 2
+        keep = torch.rand(Hkv, T, device=dev, generator=gen) < 0.05  # ~5% rows retained
+        ov = torch.full((Hkv, T), -1, device=dev, dtype=torch.int32)
+        ov[keep] = torch.arange(int(keep.sum()), device=dev, dtype=torch.int32)
+        rk, rv = rnd(int(keep.sum()), D, dtype=dtype), rnd(int(keep.sum()), D, dtype=dtype)
+        for over in (False, True):
+            extra = (ov, rk, ov, rv) if over else ()
+            margs = (q[:1], ek, nk, ev, nv, True, *extra)
+            report(f"merged_decode T={T} retained={over}", md.merged_decode_triton(*margs),
+                   md.merged_decode_ref(*margs), dtype)  # fmt: skip
     return ok
 
 
@@ -308,13 +321,17 @@ def compile_only(arch: int) -> bool:
     from kvrun.kernels import dense_decode as dd
     from kvrun.kernels import kivi_decode as kd
     from kvrun.kernels import kivi_pack as kp
+    from kvrun.kernels import merged_decode as md
 
     unit = {"sqd", "skd", "svd", "ssn", "skc_w", "sks_g", "svc_w", "svs_g"}
     unit |= {"sbk_d", "sbv_d", "sik_s", "siv_s", "smk_s", "smv_s", "sp_s", "sc_d", "sm_b"}
+    unit |= {"sek_d", "sev_d", "ssk_t", "ssv_t", "sok_t", "srk_d", "sov_t", "srv_d"}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     ok = True
 
-    def build(fn, consts: dict, dt: str, types: dict | None = None, hints: bool = True) -> None:
+    def build(
+        fn, consts: dict, dt: str, types: dict | None = None, hints: bool = True, warps: int = 4
+    ) -> None:
         """types: pointer types by argument name; hints=False: no divisibility claimed for
         integer arguments (strides of ragged tensors)."""
         nonlocal ok
@@ -339,10 +356,14 @@ def compile_only(arch: int) -> bool:
                 sig[name] = "fp32" if name == "sm_scale" else "i32"
                 if hints and name.startswith("s") and name not in ("split", "sm_scale"):
                     attrs[(i,)] = [["tt.divisibility", 16]]  # strides: multiples of D
-        keys = ("BITS", "GROUP", "HAS_LEN", "PER_HEAD", "CODED", "HAS_MASK")
+        keys = ("BITS", "GROUP", "HAS_LEN", "PER_HEAD", "CODED", "HAS_MASK", "UNIT", "OV_K")
         label = f"{fn.__name__} {dt} " + " ".join(f"{k}={consts[k]}" for k in keys if k in consts)
         try:
-            k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32))
+            k = triton.compile(
+                ASTSource(fn, sig, const, attrs),
+                target=GPUTarget("cuda", arch, 32),
+                options={"num_warps": warps},
+            )
         except Exception as e:  # report every kernel, then fail
             ok = False
             print(f"FAIL {label}: {str(e).splitlines()[0]}")
@@ -381,6 +402,10 @@ def compile_only(arch: int) -> bool:
         build(cb_._codebook_decode_kernel, dict(cb, CODED=True, HAS_MASK=True, OFF_K=True,
                                                OFF_V=True), dt, types, False)  # fmt: skip
         build(cb_._codebook_decode_kernel, dict(cb, CODED=False, HAS_MASK=True), dt, types, False)
+        mtypes = {"ok_ptr": "*i32", "ov_ptr": "*i32"}
+        for unit_, ovr in ((True, False), (True, True), (False, True)):
+            mb = dict(base, BLOCK_N=32, UNIT=unit_, OV_K=ovr, OV_V=ovr)
+            build(md._merged_decode_kernel, mb, dt, mtypes, False, warps=8)
     build(dd._combine_kernel, dict(BLOCK_S=64, BLOCK_D=128), "fp32")
     return ok
 

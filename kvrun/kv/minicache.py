@@ -2,7 +2,8 @@
 
 Pairs (l-1, l), odd l >= S, keep per token and KV head one SLERP-merged direction E (for K and
 for V), each layer's own norm, and the most distinct rows of both layers exactly (retention).
-Attention restores X_hat = E * n / ||E|| with the retained rows put back. Other layers keep a
+Attention restores X_hat = E * n / ||E|| with the retained rows put back: at decode over a
+dense E inside kernels.merged_decode, else into a scratch before SDPA. Other layers keep a
 plain cache. Prefill attends exactly; each turn's tokens are merged at end_prefill; a decode
 token is merged as soon as layer l has attended. E and the unpaired layers may sit in a KIVI
 store (minicache+kivi4), norms and retained rows stay in the KV dtype.
@@ -22,8 +23,11 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import KvrunError
+from ..kernels import use_triton
+from ..kernels.dense_decode import dense_decode
+from ..kernels.merged_decode import merged_decode
 from ..rope import Rope
-from .attention import combine, dense_attention
+from .attention import Partial, combine, dense_attention
 from .base import KVManager
 from .budget import Budget
 from .kivi import KiviLayer
@@ -174,9 +178,10 @@ class _Half:
         self.thr = torch.full((g,), thr, device=device) if thr is not None else None
 
     def groups(self) -> torch.Tensor:
-        """(N_r,) int64 group of each retained row, from the offsets."""
-        g = self.roff.numel() - 1
-        return torch.repeat_interleave(torch.arange(g, device=self.roff.device), self.roff.diff())
+        """(N_r,) int64 group of each retained row, from the offsets (a search: CPU
+        repeat_interleave wakes the thread pool, milliseconds on a busy machine)."""
+        r = torch.arange(self.ridx.numel(), device=self.roff.device)
+        return torch.searchsorted(self.roff[1:], r, right=True)
 
     def add(self, gid: torch.Tensor, idx: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor) -> None:
         """Insert retained rows (group gid, token idx, exact rows ra, rb), keeping the order."""
@@ -243,6 +248,7 @@ class MiniCacheKV(KVManager):
         self.role = {}  # layer -> (pair number, is the later layer l)
         for i, (a, b) in enumerate(self.pair_list):
             self.role[a], self.role[b] = (i, False), (i, True)
+        self._fused = True  # decode via merged_decode where it applies (False: tests, the check)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -268,6 +274,7 @@ class MiniCacheKV(KVManager):
             self.plain = {i: self._kivi() for i in plain}
         self.pairs = [_Pair(a, b, self._kivi()) for a, b in self.pair_list]
         self._work = None  # (pair, (uK, uV)): unit directions shared by layers a and b
+        self._fwork = None  # (pair, [K, V] (map, 1/||E||)): merged_decode's, layers a and b
         self._sk = self._sv = None  # restore scratch (1, Hkv, cap, D), reused by every layer
 
     def begin_prefill(self, n_tokens: int) -> None:
@@ -288,6 +295,24 @@ class MiniCacheKV(KVManager):
         if role is None:
             return self._attend_plain(layer, qr, kr, v, positions)
         pair, second = self.pairs[role[0]], role[1]
+        if not self.in_prefill and self._fuse(pair, kr.shape[2]):
+            out = self._attend_fused(pair, second, qr, kr, v)
+        else:
+            out = self._attend_restored(pair, layer, second, qr, kr, v, positions)
+        if second:
+            self._work = self._fwork = None
+            if not self.in_prefill:  # merge the pending tokens of layer l-1 with layer l's
+                if pair.pending is None:
+                    raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
+                (ka, va), pair.pending = pair.pending, None
+                self._merge(pair, ka[0], va[0], kr[0], v[0], prefill=False)
+        elif not self.in_prefill:
+            pair.pending = (kr, v)
+        return out
+
+    def _attend_restored(self, pair, layer, second, qr, kr, v, positions) -> torch.Tensor:
+        """A paired layer over its restored scratch (plus the exact tokens of this turn or
+        step) with SDPA: prefill, the KIVI-E store and a sliding window that masks."""
         T, n = kr.shape[2], pair.length
         window = self.config.sliding_window
         if self.in_prefill:
@@ -303,17 +328,80 @@ class MiniCacheKV(KVManager):
             ks, vs = self._restored(pair, second, T)
             ks[:, :, n:], vs[:, :, n:] = kr, v  # the new tokens, exact
         k_pos = torch.arange(ks.shape[2], device=self.device)
-        out = dense_attention(qr, ks, vs, positions, k_pos, window)
-        if second:
-            self._work = None
-            if not self.in_prefill:  # merge the pending tokens of layer l-1 with layer l's
-                if pair.pending is None:
-                    raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
-                (ka, va), pair.pending = pair.pending, None
-                self._merge(pair, ka[0], va[0], kr[0], v[0], prefill=False)
-        elif not self.in_prefill:
-            pair.pending = (kr, v)
-        return out
+        return dense_attention(qr, ks, vs, positions, k_pos, window)
+
+    def _fuse(self, pair: _Pair, T: int) -> bool:
+        """Whether a decode step of this pair runs merged_decode: a dense E (fusing the KIVI
+        dequantization with the restore is not done, minicache+kivi4 restores into the
+        scratch), no sliding window that masks (every merged token visible), and something
+        to restore: with every row retained (retain=topk:1.0) SDPA over the exact rows keeps
+        the spec's bit-exact decode step (minicache.md, "How to test it" 6)."""
+        window = self.config.sliding_window
+        if not self._fused or pair.kivi is not None or (window and self.seen + T > window):
+            return False
+        return (
+            pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * self.g * pair.length
+        )
+
+    def _attend_fused(self, pair: _Pair, second: bool, qr, kr, v) -> torch.Tensor:
+        """Decode of a paired layer without the restore scratch: merged_decode restores the
+        n merged tokens inside the attention, combined with the step's own exact tokens."""
+        parts = [self._own(qr, kr, v)]
+        if pair.length:
+            if self._fwork is None or self._fwork[0] is not pair:  # layer a builds, b reuses
+                self._fwork = (pair, [self._override(h, pair.length) for h in (pair.k, pair.v)])
+            wk, wv = self._fwork[1]
+            sk, ok, rk, unit = self._fused_args(pair.k, wk, second)
+            sv, ov, rv, _ = self._fused_args(pair.v, wv, second)
+            part = merged_decode(qr, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv)
+            parts.insert(0, Partial(*part))
+        return combine(parts, self.dtype)
+
+    def _own(self, qr, kr, v) -> Partial:
+        """Attention of the step's queries over their own exact tokens, causal: a single token
+        is its own softmax (out = v, lse = the score), several go through dense_decode."""
+        if kr.shape[2] > 1:
+            return Partial(*dense_decode(qr, kr, v, causal_offset=0))
+        g = qr.shape[1] // self.H
+        qg = qr.float().reshape(1, self.H, g, self.D)  # (1, Hkv, g, D)
+        s = (qg * kr.float().reshape(1, self.H, 1, self.D)).sum(-1) / math.sqrt(self.D)
+        out = v.float().repeat_interleave(g, dim=1)  # (1, Hq, 1, D)
+        return Partial(out, s.reshape(1, self.H * g, 1))
+
+    def _fused_args(self, half: _Half, work, second: bool):
+        """(scale (Hkv, T), map, rows (N, D), unit) of one half of layer b (second) or a, for
+        merged_decode; work = (map, 1/||E|| or None) from _override."""
+        ov, inv = work
+        norms = (half.nb if second else half.na).data  # (g, T)
+        rows = (half.rb if second else half.ra) if ov is not None else None  # (N_r, m)
+        if self.token:  # rows (N_r, Hkv*D) read as (N_r*Hkv, D)
+            rows = rows.reshape(-1, self.D) if rows is not None else None
+            return (norms[0].float() * inv).expand(self.H, -1), ov, rows, False
+        if inv is None:  # the Triton kernel divides by ||E|| in registers
+            return norms, ov, rows, True
+        return norms.float() * inv, ov, rows, False  # (Hkv, T): n / ||E||
+
+    def _override(self, half: _Half, T: int):
+        """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, for layers a and b:
+        the map gives each retained (head, token) its row (-1: restore); 1/||E|| per token
+        (T,) for granularity=token, per (head, token) (Hkv, T) where the torch reference runs
+        (computed once here instead of in both layers). Scratch for a step, not in nbytes."""
+        e, inv = half.e.data, None  # (Hkv, T, D)
+        if self.token or not use_triton(e):
+            n = torch.linalg.vector_norm(e.float(), dim=(0, 2) if self.token else -1)
+            inv = 1 / torch.where(n > 0, n, 1.0)
+        N = half.ridx.numel()
+        if N == 0:
+            return None, inv
+        ov = torch.full((self.H, T), -1, dtype=torch.int32, device=self.device)
+        r = torch.arange(N, dtype=torch.int32, device=self.device)
+        idx = half.ridx.long()
+        if self.token:  # row r of head h is r * Hkv + h
+            h = torch.arange(self.H, dtype=torch.int32, device=self.device)
+            ov[:, idx] = r[None, :] * self.H + h[:, None]
+        else:
+            ov[half.groups(), idx] = r
+        return ov, inv
 
     def _attend_plain(self, layer, qr, kr, v, positions) -> torch.Tensor:
         """An unpaired layer: a plain cache (dense or KIVI), every token kept."""
@@ -451,7 +539,7 @@ class MiniCacheKV(KVManager):
                 (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
                 self._merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
                 p.exact = None  # free the exact buffers
-        self._work = None
+        self._work = self._fwork = None
         super().end_prefill()
 
     def end_step(self) -> None:
