@@ -21,7 +21,7 @@ import math
 import torch
 
 from . import HAVE_TRITON, jit, next_pow2, use_triton
-from .dense_decode import MAX_ROWS, combine_splits, split_size
+from .dense_decode import MAX_ROWS, combine_splits, online_step, split_size, store_partial
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None
@@ -337,10 +337,7 @@ def _codebook_decode_kernel(
             ).to(tl.int32)  # (BLOCK_M, BLOCK_N) the byte holding each row's bit
             vis = vis & (((byte >> (j % 8)[:, None]) & 1) != 0)
         s = tl.where(vis, s * (sm_scale * 1.4426950408889634), float("-inf"))  # log2 units
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_step(s, m_i, l_i)
         vt = tl.load(
             v_base + rv[:, None] * sbv_r + d[None, :] * sbv_d,
             mask=n_ok[:, None] & d_ok[None, :],
@@ -351,14 +348,5 @@ def _codebook_decode_kernel(
             p = p * mv[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         m_i = m_new
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = hq * Tq + qi  # (BLOCK_M,) flat (hq, qi)
-    tl.store(pl_ptr + sp * R + row, lse, mask=row_ok)
-    tl.store(
-        po_ptr + (sp * R + row)[:, None] * D + d[None, :],
-        out,
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    store_partial(po_ptr, pl_ptr, sp, R, D, row, row_ok, d, d_ok, acc, l_i, m_i)

@@ -17,6 +17,7 @@ import math
 import torch
 
 from . import HAVE_TRITON, jit, next_pow2, use_triton
+from .dense_decode import online_step
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None
@@ -164,10 +165,7 @@ def _attn_fwd_kernel(
         s = tl.dot(q, kt.to(q.dtype), input_precision=PREC) * (sm_scale * 1.4426950408889634)
         vis = n_ok[None, :] & (n[None, :] <= off + i[:, None])
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_step(s, m_i, l_i)
         vt = tl.load(
             v_ptr + h * svh + n[:, None] * svt + d[None, :] * svd,
             mask=n_ok[:, None] & d_ok[None, :],

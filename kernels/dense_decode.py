@@ -166,6 +166,34 @@ def dense_decode(
 
 
 # ------------------------------------------------------------------------------- kernels
+# Shared by every attention kernel here (inlined where called): the online-softmax update of
+# one tile, and the store of a split's normalised partial.
+@jit
+def online_step(s, m_i, l_i):
+    """Scores s (BLOCK_M, BLOCK_N) in log2 units into the running max m_i and sum l_i (finite
+    initial max: no nan): (p, alpha, m_new, l_new), acc then scales by alpha and adds p @ V."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@jit
+def store_partial(po_ptr, pl_ptr, sp, R, D, row, row_ok, d, d_ok, acc, l_i, m_i):
+    """Split sp's normalised output into po (S, R, D) and its lse (natural log) into pl (S, R)
+    at flat rows `row`; a row that saw no key stores out 0, lse -inf."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(pl_ptr + sp * R + row, lse, mask=row_ok)
+    tl.store(
+        po_ptr + (sp * R + row)[:, None] * D + d[None, :],
+        out,
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
 @jit
 def _dense_decode_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, po_ptr, pl_ptr, s_ptr,
@@ -227,10 +255,7 @@ def _dense_decode_kernel(
                 mask=row_ok[:, None] & n_ok[None, :],
             )
         s = s * 1.4426950408889634  # log2(e): exp2 below
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_step(s, m_i, l_i)
         vt = tl.load(
             v_base + n[:, None] * svt + d[None, :] * svd,
             mask=n_ok[:, None] & d_ok[None, :],
@@ -238,17 +263,8 @@ def _dense_decode_kernel(
         )  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         m_i = m_new
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = (b * Hkv * G + hq) * Tq + qi  # (BLOCK_M,) flat (b, hq, qi)
-    tl.store(pl_ptr + sp * R + row, lse, mask=row_ok)
-    tl.store(
-        po_ptr + (sp * R + row)[:, None] * D + d[None, :],
-        out,
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    store_partial(po_ptr, pl_ptr, sp, R, D, row, row_ok, d, d_ok, acc, l_i, m_i)
 
 
 @jit

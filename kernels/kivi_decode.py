@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import HAVE_TRITON, jit, next_pow2, use_triton
-from .dense_decode import MAX_ROWS, combine_splits, split_size
+from .dense_decode import MAX_ROWS, combine_splits, online_step, split_size, store_partial
 from .kivi_pack import unpack_codes
 
 # the kernels below need triton.language as a module global; the references need no triton
@@ -239,10 +239,7 @@ def _kivi_decode_kernel(
         if CAUSAL:
             vis = vis & (n[None, :] <= causal_off + qi[:, None])
         s = tl.where(vis, s * 1.4426950408889634, float("-inf"))  # log2 units for exp2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_step(s, m_i, l_i)
         # V tile (BLOCK_N tokens, BLOCK_D channels) from words packed along channels
         n_ok = n < hi
         vw = tl.load(
@@ -266,14 +263,5 @@ def _kivi_decode_kernel(
         v_hat = vq.to(tl.float32) * vs + vz  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_hat.to(q.dtype), input_precision=PREC)
         m_i = m_new
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = hq * Tq + qi  # (BLOCK_M,) flat (hq, qi)
-    tl.store(pl_ptr + sp * R + row, lse, mask=row_ok)
-    tl.store(
-        po_ptr + (sp * R + row)[:, None] * D + d[None, :],
-        out,
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    store_partial(po_ptr, pl_ptr, sp, R, D, row, row_ok, d, d_ok, acc, l_i, m_i)

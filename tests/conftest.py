@@ -5,26 +5,40 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 # Triton kernels run in the interpreter on CPU tensors unless a GPU is present; the variable
 # must be set before any @triton.jit function is defined, so it is set here, first.
-if os.environ.get("TRITON_INTERPRET") is None:
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-    except ImportError:
-        pass
+if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from kvrun.models import REGISTRY, models_dir
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="no CUDA device: compiled Triton runs need a GPU",
+            ),
+        ),
+    ]
+)
+def device(request):
+    """The kernel tests' devices: cpu (Triton interpreted) and cuda (compiled Triton)."""
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "Triton on CPU tensors needs TRITON_INTERPRET=1 (conftest sets it without a GPU)"
+        )
+    return request.param
 
 
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module: on a busy 2-core machine, two threads run far slower."""
-    import torch
-
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

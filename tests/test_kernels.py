@@ -30,27 +30,6 @@ F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 NEG = float("-inf")
 
 
-@pytest.fixture(
-    params=[
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(),
-                reason="no CUDA device: compiled Triton runs need a GPU",
-            ),
-        ),
-    ]
-)
-def device(request):
-    """cpu (Triton interpreted) and cuda (compiled Triton), every kernel test on both."""
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "Triton on CPU tensors needs TRITON_INTERPRET=1 (conftest sets it without a GPU)"
-        )
-    return request.param
-
-
 def _dtypes(device: str) -> list[torch.dtype]:
     return [F32, F16, BF16] if device == "cuda" else [F32, F16]
 

@@ -27,27 +27,6 @@ from kvrun.rope import Rope, inverse_frequencies
 P = 600  # positions the RoPE tables cover in the kernel tests
 
 
-@pytest.fixture(
-    params=[
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(),
-                reason="no CUDA device: compiled Triton runs need a GPU",
-            ),
-        ),
-    ]
-)
-def device(request):
-    """cpu (Triton interpreted) and cuda (compiled Triton), as in test_kernels.py."""
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "Triton on CPU tensors needs TRITON_INTERPRET=1 (conftest sets it without a GPU)"
-        )
-    return request.param
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import pytest
 import torch
@@ -23,27 +22,6 @@ from kvrun.kernels import merged_decode as md
 from kvrun.kv.minicache import restore
 
 F16, F32 = torch.float16, torch.float32
-
-
-@pytest.fixture(
-    params=[
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(),
-                reason="no CUDA device: compiled Triton runs need a GPU",
-            ),
-        ),
-    ]
-)
-def device(request):
-    """cpu (Triton interpreted) and cuda (compiled Triton), as in test_kernels.py."""
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "Triton on CPU tensors needs TRITON_INTERPRET=1 (conftest sets it without a GPU)"
-        )
-    return request.param
 
 
 # --- inputs and the naive reference -------------------------------------------------------------
