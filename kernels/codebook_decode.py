@@ -21,7 +21,15 @@ import math
 import torch
 
 from . import HAVE_TRITON, jit, next_pow2, use_triton
-from .dense_decode import MAX_ROWS, combine_splits, online_step, split_size, store_partial
+from .dense_decode import (
+    MAX_ROWS,
+    check_tiles,
+    combine_splits,
+    empty_partial,
+    online_step,
+    split_partials,
+    store_partial,
+)
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None
@@ -138,8 +146,7 @@ def codebook_decode_ref(
                         off_k, off_v)  # fmt: skip
     _, Hq, Tq, D = q.shape
     if S == 0:
-        out = torch.zeros(1, Hq, Tq, D, device=q.device, dtype=torch.float32)
-        return out, torch.full((1, Hq, Tq), float("-inf"), device=q.device, dtype=torch.float32)
+        return empty_partial(1, Hq, Tq, D, q.device)
     R = g * Tq
     k = _rotate(_rows(book_k, idx_k, off_k), cos, sin, pos)  # (Hkv, S, D) fp32, transient
     qr = q.float().reshape(H, R, D)  # row j*Tq + t of KV head h: query head h*g + j, query t
@@ -184,20 +191,12 @@ def codebook_decode_triton(
                             mask, off_k, off_v)  # fmt: skip
     _, Hq, Tq, D = q.shape
     dev = q.device
-    if g * Tq > MAX_ROWS:
-        raise ValueError(f"codebook_decode: {g} x {Tq} query rows per KV head exceed {MAX_ROWS}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"codebook_decode: block_n {block_n} must be a power of two >= 16")
+    check_tiles("codebook_decode", g, Tq, block_n)
     if S == 0 or Hq * Tq == 0:
-        out = torch.zeros(1, Hq, Tq, D, device=dev, dtype=torch.float32)
-        return out, torch.full((1, Hq, Tq), float("-inf"), device=dev, dtype=torch.float32)
-    split = split or split_size(S, H, dev, block_n)
-    if split % block_n:
-        raise ValueError(f"codebook_decode: split {split} is not a multiple of {block_n}")
-    n_split = -(-S // split)
-    R = Hq * Tq
-    po = torch.empty(n_split, R, D, device=dev, dtype=torch.float32)  # rows as (Hq, Tq)
-    pl = torch.empty(n_split, R, device=dev, dtype=torch.float32)
+        return empty_partial(1, Hq, Tq, D, dev)
+    R = Hq * Tq  # partial rows as (Hq, Tq)
+    split, po, pl = split_partials("codebook_decode", S, H, R, D, dev, block_n, split)
+    n_split = po.shape[0]
     q = q.to(book_k.dtype)  # one dot dtype, the KV dtype (q is tiny)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()

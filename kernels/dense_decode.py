@@ -84,6 +84,33 @@ def split_size(T: int, programs: int, device: torch.device, block: int = BLOCK_N
     return -(-size // block) * block
 
 
+def empty_partial(B: int, Hq: int, Tq: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out 0 (B, Hq, Tq, D), lse -inf (B, Hq, Tq)), fp32: a segment no query sees a key of."""
+    out = torch.zeros(B, Hq, Tq, D, device=device, dtype=torch.float32)
+    return out, torch.full((B, Hq, Tq), float("-inf"), device=device, dtype=torch.float32)
+
+
+def check_tiles(name: str, g: int, Tq: int, block_n: int) -> None:
+    """The limits every split-K decode kernel shares: query rows per program, tile size."""
+    if g * Tq > MAX_ROWS:
+        raise ValueError(f"{name}: {g} x {Tq} query rows per KV head exceed {MAX_ROWS}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{name}: block_n {block_n} must be a power of two >= 16")
+
+
+def split_partials(
+    name: str, T: int, programs: int, R: int, D: int, device, block_n: int, split: int | None
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(keys per split, po (S, R, D), pl (S, R)): the split-K partial buffers, fp32, that a
+    decode kernel fills (store_partial) and combine_splits merges; S = po.shape[0]."""
+    split = split or split_size(T, programs, device, block_n)
+    if split % block_n:
+        raise ValueError(f"{name}: split {split} is not a multiple of {block_n}")
+    n_split = -(-T // split)
+    po = torch.empty(n_split, R, D, device=device, dtype=torch.float32)
+    return split, po, torch.empty(n_split, R, device=device, dtype=torch.float32)
+
+
 def combine_splits(po: torch.Tensor, pl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact LSE merge of split partials po (S, R, D), pl (S, R) -> out (R, D), lse (R,) fp32."""
     S, R, D = po.shape
@@ -110,30 +137,21 @@ def dense_decode_triton(
     """Triton twin of `dense_decode_ref` (same arguments and results; keywords tune it)."""
     B, Hq, Tq, D = q.shape
     Hkv, g, T = _check(q, k, v)
-    if g * Tq > MAX_ROWS:
-        raise ValueError(f"dense_decode: {g} x {Tq} query rows per KV head exceed {MAX_ROWS}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"dense_decode: block_n {block_n} must be a power of two >= 16")
+    check_tiles("dense_decode", g, Tq, block_n)
     dev = q.device
     q = q.to(k.dtype)  # one dot dtype (q is tiny)
     probs = None
     if return_probs:
         probs = torch.full((B, Hq, Tq, T), float("-inf"), device=dev, dtype=torch.float32)
     if T == 0 or B * Hq * Tq == 0:
-        out = torch.zeros(B, Hq, Tq, D, device=dev, dtype=torch.float32)
-        lse = torch.full((B, Hq, Tq), float("-inf"), device=dev, dtype=torch.float32)
+        out, lse = empty_partial(B, Hq, Tq, D, dev)
         return (out, lse, probs) if return_probs else (out, lse)
-    split = split or split_size(T, B * Hkv, dev, block_n)
-    if split % block_n:
-        raise ValueError(f"dense_decode: split {split} is not a multiple of {block_n}")
-    n_split = -(-T // split)
-    R = B * Hq * Tq
-    po = torch.empty(n_split, R, D, device=dev, dtype=torch.float32)  # rows as (B, Hq, Tq)
-    pl = torch.empty(n_split, R, device=dev, dtype=torch.float32)
+    R = B * Hq * Tq  # partial rows as (B, Hq, Tq)
+    split, po, pl = split_partials("dense_decode", T, B * Hkv, R, D, dev, block_n, split)
     if lengths is not None:
         lengths = lengths.to(device=dev, dtype=torch.int32)
     s_arg = probs if probs is not None else po  # a dummy pointer when no probs are written
-    _dense_decode_kernel[(B * Hkv, n_split)](
+    _dense_decode_kernel[(B * Hkv, po.shape[0])](
         q, k, v, lengths if lengths is not None else pl, po, pl, s_arg,
         *q.stride(), *k.stride(), *v.stride(), *(probs.stride() if probs is not None else (0,) * 4),
         Hkv, Tq, T, D, R, split, causal_offset or 0, 1.0 / math.sqrt(D),

@@ -15,7 +15,15 @@ import math
 import torch
 
 from . import HAVE_TRITON, jit, next_pow2, use_triton
-from .dense_decode import MAX_ROWS, combine_splits, online_step, split_size, store_partial
+from .dense_decode import (
+    MAX_ROWS,
+    check_tiles,
+    combine_splits,
+    empty_partial,
+    online_step,
+    split_partials,
+    store_partial,
+)
 from .kivi_pack import unpack_codes
 
 # the kernels below need triton.language as a module global; the references need no triton
@@ -112,19 +120,13 @@ def kivi_decode_triton(
         raise ValueError(f"kivi_decode: the Triton kernel needs a power-of-two group, not {group}")
     _, Hq, Tq, D = q.shape
     g, dev = Hq // H, q.device
-    if g * Tq > MAX_ROWS:
-        raise ValueError(f"kivi_decode: {g} x {Tq} query rows per KV head exceed {MAX_ROWS}")
-    if Tb == 0 or Hq * Tq == 0:
-        out = torch.zeros(1, Hq, Tq, D, device=dev, dtype=torch.float32)
-        return out, torch.full((1, Hq, Tq), float("-inf"), device=dev, dtype=torch.float32)
     block_n = max(next_pow2(block_n), group)  # token tile: whole key groups and code words
-    split = split or split_size(Tb, H, dev, block_n)
-    if split % block_n:
-        raise ValueError(f"kivi_decode: split {split} is not a multiple of {block_n}")
-    n_split = -(-Tb // split)
-    R = Hq * Tq
-    po = torch.empty(n_split, R, D, device=dev, dtype=torch.float32)
-    pl = torch.empty(n_split, R, device=dev, dtype=torch.float32)
+    check_tiles("kivi_decode", g, Tq, block_n)
+    if Tb == 0 or Hq * Tq == 0:
+        return empty_partial(1, Hq, Tq, D, dev)
+    R = Hq * Tq  # partial rows as (Hq, Tq)
+    split, po, pl = split_partials("kivi_decode", Tb, H, R, D, dev, block_n, split)
+    n_split = po.shape[0]
     # scale and zero of K (and of V) share strides in KiviLayer; make them so otherwise
     if k_scale.stride() != k_zero.stride():
         k_scale, k_zero = k_scale.contiguous(), k_zero.contiguous()

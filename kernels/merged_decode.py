@@ -16,7 +16,15 @@ import math
 import torch
 
 from . import HAVE_TRITON, jit, next_pow2, use_triton
-from .dense_decode import MAX_ROWS, combine_splits, online_step, split_size, store_partial
+from .dense_decode import (
+    MAX_ROWS,
+    check_tiles,
+    combine_splits,
+    empty_partial,
+    online_step,
+    split_partials,
+    store_partial,
+)
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None
@@ -84,8 +92,7 @@ def merged_decode_ref(
     _, Hq, Tq, D = q.shape
     g = Hq // H
     if T == 0 or Tq == 0:
-        out = torch.zeros(1, Hq, Tq, D, device=q.device, dtype=torch.float32)
-        return out, torch.full((1, Hq, Tq), float("-inf"), device=q.device, dtype=torch.float32)
+        return empty_partial(1, Hq, Tq, D, q.device)
     qg = q.float().reshape(H, g * Tq, D)  # (Hkv, g*Tq, D): row m = query head h*g + m // Tq
     fk = _factors(e_k, scale_k, unit) / math.sqrt(D)  # (Hkv, T)
     s = torch.bmm(qg, e_k.float().transpose(1, 2)) * fk[:, None, :]  # (Hkv, g*Tq, T)
@@ -127,20 +134,12 @@ def merged_decode_triton(
     H, T = _check(q, e_k, scale_k, e_v, scale_v, ov_k, rows_k, ov_v, rows_v)
     _, Hq, Tq, D = q.shape
     g, dev = Hq // H, q.device
-    if g * Tq > MAX_ROWS:
-        raise ValueError(f"merged_decode: {g} x {Tq} query rows per KV head exceed {MAX_ROWS}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"merged_decode: block_n {block_n} must be a power of two >= 16")
+    check_tiles("merged_decode", g, Tq, block_n)
     if T == 0 or Tq == 0:
-        out = torch.zeros(1, Hq, Tq, D, device=dev, dtype=torch.float32)
-        return out, torch.full((1, Hq, Tq), float("-inf"), device=dev, dtype=torch.float32)
-    split = split or split_size(T, H, dev, block_n)
-    if split % block_n:
-        raise ValueError(f"merged_decode: split {split} is not a multiple of {block_n}")
-    n_split = -(-T // split)
-    R = Hq * Tq
-    po = torch.empty(n_split, R, D, device=dev, dtype=torch.float32)  # rows as (Hq, Tq)
-    pl = torch.empty(n_split, R, device=dev, dtype=torch.float32)
+        return empty_partial(1, Hq, Tq, D, dev)
+    R = Hq * Tq  # partial rows as (Hq, Tq)
+    split, po, pl = split_partials("merged_decode", T, H, R, D, dev, block_n, split)
+    n_split = po.shape[0]
     q = q.to(e_k.dtype)  # one dot dtype (q is tiny)
     has_k = ov_k is not None and rows_k.shape[0] > 0
     has_v = ov_v is not None and rows_v.shape[0] > 0
