@@ -18,7 +18,10 @@ ROUND = 256  # capacities are multiples of this, so nearby lengths share one cap
 
 
 def static_unsupported(kv) -> str | None:
-    """Why `kv` cannot decode in a graph, or None when it can."""
+    """Why `kv` cannot decode in a graph, or None when it can. Static steps attend over every
+    slot up to a length, so a sliding window that masks by position rules them out for all."""
+    if kv.config.sliding_window:
+        return "a sliding-window model masks by position"
     return kv.static_unsupported()
 
 

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ..errors import KvrunError
 from ..generate import Session, Stats
-from ..runtime import Runtime, load_runtime
+from ..runtime import Runtime, load_runtime, pick_device
 from ..sampling import SamplingConfig
 
 err_console = Console(stderr=True, highlight=False)
@@ -203,6 +203,8 @@ def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
 
     Commands validate --kv themselves first (check_kv), before paying for the load.
     """
+    if kw.get("cuda_graph") and pick_device(kw["device"]).type != "cuda":
+        raise KvrunError("--cuda-graph needs a CUDA device (--device cuda)")  # before the load
     with progress_bar("loading") as bar:
         task = bar.add_task("loading model", total=None)
         rt = load_runtime(

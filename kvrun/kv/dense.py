@@ -98,17 +98,33 @@ class DenseSeg:
             self.acc = self.acc[:, :0]
         return k, v
 
+    # --- static decode (CUDA graphs), the protocol of KiviLayer's ---------------------------
+    @property
+    def end(self) -> int:
+        """The slot the next decode token goes to."""
+        return self.n
+
+    def room(self, n_more: int) -> None:
+        """Room for n_more static steps."""
+        self.reserve(self.n + n_more)
+
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
-    ) -> Partial:
-        """One decode token with no host sync (CUDA graphs): k, v (1, Hkv, 1, D) written at
-        `slot` (a (1,) device tensor, inside the reserved room), then attention over slots up
-        to it. The caller advances `n` after the step. Only for segments without positions
-        or scores (their rows would grow)."""
+    ) -> list[Partial]:
+        """One decode token with no host sync: k, v (1, Hkv, 1, D) written at `slot` (a (1,)
+        device tensor, inside the room), then attention over the slots up to it; the caller
+        then calls `advance`. Only for segments without positions or scores (their rows grow)."""
         self._k.index_copy_(2, slot, k)
         self._v.index_copy_(2, slot, v)
         lengths = (slot + 1).to(torch.int32)  # (B=1,)
-        return Partial(*dense_decode(q, self._k, self._v, lengths))
+        return [Partial(*dense_decode(q, self._k, self._v, lengths))]
+
+    def advance(self) -> None:
+        self.n += 1
+
+    def static_key(self) -> tuple:
+        """What a captured static step depends on: the buffers' addresses."""
+        return (self._k.data_ptr(), self._v.data_ptr())
 
     def mask(self, q_pos: torch.Tensor, n_new: int, window: int | None) -> torch.Tensor | None:
         """Visibility (Tq, T) or (Hkv, Tq, T): by positions when held, else by slot order

@@ -39,9 +39,6 @@ class FullKV(KVManager):
 
     # ---------------------------------------------------------------- static decode
     def static_unsupported(self) -> str | None:
-        """Why decode steps cannot be static (captured), or None when they can."""
-        if self.config.sliding_window:
-            return "a sliding-window model masks by position"
         return None
 
     @property

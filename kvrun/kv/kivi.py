@@ -185,25 +185,35 @@ class KiviLayer:
         return parts
 
     # --- static decode (CUDA graphs, kvrun/graph.py) ------------------------------------
-    def reserve_tail(self, n: int) -> None:
-        """Room for n dense tail tokens, so static steps never grow the tail."""
-        self._tk, self._tv = _grow(self._tk, 1, n), _grow(self._tv, 1, n)
+    # The static-segment protocol, shared with DenseSeg: `end` (the next slot), `room`,
+    # `attend_static`, `advance`, `static_key`.
+    @property
+    def end(self) -> int:
+        """The slot the next decode token goes to: the tail's end."""
+        return self.tail_len
+
+    def room(self, n_more: int) -> None:
+        """Room for the static steps to come: the tail never exceeds R between flushes."""
+        self._tk, self._tv = _grow(self._tk, 1, self.R + 1), _grow(self._tv, 1, self.R + 1)
 
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
     ) -> list[Partial]:
-        """One decode token with no host sync: k, v (Hkv, 1, D) written at tail slot `slot`
+        """One decode token with no host sync: k, v (1, Hkv, 1, D) written at tail slot `slot`
         (a (1,) device tensor), then [body partial, tail partial] over the tail up to it.
 
         The body is read at its Python-known length (constant until the next flush); the
-        caller advances `tail_len` after the step (`tail_len += 1`), as `append` would.
+        caller then calls `advance`, the Python side of the write.
         """
-        self._tk.index_copy_(1, slot, k)
-        self._tv.index_copy_(1, slot, v)
+        self._tk.index_copy_(1, slot, k[0])
+        self._tv.index_copy_(1, slot, v[0])
         parts = [self._attend_body(q, 0)] if self.body_len else []
         lengths = (slot + 1).to(torch.int32)  # (B=1,) tail slots 0..slot
         out, lse = dense_decode(q, self._tk[None], self._tv[None], lengths)
         return parts + [Partial(out, lse)]
+
+    def advance(self) -> None:
+        self.tail_len += 1
 
     def static_key(self) -> tuple:
         """What a captured static step depends on: buffer addresses and the body length."""

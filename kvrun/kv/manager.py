@@ -129,7 +129,7 @@ class CompressedKV(KVManager):
 
     # ---------------------------------------------------------- static decode
     # Methods whose decode steps only append (no eviction at steps) decode statically: the new
-    # token goes to slot position + (held - seen) of its layer's decode segment (the KIVI tail,
+    # token goes to slot position + (end - seen) of its layer's decode segment (the KIVI tail,
     # MiniKV's held turns, or the dense store), a Python constant between compressions, and
     # the segment is attended up to that slot as a device tensor. A KIVI body keeps its length
     # until the next flush, which changes the captured step's key, so the graph is recaptured
@@ -139,8 +139,6 @@ class CompressedKV(KVManager):
     def static_unsupported(self) -> str | None:
         if self.decode_time:
             return f"{self.name} evicts at every decode step"
-        if self.config.sliding_window:
-            return "a sliding-window model masks by position"
         st = self.layers[0]
         if (
             st.kivi is None
@@ -163,23 +161,13 @@ class CompressedKV(KVManager):
     def make_static(self, capacity: int) -> None:
         self._cap = max(self._cap, capacity)
         for st in self.layers:
-            if st.kivi is not None:
-                st.kivi.reserve_tail(self.kivi_cfg["residual"] + 1)  # R at most between flushes
-            else:
-                seg = self._decode_seg(st)
-                seg.reserve(self._cap + seg.n - self.seen)  # slots up to position cap - 1
+            self._decode_seg(st).room(self._cap - self.seen)  # positions up to cap - 1
         self.rope.reserve(self._cap)
         self.static = True
 
     def static_buffers(self) -> tuple:
-        keys = []
-        for st in self.layers:
-            if st.kivi is not None:
-                keys.append(st.kivi.static_key() + (st.kivi.tail_len - self.seen,))
-            else:
-                seg = self._decode_seg(st)
-                keys.append((seg._k.data_ptr(), seg._v.data_ptr(), seg.n - self.seen))
-        return (self._cap, *keys)
+        segs = (self._decode_seg(st) for st in self.layers)
+        return (self._cap, *(seg.static_key() + (seg.end - self.seen,) for seg in segs))
 
     def static_step_ok(self) -> bool:
         """MiniKV flushes a full residual before it attends (Alg. 1): that step runs eagerly."""
@@ -190,21 +178,14 @@ class CompressedKV(KVManager):
 
     def after_static_step(self) -> None:
         for st in self.layers:  # the step wrote its token at the segment's end
-            if st.kivi is not None:
-                st.kivi.tail_len += 1
-            else:
-                self._decode_seg(st).n += 1
+            self._decode_seg(st).advance()
 
     def _attend_static(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
-        cap = self._cap
+        cap, seg = self._cap, self._decode_seg(st)
         qr = self.rope.apply(q, positions, bound=cap)
         kr = self.rope.apply(k, positions, bound=cap)
-        if st.kivi is not None:
-            slot = positions + (st.kivi.tail_len - self.seen)  # (1,) this token's tail slot
-            return combine(st.kivi.attend_static(qr, kr[0], v[0], slot), self.dtype)
-        seg = self._decode_seg(st)
-        slot = positions + (seg.n - self.seen)
-        return combine([seg.attend_static(qr, kr, v, slot)], self.dtype)
+        slot = positions + (seg.end - self.seen)  # (1,) this token's slot in the segment
+        return combine(seg.attend_static(qr, kr, v, slot), self.dtype)
 
     # ---------------------------------------------------------------- attend
     def attend(self, layer, q, k, v, positions):
