@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .packed import PackedEmbedding, PackedLinear, Scratch, matmul_path
+from .quant import Packed
 from .rope import Rope, inverse_frequencies
 
 
@@ -86,24 +88,48 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, tensors: dict, device: str | torch.device = "cpu"):
-        """Build on `device` from a canonical state dict (tensors already in the compute dtype)."""
+        """Build on `device` from a canonical state dict: dense tensors already in the compute
+        dtype, linear weights and embeddings either dense or `Packed`."""
         tensors = dict(tensors)
         rope_freqs = tensors.pop("rope_freqs", None)
+        dtype = tensors["model.norm.weight"].dtype
+        packed = {k: tensors.pop(k) for k in list(tensors) if isinstance(tensors[k], Packed)}
         with torch.device("meta"):
             m = cls(config)
-        m.load_state_dict(tensors, assign=True, strict=True)
+        scratch = Scratch()  # one set of dequantization buffers for every packed layer
+        for name, p in packed.items():
+            parent, _, attr = name.removesuffix(".weight").rpartition(".")
+            kind = PackedEmbedding if attr == "embed_tokens" else PackedLinear
+            setattr(m.get_submodule(parent), attr, kind(p, dtype, scratch))
+        missing, unexpected = m.load_state_dict(tensors, assign=True, strict=False)
+        missing = [k for k in missing if k.rpartition(".")[0] + ".weight" not in packed]
+        if missing or unexpected:
+            raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
         m = m.to(device).eval().requires_grad_(False)
-        dtype = m.model.embed_tokens.weight.dtype
-        m.rope = Rope(inverse_frequencies(config, rope_freqs), torch.device(device), dtype)
+        device = torch.device(device)
+        if packed and matmul_path(device.type, dtype) == "int4pack":
+            from .packed import int4pack_supported
+
+            for mod in m.modules():
+                if type(mod) is PackedLinear and int4pack_supported(mod.packed, device, dtype):
+                    mod.use_int4pack()
+        m.rope = Rope(inverse_frequencies(config, rope_freqs), device, dtype)
         return m
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection (the embedding table when tied)."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        emb = self.model.embed_tokens
+        return emb.linear(x) if isinstance(emb, PackedEmbedding) else F.linear(x, emb.weight)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False
@@ -114,6 +140,4 @@ class Transformer(nn.Module):
             x = block(x, positions, kv)
         if last_only:
             x = x[:, -1:]
-        x = self.model.norm(x)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()  # (B, T, V)
+        return self.head(self.model.norm(x)).float()  # (B, T, V)

@@ -14,6 +14,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import KvrunError
+from .quant import GROUP, Packed
 
 SUFFIX = "-synthetic"
 INIT_STD = 0.02  # small normal init: activations stay finite through 32 layers in bf16
@@ -66,16 +67,36 @@ def available_bytes(device: torch.device) -> int | None:
     return None  # unknown (not Linux): let the allocator decide
 
 
-def check_fits(spec: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, bits: int | None) -> int:
+    """Bytes of the preset's weights: dense in dtype, or matrices packed (codes plus a float16
+    scale, and for q4 a zero, per group of 32) with the norms in dtype."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if bits is None:
+        return config.n_params() * elem
+    norms = (2 * config.n_layers + 1) * config.dim
+    mats = config.n_params() - norms
+    per_group = 2 if bits == 8 else 4
+    return norms * elem + mats * bits // 8 + mats // GROUP * per_group
+
+
+def check_fits(
+    spec: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    bits: int | None = None,
+) -> None:
     """Refuse, in one line, a preset whose weights exceed the memory free on the device."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    need = config.n_params() * elem
+    need = weight_bytes(config, dtype, bits)
     free = available_bytes(device)
     if free is None or need <= free:
         return
-    dt = str(dtype).removeprefix("torch.")
+    dt = f"q{bits}" if bits else str(dtype).removeprefix("torch.")
     hints = ["a smaller preset (tiny-synthetic)"]
-    if elem > 2:
+    if bits != 4:
+        hints.append("--wtype q4")
+    if elem > 2 and bits is None:
         hints.append("--dtype bfloat16")
     if device.type != "cuda":
         hints.append("a GPU (--device cuda)")
@@ -126,8 +147,10 @@ def random_weights(
     device: torch.device,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """A canonical state dict of random tensors, each made on `device` in `dtype` directly."""
+    bits: int | None = None,
+) -> dict[str, torch.Tensor | Packed]:
+    """A canonical state dict of random tensors, each made on `device` in `dtype` directly;
+    with bits, every matrix is made packed (random codes), never as floats."""
     from .model import Transformer
 
     with torch.device("meta"):
@@ -135,6 +158,11 @@ def random_weights(
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for i, (name, shape) in enumerate(shapes.items()):
+        if bits is not None and len(shape) == 2:
+            out[name] = random_packed(tuple(shape), bits, device, gen)
+            if progress:
+                progress(i + 1, len(shapes))
+            continue
         t = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             t.fill_(1.0)
@@ -146,27 +174,44 @@ def random_weights(
     return out
 
 
+def random_packed(shape: tuple[int, int], bits: int, device, gen) -> Packed:
+    """A packed (N, K) matrix of uniform random codes whose weights have std ~INIT_STD and
+    mean ~0 (one fp16 scale, and for q4 a zero, per group of 32)."""
+    n, k = shape
+    groups = (n, k // GROUP)
+    if bits == 4:  # codes 0..15: std 4.61 steps, centred by zero = -7.5 steps
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+        scale = torch.full(groups, INIT_STD / 4.61, dtype=torch.float16, device=device)
+        return Packed(4, codes, scale, scale * -7.5, source="random", exact=False)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
+    scale = torch.full(groups, INIT_STD / 73.3, dtype=torch.float16, device=device)
+    return Packed(8, codes, scale, None, source="random", exact=False)
+
+
 def preset_runtime(
     spec: str,
     dtype: torch.dtype,
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
+    wtype: str = "auto",
 ):
-    """A Runtime for a shape preset: random weights, a SyntheticTokenizer, format 'synthetic'."""
+    """A Runtime for a shape preset: random weights (dense in dtype, or packed for --wtype
+    q4/q8, made as codes without a float copy), a SyntheticTokenizer, format 'synthetic'."""
     from .model import Transformer
     from .runtime import Runtime
     from .weights import LoadedWeights
 
     config = preset_config(spec)
-    check_fits(spec.lower(), config, dtype, device)
-    tensors = random_weights(config, dtype, device, progress=progress)
+    bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured
+    check_fits(spec.lower(), config, dtype, device, bits)
+    tensors = random_weights(config, dtype, device, progress=progress, bits=bits)
     model = Transformer.from_weights(config, tensors, device)
     tok = SyntheticTokenizer(config.vocab_size)
     path = Path(spec.lower())
     meta = {"synthetic": True, "preset": spec.lower(), "init_std": INIT_STD}
-    return Runtime(
-        model, tok, config, path, LoadedWeights(config, {}, tok, path, "synthetic", meta=meta)
-    )
+    wt = f"q{bits}" if bits else {torch.float32: "f32", torch.float16: "f16"}.get(dtype, "bf16")
+    w = LoadedWeights(config, {}, tok, path, "synthetic", meta=meta, wtype=wt)
+    return Runtime(model, tok, config, path, w)
 
 
 def is_synthetic(rt) -> bool:

@@ -42,13 +42,29 @@ def pick_device(name: str = "auto") -> torch.device:
         raise KvrunError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU and bfloat16 on CUDA."""
+def pick_dtype(name: str, device: torch.device, wtype: str = "auto") -> torch.dtype:
+    """'auto' is float32 on CPU and bfloat16 on CUDA, or the dtype a dense --wtype names."""
+    check_wtype(wtype)
+    dense = DTYPES.get(wtype) if wtype in ("f32", "f16", "bf16") else None
     if name == "auto":
+        if dense is not None:
+            return dense
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise KvrunError(f"unknown dtype {name!r} (use auto, float32, float16 or bfloat16)")
+    if dense is not None and DTYPES[name] != dense:
+        raise KvrunError(
+            f"--wtype {wtype} keeps dense weights in the compute dtype, which --dtype {name} "
+            f"sets otherwise; drop one of them (--dtype auto follows --wtype)"
+        )
     return DTYPES[name]
+
+
+def check_wtype(wtype: str) -> None:
+    from .quant import WTYPES
+
+    if wtype not in WTYPES:
+        raise KvrunError(f"unknown --wtype {wtype!r} (use {', '.join(WTYPES)})")
 
 
 @dataclass
@@ -103,18 +119,20 @@ def load_runtime(
     pull_missing: bool = False,
     log: Callable[[str], None] = print,
     progress: Callable[[int, int], None] | None = None,
+    wtype: str = "auto",
 ) -> Runtime:
-    """Resolve, load and place a model."""
+    """Resolve, load and place a model; wtype: auto | f32 | f16 | bf16 | q8 | q4 (see
+    kvrun/weights.py and kvrun/packed.py)."""
     from .model import Transformer
 
     dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
+    dt = pick_dtype(dtype, dev, wtype)
     from .presets import is_preset, preset_runtime
 
     if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
-        return preset_runtime(spec, dt, dev, progress)
+        return preset_runtime(spec, dt, dev, progress, wtype)
     path = resolve(spec, pull_missing=pull_missing, log=log)
-    w = load(path, dt, progress)
+    w = load(path, dt, progress, wtype, dev)
     model = Transformer.from_weights(w.config, w.tensors, dev)
     w.tensors = {}
     return Runtime(model, w.tokenizer, w.config, path, w)

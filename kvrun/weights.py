@@ -19,6 +19,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import KvrunError, ModelNotFound, UnsupportedModel
+from .quant import GROUP, Packed, from_gguf, nearest_bits, quantize_rows, requantize_bits
 
 Progress = Callable[[int, int], None]  # (done, total) tensors
 
@@ -40,6 +41,8 @@ GGUF_TOP = {
     "rope_freqs": "rope_freqs",
 }
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LINEAR = re.compile(r"(_proj|lm_head|embed_tokens)\.weight$")  # the weights that may be packed
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass
@@ -53,6 +56,8 @@ class LoadedWeights:
     format: str  # "gguf" | "safetensors"
     tensor_types: Counter = field(default_factory=Counter)
     meta: dict = field(default_factory=dict)
+    wtype: str = "f32"  # what --wtype resolved to: a dense dtype name or "packed"/"q4"/"q8"
+    wtype_note: str = ""  # why --wtype auto chose what it did
 
 
 def gguf_name_to_hf(name: str) -> str | None:
@@ -67,10 +72,38 @@ def gguf_name_to_hf(name: str) -> str | None:
     return f"{hf}.{kind}" if hf and hf != "rope_freqs" else hf
 
 
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_qk(w: torch.Tensor | Packed, n_head: int) -> torch.Tensor | Packed:
     """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE layout)."""
+    if isinstance(w, Packed):  # whole rows move, so codes, scales and zeros move alike
+        rows = w.shape[0]
+        order = unpermute_qk(torch.arange(rows), n_head)
+        return w.rows(order)
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def target_bits(wtype: str, source: str, name: str) -> int | None:
+    """The width a weight is packed to under a resolved --wtype (None: kept dense).
+
+    'packed' (what auto resolves to on a GGUF) keeps each quantized tensor at its nearest
+    width and float tensors dense. 'q4' and 'q8' pack every linear weight and the embeddings
+    to at most that many bits: q4 re-quantizes wider tensors, q8 keeps 4-bit ones as they are
+    (widening them would cost memory and give the same values).
+    """
+    if not _LINEAR.search(name) or wtype in DENSE_NAMES:
+        return None
+    native = None if source in FLOAT_TYPES else nearest_bits(source)
+    if wtype == "packed":
+        return native
+    return 4 if wtype == "q4" else min(8, native or 8)
+
+
+def check_group(name: str, shape: tuple[int, ...], bits: int, path: Path) -> None:
+    if shape[-1] % GROUP:
+        raise KvrunError(
+            f"--wtype q{bits}: {path.name} tensor {name} has {shape[-1]} columns, not a multiple "
+            f"of the group size {GROUP}; use --wtype f32, f16 or bf16"
+        )
 
 
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -122,8 +155,36 @@ def dequantize_tensor(t) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) -> LoadedWeights:
-    """Load a GGUF model: metadata, dequantized tensors in canonical form, tokenizer."""
+def read_gguf_tensor(t, hf: str, dtype: torch.dtype, bits: int | None) -> torch.Tensor | Packed:
+    """One GGUF tensor, packed to `bits` from its blocks or dequantized to dtype (bits None)."""
+    if bits is not None:
+        try:
+            p = from_gguf(t) if t.tensor_type.name not in FLOAT_TYPES else None
+        except NotImplementedError:
+            raise UnsupportedModel(
+                f"tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize"
+            ) from None
+        if p is None:  # a float tensor asked to be quantized (--wtype q4/q8)
+            return quantize_rows(torch.from_numpy(dequantize_tensor(t).copy()), bits)
+        return requantize_bits(p, bits)
+    arr = dequantize_tensor(t)
+    # F32/F16 come back as views of the read-only memory map; copy those few tensors
+    w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    return w.to(dtype) if hf != "rope_freqs" else w.float()
+
+
+def load_gguf(
+    path: Path,
+    dtype: torch.dtype,
+    progress: Progress | None = None,
+    wtype: str = "f32",
+    device: torch.device | None = None,
+) -> LoadedWeights:
+    """Load a GGUF model: metadata, canonical tensors (packed or dense per --wtype), tokenizer.
+
+    Tensors are read one at a time from the memory map, so a packed load never holds more
+    than the packed model plus one tensor's scratch.
+    """
     from .tokenizer import Tokenizer
 
     reader = open_gguf(path)
@@ -131,25 +192,32 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None = None) 
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf(meta, has_output="output.weight" in names)
     tokenizer = Tokenizer.from_gguf(meta)
-    tensors: dict[str, torch.Tensor] = {}
+    note = ""
+    if wtype == "auto":
+        from .packed import auto_wtype
+
+        elem = torch.empty(0, dtype=dtype).element_size()
+        wtype, note = auto_wtype(config.n_params() * elem, device or torch.device("cpu"), dtype)
+    tensors: dict[str, torch.Tensor | Packed] = {}
     types: Counter = Counter()
     for i, t in enumerate(reader.tensors):
         hf = gguf_name_to_hf(t.name)
         types[t.tensor_type.name] += 1
         if hf is None:
             continue
-        arr = dequantize_tensor(t)
-        # F32/F16 come back as views of the read-only memory map; copy those few tensors
-        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        bits = target_bits(wtype, t.tensor_type.name, hf)
+        if bits is not None and wtype != "packed":
+            check_group(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), bits, path)
+        w = read_gguf_tensor(t, hf, dtype, bits)
         if hf.endswith("q_proj.weight"):
             w = unpermute_qk(w, config.n_heads)
         elif hf.endswith("k_proj.weight"):
             w = unpermute_qk(w, config.n_kv_heads)
-        tensors[hf] = w.to(dtype) if hf != "rope_freqs" else w.float()
+        tensors[hf] = w
         if progress:
             progress(i + 1, len(reader.tensors))
     _check_tensors(tensors, config, path)
-    return LoadedWeights(config, tensors, tokenizer, path, "gguf", types, meta)
+    return LoadedWeights(config, tensors, tokenizer, path, "gguf", types, meta, wtype, note)
 
 
 # --------------------------------------------------------------------- safetensors
@@ -169,7 +237,7 @@ def shard_paths(root: Path) -> list[Path]:
 
 
 def load_safetensors(
-    root: Path, dtype: torch.dtype, progress: Progress | None = None
+    root: Path, dtype: torch.dtype, progress: Progress | None = None, wtype: str = "f32"
 ) -> LoadedWeights:
     """Load an HF directory: config.json, (sharded) safetensors, tokenizer files."""
     from safetensors import safe_open
@@ -190,7 +258,12 @@ def load_safetensors(
                         continue
                     w = f.get_tensor(key)
                     types[str(w.dtype).removeprefix("torch.")] += 1
-                    tensors[key] = w.to(dtype)
+                    bits = target_bits(wtype, "F32", key)
+                    if bits is not None:
+                        check_group(key, tuple(w.shape), bits, root)
+                        tensors[key] = quantize_rows(w, bits)
+                    else:
+                        tensors[key] = w.to(dtype)
         except KvrunError:
             raise
         except Exception as e:  # safetensors raises its own error type on bad headers
@@ -201,10 +274,17 @@ def load_safetensors(
         config = config.replace(tie_embeddings=True)
         tensors.pop("lm_head.weight", None)
     _check_tensors(tensors, config, root)
-    return LoadedWeights(config, tensors, Tokenizer.from_hf_dir(root), root, "safetensors", types)
+    wtype = "f32" if wtype in ("auto", "packed") else wtype  # float files stay in the compute dtype
+    tok = Tokenizer.from_hf_dir(root)
+    return LoadedWeights(config, tensors, tok, root, "safetensors", types, {}, wtype)
 
 
-def _check_tensors(tensors: Mapping[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+DENSE_NAMES = ("f32", "f16", "bf16")
+
+
+def _check_tensors(
+    tensors: Mapping[str, torch.Tensor | Packed], config: ModelConfig, path: Path
+) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.n_layers):
         need += [f"model.layers.{i}.{p}.weight" for p in GGUF_BLOCK.values()]
@@ -216,18 +296,51 @@ def _check_tensors(tensors: Mapping[str, torch.Tensor], config: ModelConfig, pat
         raise KvrunError(f"{path} lacks tensor {missing[0]}{more}")
 
 
-def load(path: str | Path, dtype: torch.dtype, progress: Progress | None = None) -> LoadedWeights:
-    """Load a model from a GGUF file or an HF safetensors directory."""
+def load(
+    path: str | Path,
+    dtype: torch.dtype,
+    progress: Progress | None = None,
+    wtype: str = "f32",
+    device: torch.device | None = None,
+) -> LoadedWeights:
+    """Load a model from a GGUF file or an HF safetensors directory.
+
+    wtype: auto | f32 | f16 | bf16 (dense in dtype, the reference path) | q8 | q4 (packed).
+    """
     path = Path(path)
     if not path.exists():
         raise ModelNotFound(f"no such file or directory: {path}")
     if path.is_dir():
         if (path / "config.json").exists():
-            return load_safetensors(path, dtype, progress)
+            return load_safetensors(path, dtype, progress, wtype)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return load_gguf(ggufs[0], dtype, progress)
+            return load_gguf(ggufs[0], dtype, progress, wtype, device)
         raise ModelNotFound(f"{path} holds neither config.json nor a single .gguf file")
     if path.suffix == ".safetensors" and (path.parent / "config.json").exists():
-        return load_safetensors(path.parent, dtype, progress)
-    return load_gguf(path, dtype, progress)
+        return load_safetensors(path.parent, dtype, progress, wtype)
+    return load_gguf(path, dtype, progress, wtype, device)
+
+
+def weights_plan(
+    tensors: list[tuple[str, str, tuple[int, ...]]], wtype: str
+) -> tuple[int, Counter]:
+    """Bytes the weights take in memory under a resolved --wtype, and a count per form
+    ('q4 from Q4_1', 'f32', ...), from (hf name, source type, torch shape) triples.
+
+    Dense tensors count at the named width (f32 for 'packed', 'q4', 'q8'), as loaded on CPU.
+    """
+    from .quant import plan_nbytes
+
+    elem = {"f16": 2, "bf16": 2}.get(wtype, 4)
+    total, forms = 0, Counter()
+    for hf, source, shape in tensors:
+        bits = target_bits(wtype, source, hf) if len(shape) == 2 else None
+        if bits is None:
+            total += int(np.prod(shape)) * elem
+            forms[wtype if wtype in DENSE_NAMES else "f32"] += 1
+            continue
+        src = source if source not in FLOAT_TYPES else "F32"
+        total += plan_nbytes(src, shape[0], shape[1], bits)
+        forms[f"q{bits} from {source}"] += 1
+    return total, forms

@@ -56,7 +56,7 @@ def default_gguf():
 
 @pytest.fixture(scope="session")
 def default_runtime(default_gguf):
-    """The default model loaded once on CPU in float32."""
+    """The default model loaded once on CPU with dense float32 weights (the reference path)."""
     from kvrun.runtime import load_runtime
 
-    return load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None)
+    return load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None, wtype="f32")

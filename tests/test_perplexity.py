@@ -184,7 +184,7 @@ def test_cli_json_has_every_field(tiny, text_file):
     assert out["settings"] == {
         "file": str(text_file), "kv_budget": "8", "context": 64, "eval_tokens": 16,
         "windows": 3, "bos": False, "ctx_size": 2048, "ubatch": 32, "dtype": "float32",
-        "device": "cpu",
+        "wtype": "f32", "device": "cpu",
     }  # fmt: skip
     for key in ["nll", "ppl", "nll_full", "ppl_full", "kl", "top1", "kv_bytes", "kv_bytes_full",
                 "kv_ratio", "file_tokens", "prefill_s", "decode_s", "peak_mem_bytes"]:  # fmt: skip

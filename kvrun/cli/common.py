@@ -20,7 +20,7 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def model_options(f):
-    """-m/--model, --dtype, --device, -c, --ubatch, --debug."""
+    """-m/--model, --dtype, --wtype, --device, -c, --ubatch, --debug."""
     opts = [
         click.option(
             "-m",
@@ -34,7 +34,17 @@ def model_options(f):
             default="auto",
             show_default=True,
             type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-            help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).",
+            help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA; a dense --wtype sets it).",
+        ),
+        click.option(
+            "--wtype",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "f32", "f16", "bf16", "q8", "q4"]),
+            help="Weights in memory. auto: a GGUF's 4/8-bit tensors stay packed where that "
+            "decodes at least as fast as dense weights or dense would not fit in memory, else "
+            "dense; q4/q8: pack every linear weight to at most 4/8 bits (any model); "
+            "f32/f16/bf16: dense (the reference path).",
         ),
         click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N]."),
         click.option(
@@ -214,6 +224,7 @@ def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
             pull_missing=pull_missing,
             log=lambda m: err_console.print(f"[dim]{m}[/]"),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
+            wtype=kw.get("wtype", "auto"),
         )
     return rt
 

@@ -117,6 +117,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
                     "ctx_size": session.context,
                     "ubatch": session.ubatch,
                     "dtype": str(rt.model.dtype).removeprefix("torch."),
+                    "wtype": rt.weights.wtype,
                     "device": str(rt.model.device),
                     **dataclasses.asdict(sampling),
                 },

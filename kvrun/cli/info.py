@@ -26,30 +26,44 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
 
         cfg = ModelConfig.from_hf(path / "config.json")
         types: Counter = Counter()
+        shapes = []
         for shard in shard_paths(path):
             try:
                 with safe_open(str(shard), framework="pt") as f:
                     for k in f.keys():  # noqa: SIM118
-                        types[f.get_slice(k).get_dtype()] += 1
+                        sl = f.get_slice(k)
+                        types[sl.get_dtype()] += 1
+                        shapes.append((k, "F32", tuple(sl.get_shape())))
             except Exception as e:  # noqa: BLE001
                 raise KvrunError(f"{shard} is not a valid safetensors file ({e})") from None
         tok = "tokenizer.json" if (path / "tokenizer.json").exists() else "tokenizer.model"
         size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         return cfg, {
+            "tensors": shapes,
             "format": "safetensors",
             "tensor_types": dict(types),
             "tokenizer": tok,
             "file_bytes": size,
             "chat_template": _hf_has_template(path),
         }
-    from ..weights import gguf_metadata, open_gguf
+    from ..weights import gguf_metadata, gguf_name_to_hf, open_gguf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
     cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in names)
     types = Counter(t.tensor_type.name for t in reader.tensors)
+    shapes = [
+        (
+            gguf_name_to_hf(t.name),
+            t.tensor_type.name,
+            tuple(int(d) for d in reversed(t.shape.tolist())),
+        )
+        for t in reader.tensors
+        if gguf_name_to_hf(t.name) not in (None, "rope_freqs")
+    ]
     return cfg, {
+        "tensors": shapes,
         "format": f"gguf v{meta.get('GGUF.version', '?')}",
         "tensor_types": dict(types),
         "tokenizer": f"{meta.get('tokenizer.ggml.model')} (pre: {meta.get('tokenizer.ggml.pre', '-')})",
@@ -65,13 +79,39 @@ def _hf_has_template(path: Path) -> bool:
         return False
 
 
+def weights_rows(facts: dict, wtype: str, is_gguf: bool) -> dict:
+    """Bytes in memory per --wtype: the one asked for, or (auto) packed as the file and dense."""
+    from ..weights import weights_plan
+
+    tensors = facts["tensors"]
+    if wtype != "auto":
+        names = [wtype]
+    else:
+        names = ["packed", "f32"] if is_gguf else ["f32"]
+    out = {}
+    for name in names:
+        total, forms = weights_plan(tensors, name)
+        out[name] = {"bytes": total, "forms": dict(forms)}
+    return out
+
+
 @click.command()
 @click.argument("model", required=False)
+@click.option(
+    "--wtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "f32", "f16", "bf16", "q8", "q4"]),
+    help="Show the weights' bytes in memory for this --wtype (auto: packed as in the file, "
+    "and dense float32).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def info(model, as_json):
-    """Architecture, sizes, tensor types and KV bytes per token of a model (default: smollm2)."""
+def info(model, wtype, as_json):
+    """Architecture, sizes, tensor types, weights in memory and KV bytes per token of a model
+    (default: smollm2). Reads metadata only."""
     path = resolve(model)
     cfg, facts = inspect(path)
+    weights = weights_rows(facts, wtype, not path.is_dir())
     kv16, kv32 = cfg.kv_bytes_per_token(2), cfg.kv_bytes_per_token(4)
     rope = (
         "none"
@@ -98,6 +138,7 @@ def info(model, as_json):
         "sliding_window": cfg.sliding_window,
         "tied_embeddings": cfg.tie_embeddings,
         "tensor_types": facts["tensor_types"],
+        "weights_in_memory": weights,
         "tokenizer": facts["tokenizer"],
         "chat_template": facts["chat_template"],
         "kv_bytes_per_token_f16": kv16,
@@ -115,6 +156,12 @@ def info(model, as_json):
     pretty["file_bytes"] = human_bytes(facts["file_bytes"])
     pretty["tensor_types"] = ", ".join(
         f"{k} x{v}" for k, v in sorted(facts["tensor_types"].items())
+    )
+    pretty["weights_in_memory"] = " | ".join(
+        f"{name}: {human_bytes(w['bytes'])} ("
+        + ", ".join(f"{k} x{v}" for k, v in sorted(w["forms"].items()))
+        + ")"
+        for name, w in weights.items()
     )
     pretty["kv_bytes_per_token_f16"] = f"{kv16:,} B ({human_bytes(kv16)}) fp16/bf16"
     pretty["kv_bytes_per_token_f32"] = f"{kv32:,} B ({human_bytes(kv32)}) fp32 (CPU default)"

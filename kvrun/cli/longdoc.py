@@ -137,6 +137,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
         "ctx_size": session.context,
         "ubatch": session.ubatch,
         "dtype": str(rt.model.dtype).removeprefix("torch."),
+        "wtype": rt.weights.wtype,
         "device": str(rt.model.device),
         **dataclasses.asdict(sampling),
     }

@@ -111,6 +111,7 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
         "ctx_size": method.context,
         "ubatch": method.ubatch,
         "dtype": str(rt.model.dtype).removeprefix("torch."),
+        "wtype": rt.weights.wtype,
         "device": str(rt.model.device),
     }
     kv = method.kv.describe()

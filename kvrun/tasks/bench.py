@@ -113,8 +113,9 @@ def row_labels(s: BenchSettings, depth: int) -> tuple[str | None, str | None]:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter in the compute dtype (tied tensors counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of every parameter and packed-weight buffer (tied tensors counted once)."""
+    ts = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def _sync(device: torch.device) -> None:
@@ -261,6 +262,7 @@ def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None)
             "ctx_size": s.ctx_size or rt.config.context_length,
             "warmup_reps": 1,
             "dtype": str(rt.model.dtype).removeprefix("torch."),
+            "wtype": rt.weights.wtype,
             "device": str(dev),
             "tokens": "random ids from torch.Generator(seed), the same for every method",
             "decode": "greedy; tg tok/s = n_gen decode steps / their time (a CUDA graph's "

@@ -259,5 +259,6 @@ def settings(rt, **fields) -> dict:
         "model_context": rt.config.context_length,
         **fields,
         "dtype": str(rt.model.dtype).removeprefix("torch."),
+        "wtype": rt.weights.wtype,
         "device": str(rt.model.device),
     }

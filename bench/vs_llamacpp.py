@@ -1,0 +1,561 @@
+"""kvrun vs llama.cpp: prefill and decode speed on the same GGUF file, same thread count.
+
+    python bench/vs_llamacpp.py                      # default model, 2 threads, 3 reps
+    python bench/vs_llamacpp.py --write --json bench/vs_llamacpp.json
+    python bench/vs_llamacpp.py --wtype q4 --tests pp512,tg128 --skip-8b
+
+llama.cpp runs through llama-cpp-python, which is not a kvrun dependency: on first use the
+script creates the virtual environment bench/.venv-llamacpp and pip-installs
+llama-cpp-python into it (a source build with cmake and CMAKE_ARGS=-DGGML_NATIVE=ON; it
+takes several minutes). The llama.cpp side runs as a worker subprocess in that venv and
+answers JSON on stdout. The kvrun side runs `kvrun bench ... --json` as a subprocess.
+
+Tests, llama-bench style, on random token ids:
+  ppN   time to evaluate an N-token prompt in a fresh context (prefill tok/s)
+  tgN   N single-token decode steps after a short prompt (decode tok/s)
+Each rep is one subprocess per tool, alternating kvrun, llama.cpp, kvrun, ... and each
+subprocess does one untimed warm-up run before the timed one; the table shows the median
+over --reps. llama.cpp decode steps feed pre-drawn random ids (no sampling); kvrun decodes
+greedily (an argmax per step).
+
+Also recorded: load time and peak RSS of each side on the default model, and kvrun's load
+time and peak RSS for the synthetic 8B preset `llama3-8b-synthetic --wtype q4` (unless
+--skip-8b). Load time is the model-load call alone (kvrun.runtime.load_runtime; llama.cpp's
+Llama() constructor), imports excluded. Peak RSS is the subprocess's ru_maxrss (wait4).
+Failures are recorded as 'failed: <reason>' and do not stop the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import venv
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+README = BENCH_DIR / "README.md"
+VENV_DIR = BENCH_DIR / ".venv-llamacpp"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYNTH_8B = "llama3-8b-synthetic"
+SECTION_TITLE = "## kvrun vs llama.cpp (CPU)"
+BEGIN, END = "<!-- vs-llamacpp:begin -->", "<!-- vs-llamacpp:end -->"
+MiB = 1024 * 1024
+
+WORKER = r"""
+import json, random, resource, sys, time
+
+cfg = json.loads(sys.argv[1])
+import llama_cpp
+from llama_cpp import Llama
+
+t0 = time.perf_counter()
+llm = Llama(
+    model_path=cfg["model"],
+    n_ctx=cfg["n_ctx"],
+    n_batch=cfg["n_batch"],
+    n_ubatch=cfg["n_batch"],
+    n_threads=cfg["threads"],
+    n_threads_batch=cfg["threads"],
+    logits_all=False,
+    verbose=False,
+)
+load_s = time.perf_counter() - t0
+rng = random.Random(cfg["seed"])
+n_vocab = llm.n_vocab()
+
+
+def ids(n):
+    return [rng.randrange(n_vocab) for _ in range(n)]
+
+
+def pp(n):
+    tokens = ids(n)
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(tokens)
+    return n / (time.perf_counter() - t)
+
+
+def tg(n, n_prompt):
+    prompt, steps = ids(n_prompt), ids(n)
+    llm.reset()
+    llm.eval(prompt)
+    t = time.perf_counter()
+    for tok in steps:
+        llm.eval([tok])
+    return n / (time.perf_counter() - t)
+
+
+out = {"load_s": load_s, "version": llama_cpp.__version__}
+try:
+    out["system_info"] = llama_cpp.llama_print_system_info().decode().strip()
+except Exception:
+    pass
+if cfg["kind"] == "pp":
+    pp(cfg["n"])
+    out["tok_s"] = pp(cfg["n"])
+elif cfg["kind"] == "tg":
+    tg(cfg["n"], cfg["tg_prompt"])
+    out["tok_s"] = tg(cfg["n"], cfg["tg_prompt"])
+out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(out))
+"""
+
+KVRUN_LOAD_PROBE = r"""
+import json, resource, sys, time
+
+spec, wtype = sys.argv[1], sys.argv[2]
+from kvrun.runtime import load_runtime
+
+t0 = time.perf_counter()
+rt = load_runtime(spec, wtype=wtype, log=lambda s: None)
+load_s = time.perf_counter() - t0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"load_s": load_s, "peak_rss_bytes": rss}))
+"""
+
+
+# ---------------------------------------------------------------- subprocesses
+
+
+class Failed(Exception):
+    """A measurement that did not produce a number; str() is the one-line reason."""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    line = lines[-1] if lines else "no output"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _limit_memory(gb: float):
+    def apply() -> None:
+        if gb > 0:
+            n = int(gb * 1024**3)
+            resource.setrlimit(resource.RLIMIT_AS, (n, n))
+
+    return apply
+
+
+def run_measured(cmd: list[str], env: dict, timeout: float, mem_gb: float = 0) -> dict:
+    """Run cmd; return rc, stdout, stderr, wall seconds and the child's peak RSS (wait4)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=err, env=env, preexec_fn=_limit_memory(mem_gb)
+        )
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        return {
+            "rc": proc.returncode,
+            "stdout": out.read().decode(errors="replace"),
+            "stderr": err.read().decode(errors="replace"),
+            "wall_s": wall,
+            "maxrss_bytes": usage.ru_maxrss * 1024,
+            "timed_out": wall >= timeout,
+        }
+
+
+def last_json(res: dict, what: str) -> dict:
+    """The last JSON object line on a run's stdout, or Failed with a one-line reason."""
+    if res["timed_out"]:
+        raise Failed(f"{what}: timed out after {res['wall_s']:.0f} s")
+    if res["rc"] != 0:
+        reason = one_line(res["stderr"] or res["stdout"])
+        raise Failed(f"{what}: exit {res['rc']}: {reason}")
+    for line in reversed(res["stdout"].splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise Failed(f"{what}: no JSON on stdout: {one_line(res['stdout'])}")
+
+
+def thread_env(threads: int) -> dict:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    return env
+
+
+# ---------------------------------------------------------------- llama-cpp-python venv
+
+
+def venv_python() -> Path:
+    return VENV_DIR / "bin" / "python"
+
+
+def llamacpp_version() -> str | None:
+    py = venv_python()
+    if not py.exists():
+        return None
+    code = "import llama_cpp; print(llama_cpp.__version__)"
+    res = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def pip(args: list[str], env: dict | None = None) -> None:
+    cmd = [str(venv_python()), "-m", "pip", "install", *args]
+    log("$ " + shlex.join(cmd))
+    subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
+
+
+def ensure_llamacpp() -> tuple[str, float | None]:
+    """llama-cpp-python's version in the venv, installing it first if missing; and the
+    install's wall seconds (None when it was already there)."""
+    version = llamacpp_version()
+    if version:
+        return version, None
+    t0 = time.perf_counter()
+    if not venv_python().exists():
+        log(f"creating {VENV_DIR}")
+        venv.EnvBuilder(with_pip=True).create(VENV_DIR)
+    if shutil.which("cmake") is None:
+        pip(["cmake"])
+    env = dict(os.environ)
+    env.setdefault("CMAKE_ARGS", "-DGGML_NATIVE=ON")
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+    env["PATH"] = f"{VENV_DIR / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    log(
+        "building llama-cpp-python from source (CMAKE_ARGS="
+        f"{env['CMAKE_ARGS']}); this takes several minutes..."
+    )
+    pip(["--no-cache-dir", "llama-cpp-python"], env=env)
+    seconds = time.perf_counter() - t0
+    version = llamacpp_version()
+    if not version:
+        sys.exit("llama-cpp-python installed but `import llama_cpp` fails in the venv")
+    log(f"llama-cpp-python {version} installed in {seconds:.0f} s")
+    return version, seconds
+
+
+# ---------------------------------------------------------------- the two sides
+
+
+def parse_test(name: str) -> tuple[str, int]:
+    m = re.fullmatch(r"(pp|tg)(\d+)", name.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad test {name!r}: use ppN or tgN")
+    return m.group(1), int(m.group(2))
+
+
+def kvrun_cmd(args, model: str, n_prompt: int, n_gen: int) -> list[str]:
+    cmd = ["kvrun", "bench", "-m", model, "-p", str(n_prompt), "-n", str(n_gen)]
+    cmd += ["-r", "1", "--kv", "full", "--json"]
+    if args.wtype:
+        cmd += ["--wtype", args.wtype]
+    return cmd + shlex.split(args.kvrun_args)
+
+
+def kvrun_test(args, kind: str, n: int) -> dict:
+    """One kvrun bench subprocess: tok/s of the test and its peak RSS."""
+    p, g = (n, 0) if kind == "pp" else (args.tg_prompt, n)
+    res = run_measured(kvrun_cmd(args, args.model, p, g), thread_env(args.threads), args.timeout)
+    data = last_json(res, "kvrun bench")
+    row = data["rows"][0]
+    key = "prefill_tok_s" if kind == "pp" else "decode_tok_s"
+    threads = data.get("machine", {}).get("threads")
+    if threads is not None and threads != args.threads:
+        log(f"warning: kvrun ran with {threads} torch threads, not {args.threads}")
+    return {
+        "tok_s": row[key],
+        "peak_rss_bytes": row.get("peak_mem_bytes") or res["maxrss_bytes"],
+        "wait4_maxrss_bytes": res["maxrss_bytes"],
+        "wtype": data.get("settings", {}).get("wtype"),
+        "dtype": data.get("settings", {}).get("dtype"),
+        "threads": threads,
+        "wall_s": res["wall_s"],
+    }
+
+
+def kvrun_load(args, spec: str, wtype: str) -> dict:
+    cmd = [sys.executable, "-c", KVRUN_LOAD_PROBE, spec, wtype]
+    res = run_measured(cmd, thread_env(args.threads), args.timeout, args.mem_limit_gb)
+    data = last_json(res, f"kvrun load {spec}")
+    data["peak_rss_bytes"] = max(data["peak_rss_bytes"], res["maxrss_bytes"])
+    return data
+
+
+def llamacpp_run(args, kind: str, n: int, n_ctx: int) -> dict:
+    cfg = {
+        "model": args.model,
+        "kind": kind,
+        "n": n,
+        "n_ctx": n_ctx,
+        "n_batch": args.n_batch,
+        "threads": args.threads,
+        "tg_prompt": args.tg_prompt,
+        "seed": args.seed,
+    }
+    cmd = [str(venv_python()), "-c", WORKER, json.dumps(cfg)]
+    res = run_measured(cmd, thread_env(args.threads), args.timeout)
+    data = last_json(res, "llama.cpp worker")
+    data["wall_s"] = res["wall_s"]
+    data["peak_rss_bytes"] = max(data["peak_rss_bytes"], res["maxrss_bytes"])
+    return data
+
+
+def attempt(fn, *a) -> dict:
+    try:
+        return fn(*a)
+    except Failed as e:
+        return {"failed": str(e)}
+    except (KeyError, IndexError, ValueError, OSError) as e:
+        return {"failed": f"{type(e).__name__}: {e}"}
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def needed_ctx(args, tests: list[tuple[str, int]]) -> int:
+    need = max(n if k == "pp" else args.tg_prompt + n for k, n in tests)
+    return max(512, -(-need // 256) * 256)
+
+
+def run_tests(args, tests: list[tuple[str, int]]) -> dict:
+    """For each test, alternate kvrun and llama.cpp --reps times."""
+    n_ctx = needed_ctx(args, tests)
+    results = {}
+    for kind, n in tests:
+        name = f"{kind}{n}"
+        runs = {"kvrun": [], "llama.cpp": []}
+        for rep in range(args.reps):
+            for tool in ("kvrun", "llama.cpp"):
+                if tool == "kvrun":
+                    r = attempt(kvrun_test, args, kind, n)
+                else:
+                    r = attempt(llamacpp_run, args, kind, n, n_ctx)
+                runs[tool].append(r)
+                shown = r.get("failed") or f"{r['tok_s']:.1f} tok/s"
+                log(f"{name} rep {rep + 1}/{args.reps} {tool}: {shown}")
+        results[name] = runs
+    return results
+
+
+def median_of(runs: list[dict], key: str = "tok_s") -> float | str:
+    xs = [r[key] for r in runs if key in r]
+    if xs:
+        return statistics.median(xs)
+    fails = [r["failed"] for r in runs if "failed" in r]
+    return f"failed: {fails[0]}" if fails else "-"
+
+
+def max_of(runs: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in runs if key in r]
+    return max(xs) if xs else None
+
+
+def collect_memory(args, results: dict) -> dict:
+    """Load time and peak RSS: default model on both sides, the 8B preset on kvrun."""
+    mem: dict = {}
+    wtype = args.wtype or "auto"
+    loads = [attempt(kvrun_load, args, args.model, wtype) for _ in range(args.reps)]
+    all_runs = {
+        t: [r for runs in results.values() for r in runs[t]] for t in ("kvrun", "llama.cpp")
+    }
+    mem["default"] = {
+        "kvrun": {
+            "load_s": median_of(loads, "load_s"),
+            "peak_rss_bytes": max_of(all_runs["kvrun"] + loads, "peak_rss_bytes"),
+            "load_runs": loads,
+        },
+        "llama.cpp": {
+            "load_s": median_of(all_runs["llama.cpp"], "load_s"),
+            "peak_rss_bytes": max_of(all_runs["llama.cpp"], "peak_rss_bytes"),
+        },
+    }
+    if not args.skip_8b:
+        log(f"kvrun: loading {SYNTH_8B} --wtype q4 (RLIMIT_AS {args.mem_limit_gb} GB)")
+        r = attempt(kvrun_load, args, SYNTH_8B, "q4")
+        log("  " + (r.get("failed") or f"{r['load_s']:.1f} s"))
+        mem["8b"] = r
+    return mem
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(x, digits: int = 1) -> str:
+    if isinstance(x, str):
+        return x
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def ratio(a, b) -> str:
+    ok = isinstance(a, float | int) and isinstance(b, float | int) and b
+    return f"{a / b:.2f}x" if ok else "-"
+
+
+def mib(x) -> float | str | None:
+    return x / MiB if isinstance(x, int | float) else x
+
+
+def table(results: dict, mem: dict) -> str:
+    lines = [
+        "| test | kvrun tok/s | llama.cpp tok/s | kvrun / llama.cpp |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, runs in results.items():
+        k, ll = median_of(runs["kvrun"]), median_of(runs["llama.cpp"])
+        lines.append(f"| {name} | {fmt(k)} | {fmt(ll)} | {ratio(k, ll)} |")
+    d = mem["default"]
+    k, ll = d["kvrun"]["load_s"], d["llama.cpp"]["load_s"]
+    lines.append(f"| load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
+    k, ll = mib(d["kvrun"]["peak_rss_bytes"]), mib(d["llama.cpp"]["peak_rss_bytes"])
+    lines.append(f"| peak RSS (MiB) | {fmt(k, 0)} | {fmt(ll, 0)} | {ratio(k, ll)} |")
+    if "8b" in mem:
+        r = mem["8b"]
+        name = f"{SYNTH_8B} --wtype q4"
+        if "failed" in r:
+            lines.append(f"| {name}: load | {r['failed']} | - | - |")
+        else:
+            lines.append(f"| {name}: load time (s) | {fmt(r['load_s'], 1)} | - | - |")
+            rss = fmt(mib(r["peak_rss_bytes"]), 0)
+            lines.append(f"| {name}: peak RSS after load (MiB) | {rss} | - | - |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def torch_version() -> str:
+    code = "import torch; print(torch.__version__)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return res.stdout.strip() or "unknown"
+
+
+def kvrun_settings(results: dict) -> str:
+    for runs in results.values():
+        for r in runs["kvrun"]:
+            if "wtype" in r:
+                return f"wtype {r['wtype']}, dtype {r['dtype']}"
+    return "settings unknown"
+
+
+def section(args, meta: dict, results: dict, mem: dict) -> str:
+    return "\n".join(
+        [
+            SECTION_TITLE,
+            "",
+            f"- date: {meta['date']}",
+            f"- machine: {meta['cpu']}, {args.threads} threads ({os.cpu_count()} CPUs visible)",
+            f"- torch {meta['torch']}; llama-cpp-python {meta['llamacpp']}",
+            f"- model: {Path(args.model).name}; kvrun --kv full, {kvrun_settings(results)}; "
+            f"llama.cpp n_batch = n_ubatch = {args.n_batch}",
+            f"- command: `{meta['command']}`",
+            f"- median of {args.reps} reps per cell, tools alternating, one warm-up each; tg "
+            f"after a {args.tg_prompt}-token prompt; random token ids",
+            "",
+            table(results, mem),
+        ]
+    )
+
+
+def write_readme(text: str) -> None:
+    block = f"{BEGIN}\n{text}\n{END}"
+    old = README.read_text() if README.exists() else "# kvrun benchmarks\n"
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: block, old)
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    README.write_text(new)
+    log(f"wrote the section into {README}")
+
+
+# ---------------------------------------------------------------- main
+
+
+def default_model() -> str:
+    env = os.environ.get("KVRUN_MODELS")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kvrun" / "models"
+    return str(root / DEFAULT_MODEL_FILE)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="kvrun vs llama.cpp (llama-cpp-python) speed on one GGUF file.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument("--model", default=default_model(), help="GGUF file (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="subprocess pairs per test (median)")
+    ap.add_argument("--tests", default="pp512,pp2048,tg128", help="comma list of ppN / tgN")
+    ap.add_argument("--wtype", help="passed to kvrun as --wtype (default: kvrun's default)")
+    ap.add_argument("--kvrun-args", default="", help="extra arguments for `kvrun bench`")
+    ap.add_argument("--skip-8b", action="store_true", help=f"skip the {SYNTH_8B} load")
+    ap.add_argument("--write", action="store_true", help="write the section into README.md")
+    ap.add_argument("--json", metavar="PATH", help="save the raw numbers as JSON")
+    ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp n_batch = n_ubatch")
+    ap.add_argument("--tg-prompt", type=int, default=16, help="prompt tokens before tgN")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    ap.add_argument(
+        "--mem-limit-gb", type=float, default=16, help="RLIMIT_AS of kvrun load probes (0: none)"
+    )
+    args = ap.parse_args(argv)
+    args.test_list = [parse_test(t) for t in args.tests.split(",") if t.strip()]
+    args.model = str(Path(args.model).expanduser())
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not Path(args.model).is_file():
+        sys.exit(f"no model file at {args.model} (try `kvrun pull smollm2`)")
+    raw_argv = sys.argv[1:] if argv is None else argv
+    version, build_s = ensure_llamacpp()
+    meta = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "torch": torch_version(),
+        "llamacpp": version,
+        "llamacpp_build_s": build_s,
+        "command": shlex.join(["python", "bench/vs_llamacpp.py", *raw_argv]),
+    }
+    t0 = time.perf_counter()
+    results = run_tests(args, args.test_list)
+    mem = collect_memory(args, results)
+    meta["bench_s"] = time.perf_counter() - t0
+    text = section(args, meta, results, mem)
+    print(text)
+    if args.write:
+        write_readme(text)
+    if args.json:
+        raw = {"meta": meta, "args": vars(args), "results": results, "memory": mem}
+        Path(args.json).write_text(json.dumps(raw, indent=2, default=str) + "\n")
+        log(f"saved {args.json}")
+
+
+if __name__ == "__main__":
+    main()
