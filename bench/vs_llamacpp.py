@@ -6,8 +6,10 @@
 
 llama.cpp runs through llama-cpp-python, which is not a kvrun dependency: on first use the
 script creates the virtual environment bench/.venv-llamacpp and pip-installs
-llama-cpp-python into it (a source build with cmake and CMAKE_ARGS=-DGGML_NATIVE=ON; it
-takes several minutes). The llama.cpp side runs as a worker subprocess in that venv and
+llama-cpp-python into it (a source build with cmake; it takes several minutes). The build
+targets this CPU's AVX-512/VNNI/BF16 explicitly with AMX off (CMAKE_ARGS below): a native
+build turns AMX on where the CPU lists it, and on the development VM its first matmul then
+dies with a general protection fault in libggml-cpu. Set CMAKE_ARGS to build otherwise. The llama.cpp side runs as a worker subprocess in that venv and
 answers JSON on stdout. The kvrun side runs `kvrun bench ... --json` as a subprocess.
 
 Tests, llama-bench style, on random token ids:
@@ -52,6 +54,11 @@ SYNTH_8B = "llama3-8b-synthetic"
 SECTION_TITLE = "## kvrun vs llama.cpp (CPU)"
 BEGIN, END = "<!-- vs-llamacpp:begin -->", "<!-- vs-llamacpp:end -->"
 MiB = 1024 * 1024
+LLAMACPP_CMAKE = " ".join(
+    ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    + [f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512",
+                                  "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")]
+)  # fmt: skip
 
 WORKER = r"""
 import json, random, resource, sys, time
@@ -235,7 +242,7 @@ def ensure_llamacpp() -> tuple[str, float | None]:
     if shutil.which("cmake") is None:
         pip(["cmake"])
     env = dict(os.environ)
-    env.setdefault("CMAKE_ARGS", "-DGGML_NATIVE=ON")
+    env.setdefault("CMAKE_ARGS", LLAMACPP_CMAKE)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
     env["PATH"] = f"{VENV_DIR / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     log(

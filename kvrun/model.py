@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 as the reference implementations do, then cast back.
+        if x.dtype == torch.float32:  # one fused op (a decode step runs 61 of these)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -33,13 +35,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.qkv: PackedLinear | None = None  # Q, K, V stacked (packed weights, `fuse`)
+
+    def fuse(self) -> None:
+        """Stack packed Q, K, V into one layer where they are packed alike."""
+        self.qkv = PackedLinear.stack([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv is not None:
+            self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.qkv is not None:
+            kvd = c.n_kv_heads * c.head_dim
+            q, k, v = self.qkv(x).split([c.n_heads * c.head_dim, kvd, kvd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         out = kv.attend(self.layer, q, k, v, positions)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
 
@@ -50,9 +64,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
         self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
+        self.gate_up: PackedLinear | None = None  # gate and up stacked (packed, `fuse`)
+
+    def fuse(self) -> None:
+        """Stack packed gate and up into one layer where they are packed alike."""
+        self.gate_up = PackedLinear.stack([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:
+            self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -105,13 +130,16 @@ class Transformer(nn.Module):
         missing = [k for k in missing if k.rpartition(".")[0] + ".weight" not in packed]
         if missing or unexpected:
             raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        for block in m.model.layers if packed else []:
+            block.self_attn.fuse()
+            block.mlp.fuse()
         m = m.to(device).eval().requires_grad_(False)
         device = torch.device(device)
         if packed and matmul_path(device.type, dtype) == "int4pack":
-            from .packed import int4pack_supported
-
             for mod in m.modules():
-                if type(mod) is PackedLinear and int4pack_supported(mod.packed, device, dtype):
+                # where the shape allows (the others stay 'dequant'); an untied embedding
+                # table only gathers rows, so it keeps the canonical codes
+                if type(mod) is PackedLinear or (mod is m.model.embed_tokens and m.lm_head is None):
                     mod.use_int4pack()
         m.rope = Rope(inverse_frequencies(config, rope_freqs), device, dtype)
         return m
@@ -126,10 +154,10 @@ class Transformer(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection (the embedding table when tied)."""
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        emb = self.model.embed_tokens
-        return emb.linear(x) if isinstance(emb, PackedEmbedding) else F.linear(x, emb.weight)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, PackedLinear):
+            return head.logits(x)
+        return F.linear(x, head.weight)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False

@@ -1,17 +1,16 @@
 """Linear layers and embeddings over packed 4/8-bit weights, and the matmul path per device.
 
-Two matmul paths, both exact against the dense weights they stand for:
+Two matmul paths:
 
 - `dequant`: dequantize a slab of rows to the compute dtype and multiply with `F.linear`
-  (MKL / cuBLAS); the slab bounds the scratch memory. Works for q4 and q8 on any device.
-- `int4pack`: PyTorch's weight-only int4 ops (`_weight_int4pack_mm_for_cpu` on CPU,
-  `_weight_int4pack_mm` on CUDA, bfloat16), q4 only. `_weight_int8pack_mm` is not used:
-  it takes one scale per row, and Q8_0's scales are per group of 32.
+  (MKL / cuBLAS); exact; the slab bounds the scratch memory. Any width, any device.
+- `int4pack`: PyTorch's weight-only int4 ops (kvrun/int4mm.py): q4 on CUDA; q4 and q8 (as
+  two 4-bit planes) on CPU, where they run on bfloat16 activations and so are not exact
+  (~3e-3 relative). On CPU they serve decode steps; prefill products dequantize exactly.
+  `_weight_int8pack_mm` is not used: it takes one scale per row, Q8_0 has one per 32.
 
-`matmul_path(device, dtype)` times both on a probe shape once per process and keeps the
-faster (on CUDA the int4 op must also agree with `dequant`). On AVX2 CPUs without AVX-512
-PyTorch's int4 op runs a scalar loop (~8x slower than fp32 at one row, ~50x at 512 rows,
-see bench/README.md), so there `dequant` wins.
+`matmul_path(device, dtype)` times both on a probe once per process and keeps the faster.
+PyTorch's CPU int4 kernel is vectorized for AVX-512 and bfloat16 only (bench/README.md).
 """
 
 from __future__ import annotations
@@ -23,10 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import Packed
+from . import int4mm
+from .quant import Packed, cat_rows, pack_nibbles
 
 NIBBLES = 0x0F0F0F0F
 SLAB_ELEMS = 1 << 24  # rows dequantized at a time: at most 64 MiB of float32 scratch
+DECODE_ROWS = 8  # CPU: up to this many rows the int4 op beats dequantize + MKL (measured)
+REFINE = 64  # head logits per row recomputed exactly after an int4 product (`logits`)
 
 
 class Scratch:
@@ -57,16 +59,40 @@ class Scratch:
             q = q32.view(torch.uint8).view(n, g, p.group)
         else:
             q = p.codes.view(n, g, p.group)
-        w = self.get(n * k, torch.float32, p.codes.device).view(n, g, p.group)
-        w.copy_(q).mul_(p.scale.unsqueeze(-1))  # exact: code x scale fits float32
-        if p.zero is not None:
-            w.add_(p.zero.unsqueeze(-1))
-        w = w.view(n, k)
-        return w if dtype == torch.float32 else w.to(dtype)
+        return self.scaled(q, p.scale, p.zero, dtype)
+
+    def scaled(self, q: torch.Tensor, scale, zero, dtype: torch.dtype) -> torch.Tensor:
+        """Integer codes (N, K) or (N, G, group) x scale (N, G) + zero, into a reused buffer."""
+        n, g = scale.shape
+        w = self.get(q.numel(), torch.float32, q.device).view(n, g, -1)
+        return _scale_into(w, q, scale, zero, dtype)
+
+    @staticmethod
+    def scaled_new(q: torch.Tensor, scale, zero, dtype: torch.dtype) -> torch.Tensor:
+        """`scaled` into a fresh tensor (for results that outlive the next product)."""
+        n, g = scale.shape
+        w = torch.empty(n, g, q.numel() // (n * g), dtype=torch.float32, device=q.device)
+        return _scale_into(w, q, scale, zero, dtype)
+
+
+def _scale_into(w: torch.Tensor, q: torch.Tensor, scale, zero, dtype) -> torch.Tensor:
+    n, g, _ = w.shape
+    w.copy_(q.view(w.shape)).mul_(scale.unsqueeze(-1))  # exact: code x scale fits float32
+    if zero is not None:
+        w.add_(zero.unsqueeze(-1))
+    w = w.view(n, -1)
+    return w if dtype == torch.float32 else w.to(dtype)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T for a packed W (no bias: Llama's projections have none)."""
+    """y = x W^T for a packed W (no bias: Llama's projections have none).
+
+    Path 'dequant': the canonical codes, dequantized a slab at a time into F.linear (exact).
+    Path 'int4pack' (`use_int4pack`): the codes live only in the int4 ops' layout
+    (kvrun/int4mm.py). On CUDA every product goes through the op. On CPU products of up to
+    DECODE_ROWS rows (decode steps) do, and longer ones (prefill) read the codes back and
+    dequantize them exactly, since MKL on a dense slab beats the op there.
+    """
 
     def __init__(self, p: Packed, dtype: torch.dtype, scratch: Scratch | None = None):
         super().__init__()
@@ -78,38 +104,128 @@ class PackedLinear(nn.Module):
         self.register_buffer("codes", p.codes)
         self.register_buffer("scale", p.scale)
         self.register_buffer("zero", p.zero)
+        self.planes: list[str] = []  # names of the int4 planes' buffers (w0, sz0, w1, sz1)
 
     @property
     def packed(self) -> Packed:
-        return Packed(self.bits, self.codes, self.scale, self.zero, self.group, self.source)
+        """The canonical form (rebuilt from the int4 planes on CPU)."""
+        codes = self.codes
+        if codes is None:
+            if self.scale.device.type == "cuda":
+                raise RuntimeError("the codes live only in the CUDA int4 layout")
+            q = int4mm.codes_cpu(self._planes()[0])
+            n, k = q.shape
+            codes = pack_nibbles(q) if self.bits == 4 else q.to(torch.int8).view(n, k)
+        return Packed(self.bits, codes, self.scale, self.zero, self.group, self.source, self.exact)
+
+    @classmethod
+    def stack(cls, mods: list[nn.Module]) -> PackedLinear | None:
+        """One layer for several that read the same input (Q, K, V; gate, up): their rows
+        stacked, so a decode step makes one product instead of several. None unless all are
+        packed alike (width, group, scale dtype, zero or not) and not yet moved to int4."""
+        if not all(type(m) is PackedLinear and m.path == "dequant" for m in mods):
+            return None
+        first = mods[0]
+        like = (first.bits, first.group, first.scale.dtype, first.zero is None)
+        if any((m.bits, m.group, m.scale.dtype, m.zero is None) != like for m in mods):
+            return None
+        p = cat_rows([m.packed for m in mods])
+        p.exact = all(m.exact for m in mods)
+        p.source = "+".join(sorted({m.source for m in mods}))
+        return cls(p, first.dtype, first.scratch)
+
+    def _planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [getattr(self, f"w{i}") for i in range(len(self.planes))], [
+            getattr(self, f"sz{i}") for i in range(len(self.planes))
+        ]
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, q{self.bits} from {self.source}, {self.path}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) @ W^T through this layer's path."""
         if self.path == "int4pack":
-            return _int4pack_mm(x, self.codes, self.scale, self.group)
+            if x.device.type == "cuda" or x.numel() <= DECODE_ROWS * self.in_features:
+                return int4mm.mm(x, *self._planes(), self.group)
+            if self.codes is None:
+                return self._dequant_planes_linear(x)
         return dequant_linear(x, self.packed, self.dtype, self.scratch)
 
-    def use_int4pack(self) -> None:
-        """Repack for PyTorch's int4 op (q4 only); the canonical codes are dropped."""
-        if self.bits != 4 or self.path == "int4pack":
-            return
-        codes, sz = to_int4pack(self.packed, self.dtype)
-        self.codes, self.scale, self.zero = codes, sz, None
+    def rows_dense(self, idx: torch.Tensor) -> torch.Tensor:
+        """The exact dense rows idx (R,) -> (R, K) in the compute dtype."""
+        if self.codes is None:  # CPU int4 planes: gather the rows' codes from them
+            q = int4mm.codes_cpu(self._planes()[0], idx)
+            return Scratch.scaled_new(q, self.scale[idx], self._zero(idx), self.dtype)
+        return self.packed.rows(idx).dequantize(self.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T as the output head. Where the product went through the CPU int4 op (decode
+        steps), the REFINE largest logits of each row are recomputed from the exact weights:
+        the op rounds each weight to bfloat16, which costs ~1e-3 nats of KL at the head alone
+        (measured on the default model); sampling only reads the top of the distribution,
+        and there the logits are now exact up to the activations' float32 products."""
+        y = self.matmul(x)
+        rows = x.numel() // self.in_features
+        if self.codes is not None or rows > DECODE_ROWS or self.path != "int4pack":
+            return y
+        y2, x2 = y.view(rows, -1), x.reshape(rows, 1, -1)  # (R, N), (R, 1, K)
+        top = y2.topk(min(REFINE, y2.shape[-1]), dim=-1).indices  # (R, J)
+        w = self.rows_dense(top.flatten()).view(rows, top.shape[1], -1)  # (R, J, K)
+        y2.scatter_(1, top, (x2 @ w.transpose(1, 2)).view(rows, -1).to(y2.dtype))
+        return y
+
+    def _dequant_planes_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """Exact x @ W^T on CPU from the int4 planes, 64-row blocks a slab at a time."""
+        n, k = self.out_features, self.in_features
+        step = max(int4mm.BLOCK_N, SLAB_ELEMS // k // int4mm.BLOCK_N * int4mm.BLOCK_N)
+        planes, out = self._planes()[0], []
+        for r in range(0, n, step):
+            rows = slice(r, min(r + step, n))
+            q = int4mm.codes_cpu(planes, rows)  # (R, K)
+            w = self.scratch.scaled(q, self.scale[rows], self._zero(rows), self.dtype)
+            out.append(F.linear(x, w))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+
+    def _zero(self, rows):
+        return None if self.zero is None else self.zero[rows]
+
+    def use_int4pack(self) -> bool:
+        """Move the codes into the int4 ops' layout where this device and shape allow it (q4 on
+        CUDA; q4 and q8 on CPU); the canonical codes are dropped. Whether it did."""
+        n, k = self.out_features, self.in_features
+        dev = self.scale.device
+        if self.path == "int4pack":
+            return True
+        if dev.type == "cuda":
+            if self.bits != 4 or not int4mm.cuda_supported(n, k, self.group, self.dtype):
+                return False
+            q = self.packed.int_codes().view(n, k)
+            planes = [int4mm.pack_cuda(q)]
+            sz = [int4mm.scales_zeros(self.scale, self.zero, self.dtype)]
+        else:
+            if not int4mm.cpu_supported(n, k, self.group):
+                return False
+            planes = int4mm.planes_cpu(self.packed.int_codes().view(n, k), self.bits)
+            sz = int4mm.plane_scales(self.scale, self.zero, self.bits, torch.bfloat16)
+        for i, (w, s) in enumerate(zip(planes, sz, strict=True)):
+            self.register_buffer(f"w{i}", w)
+            self.register_buffer(f"sz{i}", s)
+        self.planes = [f"w{i}" for i in range(len(planes))]
         self.path = "int4pack"
+        if dev.type != "cuda" or not isinstance(self, PackedEmbedding):
+            self.codes = None  # read back from the CPU planes; CUDA gathers keep the codes
+        return True
 
 
 class PackedEmbedding(PackedLinear):
-    """A packed (vocab, dim) table: rows gathered and dequantized on lookup; `linear` makes it
+    """A packed (vocab, dim) table: rows gathered and dequantized on lookup; `logits` makes it
     the output head of a model with tied embeddings."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.packed.rows(ids.reshape(-1))
-        return rows.dequantize(self.dtype).view(*ids.shape, self.in_features)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return dequant_linear(x, self.packed, self.dtype, self.scratch)
+        return self.rows_dense(ids.reshape(-1)).view(*ids.shape, self.in_features)
 
 
 def dequant_linear(
@@ -128,49 +244,12 @@ def dequant_linear(
     return torch.cat(out, dim=-1)
 
 
-# ----------------------------------------------------------------- PyTorch int4 ops
-def to_int4pack(p: Packed, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight and (G, N, 2) scales-and-zeros of PyTorch's int4 ops.
-
-    Their dequantization is (q - 8) * scale + zero', so zero' = zero + 8 * scale.
-    """
-    n, k = p.shape
-    q = p.int_codes().view(n, k).to(torch.int32)
-    zero = p.zero.float() if p.zero is not None else torch.zeros_like(p.scale, dtype=torch.float32)
-    sz = torch.stack([p.scale.float(), zero + 8 * p.scale.float()], dim=-1)  # (N, G, 2)
-    sz = sz.transpose(0, 1).contiguous().to(dtype)  # (G, N, 2)
-    if q.device.type == "cuda":
-        u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
-        return torch.ops.aten._convert_weight_to_int4pack(u8, 8), sz
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
-
-
-def _int4pack_mm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(x2, w, group, sz)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, group, sz)
-    return y.view(*shape[:-1], y.shape[-1])
-
-
-def int4pack_supported(p: Packed, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether PyTorch's int4 op takes this weight on this device and dtype."""
-    n, k = p.shape
-    if p.bits != 4 or p.group not in (32, 64, 128, 256):
-        return False
-    if device.type == "cuda":
-        return dtype == torch.bfloat16 and k % 1024 == 0 and n % 8 == 0
-    return k % 2 == 0
-
-
 # ---------------------------------------------------------------- choosing the path
-def _probe_weight(n: int, k: int, device: torch.device) -> Packed:
+def _probe(n: int, k: int, device: torch.device, dtype: torch.dtype) -> PackedLinear:
     from .quant import quantize
 
     g = torch.Generator().manual_seed(0)
-    return quantize(torch.randn(n, k, generator=g) * 0.02, 4).to(device)
+    return PackedLinear(quantize(torch.randn(n, k, generator=g) * 0.02, 4).to(device), dtype)
 
 
 def _time(fn, reps: int = 3) -> float:
@@ -187,42 +266,22 @@ def _time(fn, reps: int = 3) -> float:
 
 @functools.cache
 def matmul_path(device_type: str, dtype: torch.dtype) -> str:
-    """'int4pack' or 'dequant': the q4 path that measures faster here (1024 x 1024 probe
-    at 1 and 128 rows); on CUDA the int4 op must also agree with 'dequant' to 1e-2."""
+    """'int4pack' or 'dequant': the path that measures faster for a decode-step product here
+    (1536 x 576 probe, the default model's FFN shape, one row); the int4 op must also agree
+    with the exact product to 1e-2."""
     device = torch.device(device_type)
-    p = _probe_weight(1024, 1024, device)
-    if not int4pack_supported(p, device, dtype):
-        return "dequant"
+    lin = _probe(1536, 576, device, dtype)
+    deq = _probe(1536, 576, device, dtype)
+    x = torch.randn(1, 576, device=device, dtype=dtype)
     try:
-        w, sz = to_int4pack(p, dtype)
-        x1 = torch.randn(1, 1024, device=device, dtype=dtype)
-        xb = torch.randn(128, 1024, device=device, dtype=dtype)
-        ref = dequant_linear(xb, p, dtype).float()
-        got = _int4pack_mm(xb, w, sz, p.group).float()
-        if (got - ref).abs().max() > 1e-2 * ref.abs().max():
+        if not lin.use_int4pack():
             return "dequant"
+        got, ref = lin(x).float(), deq(x).float()
     except (RuntimeError, NotImplementedError):  # op missing in this build
         return "dequant"
-    t_pack = _time(lambda: _int4pack_mm(x1, w, sz, 32)) + _time(lambda: _int4pack_mm(xb, w, sz, 32))
-    t_deq = _time(lambda: dequant_linear(x1, p, dtype)) + _time(
-        lambda: dequant_linear(xb, p, dtype)
-    )
-    return "int4pack" if t_pack < t_deq else "dequant"
-
-
-@functools.cache
-def packed_decode_pays(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a one-row product through the packed path is at least as fast as through a
-    dense weight here (1536 x 576 probe, the default model's FFN shape): `--wtype auto`
-    keeps dense weights where packing would only slow decoding and memory is no issue."""
-    device = torch.device(device_type)
-    p = _probe_weight(1536, 576, device)
-    lin = PackedLinear(p, dtype)
-    if matmul_path(device_type, dtype) == "int4pack" and int4pack_supported(p, device, dtype):
-        lin.use_int4pack()
-    dense = p.dequantize(dtype)
-    x = torch.randn(1, 576, device=device, dtype=dtype)
-    return _time(lambda: lin(x), 10) <= 1.1 * _time(lambda: F.linear(x, dense), 10)
+    if (got - ref).abs().max() > 1e-2 * ref.abs().max():
+        return "dequant"
+    return "int4pack" if _time(lambda: lin(x), 10) < _time(lambda: deq(x), 10) else "dequant"
 
 
 def dense_name(dtype: torch.dtype) -> str:
@@ -232,9 +291,11 @@ def dense_name(dtype: torch.dtype) -> str:
 def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     """What `--wtype auto` means for a quantized GGUF here: ('packed' | dense name, why).
 
-    Packed when the dense weights would not fit in 60% of the free memory, or when the
-    packed path decodes at least as fast as dense weights on this device (measured);
-    dense in the compute dtype otherwise (packing would only slow decoding down).
+    Packed where PyTorch's int4 op serves decode steps here (`matmul_path`), or where the
+    dense weights would not fit in 60% of the free memory. Otherwise dense in the compute
+    dtype: without the op a packed decode step dequantizes every weight, slower than
+    reading dense ones. (A probe that times packed against dense products cannot decide
+    this: its weights sit in cache, the model's do not.)
     """
     from .presets import available_bytes
 
@@ -244,9 +305,9 @@ def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tu
             f"weights packed: dense {dense_name(dtype)} would take {dense_bytes / 2**30:.1f} GiB "
             f"of {free / 2**30:.1f} GiB free"
         )
-    if packed_decode_pays(device.type, dtype):
-        return "packed", f"weights packed ({matmul_path(device.type, dtype)} path)"
+    if matmul_path(device.type, dtype) == "int4pack":
+        return "packed", "weights packed (int4 op path)"
     return dense_name(dtype), (
-        f"weights dense {dense_name(dtype)}: packed matmul measured slower than dense on this "
+        f"weights dense {dense_name(dtype)}: PyTorch's int4 op is missing or slow on this "
         f"{device.type} and the dense model fits; --wtype q4 keeps them packed"
     )

@@ -67,16 +67,24 @@ def available_bytes(device: torch.device) -> int | None:
     return None  # unknown (not Linux): let the allocator decide
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype, bits: int | None) -> int:
+def weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, bits: int | None, planes: bool = False
+) -> int:
     """Bytes of the preset's weights: dense in dtype, or matrices packed (codes plus a float16
-    scale, and for q4 a zero, per group of 32) with the norms in dtype."""
+    scale, and for q4 a zero, per group of 32) with the norms in dtype. planes: the matrices
+    that multiply also hold the CPU int4 planes' bfloat16 scales and zeros (4 bytes per group
+    and 4-bit plane, kvrun/int4mm.py); an untied embedding table only gathers, so it has none."""
     elem = torch.empty(0, dtype=dtype).element_size()
     if bits is None:
         return config.n_params() * elem
     norms = (2 * config.n_layers + 1) * config.dim
     mats = config.n_params() - norms
     per_group = 2 if bits == 8 else 4
-    return norms * elem + mats * bits // 8 + mats // GROUP * per_group
+    total = norms * elem + mats * bits // 8 + mats // GROUP * per_group
+    if planes:
+        gather_only = 0 if config.tie_embeddings else config.vocab_size * config.dim
+        total += (mats - gather_only) // GROUP * 4 * (bits // 4)
+    return total
 
 
 def check_fits(
@@ -203,7 +211,7 @@ def preset_runtime(
 
     config = preset_config(spec)
     bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured
-    check_fits(spec.lower(), config, dtype, device, bits)
+    check_fits(spec.lower(), config, dtype, device, bits)  # (the planes' scales: +0.125 B/w)
     tensors = random_weights(config, dtype, device, progress=progress, bits=bits)
     model = Transformer.from_weights(config, tensors, device)
     tok = SyntheticTokenizer(config.vocab_size)

@@ -43,6 +43,9 @@ class Rope:
         self.dtype = dtype
         self._cos = torch.empty(0, inv_freq.numel() * 2, device=device, dtype=dtype)
         self._sin = self._cos
+        # the rows of the last positions tensor asked for: every layer of a forward pass
+        # passes the same (fresh) tensor, so rows are gathered once a pass, not twice a layer
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
@@ -71,11 +74,17 @@ class Rope:
         sized without reading the positions back from the device (no host sync: the static
         decode step of a CUDA graph passes its capacity).
         """
+        last = self._last
+        if bound is None and last is not None and last[0] is positions:
+            return last[1], last[2]
         if bound is not None:
             self.reserve(bound)
         elif positions.numel() and int(positions.max()) >= self._cos.shape[0]:
             self._grow(int(positions.max()) + 1)
-        return self._cos[positions], self._sin[positions]
+        cos, sin = self._cos[positions], self._sin[positions]
+        # static steps (bound given) rewrite their positions tensor in place: never cached
+        self._last = (positions, cos, sin) if bound is None else None
+        return cos, sin
 
     def apply(
         self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None

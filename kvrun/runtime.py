@@ -133,6 +133,8 @@ def load_runtime(
         return preset_runtime(spec, dt, dev, progress, wtype)
     path = resolve(spec, pull_missing=pull_missing, log=log)
     w = load(path, dt, progress, wtype, dev)
+    if w.wtype in ("f32", "f16", "bf16") and w.wtype_note:  # auto chose dense for a quantized file
+        log(w.wtype_note)
     model = Transformer.from_weights(w.config, w.tensors, dev)
     w.tensors = {}
     return Runtime(model, w.tokenizer, w.config, path, w)

@@ -193,7 +193,9 @@ def load_gguf(
     config = ModelConfig.from_gguf(meta, has_output="output.weight" in names)
     tokenizer = Tokenizer.from_gguf(meta)
     note = ""
-    if wtype == "auto":
+    if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
+        wtype = DENSE_NAMES[list(DENSE_TORCH).index(dtype)]  # nothing to keep packed
+    elif wtype == "auto":
         from .packed import auto_wtype
 
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -280,6 +282,7 @@ def load_safetensors(
 
 
 DENSE_NAMES = ("f32", "f16", "bf16")
+DENSE_TORCH = (torch.float32, torch.float16, torch.bfloat16)  # in DENSE_NAMES' order
 
 
 def _check_tensors(

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_dequant import COLS, DEQUANT_ONLY, ROWS, _raw_blocks, _read, _write
 
+from kvrun import int4mm
 from kvrun import packed as packed_mod
 from kvrun.errors import KvrunError, UnsupportedModel
-from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear, to_int4pack
+from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear
 from kvrun.quant import (
     GROUP,
     from_gguf,
@@ -111,16 +112,65 @@ def test_widening_q4_to_q8_is_exact():
     assert torch.equal(wide.dequantize(), p.dequantize())
 
 
-def test_int4pack_path_equals_dequant_path():
-    p = quantize(torch.randn(96, 256, generator=torch.Generator().manual_seed(3)), 4)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_cpu_layout_reads_back_exactly(bits):
+    """The CPU op's layout as found by packing known codes: `unpack_cpu` inverts the op's own
+    packing (whole tensor, whole-block slices, gathered rows), and a layer moved to the int4
+    planes dequantizes to exactly the weights it had (q8 as two 4-bit planes)."""
+    q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(5))
+    w = int4mm.pack_cpu(q)
+    assert torch.equal(int4mm.unpack_cpu(w), q.to(torch.uint8))
+    assert torch.equal(int4mm.unpack_cpu(w, slice(64, 192)), q[64:].to(torch.uint8))
+    idx = torch.tensor([0, 31, 32, 63, 64, 191, 100, 100])
+    assert torch.equal(int4mm.unpack_cpu(w, idx), q[idx].to(torch.uint8))
+    p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)), bits)
     lin = PackedLinear(p, torch.float32)
-    x = torch.randn(2, 3, 256)
-    want = lin(x)
+    assert lin.use_int4pack() and lin.codes is None and len(lin.planes) == bits // 4
+    assert torch.equal(lin.packed.dequantize(), p.dequantize())
+    emb = PackedEmbedding(p, torch.float32)
+    emb.use_int4pack()
+    ids = torch.tensor([[5, 0, 127], [64, 63, 5]])
+    assert torch.equal(emb(ids), F.embedding(ids, p.dequantize()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_cpu_products_within_bfloat16_rounding(bits):
+    """Decode-sized products go through the int4 op on bfloat16 activations, scales and zeros
+    (kvrun/int4mm.py): each product term is off by at most a few bfloat16 roundings
+    (2^-8 relative each), so |y - y_ref| <= 4 * 2^-8 * sum_k |x_k| (|w_nk| + |zero'_nk|).
+    Longer products (prefill) dequantize exactly."""
+    p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)), bits)
+    ref_w = p.dequantize()
+    lin = PackedLinear(p, torch.float32)
     lin.use_int4pack()
-    assert lin.path == "int4pack"
-    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
-    w, sz = to_int4pack(p, torch.float32)
-    assert sz.shape == (256 // GROUP, 96, 2)
+    x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(6))
+    zero = (p.zero.float() if p.zero is not None else 0) + 8 * p.scale.float()
+    if bits == 8:  # the planes' zeros: 0 and 8s
+        zero = 8 * p.scale.float()
+    mag = ref_w.abs() + zero.abs().repeat_interleave(GROUP, dim=1)
+    bound = 4 * 2**-8 * (x.abs() @ mag.T)
+    got, want = lin(x), F.linear(x, ref_w)
+    assert ((got - want).abs() <= bound).all()
+    assert (got - want).abs().max() > 0  # really the bfloat16 op, not the exact path
+    xl = torch.randn(packed_mod.DECODE_ROWS + 1, 256)
+    torch.testing.assert_close(lin(xl), F.linear(xl, ref_w), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_layers_equal_their_parts():
+    ps = [
+        quantize(torch.randn(n, 128, generator=torch.Generator().manual_seed(n)), 4)
+        for n in (64, 128)
+    ]
+    mods = [PackedLinear(p, torch.float32) for p in ps]
+    fused = PackedLinear.stack(mods)
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(fused(x), torch.cat([m(x) for m in mods], dim=-1))
+    assert (
+        PackedLinear.stack(
+            [mods[0], PackedLinear(quantize(torch.randn(64, 128), 8), torch.float32)]
+        )
+        is None
+    )
 
 
 def test_slabs_of_rows_equal_one_product(monkeypatch):
@@ -136,7 +186,7 @@ def test_packed_embedding_gathers_rows():
     emb = PackedEmbedding(p, torch.float32)
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
     assert torch.equal(emb(ids), F.embedding(ids, p.dequantize()))
-    torch.testing.assert_close(emb.linear(torch.ones(2, 64)), torch.ones(2, 64) @ p.dequantize().T)
+    torch.testing.assert_close(emb.logits(torch.ones(2, 64)), torch.ones(2, 64) @ p.dequantize().T)
 
 
 # ------------------------------------------------------------ whole models, --wtype
@@ -145,9 +195,19 @@ def _dense_twin(rt):
     from kvrun.model import Transformer
 
     sd = {}
+    parts = {"qkv": ["q_proj", "k_proj", "v_proj"], "gate_up": ["gate_proj", "up_proj"]}
+    c = rt.config
+    sizes = {"qkv": [c.n_heads * c.head_dim] + [c.n_kv_heads * c.head_dim] * 2,
+             "gate_up": [c.ffn_dim] * 2}  # fmt: skip
     for name, mod in rt.model.named_modules():
         if isinstance(mod, PackedLinear):
-            sd[f"{name}.weight"] = mod.packed.dequantize(torch.float32)
+            w = mod.packed.dequantize(torch.float32)
+            parent, _, attr = name.rpartition(".")
+            if attr not in parts:
+                sd[f"{name}.weight"] = w
+                continue
+            for part, rows in zip(parts[attr], w.split(sizes[attr]), strict=True):
+                sd[f"{parent}.{part}.weight"] = rows
     sd.update({k: v for k, v in rt.model.state_dict().items() if k.endswith("norm.weight")})
     return Transformer.from_weights(rt.config, sd, "cpu")
 
@@ -163,14 +223,20 @@ def test_tiny_model_packed_equals_its_dense_twin(tmp_path, source, wtype):
     path = tiny.gguf_path if source == "gguf" else tiny.hf_dir
     rt = load_runtime(str(path), "float32", "cpu", wtype=wtype)
     assert rt.weights.wtype == wtype
-    assert isinstance(rt.model.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert isinstance(rt.model.model.layers[0].self_attn.qkv, PackedLinear)
     assert isinstance(rt.model.model.embed_tokens, PackedEmbedding)
     twin = _dense_twin(rt)
-    ids, pos = torch.tensor([[1, 5, 9, 33, 2, 17]]), torch.arange(6)
+    # more rows than DECODE_ROWS: the exact (dequantizing) path
+    ids, pos = torch.tensor([[1, 5, 9, 33, 2, 17, 8, 8, 40, 3, 1, 7]]), torch.arange(12)
     with torch.inference_mode():
-        got = rt.model(ids, pos, rt.new_kv("full"))
-        want = twin(ids, pos, rt.new_kv("full"))
+        kv, kv_twin = rt.new_kv("full"), rt.new_kv("full")
+        got = rt.model(ids, pos, kv)
+        want = twin(ids, pos, kv_twin)
+        # one decode step: the int4 op on bfloat16 activations where the shape allows it
+        step = rt.model(torch.tensor([[4]]), torch.tensor([12]), kv)
+        step_want = twin(torch.tensor([[4]]), torch.tensor([12]), kv_twin)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (step - step_want).abs().max() <= 0.05 * step_want.abs().max()
     if wtype == "q8":  # and near the float model (8-bit absmax of its random weights)
         dense = load_runtime(str(path), "float32", "cpu", wtype="f32")
         with torch.inference_mode():
@@ -207,15 +273,18 @@ def test_synthetic_preset_packed_without_floats():
     tensors = random_weights(cfg, torch.float32, torch.device("cpu"), bits=4)
     assert all(isinstance(v, Packed) for k, v in tensors.items() if not k.endswith("norm.weight"))
     rt = preset_runtime("tiny-synthetic", torch.float32, torch.device("cpu"), wtype="q4")
-    assert measured_bytes(rt.model) == weight_bytes(cfg, torch.float32, 4)
+    planes = packed_mod.matmul_path("cpu", torch.float32) == "int4pack"
+    assert measured_bytes(rt.model) == weight_bytes(cfg, torch.float32, 4, planes)
     kv = rt.new_kv("full")
     with torch.inference_mode():
         out = rt.model(torch.tensor([[1, 2, 3]]), torch.arange(3), kv)
         step = rt.model(torch.tensor([[4]]), torch.tensor([3]), kv)
     assert out.shape == (1, 3, cfg.vocab_size) and step.shape == (1, 1, cfg.vocab_size)
     assert torch.isfinite(step).all() and out.std() > 0
-    # the 8B shape at q4: codes + fp16 scale/zero per 32 = 5 bits a weight, under 6 GB
+    # the 8B shape at q4: codes + fp16 scale/zero per 32 = 5 bits a weight (6 with the CPU
+    # int4 planes' bf16 scales), under 6 GB
     assert weight_bytes(PRESETS["llama3-8b-synthetic"], torch.float32, 4) < 5.1e9
+    assert weight_bytes(PRESETS["llama3-8b-synthetic"], torch.float32, 4, True) < 6.0e9
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,8 +1,8 @@
 """The default model (Q4_1 layers, Q8_0 embeddings) with packed weights against the dense path.
 
-`--wtype auto` packs a GGUF's 4/8-bit tensors where the packed path decodes at least as fast
-as dense weights (measured once per process) or dense weights would not fit. The tests force
-that decision, so they check the packed model whatever this machine measures.
+`--wtype auto` packs a GGUF's 4/8-bit tensors where PyTorch's int4 op serves decode steps
+(measured once per process) or dense weights would not fit. The tests force that decision,
+so they check the packed model whatever this machine measures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from kvrun import packed as packed_mod
 from kvrun.generate import Session
 from kvrun.packed import PackedEmbedding, PackedLinear
-from kvrun.sampling import SamplingConfig
 from kvrun.tasks.perplexity import score_window
 
 PROMPTS = [
@@ -30,7 +29,7 @@ def packed_runtime(default_gguf):
     from kvrun.runtime import load_runtime
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(packed_mod, "packed_decode_pays", lambda device_type, dtype: True)
+        mp.setattr(packed_mod, "auto_wtype", lambda *a: ("packed", "forced by the test"))
         rt = load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None, wtype="auto")
     assert rt.weights.wtype == "packed"
     return rt
@@ -38,15 +37,18 @@ def packed_runtime(default_gguf):
 
 def test_auto_keeps_the_file_types(packed_runtime):
     m = packed_runtime.model
-    up = m.model.layers[0].mlp.up_proj
+    up = m.model.layers[0].mlp.gate_up  # gate and up stacked into one packed layer
     assert isinstance(up, PackedLinear) and (up.bits, up.source) == (4, "Q4_1")
+    assert m.model.layers[0].mlp.up_proj is None
     emb = m.model.embed_tokens
     assert isinstance(emb, PackedEmbedding) and (emb.bits, emb.source) == (8, "Q8_0")
     assert m.lm_head is None  # tied: the head multiplies by the packed table
     from kvrun.tasks.bench import weight_bytes
 
-    # about the file's size (98 MB), a fifth of the dense float32 model
-    assert weight_bytes(m) < 110e6
+    # about the file's size (98 MB; the CPU int4 planes add bf16 scales and zeros, 4 bytes
+    # per group of 32), under a quarter of the dense float32 model (538 MB)
+    assert weight_bytes(m) < 1.25 * packed_runtime.path.stat().st_size
+    assert weight_bytes(m) < 0.25 * packed_runtime.config.n_params() * 4
 
 
 def test_prefill_logits_match_dense(packed_runtime, default_runtime):
@@ -60,15 +62,36 @@ def test_prefill_logits_match_dense(packed_runtime, default_runtime):
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
 
 
+def _greedy_logits(rt, prompt: str, n: int, forced: list[int] | None = None):
+    """Logits (n, V) of n greedy steps (or of the steps feeding `forced` tokens) and the tokens."""
+    s = Session(rt.model, rt.tokenizer, rt.new_kv())
+    logits = [s.prefill(rt.tokenizer.encode(prompt))]
+    tokens = []
+    for i in range(n):
+        tokens.append(forced[i] if forced else int(logits[-1].argmax()))
+        if i + 1 < n:
+            logits.append(s.decode(tokens[-1]))
+    return torch.stack(logits).float(), tokens
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_continuation_equals_dense(packed_runtime, default_runtime, prompt):
-    greedy = SamplingConfig(temp=0)
-    out = []
-    for rt in (default_runtime, packed_runtime):
-        s = Session(rt.model, rt.tokenizer, rt.new_kv())
-        r = s.generate(rt.tokenizer.encode(prompt), 32, greedy, seed=0)
-        out.append(r.tokens)
-    assert out[1] == out[0]
+def test_greedy_continuation_follows_dense(packed_runtime, default_runtime, prompt):
+    """32 greedy tokens. Decode steps multiply through the int4 op on bfloat16 activations, so
+    a near-tie may flip: the packed model is fed the dense path's tokens, and at every step
+    the KL between the two next-token distributions stays under 1e-2 nats; where the argmax differs,
+    the dense path's top two logits were within 0.2 of each other (the KL is reported)."""
+    with torch.inference_mode():
+        want, tokens = _greedy_logits(default_runtime, prompt, 32)
+        got, _ = _greedy_logits(packed_runtime, prompt, 32, forced=tokens)
+    lp, lq = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)  # (32,) KL(dense || packed) per step
+    flips = (got.argmax(-1) != want.argmax(-1)).nonzero().flatten().tolist()
+    report = ", ".join(f"step {i}: KL {kl[i]:.2e}" for i in flips) or "no token differs"
+    print(f"{prompt[:20]!r}: max KL {kl.max():.2e}; {report}")
+    assert kl.max() < 1e-2, report
+    for i in flips:
+        top2 = want[i].topk(2).values
+        assert top2[0] - top2[1] < 0.2, report
 
 
 def test_perplexity_within_half_a_percent(packed_runtime, default_runtime):
@@ -84,4 +107,6 @@ def test_perplexity_within_half_a_percent(packed_runtime, default_runtime):
     ppl = math.exp(sum(sc.nll) / len(sc.nll))
     ppl_ref = math.exp(sum(sc.nll_full) / len(sc.nll_full))
     assert abs(ppl / ppl_ref - 1) < 0.005
-    assert max(sc.kl) < 1e-6
+    # teacher-forced decode steps go through the int4 op (bfloat16 rounding, the head's top
+    # logits refined exactly): small per-token KL against the float32 path
+    assert sum(sc.kl) / len(sc.kl) < 1e-3 and max(sc.kl) < 1e-2

@@ -60,7 +60,25 @@ def dense_attention(
     """Softmax attention with GQA (query head h reads KV head h // G), one segment, fast path."""
     group = q.shape[1] // k.shape[1]
     mask = _expand_mask(position_mask(q_pos, k_pos, window), group)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return sdpa(q, k, v, mask)
+
+
+def sdpa(
+    q: torch.Tensor,  # (B, Hq, Tq, D)
+    k: torch.Tensor,  # (B, Hkv, Tk, D)
+    v: torch.Tensor,  # (B, Hkv, Tk, D)
+    mask: torch.Tensor | None = None,  # broadcastable to (B, Hq, Tq, Tk), True = visible
+) -> torch.Tensor:  # (B, Hq, Tq, D)
+    """F.scaled_dot_product_attention with GQA, except one unmasked query row on CPU: there
+    two grouped matmuls are several times faster than SDPA's flash kernel (bench/README.md)."""
+    B, Hq, Tq, D = q.shape
+    if Tq > 1 or mask is not None or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)  # the query heads of each KV head as rows
+    s = torch.matmul(qg, k.transpose(-1, -2)) * D**-0.5  # (B, Hkv, G, Tk)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(p, v).view(B, Hq, 1, D)
 
 
 def segment_attention(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.dense_decode import dense_decode
-from .attention import Partial, position_mask, segment_attention
+from .attention import Partial, position_mask, sdpa, segment_attention
 
 
 class DenseSeg:
@@ -145,7 +144,7 @@ class DenseSeg:
         m = self.mask(q_pos, n_new, window)
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head
             m = m.repeat_interleave(q.shape[1] // self.k.shape[1], dim=0)
-        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=m, enable_gqa=True)
+        return sdpa(q, self.k, self.v, m)
 
     def partial(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None

@@ -6,7 +6,7 @@ import torch
 
 from ..kernels import use_triton
 from ..kernels.dense_decode import dense_decode
-from .attention import dense_attention
+from .attention import dense_attention, sdpa
 from .base import KVManager
 
 
@@ -85,6 +85,8 @@ class FullKV(KVManager):
             # GQA-native split-K kernel: SDPA has no fast path for one query over many keys
             out, _ = dense_decode(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end])
             return out.to(self.dtype)
+        if not self.in_prefill and T == 1 and not window:  # the newest token sees every key
+            return sdpa(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end])
         k_pos = torch.arange(end, device=positions.device)
         return dense_attention(
             q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], positions, k_pos, window

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..errors import KvrunError
 from ..kernels import use_triton
 from ..kernels.codebook_decode import codebook_decode
-from .attention import Partial, combine, dense_attention, position_mask
+from .attention import Partial, combine, dense_attention, position_mask, sdpa
 from .base import KVManager
 from .budget import Budget
 from .codebook import assign, build_codebook, unit_vectors
@@ -454,7 +454,7 @@ class SpindleKV(KVManager):
                 m = torch.cat([ms.expand(Hq, Tq, S), mn.expand(Hq, Tq, n)], dim=-1)
         if m is not None:
             m = m.expand(Hq, Tq, ks.shape[2])[None]
-        return F.scaled_dot_product_attention(qr, ks, vs, attn_mask=m, enable_gqa=True)
+        return sdpa(qr, ks, vs, m)
 
     def materialise(self, st: _Layer):
         """The layer's slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV

@@ -1,0 +1,109 @@
+"""PyTorch's weight-only int4 ops as a packed matmul: their layouts, and q8 as two 4-bit planes.
+
+The ops compute y = x @ W^T with W = (q - 8) * scale + zero' per group, q in 0..15, the
+scales-and-zeros given as a (G, N, 2) tensor in the activations' dtype.
+
+- CPU (`_weight_int4pack_mm_for_cpu`): vectorized for bfloat16 activations only; float32
+  activations run a scalar loop (~100x slower at 512 rows, bench/README.md). So the CPU path
+  casts the activations to bfloat16 and the product back to the compute dtype. Its layout is
+  blocks of 64 rows: byte (b, k, i) holds row 64b + i in its low nibble and row 64b + i + 32
+  in its high nibble (found by packing known codes; `unpack_cpu` inverts it and a test checks
+  it against the op), so the codes can be read back exactly for dequantization and gathers.
+- CUDA (`_weight_int4pack_mm`): bfloat16, q4 only, tensor-core tiles; never read back.
+
+Not exact: the products see bfloat16 activations and bfloat16 scales and zeros (Q4_1's fp16
+scales lose 3 mantissa bits), about 3e-3 relative on a product. Callers that need the exact
+product dequantize instead (kvrun/packed.py does for more than a few rows on CPU).
+
+q8 on CPU: a code c in -128..127 is 16 * hi + lo - 128 with hi, lo in 0..15, so
+W = (hi - 8) * 16s + [(lo - 8) * s + 8s]: two int4 products with the same activations
+(the second plane's zero' is 8s; the first's is 0). Bytes: one byte a weight plus 8 bytes of
+bfloat16 scales and zeros per group of 32, against Q8_0's 34 per 32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_N = 64  # rows per block in the CPU layout
+
+
+def cpu_supported(n: int, k: int, group: int) -> bool:
+    """Shapes the CPU op and `unpack_cpu` take: whole 64-row blocks, whole groups."""
+    return n % BLOCK_N == 0 and k % group == 0 and group in (32, 64, 128, 256)
+
+
+def cuda_supported(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and k % 1024 == 0 and n % 8 == 0 and group in (32, 64, 128, 256)
+
+
+def scales_zeros(
+    scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """(N, G) scale and zero (None: 0) -> the ops' (G, N, 2) in dtype: zero' = zero + 8 scale."""
+    s = scale.float()
+    z = zero.float() if zero is not None else torch.zeros_like(s)
+    return torch.stack([s, z + 8 * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def pack_cpu(q: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) in 0..15 -> (N, K // 2) uint8 in the CPU op's layout."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
+def pack_cuda(q: torch.Tensor) -> torch.Tensor:
+    u8 = ((q[:, ::2].to(torch.int32) << 4) | q[:, 1::2].to(torch.int32)).to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+
+
+def unpack_cpu(w: torch.Tensor, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+    """Codes (R, K) uint8 of the rows asked (a slice of whole blocks, an index tensor, or all)
+    from a CPU-layout (N, K // 2) tensor."""
+    n, k = w.shape[0], w.shape[1] * 2
+    b = w.view(n // BLOCK_N, k, BLOCK_N // 2)  # (blocks, K, 32)
+    if isinstance(rows, torch.Tensor):
+        half = b[rows // BLOCK_N, :, rows % (BLOCK_N // 2)]  # (R, K)
+        return torch.where((rows % BLOCK_N >= BLOCK_N // 2).unsqueeze(-1), half >> 4, half & 15)
+    if rows is not None:
+        b = b[rows.start // BLOCK_N : -(-rows.stop // BLOCK_N)]
+    both = torch.cat([b & 15, b >> 4], dim=2)  # (blocks, K, 64)
+    return both.transpose(1, 2).reshape(-1, k)
+
+
+def planes_cpu(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Integer codes (N, K) (uint8 0..15 for q4, int8 for q8) as CPU-layout 4-bit planes."""
+    if bits == 4:
+        return [pack_cpu(codes)]
+    c = codes.to(torch.int32) + 128  # 0..255
+    return [pack_cpu(c >> 4), pack_cpu(c & 15)]
+
+
+def plane_scales(scale: torch.Tensor, zero, bits: int, dtype) -> list[torch.Tensor]:
+    """The (G, N, 2) scales-and-zeros of each plane made by `planes_cpu`."""
+    if bits == 4:
+        return [scales_zeros(scale, zero, dtype)]
+    s = scale.float()
+    z = zero.float() if zero is not None else torch.zeros_like(s)
+    return [scales_zeros(16 * s, -8 * 16 * s, dtype), scales_zeros(s, z, dtype)]
+
+
+def codes_cpu(planes: list[torch.Tensor], rows=None) -> torch.Tensor:
+    """The integer codes back from `planes_cpu`'s planes (uint8 q4, int16 q8)."""
+    if len(planes) == 1:
+        return unpack_cpu(planes[0], rows)
+    hi, lo = (unpack_cpu(p, rows).to(torch.int16) for p in planes)
+    return hi * 16 + lo - 128
+
+
+def mm(x: torch.Tensor, planes: list[torch.Tensor], sz: list[torch.Tensor], group: int):
+    """x (..., K) @ W^T through the int4 op(s), in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x.device.type == "cuda":
+        y = torch.ops.aten._weight_int4pack_mm(x2, planes[0], group, sz[0])
+    else:
+        xb = x2.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, planes[0], group, sz[0])
+        for p, s in zip(planes[1:], sz[1:], strict=True):
+            y += torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, group, s)
+    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
