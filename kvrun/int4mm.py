@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import Packed
+
 BLOCK_N = 64  # rows per block in the CPU layout
 
 
@@ -70,12 +72,23 @@ def unpack_cpu(w: torch.Tensor, rows: slice | torch.Tensor | None = None) -> tor
     return both.transpose(1, 2).reshape(-1, k)
 
 
-def planes_cpu(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """Integer codes (N, K) (uint8 0..15 for q4, int8 for q8) as CPU-layout 4-bit planes."""
-    if bits == 4:
-        return [pack_cpu(codes)]
-    c = codes.to(torch.int32) + 128  # 0..255
-    return [pack_cpu(c >> 4), pack_cpu(c & 15)]
+SLAB_ROWS = 8192  # rows packed at a time: the op wants int32 codes, 4 bytes a weight
+
+
+def planes_cpu(p: Packed) -> list[torch.Tensor]:
+    """A packed weight's codes as CPU-layout 4-bit planes (one for q4, two for q8), a slab
+    of rows at a time (the int32 scratch stays bounded for any matrix size)."""
+    (n, k), bits = p.shape, p.bits
+    out = [p.codes.new_empty(n, k // 2, dtype=torch.uint8) for _ in range(bits // 4)]
+    for r in range(0, n, SLAB_ROWS):
+        c = p.rows(slice(r, r + SLAB_ROWS)).int_codes().view(-1, k).to(torch.int32)
+        if bits == 4:
+            out[0][r : r + SLAB_ROWS] = pack_cpu(c)
+            continue
+        c += 128  # 0..255
+        out[0][r : r + SLAB_ROWS] = pack_cpu(c >> 4)
+        out[1][r : r + SLAB_ROWS] = pack_cpu(c & 15)
+    return out
 
 
 def plane_scales(scale: torch.Tensor, zero, bits: int, dtype) -> list[torch.Tensor]:

@@ -111,12 +111,23 @@ class PackedLinear(nn.Module):
         """The canonical form (rebuilt from the int4 planes on CPU)."""
         codes = self.codes
         if codes is None:
-            if self.scale.device.type == "cuda":
+            if self.w0.device.type == "cuda":
                 raise RuntimeError("the codes live only in the CUDA int4 layout")
             q = int4mm.codes_cpu(self._planes()[0])
             n, k = q.shape
             codes = pack_nibbles(q) if self.bits == 4 else q.to(torch.int8).view(n, k)
-        return Packed(self.bits, codes, self.scale, self.zero, self.group, self.source, self.exact)
+        scale, zero = self._scale_zero(slice(None))
+        return Packed(self.bits, codes, scale, zero, self.group, self.source, self.exact)
+
+    def _scale_zero(self, rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale and zero (R, G) of the rows asked: the canonical ones, or (inexact weights on
+        the CPU int4 path, which keep none) those of the int4 planes, whose weights are
+        (q - 8) * s + z' = q * s + (z' - 8 s) for q4 and for q8's codes alike."""
+        if self.scale is not None:
+            return self.scale[rows], None if self.zero is None else self.zero[rows]
+        sz = self.sz1 if self.bits == 8 else self.sz0  # (G, N, 2); q8: plane 1 has s and z'
+        s = sz[:, rows, 0].float().T
+        return s, sz[:, rows, 1].float().T - 8 * s
 
     @classmethod
     def stack(cls, mods: list[nn.Module]) -> PackedLinear | None:
@@ -158,7 +169,7 @@ class PackedLinear(nn.Module):
         """The exact dense rows idx (R,) -> (R, K) in the compute dtype."""
         if self.codes is None:  # CPU int4 planes: gather the rows' codes from them
             q = int4mm.codes_cpu(self._planes()[0], idx)
-            return Scratch.scaled_new(q, self.scale[idx], self._zero(idx), self.dtype)
+            return Scratch.scaled_new(q, *self._scale_zero(idx), self.dtype)
         return self.packed.rows(idx).dequantize(self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,12 +196,9 @@ class PackedLinear(nn.Module):
         for r in range(0, n, step):
             rows = slice(r, min(r + step, n))
             q = int4mm.codes_cpu(planes, rows)  # (R, K)
-            w = self.scratch.scaled(q, self.scale[rows], self._zero(rows), self.dtype)
+            w = self.scratch.scaled(q, *self._scale_zero(rows), self.dtype)
             out.append(F.linear(x, w))
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-
-    def _zero(self, rows):
-        return None if self.zero is None else self.zero[rows]
 
     def use_int4pack(self) -> bool:
         """Move the codes into the int4 ops' layout where this device and shape allow it (q4 on
@@ -208,7 +216,7 @@ class PackedLinear(nn.Module):
         else:
             if not int4mm.cpu_supported(n, k, self.group):
                 return False
-            planes = int4mm.planes_cpu(self.packed.int_codes().view(n, k), self.bits)
+            planes = int4mm.planes_cpu(self.packed)
             sz = int4mm.plane_scales(self.scale, self.zero, self.bits, torch.bfloat16)
         for i, (w, s) in enumerate(zip(planes, sz, strict=True)):
             self.register_buffer(f"w{i}", w)
@@ -217,6 +225,10 @@ class PackedLinear(nn.Module):
         self.path = "int4pack"
         if dev.type != "cuda" or not isinstance(self, PackedEmbedding):
             self.codes = None  # read back from the CPU planes; CUDA gathers keep the codes
+        if dev.type != "cuda" and not self.exact:
+            # nothing to be exact against (re-quantized or random weights): prefill and
+            # gathers use the planes' own scales, and the canonical ones are dropped
+            self.scale = self.zero = None
         return True
 
 

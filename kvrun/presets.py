@@ -72,8 +72,10 @@ def weight_bytes(
 ) -> int:
     """Bytes of the preset's weights: dense in dtype, or matrices packed (codes plus a float16
     scale, and for q4 a zero, per group of 32) with the norms in dtype. planes: the matrices
-    that multiply also hold the CPU int4 planes' bfloat16 scales and zeros (4 bytes per group
-    and 4-bit plane, kvrun/int4mm.py); an untied embedding table only gathers, so it has none."""
+    that multiply sit in the CPU int4 planes instead, with their bfloat16 scales and zeros
+    (4 bytes per group and 4-bit plane, kvrun/int4mm.py) in place of the float16 ones
+    (random weights have nothing to be exact against); an untied embedding table only
+    gathers, so it stays as it was."""
     elem = torch.empty(0, dtype=dtype).element_size()
     if bits is None:
         return config.n_params() * elem
@@ -83,7 +85,7 @@ def weight_bytes(
     total = norms * elem + mats * bits // 8 + mats // GROUP * per_group
     if planes:
         gather_only = 0 if config.tie_embeddings else config.vocab_size * config.dim
-        total += (mats - gather_only) // GROUP * 4 * (bits // 4)
+        total += (mats - gather_only) // GROUP * (4 * (bits // 4) - per_group)
     return total
 
 
@@ -211,9 +213,9 @@ def preset_runtime(
 
     config = preset_config(spec)
     bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured
-    check_fits(spec.lower(), config, dtype, device, bits)  # (the planes' scales: +0.125 B/w)
+    check_fits(spec.lower(), config, dtype, device, bits)
     tensors = random_weights(config, dtype, device, progress=progress, bits=bits)
-    model = Transformer.from_weights(config, tensors, device)
+    model = Transformer.from_weights(config, tensors, device, consume=True)
     tok = SyntheticTokenizer(config.vocab_size)
     path = Path(spec.lower())
     meta = {"synthetic": True, "preset": spec.lower(), "init_std": INIT_STD}

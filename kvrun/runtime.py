@@ -135,6 +135,6 @@ def load_runtime(
     w = load(path, dt, progress, wtype, dev)
     if w.wtype in ("f32", "f16", "bf16") and w.wtype_note:  # auto chose dense for a quantized file
         log(w.wtype_note)
-    model = Transformer.from_weights(w.config, w.tensors, dev)
+    model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
     w.tensors = {}
     return Runtime(model, w.tokenizer, w.config, path, w)

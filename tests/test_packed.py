@@ -124,6 +124,7 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
     idx = torch.tensor([0, 31, 32, 63, 64, 191, 100, 100])
     assert torch.equal(int4mm.unpack_cpu(w, idx), q[idx].to(torch.uint8))
     p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)), bits)
+    p.exact = True  # as a GGUF block type that maps exactly: the float16 scales are kept
     lin = PackedLinear(p, torch.float32)
     assert lin.use_int4pack() and lin.codes is None and len(lin.planes) == bits // 4
     assert torch.equal(lin.packed.dequantize(), p.dequantize())
@@ -131,6 +132,19 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
     emb.use_int4pack()
     ids = torch.tensor([[5, 0, 127], [64, 63, 5]])
     assert torch.equal(emb(ids), F.embedding(ids, p.dequantize()))
+    # inexact weights (re-quantized, random) keep only the planes' bfloat16 scales: prefill
+    # and gathers read those, within a bfloat16 rounding of the float16 ones
+    p.exact = False
+    lin = PackedLinear(p, torch.float32)
+    lin.use_int4pack()
+    assert lin.scale is None and lin.zero is None
+    w = lin.packed.dequantize()
+    assert torch.equal(
+        lin(torch.eye(256)[: packed_mod.DECODE_ROWS + 1]), w.T[: packed_mod.DECODE_ROWS + 1]
+    )
+    zero = p.zero.float().abs().repeat_interleave(GROUP, 1) if bits == 4 else 0
+    mag = p.dequantize().abs() + zero + 8 * p.scale.float().repeat_interleave(GROUP, 1)
+    assert ((w - p.dequantize()).abs() <= 2 * 2**-8 * mag).all()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -140,6 +154,7 @@ def test_int4_cpu_products_within_bfloat16_rounding(bits):
     (2^-8 relative each), so |y - y_ref| <= 4 * 2^-8 * sum_k |x_k| (|w_nk| + |zero'_nk|).
     Longer products (prefill) dequantize exactly."""
     p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)), bits)
+    p.exact = True  # keep the float16 scales, as for an exactly mapped GGUF type
     ref_w = p.dequantize()
     lin = PackedLinear(p, torch.float32)
     lin.use_int4pack()
