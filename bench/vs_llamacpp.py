@@ -268,18 +268,19 @@ def parse_test(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def kvrun_cmd(args, model: str, n_prompt: int, n_gen: int) -> list[str]:
+def kvrun_cmd(args, model: str, n_prompt: int, n_gen: int, wtype: str | None) -> list[str]:
     cmd = ["kvrun", "bench", "-m", model, "-p", str(n_prompt), "-n", str(n_gen)]
     cmd += ["-r", "1", "--kv", "full", "--json"]
-    if args.wtype:
-        cmd += ["--wtype", args.wtype]
+    if wtype:
+        cmd += ["--wtype", wtype]
     return cmd + shlex.split(args.kvrun_args)
 
 
-def kvrun_test(args, kind: str, n: int) -> dict:
+def kvrun_test(args, kind: str, n: int, wtype: str | None = None) -> dict:
     """One kvrun bench subprocess: tok/s of the test and its peak RSS."""
     p, g = (n, 0) if kind == "pp" else (args.tg_prompt, n)
-    res = run_measured(kvrun_cmd(args, args.model, p, g), thread_env(args.threads), args.timeout)
+    cmd = kvrun_cmd(args, args.model, p, g, wtype or args.wtype)
+    res = run_measured(cmd, thread_env(args.threads), args.timeout)
     data = last_json(res, "kvrun bench")
     row = data["rows"][0]
     key = "prefill_tok_s" if kind == "pp" else "decode_tok_s"
@@ -341,19 +342,28 @@ def needed_ctx(args, tests: list[tuple[str, int]]) -> int:
     return max(512, -(-need // 256) * 256)
 
 
+def tools(args) -> list[str]:
+    """The columns: kvrun as asked, llama.cpp, and kvrun with --baseline-wtype if given."""
+    return ["kvrun", "llama.cpp"] + (
+        [f"kvrun {args.baseline_wtype}"] if args.baseline_wtype else []
+    )
+
+
 def run_tests(args, tests: list[tuple[str, int]]) -> dict:
     """For each test, alternate kvrun and llama.cpp --reps times."""
     n_ctx = needed_ctx(args, tests)
     results = {}
     for kind, n in tests:
         name = f"{kind}{n}"
-        runs = {"kvrun": [], "llama.cpp": []}
+        runs = {t: [] for t in tools(args)}
         for rep in range(args.reps):
-            for tool in ("kvrun", "llama.cpp"):
+            for tool in runs:
                 if tool == "kvrun":
                     r = attempt(kvrun_test, args, kind, n)
-                else:
+                elif tool == "llama.cpp":
                     r = attempt(llamacpp_run, args, kind, n, n_ctx)
+                else:  # "kvrun <wtype>": the baseline path, side by side
+                    r = attempt(kvrun_test, args, kind, n, tool.split()[1])
                 runs[tool].append(r)
                 shown = r.get("failed") or f"{r['tok_s']:.1f} tok/s"
                 log(f"{name} rep {rep + 1}/{args.reps} {tool}: {shown}")
@@ -398,7 +408,19 @@ def collect_memory(args, results: dict) -> dict:
         r = attempt(kvrun_load, args, SYNTH_8B, "q4")
         log("  " + (r.get("failed") or f"{r['load_s']:.1f} s"))
         mem["8b"] = r
+        log(f"kvrun: {SYNTH_8B} --wtype q4 decode (tg8 after a {args.tg_prompt}-token prompt)")
+        r = attempt(kvrun_8b_decode, args)
+        log("  " + (r.get("failed") or f"{r['tok_s']:.2f} tok/s"))
+        mem["8b_decode"] = r
     return mem
+
+
+def kvrun_8b_decode(args) -> dict:
+    """Decode tok/s and peak RSS of the 8B preset at q4 (one rep after the warm-up)."""
+    cmd = kvrun_cmd(args, SYNTH_8B, args.tg_prompt, 8, "q4")
+    res = run_measured(cmd, thread_env(args.threads), args.timeout)
+    row = last_json(res, "kvrun bench 8b")["rows"][0]
+    return {"tok_s": row["decode_tok_s"], "peak_rss_bytes": res["maxrss_bytes"]}
 
 
 # ---------------------------------------------------------------- report
@@ -420,13 +442,18 @@ def mib(x) -> float | str | None:
 
 
 def table(results: dict, mem: dict) -> str:
-    lines = [
-        "| test | kvrun tok/s | llama.cpp tok/s | kvrun / llama.cpp |",
-        "| --- | ---: | ---: | ---: |",
-    ]
+    extra = [t for t in next(iter(results.values())) if t not in ("kvrun", "llama.cpp")]
+    head = "| test | kvrun tok/s | llama.cpp tok/s | kvrun / llama.cpp |"
+    head += "".join(f" {t} tok/s | kvrun / {t} |" for t in extra)
+    lines = [head, "| --- |" + " ---: |" * (3 + 2 * len(extra))]
     for name, runs in results.items():
         k, ll = median_of(runs["kvrun"]), median_of(runs["llama.cpp"])
-        lines.append(f"| {name} | {fmt(k)} | {fmt(ll)} | {ratio(k, ll)} |")
+        row = f"| {name} | {fmt(k)} | {fmt(ll)} | {ratio(k, ll)} |"
+        for t in extra:
+            b = median_of(runs[t])
+            row += f" {fmt(b)} | {ratio(k, b)} |"
+        lines.append(row)
+    lines_before = len(lines)
     d = mem["default"]
     k, ll = d["kvrun"]["load_s"], d["llama.cpp"]["load_s"]
     lines.append(f"| load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
@@ -441,6 +468,17 @@ def table(results: dict, mem: dict) -> str:
             lines.append(f"| {name}: load time (s) | {fmt(r['load_s'], 1)} | - | - |")
             rss = fmt(mib(r["peak_rss_bytes"]), 0)
             lines.append(f"| {name}: peak RSS after load (MiB) | {rss} | - | - |")
+    if "8b_decode" in mem:
+        r = mem["8b_decode"]
+        name = f"{SYNTH_8B} --wtype q4"
+        if "failed" in r:
+            lines.append(f"| {name}: decode | {r['failed']} | - | - |")
+        else:
+            lines.append(f"| {name}: decode tok/s | {fmt(r['tok_s'], 2)} | - | - |")
+            rss = fmt(mib(r["peak_rss_bytes"]), 0)
+            lines.append(f"| {name}: peak RSS while decoding (MiB) | {rss} | - | - |")
+    if extra:  # the memory rows have no baseline cells
+        lines[lines_before:] = [ln + " - | - |" * len(extra) for ln in lines[lines_before:]]
     return "\n".join(lines)
 
 
@@ -519,6 +557,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3, help="subprocess pairs per test (median)")
     ap.add_argument("--tests", default="pp512,pp2048,tg128", help="comma list of ppN / tgN")
     ap.add_argument("--wtype", help="passed to kvrun as --wtype (default: kvrun's default)")
+    ap.add_argument(
+        "--baseline-wtype",
+        help="also run kvrun with this --wtype in the same alternation (e.g. f32, the dense path)",
+    )
     ap.add_argument("--kvrun-args", default="", help="extra arguments for `kvrun bench`")
     ap.add_argument("--skip-8b", action="store_true", help=f"skip the {SYNTH_8B} load")
     ap.add_argument("--write", action="store_true", help="write the section into README.md")
