@@ -254,8 +254,21 @@ def packed_nbytes(bits: int, n: int, k: int, scale_bytes: int, symmetric: bool) 
     return n * k * bits // 8 + groups * scale_bytes * (1 if symmetric else 2)
 
 
-def plan_nbytes(type_name: str, n: int, k: int, bits: int) -> int:
-    """Bytes a GGUF tensor of type_name takes once packed to `bits` (for `kvrun info`)."""
+def plan_nbytes(type_name: str, n: int, k: int, bits: int, planes: bool = False) -> int:
+    """Bytes a GGUF tensor of type_name takes once packed to `bits` (for `kvrun info`).
+
+    planes: held in the CPU int4 planes (kvrun/int4mm.py): the same code bytes, bfloat16
+    scales and zeros (4 bytes per group and plane), and the float16 ones only where the
+    mapping is exact (kept for exact prefill products)."""
+    base = _canonical_nbytes(type_name, n, k, bits)
+    if not planes:
+        return base
+    codes = n * k * bits // 8
+    exact = type_name in EXACT_Q4 or (type_name in EXACT_Q8 and bits == 8)
+    return codes + n * (k // GROUP) * 4 * (bits // 4) + (base - codes if exact else 0)
+
+
+def _canonical_nbytes(type_name: str, n: int, k: int, bits: int) -> int:
     if type_name == "Q8_0" and bits == 8:
         return packed_nbytes(8, n, k, 2, True)
     if type_name in ("Q4_0", "Q4_1"):

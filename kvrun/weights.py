@@ -326,12 +326,17 @@ def load(
 
 
 def weights_plan(
-    tensors: list[tuple[str, str, tuple[int, ...]]], wtype: str
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    wtype: str,
+    planes: bool = False,
+    tied: bool = True,
 ) -> tuple[int, Counter]:
     """Bytes the weights take in memory under a resolved --wtype, and a count per form
     ('q4 from Q4_1', 'f32', ...), from (hf name, source type, torch shape) triples.
 
     Dense tensors count at the named width (f32 for 'packed', 'q4', 'q8'), as loaded on CPU.
+    planes: packed matrices sit in the CPU int4 planes where their shape allows (whole
+    64-row blocks), except an untied embedding table, which only gathers rows.
     """
     from .quant import plan_nbytes
 
@@ -344,6 +349,7 @@ def weights_plan(
             forms[wtype if wtype in DENSE_NAMES else "f32"] += 1
             continue
         src = source if source not in FLOAT_TYPES else "F32"
-        total += plan_nbytes(src, shape[0], shape[1], bits)
+        on_planes = planes and shape[0] % 64 == 0 and (tied or "embed_tokens" not in hf)
+        total += plan_nbytes(src, shape[0], shape[1], bits, on_planes)
         forms[f"q{bits} from {source}"] += 1
     return total, forms

@@ -314,3 +314,24 @@ def test_scratch_dequantize_equals_reference(bits):
         for _ in range(2):
             assert torch.equal(sc.dequantize(part, torch.float32), part.dequantize())
     assert sc.dequantize(p, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_q4_on_columns_off_the_group_is_one_line(tmp_path, monkeypatch):
+    """A model whose rows are not whole groups cannot be packed: one line naming the tensor
+    and the dense --wtype to use, exit 1 (the group is shrunk to fit the tiny model's 64)."""
+    from cli_checks import one_error_line
+    from click.testing import CliRunner
+
+    from kvrun import weights
+    from kvrun.cli.main import cli
+    from tiny_models import build
+
+    tiny = build(tmp_path)
+    monkeypatch.setattr(weights, "GROUP", 48)
+    for path in (tiny.gguf_path, tiny.hf_dir):
+        args = ["generate", "-m", str(path), "-p", "hi", "-n", "2", "--wtype", "q4"]
+        r = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert r.exit_code == 1
+        one_error_line(r, "group size 48", "--wtype f32")
+    r = CliRunner().invoke(cli, ["generate", "-p", "hi", "--wtype", "q3"])
+    assert r.exit_code == 2 and "q3" in r.output

@@ -15,6 +15,7 @@ import torch
 from kvrun import packed as packed_mod
 from kvrun.generate import Session
 from kvrun.packed import PackedEmbedding, PackedLinear
+from kvrun.sampling import SamplingConfig
 from kvrun.tasks.perplexity import score_window
 
 PROMPTS = [
@@ -49,6 +50,13 @@ def test_auto_keeps_the_file_types(packed_runtime):
     # per group of 32), under a quarter of the dense float32 model (538 MB)
     assert weight_bytes(m) < 1.25 * packed_runtime.path.stat().st_size
     assert weight_bytes(m) < 0.25 * packed_runtime.config.n_params() * 4
+    # and `kvrun info` (metadata only) predicts the bytes the loaded model holds
+    from kvrun.cli.info import inspect, weights_rows
+
+    cfg, facts = inspect(packed_runtime.path)
+    assert weights_rows(facts, "auto", True, cfg.tie_embeddings)["packed"]["bytes"] == weight_bytes(
+        m
+    )
 
 
 def test_prefill_logits_match_dense(packed_runtime, default_runtime):
@@ -110,3 +118,30 @@ def test_perplexity_within_half_a_percent(packed_runtime, default_runtime):
     # teacher-forced decode steps go through the int4 op (bfloat16 rounding, the head's top
     # logits refined exactly): small per-token KL against the float32 path
     assert sum(sc.kl) / len(sc.kl) < 1e-3 and max(sc.kl) < 1e-2
+
+
+METHODS = [("full", None), ("streaming", "0.25"), ("h2o", "0.25"), ("snapkv", "0.25"),
+           ("pyramidkv", "0.25"), ("xkv", "0.25"), ("minikv", None), ("minikv-pyramid", None),
+           ("minicache", None), ("spindlekv", "0.25"), ("kivi2", None), ("kivi4", None),
+           ("snapkv+kivi2", "0.25"), ("minicache+kivi4", None), ("xkv+kivi2", "0.25")]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec,budget", METHODS)
+def test_every_kv_method_runs_on_packed_weights(packed_runtime, default_runtime, spec, budget):
+    """Each named method and seed stack through prefill (exact products: the same first token,
+    the same compression decisions and bytes as on dense weights), then decode (int4 op)."""
+    from pathlib import Path
+
+    text = Path("/usr/share/common-licenses/GPL-3")
+    src = text.read_text()[:3000] if text.exists() else " ".join(PROMPTS) * 20
+    ids = default_runtime.tokenizer.encode(src)[:400]
+    greedy = SamplingConfig(temp=0)
+    runs = []
+    for rt in (default_runtime, packed_runtime):
+        s = Session(rt.model, rt.tokenizer, rt.new_kv(spec, budget), ubatch=128)
+        runs.append((s, s.generate(ids, 1, greedy, seed=0)))  # prefill only
+    (_, dense), (session, packed) = runs
+    assert packed.tokens == dense.tokens
+    assert packed.stats.kv_bytes == dense.stats.kv_bytes
+    more = session.generate([], 8, greedy, seed=0)  # decode steps on the packed weights
+    assert len(more.tokens) == 8 and more.stats.kv_bytes > 0

@@ -79,8 +79,13 @@ def _hf_has_template(path: Path) -> bool:
         return False
 
 
-def weights_rows(facts: dict, wtype: str, is_gguf: bool) -> dict:
-    """Bytes in memory per --wtype: the one asked for, or (auto) packed as the file and dense."""
+def weights_rows(facts: dict, wtype: str, is_gguf: bool, tied: bool) -> dict:
+    """Bytes in memory per --wtype on this CPU: the one asked for, or (auto) packed as the
+    file and dense. Packed forms count as this machine holds them (the int4 op's planes
+    where PyTorch's CPU kernel serves decode steps)."""
+    import torch
+
+    from ..packed import matmul_path
     from ..weights import weights_plan
 
     tensors = facts["tensors"]
@@ -88,9 +93,10 @@ def weights_rows(facts: dict, wtype: str, is_gguf: bool) -> dict:
         names = [wtype]
     else:
         names = ["packed", "f32"] if is_gguf else ["f32"]
+    planes = matmul_path("cpu", torch.float32) == "int4pack"
     out = {}
     for name in names:
-        total, forms = weights_plan(tensors, name)
+        total, forms = weights_plan(tensors, name, planes, tied)
         out[name] = {"bytes": total, "forms": dict(forms)}
     return out
 
@@ -111,7 +117,7 @@ def info(model, wtype, as_json):
     (default: smollm2). Reads metadata only."""
     path = resolve(model)
     cfg, facts = inspect(path)
-    weights = weights_rows(facts, wtype, not path.is_dir())
+    weights = weights_rows(facts, wtype, not path.is_dir(), cfg.tie_embeddings)
     kv16, kv32 = cfg.kv_bytes_per_token(2), cfg.kv_bytes_per_token(4)
     rope = (
         "none"
