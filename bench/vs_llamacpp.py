@@ -459,24 +459,19 @@ def table(results: dict, mem: dict) -> str:
     lines.append(f"| load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
     k, ll = mib(d["kvrun"]["peak_rss_bytes"]), mib(d["llama.cpp"]["peak_rss_bytes"])
     lines.append(f"| peak RSS (MiB) | {fmt(k, 0)} | {fmt(ll, 0)} | {ratio(k, ll)} |")
-    if "8b" in mem:
-        r = mem["8b"]
-        name = f"{SYNTH_8B} --wtype q4"
+    name = f"{SYNTH_8B} --wtype q4"
+    shown = {"8b": ("load", "load time (s)", "load_s", 1, "after load"),
+             "8b_decode": ("decode", "decode tok/s", "tok_s", 2, "while decoding")}  # fmt: skip
+    for key, (what, label, field, digits, when) in shown.items():
+        r = mem.get(key)
+        if r is None:
+            continue
         if "failed" in r:
-            lines.append(f"| {name}: load | {r['failed']} | - | - |")
-        else:
-            lines.append(f"| {name}: load time (s) | {fmt(r['load_s'], 1)} | - | - |")
-            rss = fmt(mib(r["peak_rss_bytes"]), 0)
-            lines.append(f"| {name}: peak RSS after load (MiB) | {rss} | - | - |")
-    if "8b_decode" in mem:
-        r = mem["8b_decode"]
-        name = f"{SYNTH_8B} --wtype q4"
-        if "failed" in r:
-            lines.append(f"| {name}: decode | {r['failed']} | - | - |")
-        else:
-            lines.append(f"| {name}: decode tok/s | {fmt(r['tok_s'], 2)} | - | - |")
-            rss = fmt(mib(r["peak_rss_bytes"]), 0)
-            lines.append(f"| {name}: peak RSS while decoding (MiB) | {rss} | - | - |")
+            lines.append(f"| {name}: {what} | {r['failed']} | - | - |")
+            continue
+        lines.append(f"| {name}: {label} | {fmt(r[field], digits)} | - | - |")
+        rss = fmt(mib(r["peak_rss_bytes"]), 0)
+        lines.append(f"| {name}: peak RSS {when} (MiB) | {rss} | - | - |")
     if extra:  # the memory rows have no baseline cells
         lines[lines_before:] = [ln + " - | - |" * len(extra) for ln in lines[lines_before:]]
     return "\n".join(lines)

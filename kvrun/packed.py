@@ -279,12 +279,13 @@ def _time(fn, reps: int = 3) -> float:
 @functools.cache
 def matmul_path(device_type: str, dtype: torch.dtype) -> str:
     """'int4pack' or 'dequant': the path that measures faster for a decode-step product here
-    (1536 x 576 probe, the default model's FFN shape, one row); the int4 op must also agree
-    with the exact product to 1e-2."""
+    (one row; a 1536 x 576 probe, the default model's FFN, on CPU; 2048 x 4096 on CUDA,
+    whose op takes K in multiples of 1024); the int4 op must also agree with the exact
+    product to 1e-2."""
     device = torch.device(device_type)
-    lin = _probe(1536, 576, device, dtype)
-    deq = _probe(1536, 576, device, dtype)
-    x = torch.randn(1, 576, device=device, dtype=dtype)
+    n, k = (2048, 4096) if device.type == "cuda" else (1536, 576)
+    lin, deq = _probe(n, k, device, dtype), _probe(n, k, device, dtype)
+    x = torch.randn(1, k, device=device, dtype=dtype)
     try:
         if not lin.use_int4pack():
             return "dequant"

@@ -11,18 +11,13 @@ import math
 
 import pytest
 import torch
+from test_default_model import PROMPTS
 
 from kvrun import packed as packed_mod
 from kvrun.generate import Session
 from kvrun.packed import PackedEmbedding, PackedLinear
 from kvrun.sampling import SamplingConfig
 from kvrun.tasks.perplexity import score_window
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
-]
 
 
 @pytest.fixture(scope="module")
