@@ -1,0 +1,62 @@
+"""Where a decode step's time goes: ms per step, then the top torch ops per step (profiler).
+
+    python bench/decode_profile.py                 # default model, --wtype auto, full cache
+    python bench/decode_profile.py --wtype f32     # the dense reference path
+    python bench/decode_profile.py --kv snapkv --budget 0.25 --prompt 2048
+
+Decode steps follow a prompt of random ids; the first steps are a warm-up. The table's
+times are self CPU time per step under the profiler (which adds overhead of its own, so
+the unprofiled ms per step is printed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvrun.generate import Session
+from kvrun.runtime import load_runtime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default="smollm2")
+    ap.add_argument("--wtype", default="auto")
+    ap.add_argument("--kv", default="full")
+    ap.add_argument("--budget", default=None)
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the steps")
+    ap.add_argument("--steps", type=int, default=64, help="timed steps (16 more profiled)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rt = load_runtime(args.model, "auto", "cpu", log=lambda m: None, wtype=args.wtype)
+    s = Session(rt.model, rt.tokenizer, rt.new_kv(args.kv, args.budget))
+    ids = torch.randint(100, rt.config.vocab_size, (args.prompt,), generator=torch.Generator())
+    with torch.inference_mode():
+        s.prefill(ids.tolist())
+        for _ in range(5):
+            s.decode(5)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            s.decode(5)
+        ms = (time.perf_counter() - t) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(16):
+                s.decode(5)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / 16 / 1e3
+    ops = sum(e.count for e in events) / 16
+    print(f"{args.model} --wtype {rt.weights.wtype} --kv {args.kv}, {args.threads} threads")
+    print(f"{ms:.2f} ms/step unprofiled ({1e3 / ms:.1f} tok/s); profiled self CPU "
+          f"{total:.2f} ms/step, {ops:.0f} torch ops/step")  # fmt: skip
+    print("| op | calls/step | self ms/step |\n| --- | ---: | ---: |")
+    for e in events[: args.top]:
+        print(f"| {e.key} | {e.count / 16:.0f} | {e.self_cpu_time_total / 16 / 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
