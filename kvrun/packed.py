@@ -104,7 +104,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("codes", p.codes)
         self.register_buffer("scale", p.scale)
         self.register_buffer("zero", p.zero)
-        self.planes: list[str] = []  # names of the int4 planes' buffers (w0, sz0, w1, sz1)
+        self.n_planes = 0  # int4 planes held as buffers w0, sz0 (and w1, sz1 for q8)
 
     @property
     def packed(self) -> Packed:
@@ -146,8 +146,8 @@ class PackedLinear(nn.Module):
         return cls(p, first.dtype, first.scratch)
 
     def _planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return [getattr(self, f"w{i}") for i in range(len(self.planes))], [
-            getattr(self, f"sz{i}") for i in range(len(self.planes))
+        return [getattr(self, f"w{i}") for i in range(self.n_planes)], [
+            getattr(self, f"sz{i}") for i in range(self.n_planes)
         ]
 
     def extra_repr(self) -> str:
@@ -221,7 +221,7 @@ class PackedLinear(nn.Module):
         for i, (w, s) in enumerate(zip(planes, sz, strict=True)):
             self.register_buffer(f"w{i}", w)
             self.register_buffer(f"sz{i}", s)
-        self.planes = [f"w{i}" for i in range(len(planes))]
+        self.n_planes = len(planes)
         self.path = "int4pack"
         if dev.type != "cuda" or not isinstance(self, PackedEmbedding):
             self.codes = None  # read back from the CPU planes; CUDA gathers keep the codes

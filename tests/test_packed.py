@@ -126,7 +126,7 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
     p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)), bits)
     p.exact = True  # as a GGUF block type that maps exactly: the float16 scales are kept
     lin = PackedLinear(p, torch.float32)
-    assert lin.use_int4pack() and lin.codes is None and len(lin.planes) == bits // 4
+    assert lin.use_int4pack() and lin.codes is None and lin.n_planes == bits // 4
     assert torch.equal(lin.packed.dequantize(), p.dequantize())
     emb = PackedEmbedding(p, torch.float32)
     emb.use_int4pack()
