@@ -42,10 +42,10 @@ class Rope:
         self.inv_freq = inv_freq.to(device)  # (D/2,) float32
         self.dtype = dtype
         self._cos = torch.empty(0, inv_freq.numel() * 2, device=device, dtype=dtype)
-        self._sin = self._cos
+        self._sin = self._ssin = self._cos
         # the rows of the last positions tensor asked for: every layer of a forward pass
         # passes the same (fresh) tensor, so rows are gathered once a pass, not twice a layer
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, ...] | None = None
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
@@ -53,6 +53,8 @@ class Rope:
         ang = pos[:, None] * self.inv_freq[None, :]  # (n, D/2)
         emb = torch.cat([ang, ang], dim=-1)  # (n, D)
         self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        # sin with the rotation's sign folded in: rotate_half(x) * sin = roll(x) * ssin
+        self._ssin = torch.cat([-ang.sin(), ang.sin()], dim=-1).to(self.dtype)
 
     def reserve(self, n: int) -> None:
         """Tables for positions 0..n-1, built now (a captured CUDA graph cannot grow them)."""
@@ -74,23 +76,26 @@ class Rope:
         sized without reading the positions back from the device (no host sync: the static
         decode step of a CUDA graph passes its capacity).
         """
+        return self._rows(positions, bound)[:2]
+
+    def _rows(self, positions: torch.Tensor, bound: int | None) -> tuple[torch.Tensor, ...]:
+        """cos, sin and signed sin rows (T, D) at positions, gathered once per positions tensor."""
         last = self._last
         if bound is None and last is not None and last[0] is positions:
-            return last[1], last[2]
+            return last[1:]
         if bound is not None:
             self.reserve(bound)
         elif positions.numel() and int(positions.max()) >= self._cos.shape[0]:
             self._grow(int(positions.max()) + 1)
-        cos, sin = self._cos[positions], self._sin[positions]
+        rows = self._cos[positions], self._sin[positions], self._ssin[positions]
         # static steps (bound given) rewrite their positions tensor in place: never cached
-        self._last = (positions, cos, sin) if bound is None else None
-        return cos, sin
+        self._last = (positions, *rows) if bound is None else None
+        return rows
 
     def apply(
         self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None
     ) -> torch.Tensor:
         """Rotate x (B, H, T, D) at positions (T,) (`bound` as in cos_sin)."""
-        cos, sin = self.cos_sin(positions, bound)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        cos, _, ssin = self._rows(positions, bound)
+        rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x2, x1): rotate_half(x) * sin
+        return torch.addcmul(x * cos, rolled, ssin)
