@@ -33,7 +33,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rt = load_runtime(args.model, "auto", "cpu", log=lambda m: None, wtype=args.wtype)
+    # --wtype auto is passed as nothing, so the script also profiles checkouts from before it
+    kw = {} if args.wtype == "auto" else {"wtype": args.wtype}
+    rt = load_runtime(args.model, "auto", "cpu", log=lambda m: None, **kw)
     s = Session(rt.model, rt.tokenizer, rt.new_kv(args.kv, args.budget))
     ids = torch.randint(100, rt.config.vocab_size, (args.prompt,), generator=torch.Generator())
     with torch.inference_mode():
@@ -50,7 +52,8 @@ def main() -> None:
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) / 16 / 1e3
     ops = sum(e.count for e in events) / 16
-    print(f"{args.model} --wtype {rt.weights.wtype} --kv {args.kv}, {args.threads} threads")
+    wtype = getattr(rt.weights, "wtype", "f32")
+    print(f"{args.model} --wtype {wtype} --kv {args.kv}, {args.threads} threads")
     print(f"{ms:.2f} ms/step unprofiled ({1e3 / ms:.1f} tok/s); profiled self CPU "
           f"{total:.2f} ms/step, {ops:.0f} torch ops/step")  # fmt: skip
     print("| op | calls/step | self ms/step |\n| --- | ---: | ---: |")
