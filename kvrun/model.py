@@ -139,15 +139,14 @@ class Transformer(nn.Module):
         tensors = tensors if consume else dict(tensors)
         rope_freqs = tensors.pop("rope_freqs", None)
         dtype = tensors["model.norm.weight"].dtype
-        packed = {k: tensors.pop(k) for k in list(tensors) if isinstance(tensors[k], Packed)}
+        packed = [k for k in tensors if isinstance(tensors[k], Packed)]
         with torch.device("meta"):
             m = cls(config)
         scratch = Scratch()  # one set of dequantization buffers for every packed layer
-        for name in list(packed):
+        for name in packed:  # popped one by one: the module holds the only reference
             parent, _, attr = name.removesuffix(".weight").rpartition(".")
             kind = PackedEmbedding if attr == "embed_tokens" else PackedLinear
-            setattr(m.get_submodule(parent), attr, kind(packed.pop(name), dtype, scratch))
-            packed[name] = None  # remembered as packed, no longer referenced
+            setattr(m.get_submodule(parent), attr, kind(tensors.pop(name), dtype, scratch))
         missing, unexpected = m.load_state_dict(tensors, assign=True, strict=False)
         missing = [k for k in missing if k.rpartition(".")[0] + ".weight" not in packed]
         if missing or unexpected:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import int4mm
-from .quant import Packed, cat_rows, pack_nibbles
+from .quant import Packed, cat_rows, dense_name, pack_nibbles
 
 NIBBLES = 0x0F0F0F0F
 SLAB_ELEMS = 1 << 24  # rows dequantized at a time: at most 64 MiB of float32 scratch
@@ -295,10 +295,6 @@ def matmul_path(device_type: str, dtype: torch.dtype) -> str:
     if (got - ref).abs().max() > 1e-2 * ref.abs().max():
         return "dequant"
     return "int4pack" if _time(lambda: lin(x), 10) < _time(lambda: deq(x), 10) else "dequant"
-
-
-def dense_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
 
 
 def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:

@@ -14,7 +14,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import KvrunError
-from .quant import GROUP, Packed
+from .quant import GROUP, Packed, dense_name
 
 SUFFIX = "-synthetic"
 INIT_STD = 0.02  # small normal init: activations stay finite through 32 layers in bf16
@@ -219,7 +219,7 @@ def preset_runtime(
     tok = SyntheticTokenizer(config.vocab_size)
     path = Path(spec.lower())
     meta = {"synthetic": True, "preset": spec.lower(), "init_std": INIT_STD}
-    wt = f"q{bits}" if bits else {torch.float32: "f32", torch.float16: "f16"}.get(dtype, "bf16")
+    wt = f"q{bits}" if bits else dense_name(dtype)
     w = LoadedWeights(config, {}, tok, path, "synthetic", meta=meta, wtype=wt)
     return Runtime(model, tok, config, path, w)
 

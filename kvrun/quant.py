@@ -26,6 +26,13 @@ GROUP = (
 )
 WTYPES = ("auto", "f32", "f16", "bf16", "q8", "q4")
 DENSE_WTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def dense_name(dtype: torch.dtype) -> str:
+    """The --wtype that names dense weights in dtype ('f32', 'f16', 'bf16')."""
+    return next(k for k, v in DENSE_WTYPES.items() if v == dtype)
+
+
 EXACT_Q4 = ("Q4_0", "Q4_1", "Q4_K")
 EXACT_Q8 = ("Q8_0",)
 # bits per weight of the GGUF types that are re-quantized: <= 4.5 go to q4, the rest to q8

@@ -16,6 +16,7 @@ from .kv.full import FullKV
 from .kv.manager import CompressedKV
 from .kv.recipes import KVSpec, check_budget, parse_kv
 from .models import resolve
+from .quant import DENSE_WTYPES, WTYPES
 from .weights import LoadedWeights, load
 
 DTYPES = {
@@ -45,7 +46,7 @@ def pick_device(name: str = "auto") -> torch.device:
 def pick_dtype(name: str, device: torch.device, wtype: str = "auto") -> torch.dtype:
     """'auto' is float32 on CPU and bfloat16 on CUDA, or the dtype a dense --wtype names."""
     check_wtype(wtype)
-    dense = DTYPES.get(wtype) if wtype in ("f32", "f16", "bf16") else None
+    dense = DENSE_WTYPES.get(wtype)
     if name == "auto":
         if dense is not None:
             return dense
@@ -61,8 +62,6 @@ def pick_dtype(name: str, device: torch.device, wtype: str = "auto") -> torch.dt
 
 
 def check_wtype(wtype: str) -> None:
-    from .quant import WTYPES
-
     if wtype not in WTYPES:
         raise KvrunError(f"unknown --wtype {wtype!r} (use {', '.join(WTYPES)})")
 
@@ -133,7 +132,7 @@ def load_runtime(
         return preset_runtime(spec, dt, dev, progress, wtype)
     path = resolve(spec, pull_missing=pull_missing, log=log)
     w = load(path, dt, progress, wtype, dev)
-    if w.wtype in ("f32", "f16", "bf16") and w.wtype_note:  # auto chose dense for a quantized file
+    if w.wtype in DENSE_WTYPES and w.wtype_note:  # auto chose dense for a quantized file
         log(w.wtype_note)
     model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
     w.tensors = {}

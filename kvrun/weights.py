@@ -19,7 +19,16 @@ import torch
 
 from .config import ModelConfig
 from .errors import KvrunError, ModelNotFound, UnsupportedModel
-from .quant import GROUP, Packed, from_gguf, nearest_bits, quantize_rows, requantize_bits
+from .quant import (
+    DENSE_WTYPES,
+    GROUP,
+    Packed,
+    dense_name,
+    from_gguf,
+    nearest_bits,
+    quantize_rows,
+    requantize_bits,
+)
 
 Progress = Callable[[int, int], None]  # (done, total) tensors
 
@@ -90,7 +99,7 @@ def target_bits(wtype: str, source: str, name: str) -> int | None:
     to at most that many bits: q4 re-quantizes wider tensors, q8 keeps 4-bit ones as they are
     (widening them would cost memory and give the same values).
     """
-    if not _LINEAR.search(name) or wtype in DENSE_NAMES:
+    if not _LINEAR.search(name) or wtype in DENSE_WTYPES:
         return None
     native = None if source in FLOAT_TYPES else nearest_bits(source)
     if wtype == "packed":
@@ -194,7 +203,7 @@ def load_gguf(
     tokenizer = Tokenizer.from_gguf(meta)
     note = ""
     if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
-        wtype = DENSE_NAMES[list(DENSE_TORCH).index(dtype)]  # nothing to keep packed
+        wtype = dense_name(dtype)  # nothing to keep packed
     elif wtype == "auto":
         from .packed import auto_wtype
 
@@ -281,10 +290,6 @@ def load_safetensors(
     return LoadedWeights(config, tensors, tok, root, "safetensors", types, {}, wtype)
 
 
-DENSE_NAMES = ("f32", "f16", "bf16")
-DENSE_TORCH = (torch.float32, torch.float16, torch.bfloat16)  # in DENSE_NAMES' order
-
-
 def _check_tensors(
     tensors: Mapping[str, torch.Tensor | Packed], config: ModelConfig, path: Path
 ) -> None:
@@ -346,7 +351,7 @@ def weights_plan(
         bits = target_bits(wtype, source, hf) if len(shape) == 2 else None
         if bits is None:
             total += int(np.prod(shape)) * elem
-            forms[wtype if wtype in DENSE_NAMES else "f32"] += 1
+            forms[wtype if wtype in DENSE_WTYPES else "f32"] += 1
             continue
         src = source if source not in FLOAT_TYPES else "F32"
         on_planes = planes and shape[0] % 64 == 0 and (tied or "embed_tokens" not in hf)
