@@ -36,7 +36,13 @@ def main() -> None:
     # --wtype auto is passed as nothing, so the script also profiles checkouts from before it
     kw = {} if args.wtype == "auto" else {"wtype": args.wtype}
     rt = load_runtime(args.model, "auto", "cpu", log=lambda m: None, **kw)
-    s = Session(rt.model, rt.tokenizer, rt.new_kv(args.kv, args.budget))
+    try:
+        from kvrun.kv import check
+
+        kv = rt.new_kv(check(args.kv, args.budget))
+    except ImportError:  # checkouts before the KV registry: new_kv parsed the text itself
+        kv = rt.new_kv(args.kv, args.budget)
+    s = Session(rt.model, rt.tokenizer, kv)
     ids = torch.randint(100, rt.config.vocab_size, (args.prompt,), generator=torch.Generator())
     with torch.inference_mode():
         s.prefill(ids.tolist())

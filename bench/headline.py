@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
-from kvrun.kv.recipes import PARTS, parse_kv
+from kvrun.kv import REGISTRY, check
 from kvrun.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks import perplexity as ppl
@@ -42,7 +42,7 @@ def args() -> argparse.Namespace:
     ap.add_argument("--text", default=None, help="long English text for the KL column")
     ap.add_argument("--budget", default="0.25", help="budget of selecting methods")
     ap.add_argument(
-        "--methods", default=",".join(PARTS) + ",snapkv+kivi2,minicache+kivi4,xkv+kivi2"
+        "--methods", default=",".join(REGISTRY) + ",snapkv+kivi2,minicache+kivi4,xkv+kivi2"
     )
     ap.add_argument("--lengths", default="1000,2000,4000")
     ap.add_argument("--depths", default="0,50,100")
@@ -97,8 +97,8 @@ def kl_vs_full(rt, configs, a) -> tuple[dict, str]:
     bos = tok.bos_id if tok.add_bos else None
     out = {}
     for cfg in configs:
-        method = Session(rt.model, tok, rt.new_kv(cfg.method, cfg.budget))
-        ref = None if cfg.method == "full" else Session(rt.model, tok, rt.new_kv("full"))
+        method = Session(rt.model, tok, rt.new_kv(cfg.spec))
+        ref = None if cfg.method == "full" else Session(rt.model, tok, rt.new_kv())
         rep = ppl.evaluate(method, ref, tokens, context, a.kl_tokens, 1, bos)
         out[(cfg.method, cfg.budget)] = rep.summary()["kl"]
         log(f"KL: {cfg.label} {out[(cfg.method, cfg.budget)]:.4f}")
@@ -110,15 +110,15 @@ def speed(rt, configs, a) -> dict:
     """(method, budget) -> bench row: decode tok/s and KV bytes after a --depth fill."""
     out = {}
     for cfg in configs:
-        s = BenchSettings(0, a.n, (a.depth,), a.reps, (cfg.method,), (cfg.budget,), a.seed)
-        out[(cfg.method, cfg.budget)] = bench_row(rt, cfg.method, cfg.budget, a.depth, s)
+        s = BenchSettings(0, a.n, (a.depth,), a.reps, (cfg.method,), (cfg.budget,), a.seed,
+                          specs=(cfg.spec,))  # fmt: skip
+        out[(cfg.method, cfg.budget)] = bench_row(rt, cfg.method, cfg.spec, a.depth, s)
         log(f"speed: {cfg.label} {out[(cfg.method, cfg.budget)]['decode_tok_s']:.1f} tok/s")
     return out
 
 
-def settings(method: str) -> str:
+def settings(spec) -> str:
     """The recipe's axes: scorer / allocator / store (stacked store parts named)."""
-    spec = parse_kv(method)
     p = spec.select
     store = (
         f"{p.store}+{spec.store.name}"
@@ -141,7 +141,7 @@ def table(configs, acc, kl, rows) -> list[str]:
         r = rows[key]
         k = f"{kl[key]:.4f}" if key in kl else "-"
         lines.append(
-            f"| {cfg.method} | {settings(cfg.method)} | {cfg.budget or '-'} | {c}/{n} ({c / n:.0%}) | {k} | "
+            f"| {cfg.method} | {settings(cfg.spec)} | {cfg.budget or '-'} | {c}/{n} ({c / n:.0%}) | {k} | "
             f"{r['kv_ratio']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x |"
         )
     return lines
@@ -163,7 +163,7 @@ def main() -> None:
     a = args()
     rt = load_runtime(a.model, a.dtype, a.device, log=log)
     methods = list(dict.fromkeys(["full", *a.methods.split(",")]))  # full is the reference
-    configs = nd.kv_configs(tuple(methods), a.budget)
+    configs = nd.kv_configs([(m, check(m)) for m in methods], a.budget)
     t0 = time.time()
     acc = passkey_accuracy(rt, configs, a)
     kl, kl_note = kl_vs_full(rt, configs, a)

@@ -10,11 +10,8 @@ import torch
 
 from .config import ModelConfig
 from .errors import KvrunError
+from .kv import FULL, KVSpec, build
 from .kv.base import KVManager
-from .kv.budget import Budget
-from .kv.full import FullKV
-from .kv.manager import CompressedKV
-from .kv.recipes import KVSpec, check_budget, parse_kv
 from .models import resolve
 from .quant import DENSE_WTYPES, WTYPES
 from .weights import LoadedWeights, load
@@ -76,39 +73,11 @@ class Runtime:
     path: Path
     weights: LoadedWeights  # tensors dropped after the model is built
 
-    def new_kv(self, spec: str = "full", budget: str | float | None = None, **kw) -> KVManager:
-        """A fresh KV manager for this model from --kv and --kv-budget."""
-        return build_kv(
-            spec, budget, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
+    def new_kv(self, spec: KVSpec | None = None, **kw) -> KVManager:
+        """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full."""
+        return build(
+            spec or FULL, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
         )
-
-
-def build_kv(spec: str, budget, config, rope, device, dtype, **kw) -> KVManager:
-    """`full` gets the plain cache; everything else the manager of its store and allocator."""
-    parsed = parse_kv(spec)
-    b = Budget.parse(budget) if budget is not None else None
-    check_budget(parsed, b)
-    if parsed.is_full and not kw:
-        return FullKV(config, rope, device, dtype)
-    return manager_class(parsed)(parsed, b, config, rope, device, dtype, **kw)
-
-
-def manager_class(spec: KVSpec) -> type[KVManager]:
-    """MiniCache's merged pairs and SpindleKV's codebooks are their own managers; XKV extends
-    the composed manager with its allocator and scoring pass; the rest is CompressedKV."""
-    if spec.select.store == "merged":
-        from .kv.minicache import MiniCacheKV
-
-        return MiniCacheKV
-    if spec.select.store == "codebook":
-        from .kv.spindle import SpindleKV
-
-        return SpindleKV
-    if spec.select.allocator == "xkv":
-        from .kv.xkv import XKV
-
-        return XKV
-    return CompressedKV
 
 
 def load_runtime(

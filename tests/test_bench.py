@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from kvrun.cli.bench import bench
 from kvrun.cli.main import KvrunGroup
 from kvrun.errors import KvrunError
+from kvrun.kv import check
 from kvrun.presets import PRESETS, SyntheticTokenizer, check_fits, is_preset, preset_config
 from kvrun.runtime import load_runtime
 
@@ -204,7 +205,7 @@ def test_preset_runtime_is_built_in_the_dtype_and_runs():
     assert isinstance(tok, SyntheticTokenizer) and tok.stop_ids == frozenset()
     with pytest.raises(KvrunError, match="no tokenizer"):
         tok.encode("hello")
-    s = Session(rt.model, tok, rt.new_kv("snapkv", "0.5"))
+    s = Session(rt.model, tok, rt.new_kv(check("snapkv", "0.5")))
     res = s.generate(list(range(40)), 3, SamplingConfig(temp=0), seed=0)
     assert len(res.tokens) == 3 and res.text.startswith("[")
     again = load_runtime("tiny-synthetic", "bfloat16", "cpu", log=lambda m: None)

@@ -38,9 +38,9 @@ def run(model, graph: str, turns, n_decode: int, spec: str = "full", ubatch: int
 
 
 def _kv_on(model, spec):
-    from kvrun.runtime import build_kv
+    from kvrun.kv import build, check
 
-    return build_kv(spec, None, model.config, model.rope, model.device, model.dtype)
+    return build(check(spec), model.config, model.rope, model.device, model.dtype)
 
 
 STATIC = ["full", "kivi2:residual=32", "kivi4", "minikv:residual=32", "snapkv+kivi2:residual=32",

@@ -7,6 +7,8 @@ import pytest
 import torch
 from test_kv_methods import drive, new_kv, prompt, tiny
 
+from kvrun.kv import check
+
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,7 +52,7 @@ def test_default_model_logits_through_the_kernels(monkeypatch, default_runtime, 
     out = {}
     for mode in ("torch", "triton"):
         monkeypatch.setenv("KVRUN_KERNELS", mode)
-        sess = Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=100, graph=graph)
+        sess = Session(rt.model, rt.tokenizer, rt.new_kv(check(spec)), ubatch=100, graph=graph)
         logits = [sess.prefill(ids)]
         for tok in (11, 42):
             logits.append(sess.decode(tok))

@@ -242,8 +242,8 @@ def feed_both(spec: str, window: int | None, P: int, steps: list[int], seed: int
     """Two managers (merged_decode, restore path) fed the same random q, k, v directly:
     a prefill of P tokens, then decode calls of steps[i] tokens each; yields each call's
     paired-layer outputs of both."""
+    from kvrun.kv import build, check
     from kvrun.rope import Rope, inverse_frequencies
-    from kvrun.runtime import build_kv
 
     c = ModelConfig(
         arch="llama", n_layers=4, dim=64, n_heads=6, n_kv_heads=HKV, head_dim=D, ffn_dim=128,
@@ -256,7 +256,7 @@ def feed_both(spec: str, window: int | None, P: int, steps: list[int], seed: int
     k[1:] = k[:-1] + 0.5 * k[1:]  # neighbouring layers alike
     v = torch.randn(4, 1, HKV, n, D, generator=gen)
     rope = Rope(inverse_frequencies(c), torch.device("cpu"), F32)
-    kvs = [build_kv(spec, None, c, rope, torch.device("cpu"), F32) for _ in range(2)]
+    kvs = [build(check(spec), c, rope, torch.device("cpu"), F32) for _ in range(2)]
     kvs[1]._fused = False
     spans, a = [], P
     for s in steps:

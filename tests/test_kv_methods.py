@@ -17,9 +17,9 @@ from test_kv_select import ref_pyramid, ref_snap_scores, ref_topk
 
 from kvrun.config import ModelConfig
 from kvrun.generate import Session
+from kvrun.kv import build, check
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
-from kvrun.runtime import build_kv
 
 E = 4  # bytes per fp32 element
 L, HKV, D = 3, 2, 32
@@ -66,7 +66,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def new_kv(model, spec: str, budget=None, hook=None):
     kw = {"on_select": hook} if hook is not None else {}
-    return build_kv(spec, budget, model.config, model.rope, "cpu", torch.float32, **kw)
+    return build(check(spec, budget), model.config, model.rope, "cpu", torch.float32, **kw)
 
 
 @torch.inference_mode()
@@ -291,7 +291,7 @@ def test_h2o_recent_share_is_exact_decimal():
     c = config(2, n_layers=1)
     rope = Rope(inverse_frequencies(c), torch.device("cpu"), torch.float32)
     ev = Events()
-    kv = build_kv("h2o:recent=0.57", "100", c, rope, "cpu", torch.float32, on_select=ev)
+    kv = build(check("h2o:recent=0.57", "100"), c, rope, "cpu", torch.float32, on_select=ev)
     ev.kv = kv
     g = torch.Generator().manual_seed(0)
     n = 110
@@ -504,7 +504,7 @@ def layer_kv(spec, budget, n_heads):
     c = config(n_heads, n_layers=1)
     rope = Rope(inverse_frequencies(c), torch.device("cpu"), torch.float32)
     ev = Events()
-    kv = build_kv(spec, budget, c, rope, "cpu", torch.float32, on_select=ev)
+    kv = build(check(spec, budget), c, rope, "cpu", torch.float32, on_select=ev)
     ev.kv = kv
     return kv, ev
 

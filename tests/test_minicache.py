@@ -536,7 +536,7 @@ def test_budget_and_bad_options_are_refused():
 def feed(spec: str, dev: str, dtype, P: int = 80, steps: int = 4, seed: int = 12):
     """A manager fed random q, k, v directly (no model), adjacent layers' K/V alike; returns
     it and the exact K, V (L, Hkv, T, D) fp64 it was given (V pre-RoPE, K post-RoPE)."""
-    from kvrun.runtime import build_kv
+    from kvrun.kv import build, check
 
     c = config6()
     g = torch.Generator().manual_seed(seed)
@@ -546,7 +546,7 @@ def feed(spec: str, dev: str, dtype, P: int = 80, steps: int = 4, seed: int = 12
     k[1:] = k[:-1] + 0.5 * k[1:]  # neighbouring layers alike, as in real models
     v = torch.randn(c.n_layers, 1, HKV, n, D, generator=g)
     rope = Rope(inverse_frequencies(c), torch.device(dev), dtype)
-    kv = build_kv(spec, None, c, rope, torch.device(dev), dtype)
+    kv = build(check(spec), c, rope, torch.device(dev), dtype)
     x = {"q": q.to(dev, dtype), "k": k.to(dev, dtype), "v": v.to(dev, dtype)}
     spans = [(0, P)] + [(s, s + 1) for s in range(P, n)]
     for i, (a, b) in enumerate(spans):

@@ -12,6 +12,7 @@ from test_cli import one_error_line
 from kvrun.cli.main import KvrunGroup
 from kvrun.cli.needle import needle
 from kvrun.errors import KvrunError
+from kvrun.kv import check
 from kvrun.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks.passkey import (
@@ -77,12 +78,14 @@ def test_parse_lengths_depths():
 
 
 def test_kv_configs_every_method_times_budget():
-    cfgs = nd.kv_configs(("full", "snapkv", "snapkv+kivi2", "kivi2", "full"), "0.1,0.25")
+    methods = ("full", "snapkv", "snapkv+kivi2", "kivi2", "full")
+    cfgs = nd.kv_configs([(m, check(m)) for m in methods], "0.1,0.25")
     assert [c.label for c in cfgs] == [
         "full", "snapkv @ 0.1", "snapkv @ 0.25", "snapkv+kivi2 @ 0.1", "snapkv+kivi2 @ 0.25",
         "kivi2",
     ]  # fmt: skip
-    assert nd.kv_configs(("h2o",), None) == [nd.KvConfig("h2o", None)]
+    assert nd.kv_configs([("h2o", check("h2o"))], None) == [nd.KvConfig("h2o", None, check("h2o"))]
+    assert [str(c.spec.budget) for c in cfgs[1:3]] == ["0.1", "0.25"]  # each at its budget
     cells = nd.grid([100, 200], [0, 50, 100], 3)
     assert len(cells) == 18 and cells[0] == nd.Cell(100, 0, 0) and cells[-1] == nd.Cell(200, 100, 2)
 

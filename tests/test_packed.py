@@ -244,7 +244,7 @@ def test_tiny_model_packed_equals_its_dense_twin(tmp_path, source, wtype):
     # more rows than DECODE_ROWS: the exact (dequantizing) path
     ids, pos = torch.tensor([[1, 5, 9, 33, 2, 17, 8, 8, 40, 3, 1, 7]]), torch.arange(12)
     with torch.inference_mode():
-        kv, kv_twin = rt.new_kv("full"), rt.new_kv("full")
+        kv, kv_twin = rt.new_kv(), rt.new_kv()
         got = rt.model(ids, pos, kv)
         want = twin(ids, pos, kv_twin)
         # one decode step: the int4 op on bfloat16 activations where the shape allows it
@@ -255,7 +255,7 @@ def test_tiny_model_packed_equals_its_dense_twin(tmp_path, source, wtype):
     if wtype == "q8":  # and near the float model (8-bit absmax of its random weights)
         dense = load_runtime(str(path), "float32", "cpu", wtype="f32")
         with torch.inference_mode():
-            ref = dense.model(ids, pos, dense.new_kv("full"))
+            ref = dense.model(ids, pos, dense.new_kv())
         assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
@@ -290,7 +290,7 @@ def test_synthetic_preset_packed_without_floats():
     rt = preset_runtime("tiny-synthetic", torch.float32, torch.device("cpu"), wtype="q4")
     planes = packed_mod.matmul_path("cpu", torch.float32) == "int4pack"
     assert measured_bytes(rt.model) == weight_bytes(cfg, torch.float32, 4, planes)
-    kv = rt.new_kv("full")
+    kv = rt.new_kv()
     with torch.inference_mode():
         out = rt.model(torch.tensor([[1, 2, 3]]), torch.arange(3), kv)
         step = rt.model(torch.tensor([[4]]), torch.tensor([3]), kv)

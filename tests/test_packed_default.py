@@ -15,6 +15,7 @@ from test_default_model import PROMPTS
 
 from kvrun import packed as packed_mod
 from kvrun.generate import Session
+from kvrun.kv import check
 from kvrun.packed import PackedEmbedding, PackedLinear
 from kvrun.sampling import SamplingConfig
 from kvrun.tasks.perplexity import score_window
@@ -133,7 +134,7 @@ def test_every_kv_method_runs_on_packed_weights(packed_runtime, default_runtime,
     greedy = SamplingConfig(temp=0)
     runs = []
     for rt in (default_runtime, packed_runtime):
-        s = Session(rt.model, rt.tokenizer, rt.new_kv(spec, budget), ubatch=128)
+        s = Session(rt.model, rt.tokenizer, rt.new_kv(check(spec, budget)), ubatch=128)
         runs.append((s, s.generate(ids, 1, greedy, seed=0)))  # prefill only
     (_, dense), (session, packed) = runs
     assert packed.tokens == dense.tokens

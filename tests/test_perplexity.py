@@ -16,6 +16,7 @@ from kvrun.cli.main import KvrunGroup
 from kvrun.cli.perplexity import perplexity
 from kvrun.errors import ContextOverflow, KvrunError
 from kvrun.generate import Session
+from kvrun.kv import check
 from kvrun.runtime import load_runtime
 from kvrun.tasks.perplexity import (
     check_context,
@@ -73,7 +74,7 @@ def text_file(tmp_path_factory):
 
 
 def session(rt, kv="full", budget=None, ubatch=512):
-    return Session(rt.model, rt.tokenizer, rt.new_kv(kv, budget), ubatch=ubatch)
+    return Session(rt.model, rt.tokenizer, rt.new_kv(check(kv, budget)), ubatch=ubatch)
 
 
 # ----------------------------------------------------------------------- windows and lengths

@@ -22,18 +22,18 @@ from test_kv_methods import config, drive, new_kv, prompt, tap, tiny
 from kvrun.cli.main import cli
 from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
+from kvrun.kv import build, check
 from kvrun.kv.codebook import assign, build_codebook
+from kvrun.kv.scores import pool_scores
 from kvrun.kv.spindle import (
     endpoints,
     layer_ratios,
-    pool_scores,
     qhead_scores,
     spindle_keep,
     union_slots,
 )
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
-from kvrun.runtime import build_kv
 from kvrun.tasks.passkey import answer_matches, passkey_prompt
 
 E = 4  # bytes per fp32 element (CPU reference dtype)
@@ -483,7 +483,7 @@ def one_layer(n_heads, n_kv, spec, budget, sliding=None):
                     head_dim=D, ffn_dim=128, vocab_size=256, context_length=4096,
                     sliding_window=sliding)  # fmt: skip
     rope = Rope(inverse_frequencies(c), torch.device("cpu"), torch.float32)
-    return build_kv(spec, budget, c, rope, "cpu", torch.float32), rope
+    return build(check(spec, budget), c, rope, "cpu", torch.float32), rope
 
 
 def test_union_and_mask_through_the_manager():

@@ -40,13 +40,13 @@ from kvrun.cli.profile import profile
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.kv import xkv
+from kvrun.kv.scores import pool_scores
 from kvrun.kv.xkv import (
     Profile,
     allocate_budget,
     allocate_target,
     layer_scores,
     load_profile,
-    pool_scores,
     profile_budgets,
     save_profile,
 )
@@ -607,7 +607,7 @@ def test_peak_cuda_memory_two_pass_vs_deferred():
     """xkv.md test 9 on CUDA: the two-pass peak is at most the compressed bytes + one layer of
     full KV + activations (the peak of the scoring pass alone, which keeps no KV); the
     deferred peak is at least the full KV."""
-    from kvrun.runtime import build_kv
+    from kvrun.kv import build, check
 
     c, dev, n = tiny_config(4, 8), torch.device("cuda"), 4000
     with torch.device("meta"):
@@ -620,7 +620,7 @@ def test_peak_cuda_memory_two_pass_vs_deferred():
     full = 2 * c.n_layers * HKV * n * D * E
 
     def peak(spec, scoring_only=False):
-        kv = build_kv(spec, "0.1", c, m.rope, dev, m.dtype)
+        kv = build(check(spec, "0.1"), c, m.rope, dev, m.dtype)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

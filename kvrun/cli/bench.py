@@ -14,6 +14,7 @@ from ..tasks.bench import (
     run_bench,
 )
 from .common import (
+    check_kv,
     dump_json,
     graph_option,
     human_bytes,
@@ -118,6 +119,7 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
         ubatch=kw["ubatch"],
         ctx_size=kw["ctx_size"],
         cuda_graph=kw["cuda_graph"],
+        specs=tuple(check_kv({"kv": m}) for m in kw["kv"]),
     )
     _check_before_loading(settings, kw)
     # the common loader checks a single --kv; ours were checked above

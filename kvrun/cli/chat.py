@@ -16,7 +16,6 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
-    new_kv,
     new_session,
     sampling_from,
     sampling_options,
@@ -73,9 +72,9 @@ def chat(ctx, system, n_predict, **kw):
     """
     set_debug(ctx, kw.pop("debug"))
     sampling, seed = sampling_from(kw)
-    check_kv(kw)
+    spec = check_kv(kw)
     rt = load_with_progress(kw)
-    session = new_session(rt, new_kv(rt, kw), kw)
+    session = new_session(rt, rt.new_kv(spec), kw)
     conv = Conversation(session, system)
     interactive = sys.stdin.isatty()
     if interactive:

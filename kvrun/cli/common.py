@@ -13,6 +13,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ..errors import KvrunError
 from ..generate import Session, Stats
+from ..kv import KVSpec
 from ..runtime import Runtime, load_runtime, pick_device
 from ..sampling import SamplingConfig
 
@@ -193,19 +194,12 @@ def progress_bar(description: str, bytes_mode: bool = False) -> Progress:
     return Progress(*cols, console=err_console, transient=True, disable=not sys.stderr.isatty())
 
 
-def check_kv(kw: dict) -> None:
-    """Reject a bad --kv / --kv-budget before the model is loaded."""
-    from ..kv.budget import Budget
-    from ..kv.recipes import check_budget, parse_kv
+def check_kv(kw: dict) -> KVSpec:
+    """--kv and --kv-budget validated into the spec every later step receives (before the
+    model is loaded: a bad method or budget costs no load)."""
+    from ..kv import check
 
-    spec = parse_kv(kw["kv"])
-    if kw.get("kv_budget") is not None:
-        check_budget(spec, Budget.parse(kw["kv_budget"]))
-
-
-def new_kv(rt: Runtime, kw: dict):
-    """The KV manager the common options ask for."""
-    return rt.new_kv(kw["kv"], kw.get("kv_budget"))
+    return check(kw["kv"], kw.get("kv_budget"))
 
 
 def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:

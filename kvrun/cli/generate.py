@@ -16,7 +16,6 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
-    new_kv,
     new_session,
     prefill_progress,
     sampling_from,
@@ -83,7 +82,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
     set_debug(ctx, kw.pop("debug"))
     sampling, seed = sampling_from(kw)
     text = read_prompt(prompt, file)
-    check_kv(kw)
+    spec = check_kv(kw)
     rt = load_with_progress(kw)
     tok = rt.tokenizer
     use_chat = chat if chat is not None else tok.chat_template is not None
@@ -94,7 +93,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
         ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
     else:
         ids = tok.encode(text)
-    session = new_session(rt, new_kv(rt, kw), kw)
+    session = new_session(rt, rt.new_kv(spec), kw)
     session.check_fits(len(ids))
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     with prefill_progress(len(ids), kw["ubatch"]) as progress:

@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..kv.recipes import PARTS
+from ..kv import REGISTRY
 
 
 @click.group()
@@ -27,7 +27,7 @@ def list_methods(as_json):
     Budget (selecting methods):           --kv-budget 0.25 (fraction) or 1024 (tokens per layer)
     """
     rows = []
-    for p in PARTS.values():
+    for p in REGISTRY.values():
         rows.append(
             {
                 "name": p.name,

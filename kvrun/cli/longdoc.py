@@ -18,7 +18,6 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
-    new_kv,
     new_session,
     progress_bar,
     sampling_from,
@@ -122,10 +121,10 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
     templates = {t: task.load_template(t, template) for t in ("question", "summarize")}
     sampling, seed = sampling_from(kw)
-    check_kv(kw)
+    spec = check_kv(kw)
     rt = load_with_progress(kw)
     tok = rt.tokenizer
-    session = new_session(rt, new_kv(rt, kw), kw)
+    session = new_session(rt, rt.new_kv(spec), kw)
     settings = {
         "model": str(rt.path),
         "model_name": rt.config.name,

@@ -167,9 +167,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     if lengths is not None:
         nd.parse_lengths(lengths)
     units = _haystack_units(mode, haystack, needle_text, question, answer)
-    configs = nd.kv_configs(kw.pop("kv"), kw.get("kv_budget"))
-    for cfg in configs:
-        check_kv({"kv": cfg.method, "kv_budget": cfg.budget})
+    configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in kw.pop("kv")], kw.get("kv_budget"))
     if plot:
         from ..tasks.needle_plot import require_matplotlib
 
@@ -180,7 +178,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     context = kw["ctx_size"] or rt.config.context_length
     length_list = nd.pick_lengths(lengths, context, n_predict)
     for cfg in configs:  # what only the model can tell (head_dim vs. KIVI group) fails now
-        rt.new_kv(cfg.method, cfg.budget)
+        rt.new_kv(cfg.spec)
     tok = rt.tokenizer
 
     def encode(text: str) -> list[int]:

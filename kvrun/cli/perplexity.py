@@ -7,7 +7,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ..generate import Session
-from ..kv.recipes import parse_kv
 from ..tasks.perplexity import Report, check_context, check_file, evaluate, file_tokens
 from .common import (
     check_kv,
@@ -16,7 +15,6 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
-    new_kv,
     progress_bar,
     read_text,
     set_debug,
@@ -68,7 +66,7 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
     """
     set_debug(ctx, kw.pop("debug"))
     text = read_text(file)
-    check_kv(kw)
+    spec = check_kv(kw)
     if kw["ctx_size"]:
         check_context(context, eval_tokens, kw["ctx_size"], True)
     rt = load_with_progress(kw)
@@ -79,10 +77,10 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
     )
     tokens = file_tokens(tok, text)
     check_file(len(tokens), context, eval_tokens, windows, "stdin" if file == "-" else file)
-    method = Session(rt.model, tok, new_kv(rt, kw), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    method = Session(rt.model, tok, rt.new_kv(spec), ubatch=kw["ubatch"], context=kw["ctx_size"])
     ref = None
-    if not parse_kv(kw["kv"]).is_full:
-        ref = Session(rt.model, tok, rt.new_kv("full"), ubatch=kw["ubatch"], context=kw["ctx_size"])
+    if not spec.is_full:
+        ref = Session(rt.model, tok, rt.new_kv(), ubatch=kw["ubatch"], context=kw["ctx_size"])
     bos = tok.bos_id if tok.add_bos else None
     with progress_bar("perplexity") as bar:
         task = bar.add_task(f"window 1/{windows}", total=windows * (context + eval_tokens))

@@ -12,8 +12,7 @@ from rich.table import Table
 
 from ..errors import ContextOverflow, KvrunError
 from ..generate import Session
-from ..kv.budget import Budget
-from ..kv.recipes import check_budget, parse_kv
+from ..kv import check
 from ..kv.xkv import XKV, Profile, check_profile, fold_profile, load_profile, save_profile
 from .common import (
     dump_json,
@@ -93,7 +92,7 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     plain = dataclasses.replace(
         spec, select_opts={**o, "profile": "", "profile_update": False}, store=None, store_opts={}
     )
-    kv_mgr = XKV(plain, budget, rt.config, rt.model.rope, rt.model.device, rt.model.dtype)
+    kv_mgr = XKV(plain, rt.config, rt.model.rope, rt.model.device, rt.model.dtype)
     session = Session(rt.model, rt.tokenizer, kv_mgr, ubatch=kw["ubatch"], context=kw["ctx_size"])
     samples = []
     for f, text in zip(files, texts, strict=True):
@@ -127,17 +126,15 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
 
 
 def _check_kv(text: str, kv_budget: str | None):
-    """The parsed --kv (xkv only) and --kv-budget, checked before the model loads."""
-    spec = parse_kv(text)
+    """The validated --kv (xkv only) and --kv-budget, checked before the model loads."""
+    spec = check(text, kv_budget)  # also refuses xkv:target=R with a budget
     if spec.select.name != "xkv":
         raise KvrunError(
             f"kvrun profile plans XKV budgets: --kv must be xkv[:options], not {spec.name}"
         )
     if spec.select_opts["profile"]:
         raise KvrunError("give the profile file with -o FILE, not xkv:profile=")
-    budget = Budget.parse(kv_budget) if kv_budget is not None else None
-    check_budget(spec, budget)  # also refuses xkv:target=R with a budget
-    return spec, budget
+    return spec, spec.budget
 
 
 @torch.inference_mode()

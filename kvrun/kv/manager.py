@@ -18,10 +18,10 @@ from ..kernels.colsum import colsum, colsum_ref, colsum_triton
 from ..kernels.dense_decode import dense_decode
 from .attention import Partial, combine
 from .base import KVManager
-from .budget import Budget, minikv_pyramid, pyramid_budgets
+from .budget import minikv_pyramid, pyramid_budgets
 from .dense import DenseSeg
-from .recipes import KVSpec, protected_tokens
 from .select import attention_colsum, dense_colsum, group_sum, keep_indices, window_votes
+from .spec import KVSpec
 
 # on_select(layer, point, positions (Hkv, T)): the debug hook of baselines.md 0.4
 SelectHook = Callable[[int, str, torch.Tensor], None]
@@ -38,12 +38,11 @@ class _Layer:
 
 
 class CompressedKV(KVManager):
-    """A KV manager built from a parsed --kv spec and --kv-budget."""
+    """A KV manager built from a validated KVSpec (--kv and --kv-budget)."""
 
     def __init__(
         self,
         spec: KVSpec,
-        budget: Budget | None,
         config,
         rope,
         device,
@@ -53,16 +52,14 @@ class CompressedKV(KVManager):
         super().__init__(config, rope, device, dtype)
         self.spec = spec
         self.sel, self.opt = spec.select, spec.select_opts
-        self.protected = protected_tokens(spec)
-        self.budget = budget or Budget.parse("0.2")
-        if self.sel.name != "full":
-            self.budget.check(self.protected, self.sel.name)
+        self.protected = spec.protected
+        self.budget = spec.budget_or_default()  # None: full, or MiniKV's heavy/recent fractions
         self.kivi_cfg = spec.kivi()  # {bits, group, residual} or None
         self.kivi_bits = self.kivi_cfg["bits"] if self.kivi_cfg else 16
         # MiniKV: prompt-only column sums, selection once per turn at end_prefill, then a store
         # that only grows (minikv.md); its budget comes from heavy/recent unless given
         self.minikv = self.sel.name.startswith("minikv")
-        self.user_budget = budget
+        self.user_budget = spec.budget
         if self.minikv and self.opt["colsum"] == "triton" and torch.device(device).type != "cuda":
             raise KvrunError(
                 f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
@@ -408,7 +405,7 @@ class CompressedKV(KVManager):
             # residual ignored; logged beside the measured bytes for comparison only
             c = self.config
             d["bytes_paper"] = sum(self.kept_counts()) * c.n_heads * c.head_dim
-        if self.sel.name != "full" and not (self.minikv and self.user_budget is None):
+        if self.budget is not None:
             d["budget"] = (
                 float(self.budget.value) if self.budget.is_fraction else int(self.budget.value)
             )

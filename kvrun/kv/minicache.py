@@ -29,9 +29,8 @@ from ..kernels.merged_decode import merged_decode
 from ..rope import Rope
 from .attention import Partial, combine, dense_attention
 from .base import KVManager
-from .budget import Budget
 from .kivi import KiviLayer
-from .recipes import KVSpec
+from .spec import KVSpec
 
 # --- the merge math (pure functions, fp32) ------------------------------------------------------
 
@@ -222,8 +221,7 @@ class MiniCacheKV(KVManager):
 
     def __init__(
         self,
-        spec: KVSpec,
-        budget: Budget | None,
+        spec: KVSpec,  # takes no budget (the spec refuses one)
         config: ModelConfig,
         rope: Rope,
         device: torch.device,
@@ -231,8 +229,6 @@ class MiniCacheKV(KVManager):
         on_select=None,  # the selection debug hook: MiniCache selects no tokens, unused
     ):
         super().__init__(config, rope, device, dtype)
-        if budget is not None:  # build_kv rejects it first; kept for direct construction
-            raise KvrunError("minicache has no token budget; drop --kv-budget")
         self.spec, self.name = spec, spec.name
         o = spec.select_opts
         self.t, self.gamma, self.sin_eps = float(o["slerp_t"]), float(o["gamma"]), o["sin_eps"]

@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from . import scores
 from .attention import Partial
 
-KEY_BLOCK = 2048  # keys per block when scoring, so no (Hq, w, n) matrix is built
 QUERY_BLOCK = 64  # queries per block for attention with column sums
 
 
@@ -39,36 +38,9 @@ def window_votes(
     kernel: int,
     pool: str,
 ) -> torch.Tensor:  # (Hkv, T - w) fp32
-    """SnapKV's votes: window attention summed over rows, pooled, then summed per KV head.
-
-    Softmax runs over all T keys (window included, causal inside it); two passes over key
-    blocks (row log-sum-exp, then probabilities) keep scratch at O(Hq * T).
-    """
-    Hq, w, D = qw.shape
-    Hkv, T, _ = k.shape
-    g = Hq // Hkv
-    q = qw.float().view(Hkv, g, w, D) / math.sqrt(D)
-    row_pos = torch.arange(T - w, T, device=k.device)  # slot of each window row
-
-    def block_scores(s: int, e: int) -> torch.Tensor:
-        sc = torch.einsum("hgwd,htd->hgwt", q, k[:, s:e].float())  # (Hkv, G, w, e-s)
-        cols = torch.arange(s, e, device=k.device)
-        return sc.masked_fill(cols[None, :] > row_pos[:, None], float("-inf"))
-
-    lse = torch.full((Hkv, g, w), float("-inf"), device=k.device)
-    for s in range(0, T, KEY_BLOCK):
-        lse = torch.logaddexp(lse, torch.logsumexp(block_scores(s, min(s + KEY_BLOCK, T)), -1))
-    prefix = T - w
-    vote = torch.empty(Hkv, g, prefix, device=k.device)
-    for s in range(0, prefix, KEY_BLOCK):
-        e = min(s + KEY_BLOCK, prefix)
-        vote[..., s:e] = torch.exp(block_scores(s, e) - lse[..., None]).sum(2)
-    vote = vote.view(Hq, 1, prefix)
-    if pool == "max":
-        pooled = F.max_pool1d(vote, kernel, stride=1, padding=kernel // 2)
-    else:
-        pooled = F.avg_pool1d(vote, kernel, stride=1, padding=kernel // 2)
-    return group_sum(pooled.view(Hq, prefix), Hkv)  # pool first, then sum the group
+    """SnapKV's votes (§4.2): window attention summed over rows, pooled per query head, then
+    summed per KV head (pool first, then sum the group)."""
+    return group_sum(scores.pool(scores.window_scores(qw, k), pool, kernel), k.shape[0])
 
 
 def attention_colsum(

@@ -19,17 +19,16 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import KvrunError
 from ..kernels import use_triton
 from ..kernels.codebook_decode import codebook_decode
 from .attention import Partial, combine, dense_attention, position_mask, sdpa
 from .base import KVManager
-from .budget import Budget
 from .codebook import assign, build_codebook, unit_vectors
-from .recipes import KVSpec
-from .select import KEY_BLOCK, keep_indices
+from .scores import pool_scores, window_scores
+from .select import keep_indices
+from .spec import KVSpec
 
 INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
 
@@ -86,45 +85,13 @@ def qhead_scores(
     """ac_q[a] = sum_b A_q[b, a] / (t - a) over the window rows b (Eq. 2), per query head.
 
     Softmax in fp32 over every key the row sees (causal; the model's sliding window too, so a
-    token the model can never attend to scores 0). Two passes over key blocks (row LSE, then
-    probabilities) keep the scratch at O(Hq * t), as select.window_votes does per KV head.
+    token the model can never attend to scores 0): kvrun.kv.scores.window_scores.
     """
-    Hq, w, D = qw.shape
-    Hkv, t, _ = k.shape
-    g = Hq // Hkv
-    n_ctx = t - w
-    q = qw.float().view(Hkv, g, w, D) / math.sqrt(D)
-    rows = torch.arange(t - w, t, device=k.device)
-
-    def block(s: int, e: int) -> torch.Tensor:  # (Hkv, g, w, e - s) masked logits
-        sc = torch.einsum("hgwd,htd->hgwt", q, k[:, s:e].float())
-        diff = rows[:, None] - torch.arange(s, e, device=k.device)[None, :]
-        vis = diff >= 0
-        if sliding:
-            vis &= diff < sliding
-        return sc.masked_fill(~vis, float("-inf"))
-
-    lse = torch.full((Hkv, g, w), float("-inf"), device=k.device)
-    for s in range(0, t, KEY_BLOCK):
-        lse = torch.logaddexp(lse, torch.logsumexp(block(s, min(s + KEY_BLOCK, t)), -1))
-    vote = torch.empty(Hkv, g, n_ctx, device=k.device)
-    for s in range(0, n_ctx, KEY_BLOCK):
-        e = min(s + KEY_BLOCK, n_ctx)
-        vote[..., s:e] = torch.exp(block(s, e) - lse[..., None]).sum(2)
-    vote = vote.view(Hq, n_ctx)
+    vote = window_scores(qw, k, sliding)
     if length_norm:
+        t, n_ctx = k.shape[1], vote.shape[1]
         vote = vote / (t - torch.arange(n_ctx, device=k.device)).float()
     return vote
-
-
-def pool_scores(s: torch.Tensor, pool: str) -> torch.Tensor:
-    """Optional 1-D pooling of (H, n) scores: none, avg:K or max:K (stride 1, same length)."""
-    if pool == "none":
-        return s
-    kind, _, kk = pool.partition(":")
-    kernel = int(kk)
-    fn = F.max_pool1d if kind == "max" else F.avg_pool1d
-    return fn(s[:, None, :], kernel, stride=1, padding=kernel // 2)[:, 0]
 
 
 def select_keep(scores: torch.Tensor, k: int, t: int, n_kv: int, gqa: str) -> torch.Tensor:
@@ -317,12 +284,11 @@ def _gather(books: list[_Book], idx: torch.Tensor) -> torch.Tensor:
 
 # --- the manager ------------------------------------------------------------------------------------
 class SpindleKV(KVManager):
-    """SpindleKV on kvrun's manager contract; options are the spindlekv Part's (recipes.py)."""
+    """SpindleKV on kvrun's manager contract; options are declared in kvrun/kv/methods/spindlekv.py."""
 
     def __init__(
         self,
         spec: KVSpec,
-        budget: Budget | None,
         config,
         rope,
         device,
@@ -333,8 +299,7 @@ class SpindleKV(KVManager):
         self.spec, self.name = spec, spec.name
         self.opt = dict(spec.select_opts)
         self.window = self.opt["window"]
-        self.budget = budget or Budget.parse("0.2")
-        self.budget.check(self.window, "spindlekv")
+        self.budget = spec.budget_or_default()  # checked against the window by the spec
         self.beta = Fraction(str(self.opt["beta"]))
         # accepted for the runtime's signature and unused: per-query-head unions have ragged
         # sizes, which the (Hkv, T) positions of the debug hook cannot carry

@@ -17,33 +17,16 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import KvrunError
 from .base import KVManager
 from .budget import Budget, largest_remainder
 from .manager import CompressedKV
+from .scores import pool_scores
 from .select import group_sum, keep_indices
 
 
 # --------------------------------------------------------------------------------- scores
-def pool_scores(x: torch.Tensor, pool: str) -> torch.Tensor:
-    """Pool each row of x (R, C) along C: avg:K / max:K, stride 1, same padding; or none.
-
-    avg counts the zero pads (torch's avg_pool1d default), so index j still means token j.
-    """
-    if pool == "none" or x.shape[-1] == 0:
-        return x
-    kind, _, k = pool.partition(":")
-    size = int(k)
-    x3 = x.unsqueeze(1)  # (R, 1, C)
-    if kind == "avg":
-        out = F.avg_pool1d(x3, size, stride=1, padding=size // 2, count_include_pad=True)
-    else:
-        out = F.max_pool1d(x3, size, stride=1, padding=size // 2)
-    return out.squeeze(1)
-
-
 def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """a_q[j] (Hq, T - w) fp32: softmax attention of the w window rows over all T keys (causal
     inside the window), averaged over the rows, for the T - w context keys.
@@ -350,14 +333,9 @@ class XKV(CompressedKV):
     """XKV on the composed manager: its own allocator, scores and planning; the dense or KIVI
     store and the window-query buffer of CompressedKV."""
 
-    def __init__(self, spec, budget: Budget | None, config, rope, device, dtype, on_select=None):
-        o = spec.select_opts
-        if o["target"] > 0 and budget is not None:
-            raise KvrunError(
-                f"xkv:target={o['target']} sets the retained attention mass, so it takes no "
-                "--kv-budget; give one of them"
-            )
-        super().__init__(spec, budget, config, rope, device, dtype, on_select)
+    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+        o = spec.select_opts  # target mode and a --kv-budget were refused by the spec
+        super().__init__(spec, config, rope, device, dtype, on_select)
         self.window = o["window"]
         self.floor = o["window"] if o["min_tokens"] < 0 else o["min_tokens"]
         self.target = o["target"]

@@ -12,14 +12,14 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ..errors import ContextOverflow, KvrunError
 from ..generate import Session, peak_memory_bytes
+from ..kv import KVSpec
 from ..kv.budget import Budget
-from ..kv.recipes import check_budget, parse_kv, takes_budget
 
 BANDWIDTH_NOTE = (
     "achieved bandwidth ~ (weight bytes + KV bytes read per token) x decode tok/s / 1e9, where "
@@ -37,12 +37,17 @@ class BenchSettings:
     n_gen: int  # tokens decoded and timed (tg), 0 = skip
     depths: tuple[int, ...]  # tokens in the cache before the timed prompt
     reps: int  # measured reps per row, after one warm-up rep
-    methods: tuple[str, ...]  # --kv specs
+    methods: tuple[str, ...]  # --kv texts, as given
     budgets: tuple[str | None, ...]  # --kv-budget values; None = the method's default
     seed: int = 0
     ubatch: int = 512
     ctx_size: int = 0  # 0 = the model's context
     cuda_graph: bool = False  # decode steps replay a CUDA graph where the method allows
+    specs: tuple[KVSpec, ...] = ()  # `methods` validated (kvrun.kv.check), in the same order
+
+    def record(self) -> dict:
+        """The settings as the JSON records them (the texts, not the parsed specs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "specs"}
 
 
 def parse_counts(text: str, flag: str) -> tuple[int, ...]:
@@ -79,12 +84,9 @@ def check_settings(s: BenchSettings, context: int | None = None) -> None:
         raise KvrunError("nothing to measure: -p/--n-prompt and -n/--n-gen are both 0")
     if s.reps < 1:
         raise KvrunError(f"--reps must be >= 1 (got {s.reps})")
-    for kv in s.methods:
-        spec = parse_kv(kv)
-        if takes_budget(spec):
-            for b in s.budgets:
-                if b is not None:
-                    check_budget(spec, Budget.parse(b))
+    if len(s.specs) != len(s.methods):
+        raise ValueError("BenchSettings.specs must hold the validated spec of every method")
+    cases(s)  # every budget against every method's rules
     if context is not None:
         d = max(s.depths)
         total = d + s.n_prompt + s.n_gen
@@ -95,12 +97,13 @@ def check_settings(s: BenchSettings, context: int | None = None) -> None:
             )
 
 
-def cases(s: BenchSettings) -> list[tuple[str, str | None, int]]:
-    """(method, budget, depth) per row: budgets multiply only methods that select tokens."""
+def cases(s: BenchSettings) -> list[tuple[str, str | None, KVSpec, int]]:
+    """(method text, budget, spec at that budget, depth) per row: budgets multiply only
+    methods that select tokens."""
     out = []
-    for kv in s.methods:
-        for b in s.budgets if takes_budget(parse_kv(kv)) else (None,):
-            out.extend((kv, b, d) for d in s.depths)
+    for kv, spec in zip(s.methods, s.specs, strict=True):
+        for b in s.budgets if spec.takes_budget else (None,):
+            out.extend((kv, b, spec.with_budget(b), d) for d in s.depths)
     return out
 
 
@@ -130,10 +133,10 @@ def _stats(key: str, xs: list[float]) -> dict:
     return {key: mean, f"{key}_std": std, f"{key}_reps": xs}
 
 
-def _one_rep(rt, kv_spec, budget, fill, prompt, first, s: BenchSettings) -> dict:
+def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
     """One fill + timed prompt + timed decode on a fresh cache."""
     dev = rt.model.device
-    kv = rt.new_kv(kv_spec, budget)
+    kv = rt.new_kv(spec)
     graph = "on" if s.cuda_graph else "off"
     sess = Session(rt.model, rt.tokenizer, kv, ubatch=s.ubatch, context=s.ctx_size, graph=graph)
     logits = sess.prefill(fill) if fill else None
@@ -164,10 +167,9 @@ def _one_rep(rt, kv_spec, budget, fill, prompt, first, s: BenchSettings) -> dict
     }
 
 
-def bench_row(
-    rt, kv_spec: str, budget: str | None, depth: int, s: BenchSettings, on_rep=None
-) -> dict:
-    """Measure one (method, budget, depth) row: one warm-up rep, then s.reps timed reps."""
+def bench_row(rt, kv: str, spec: KVSpec, depth: int, s: BenchSettings, on_rep=None) -> dict:
+    """Measure one (method, budget, depth) row: one warm-up rep, then s.reps timed reps
+    (kv: the --kv text the row is labelled with; spec: it validated, at the row's budget)."""
     dev = rt.model.device
     gen = torch.Generator().manual_seed(s.seed)  # the same tokens for every method
     ids = torch.randint(0, rt.config.vocab_size, (depth + s.n_prompt + 1,), generator=gen).tolist()
@@ -176,7 +178,7 @@ def bench_row(
         torch.cuda.reset_peak_memory_stats(dev)
     reps = []
     for r in range(s.reps + 1):
-        out = _one_rep(rt, kv_spec, budget, fill, prompt, first, s)
+        out = _one_rep(rt, spec, fill, prompt, first, s)
         if r:  # rep 0 warms up
             reps.append(out)
         if on_rep:
@@ -190,7 +192,7 @@ def bench_row(
     test_pp, test_tg = row_labels(s, depth)
     desc = last["describe"]
     return {
-        "kv": kv_spec,
+        "kv": kv,
         "kv_method": desc,
         "budget": desc.get("budget"),
         "depth": depth,
@@ -243,14 +245,14 @@ def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None)
     name = rt.config.name or rt.path.name
     dev = rt.model.device
     grid = cases(s)
-    for kv_spec, budget in dict.fromkeys((k, b) for k, b, _ in grid):
-        rt.new_kv(kv_spec, budget)  # a method that cannot run on this model fails before timing
+    for _, _, spec, _ in grid:
+        rt.new_kv(spec)  # a method that cannot run on this model fails before timing
     rows = []
-    for kv_spec, budget, depth in grid:
+    for kv, budget, spec, depth in grid:
         pp, tg = row_labels(s, depth)
-        label = f"{kv_spec}{f' {budget}' if budget else ''} {pp or tg}"
+        label = f"{kv}{f' {budget}' if budget else ''} {pp or tg}"
         cb = (lambda r, label=label: on_rep(f"{label} rep {r}/{s.reps}")) if on_rep else None
-        row = bench_row(rt, kv_spec, budget, depth, s, cb)
+        row = bench_row(rt, kv, spec, depth, s, cb)
         rows.append({"model": name, "synthetic": synthetic, **row})
     return {
         "model": name,
@@ -258,7 +260,7 @@ def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None)
         "synthetic": synthetic,
         "weight_bytes": weight_bytes(rt.model),
         "settings": {
-            **asdict(s),
+            **s.record(),
             "ctx_size": s.ctx_size or rt.config.context_length,
             "warmup_reps": 1,
             "dtype": str(rt.model.dtype).removeprefix("torch."),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import KvrunError
 from ..generate import Session
-from ..kv.recipes import parse_kv, takes_budget
+from ..kv import KVSpec
 from ..sampling import SamplingConfig
 from . import passkey
 
@@ -82,19 +82,22 @@ class KvConfig:
 
     method: str
     budget: str | None
+    spec: KVSpec = field(compare=False, repr=False)  # the method at that budget, validated
 
     @property
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method} @ {self.budget}"
 
 
-def kv_configs(methods: tuple[str, ...], budgets: str | None) -> list[KvConfig]:
-    """Every method x budget; methods that keep every token (full, kivi*) run once."""
+def kv_configs(methods: list[tuple[str, KVSpec]], budgets: str | None) -> list[KvConfig]:
+    """Every method (its --kv text and spec) x budget, each checked against the method's
+    budget rules; methods that take no budget (full, kivi*, minicache) run once."""
     bs = [b.strip() for b in budgets.split(",")] if budgets else [None]
-    out: list[KvConfig] = []
-    for m in methods:
-        out += [KvConfig(m, b) for b in bs] if takes_budget(parse_kv(m)) else [KvConfig(m, None)]
-    return list(dict.fromkeys(out))
+    out: dict[KvConfig, None] = {}
+    for text, spec in methods:
+        for b in bs if spec.takes_budget else [None]:
+            out.setdefault(KvConfig(text, b, spec.with_budget(b)))
+    return list(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +198,7 @@ def run_grid(
         for cfg in configs:
             if on_start:
                 on_start(cell, cfg)
-            kv = rt.new_kv(cfg.method, cfg.budget)
+            kv = rt.new_kv(cfg.spec)
             session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
             r = session.generate(p.ids, n_predict, GREEDY, seed=task.seed)
             yield {

@@ -1,0 +1,74 @@
+"""The one growable buffer every KV store keeps its tensors in (mlx-lm's caches grow the same
+way): a tensor with spare room along one dim, of which the first `n` slots are occupied.
+
+Appends write into the room (doubling when full, so a decode step copies one slot, not the
+whole history); `keep`-style rewrites replace the contents with a tensor of their own;
+static decode steps write at a slot given as a device tensor. Only occupied slots count as
+held bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_ROOM = 64  # slots allocated at least, once anything is appended
+
+
+class Buffer:
+    __slots__ = ("buf", "dim", "n")
+
+    def __init__(self, shape: tuple[int, ...], dim: int, dtype, device, reserve: int = 0):
+        shape = list(shape)
+        shape[dim] = reserve
+        self.buf = torch.empty(shape, dtype=dtype, device=device)
+        self.dim, self.n = dim, 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The occupied slots (a view)."""
+        return self.buf.narrow(self.dim, 0, self.n)
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.shape[self.dim]
+
+    def reserve(self, n: int) -> None:
+        """Room for n slots, contents kept (capacity at least doubles, so appends cost O(1)
+        copies per slot amortised)."""
+        cap = self.capacity
+        if n <= cap:
+            return
+        shape = list(self.buf.shape)
+        shape[self.dim] = max(n, 2 * cap, MIN_ROOM)
+        new = self.buf.new_empty(shape)
+        new.narrow(self.dim, 0, self.n).copy_(self.data)
+        self.buf = new
+
+    def append(self, x: torch.Tensor) -> None:
+        """x after the occupied slots (x matches the buffer outside `dim`)."""
+        end = self.n + x.shape[self.dim]
+        self.reserve(end)
+        self.buf.narrow(self.dim, self.n, x.shape[self.dim]).copy_(x)
+        self.n = end
+
+    def replace(self, x: torch.Tensor) -> None:
+        """x becomes the contents (a selection's gathered slots); no spare room is kept."""
+        self.buf, self.n = x, x.shape[self.dim]
+
+    def clear(self) -> None:
+        """Empty, with a fresh zero-room buffer (the old one may still be referenced)."""
+        shape = list(self.buf.shape)
+        shape[self.dim] = 0
+        self.buf, self.n = self.buf.new_empty(shape), 0
+
+    def write_at(self, slot: torch.Tensor, x: torch.Tensor) -> None:
+        """x (one slot along `dim`) at the slot a (1,) device tensor names, inside the room:
+        a static decode step's write, with no host sync (the caller then calls `advance`)."""
+        self.buf.index_copy_(self.dim, slot, x)
+
+    def advance(self, n: int = 1) -> None:
+        self.n += n
+
+    def nbytes(self) -> int:
+        """Bytes of the occupied slots."""
+        return self.data.numel() * self.buf.element_size()

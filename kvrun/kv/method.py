@@ -1,0 +1,74 @@
+"""A KV method as one declaration: its axes, options, budget rules and how it is built.
+
+Each file in kvrun/kv/methods/ declares one `Method` (two where a preset shares the code);
+kvrun/kv/methods/__init__.py lists them. The grammar (kvrun/kv/spec.py), `kvrun kv list`,
+budget checks and `kvrun.kv.build` read only these fields, so no method name appears
+anywhere else as program logic. Torch-free: managers are imported when built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .options import Option
+
+
+def _zero(opts: Mapping[str, Any]) -> int:
+    return 0
+
+
+def _none(opts: Mapping[str, Any]) -> dict | None:
+    return None
+
+
+def _no_rule(opts: Mapping[str, Any], budget) -> None:
+    return None
+
+
+def composed(spec, config, rope, device, dtype, **kw):
+    """CompressedKV: the manager composed from scorer, selector, allocator and store parts."""
+    from .manager import CompressedKV
+
+    return CompressedKV(spec, config, rope, device, dtype, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One named part of --kv: a selection method ('select') or a store ('store')."""
+
+    name: str
+    kind: str  # "select" | "store"
+    summary: str
+    # the three axes, as `kvrun kv list` shows them
+    scorer: str = "none"  # none | window | cumulative | cumulative (prompt)
+    selector: str = "all"  # all | sinks+recent | topk+recent | topk+window[ (per query head)]
+    allocator: str = "uniform"  # uniform | pyramid | pyramid (MiniKV) | xkv | spindle
+    store: str = "dense"  # dense | kivi | kivi 2-bit | merged | codebook
+    when: str = "never"  # never | prefill-end... | every chunk and step | tail flush
+    options: tuple[Option, ...] = ()
+    # P: tokens the selection always keeps (sinks + window), the floor of any budget
+    protected: Callable[[Mapping[str, Any]], int] = _zero
+    # whether --kv-budget means anything (grids run the others once); `budget_refused` is the
+    # error when one is given to a method that takes none (empty: the budget is ignored)
+    takes_budget: bool = True
+    budget_refused: str = ""
+    default_budget: str | None = "0.2"  # B when --kv-budget is not given (None: the method's own)
+    # cross-option and budget rules beyond each option's own (raises KvrunError)
+    rule: Callable[[Mapping[str, Any], Any], None] = _no_rule
+    # evicts single tokens at decode steps (a quantized body cannot lose one)
+    evicts_at_decode: bool = False
+    # a selection that brings its own store: stacking a store part is refused with this text
+    own_store: str = ""
+    # the KIVI layout {bits, group, residual} this part stores in, or None
+    kivi: Callable[[Mapping[str, Any]], dict | None] = _none
+    # options under which a budget covering every token (or, with no default budget, the
+    # options alone) reproduce the full cache (no quantization, no merging): what
+    # tests/test_kv_contract.py checks for every method
+    lossless: str = ""
+    # (spec, config, rope, device, dtype, **kw) -> the KV manager that runs it (imports lazily)
+    build: Callable[..., Any] = composed
+
+    def defaults(self) -> dict:
+        return {o.name: o.default for o in self.options}

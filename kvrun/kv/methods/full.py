@@ -1,0 +1,25 @@
+"""full: every token, uncompressed (the reference every method is measured against)."""
+
+from __future__ import annotations
+
+from ..method import Method, composed
+
+
+def build(spec, config, rope, device, dtype, **kw):
+    """The plain cache; with a store stacked (`kivi2` alone) or a debug hook, the composed
+    manager, whose selection then keeps everything."""
+    if spec.store is None and not kw:
+        from ..full import FullKV
+
+        return FullKV(config, rope, device, dtype)
+    return composed(spec, config, rope, device, dtype, **kw)
+
+
+METHOD = Method(
+    "full",
+    "select",
+    "every token, uncompressed",
+    takes_budget=False,  # a --kv-budget is ignored: nothing is selected
+    default_budget=None,
+    build=build,
+)

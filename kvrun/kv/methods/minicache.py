@@ -1,0 +1,71 @@
+"""MiniCache (Liu et al., 2024, §3): layer pairs from the middle of the model up share one
+SLERP-merged direction per token, each layer keeping its own norms; the most distinct
+tokens are retained unmerged. It keeps every token, so it takes no token budget."""
+
+from __future__ import annotations
+
+from ...errors import KvrunError
+from ..method import Method
+from ..options import Option
+
+
+def retain(where: str, r: str) -> None:
+    if r == "range":
+        return
+    kind, _, f = r.partition(":")
+    try:
+        ok = kind == "topk" and 0.0 <= float(f) <= 1.0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise KvrunError(f"{where}={r} is not valid: use range or topk:F with F in 0..1")
+
+
+OPTIONS = (
+    Option("start", -1, "first merged layer S (-1 = L//2): pairs (l-1, l), odd l >= S", lo=-1),
+    Option("slerp_t", 0.6, "SLERP weight of the later layer", lo=0.0, hi=1.0),
+    Option("gamma", 0.05, "retention threshold, a fraction of the distance range", lo=0.0, hi=1.0),
+    Option("retain_rule", "distinct", "distinct = keep the most distinct; paper = as printed",
+           choices=("distinct", "paper")),
+    Option("retain", "range", "range (gamma rule) or topk:F (a fixed fraction F of the prompt)",
+           valid=retain),
+    Option("granularity", "head", "norm/angle per (token, KV head) or per token",
+           choices=("head", "token")),
+    Option("decode_retain", False, "retain decode tokens above the prefill threshold"),
+    Option("sin_eps", 1e-6, "SLERP to LERP fallback threshold", lo=0.0),
+    Option("store", "fp16", "kivi4 = the paper's 4-bit store under the merge (= minicache+kivi4)",
+           choices=("fp16", "kivi4")),
+    Option("kivi_group", 32, "KIVI group with store=kivi4", lo=1),
+    Option("kivi_residual", 128, "KIVI residual with store=kivi4", lo=1),
+)  # fmt: skip
+
+
+def _layout(o) -> dict | None:
+    if o["store"] != "kivi4":
+        return None
+    return {"bits": 4, "group": o["kivi_group"], "residual": o["kivi_residual"]}
+
+
+def build(spec, config, rope, device, dtype, **kw):
+    from ..minicache import MiniCacheKV
+
+    return MiniCacheKV(spec, config, rope, device, dtype, **kw)
+
+
+METHOD = Method(
+    "minicache",
+    "select",
+    "MiniCache: cross-layer SLERP merge of layer pairs from the middle up, norms per layer",
+    store="merged",
+    when="prefill-end; decode pairs merged",
+    options=OPTIONS,
+    takes_budget=False,
+    budget_refused=(
+        "minicache has no token budget (it merges layers, it keeps every token); drop "
+        "--kv-budget, or stack a store (minicache+kivi4) for more compression"
+    ),
+    default_budget=None,
+    kivi=_layout,
+    lossless="retain=topk:1.0,decode_retain=true",  # every token retained unmerged
+    build=build,
+)

@@ -1,0 +1,68 @@
+"""MiniKV (Sharma et al., 2024, §3-4): heavy hitters by the prompt's cumulative attention
+plus a recent window, selected once per turn at the end of the prefill, stored in 2-bit
+KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hitters."""
+
+from __future__ import annotations
+
+from ..method import Method
+from ..options import Option
+
+OPTIONS = (
+    Option("heavy", 0.25, "heavy-hitter fraction x of the prompt (a --kv-budget overrides)", lo=0.0, hi=1.0),
+    Option("recent", 0.25, "recent-window fraction of the prompt (a --kv-budget overrides)", lo=0.0, hi=1.0),
+    Option("alloc", "uniform", "heavy-hitter budgets per layer", choices=("uniform", "pyramid")),
+    Option("depth", 7, "pyramid depth delta: the smallest layer gets x/delta", lo=1),
+    Option("pyramid_dir", "down", "down = more budget in lower layers", choices=("down", "up")),
+    Option("quant", "kivi2", "store: 2-bit KIVI or dense", choices=("kivi2", "none")),
+    Option("group", 16, "KIVI group size", lo=1),
+    Option("residual", 128, "KIVI fp residual flush length", lo=1),
+    Option("colsum", "auto", "column sums: triton on CUDA, chunked on CPU; dense = reference",
+           choices=("auto", "chunked", "dense", "triton")),
+    Option("gqa_agg", "sum", "KV-head score from its query heads", choices=("sum", "max")),
+    Option("score_norm", "none", "length = divide A[j] by (t - j)", choices=("none", "length")),
+    Option("align", 0, "16 = round heavy hitters down so the kept count is a multiple of 16",
+           choices=(0, 16)),
+    Option("report", "exact", "paper = also report the paper's App. I size", choices=("exact", "paper")),
+)  # fmt: skip
+
+
+def _layout(o) -> dict | None:
+    if o["quant"] != "kivi2":
+        return None
+    return {"bits": 2, "group": o["group"], "residual": o["residual"]}
+
+
+def _minikv(name: str, summary: str, alloc: str, allocator: str, own: str) -> Method:
+    return Method(
+        name,
+        "select",
+        summary,
+        scorer="cumulative (prompt)",
+        selector="topk+recent",
+        allocator=allocator,
+        store="kivi 2-bit",
+        when="prefill-end; then tail flushes",
+        options=tuple(o.with_default(alloc) if o.name == "alloc" else o for o in OPTIONS),
+        default_budget=None,  # heavy + recent fractions of the prompt unless --kv-budget
+        own_store=own,
+        kivi=_layout,
+        lossless="quant=none,recent=1.0",  # with no --kv-budget: the window is the prompt
+    )
+
+
+METHODS = (
+    _minikv(
+        "minikv",
+        "MiniKV: H2O heavy hitters over the prompt + recent window, 2-bit KIVI (G 16, R 128)",
+        "uniform",
+        "uniform",
+        "2-bit KIVI; minikv:quant=none for dense, minikv:group=,residual= for its layout",
+    ),
+    _minikv(
+        "minikv-pyramid",
+        "MiniKV with pyramid heavy-hitter budgets, more to lower layers (= minikv:alloc=pyramid)",
+        "pyramid",
+        "pyramid (MiniKV)",
+        "2-bit KIVI; minikv-pyramid:quant=none for dense",
+    ),
+)

@@ -1,0 +1,19 @@
+"""PyramidKV (Cai et al., 2024, §3): SnapKV's selection with layer budgets decreasing
+linearly from the first layer to the last (arithmetic schedule, same mean)."""
+
+from __future__ import annotations
+
+from ..method import Method
+from ..options import SNAP, Option
+
+METHOD = Method(
+    "pyramidkv",
+    "select",
+    "PyramidKV: SnapKV with linearly decreasing layer budgets",
+    scorer="window",
+    selector="topk+window",
+    allocator="pyramid",
+    when="prefill-end",
+    options=SNAP + (Option("beta", 20, "last layer gets 1/beta of the mean", lo=1),),
+    protected=lambda o: o["window"],
+)

@@ -1,0 +1,18 @@
+"""SnapKV (Li et al., 2024, §4): the last `window` prompt queries vote for earlier tokens,
+votes are pooled, and each KV head keeps its top-k plus the window at the end of the prefill."""
+
+from __future__ import annotations
+
+from ..method import Method
+from ..options import SNAP
+
+METHOD = Method(
+    "snapkv",
+    "select",
+    "SnapKV: observation-window votes, max-pooled, top-k per KV head",
+    scorer="window",
+    selector="topk+window",
+    when="prefill-end",
+    options=SNAP,
+    protected=lambda o: o["window"],
+)

@@ -1,0 +1,49 @@
+"""SpindleKV (§3 of the paper): per-query-head observation-window scores, per-layer eviction
+ratios growing linearly with depth, and per-layer codebooks that replace kept keys and values
+by an index when a codeword is similar enough."""
+
+from __future__ import annotations
+
+from ..method import Method
+from ..options import Option, pooling
+
+OPTIONS = (
+    Option("window", 32, "observation-window queries, always kept", lo=1),
+    Option("beta", 0.05, "smallest layer ratio; alpha = (1 + beta)/2", lo=0.0, hi=1.0),
+    Option("schedule", "linear", "per-layer ratios", choices=("linear", "flat")),
+    Option("pool", "none", "pooling of the scores: none, avg:K or max:K", valid=pooling),
+    Option("score_norm", "length", "length = divide by (t - a)", choices=("length", "none")),
+    Option("gqa", "qhead", "qhead = per query head, union + mask; mean = per KV head",
+           choices=("qhead", "mean")),
+    Option("codebook", True, "off = store the kept pre-RoPE K and V densely"),
+    Option("theta_k", 0.98, "cosine threshold for keys", lo=-1.0, hi=2.0),
+    Option("theta_v", 0.95, "cosine threshold for values", lo=-1.0, hi=2.0),
+    Option("codebook_scope", "layer", "one codebook per layer or per KV head", choices=("layer", "head")),
+    Option("index", "auto", "index width", choices=("auto", "int16-strict", "int32")),
+    Option("cb_block", 4096, "tile size of the similarity blocks", lo=1),
+    Option("decode_codebook", True, "off = decode tokens stored densely"),
+    Option("report", "exact", "paper = also report r1*r2*r3", choices=("exact", "paper")),
+)  # fmt: skip
+
+
+def build(spec, config, rope, device, dtype, **kw):
+    from ..spindle import SpindleKV
+
+    return SpindleKV(spec, config, rope, device, dtype, **kw)
+
+
+METHOD = Method(
+    "spindlekv",
+    "select",
+    "SpindleKV: linear per-layer eviction budgets + per-layer codebooks of K and V",
+    scorer="window",
+    selector="topk+window (per query head)",
+    allocator="spindle",
+    store="codebook",
+    when="prefill-end; decode tokens coded",
+    options=OPTIONS,
+    protected=lambda o: o["window"],
+    own_store="codebook; spindlekv:codebook=off for dense",
+    lossless="codebook=off",
+    build=build,
+)

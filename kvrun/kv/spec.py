@@ -1,0 +1,165 @@
+"""--kv and --kv-budget, parsed and validated once into a frozen KVSpec.
+
+Grammar: NAME[:key=value,...][+NAME[:key=value,...]...]. Each name is a method of the
+registry (kvrun/kv/methods/): at most one selection and one store, options attached to
+the part they follow (`snapkv:window=64+kivi2:group=16`). The CLI calls `check` before it
+loads a model; commands, tasks and managers receive the spec and never parse again.
+Nothing here knows a method by name: the rules are the methods' declarations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from ..errors import KvrunError
+from .budget import Budget
+from .method import Method
+from .methods import REGISTRY
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """A validated --kv: one selection and at most one store, each with its options, and the
+    --kv-budget (None: the method's default, see `budget_or_default`)."""
+
+    select: Method
+    select_opts: Mapping[str, Any] = field(default_factory=dict)
+    store: Method | None = None
+    store_opts: Mapping[str, Any] = field(default_factory=dict)
+    budget: Budget | None = None
+
+    def __post_init__(self):  # options are read-only once validated
+        for name in ("select_opts", "store_opts"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    @property
+    def name(self) -> str:
+        names = [] if self.select.name == "full" and self.store else [self.select.name]
+        return "+".join(names + ([self.store.name] if self.store else []))
+
+    @property
+    def is_full(self) -> bool:
+        return self.select.name == "full" and self.store is None
+
+    @property
+    def takes_budget(self) -> bool:
+        """Whether --kv-budget means anything here (grids run the others once)."""
+        return self.select.takes_budget
+
+    @property
+    def protected(self) -> int:
+        """P: tokens the selection always keeps (sinks + window), the floor of any budget."""
+        return self.select.protected(self.select_opts)
+
+    def budget_or_default(self) -> Budget | None:
+        """The budget the selection runs at: --kv-budget, else the method's default."""
+        if self.budget is not None:
+            return self.budget
+        d = self.select.default_budget
+        return Budget.parse(d) if d is not None else None
+
+    def kivi(self) -> dict | None:
+        """The KIVI layout {bits, group, residual} the tokens are stored in, or None: a stacked
+        store part wins over the selection's own (minikv 2-bit, minicache store=kivi4)."""
+        if self.store is not None:
+            return self.store.kivi(self.store_opts)
+        return self.select.kivi(self.select_opts)
+
+    def with_budget(self, budget: str | float | Budget | None) -> KVSpec:
+        """This spec at another --kv-budget, checked against the method's budget rules."""
+        b = budget if budget is None or isinstance(budget, Budget) else Budget.parse(budget)
+        sel = self.select
+        if b is not None and not sel.takes_budget:
+            if sel.budget_refused:
+                raise KvrunError(sel.budget_refused)
+            b = None  # nothing is selected: the budget is ignored
+        sel.rule(self.select_opts, b)
+        if b is not None:
+            b.check(self.protected, sel.name)
+        return dataclasses.replace(self, budget=b)
+
+    def describe(self) -> dict:
+        out = {"method": self.name, **self.select_opts}
+        if self.store:
+            out.update(self.store_opts)
+        return out
+
+
+FULL = KVSpec(REGISTRY["full"])  # the uncompressed cache (references, baselines)
+
+
+def check(text: str, budget: str | float | Budget | None = None) -> KVSpec:
+    """Parse and validate --kv (and --kv-budget): unknown names or options, values out of
+    range, incompatible stacks and budgets below a method's floor raise one-line KvrunErrors."""
+    select: tuple[Method, dict] | None = None
+    store: tuple[Method, dict] | None = None
+    for raw in str(text).split("+"):
+        name, _, opts_text = raw.strip().partition(":")
+        name = name.strip().lower()
+        part = REGISTRY.get(name)
+        if part is None:
+            raise KvrunError(
+                f"unknown KV method {name!r} (available: {', '.join(REGISTRY)}; see `kvrun kv list`)"
+            )
+        opts = part.defaults()
+        known = {o.name: o for o in part.options}
+        for item in filter(None, (s.strip() for s in opts_text.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if key not in known:
+                valid = ", ".join(known) or "none"
+                raise KvrunError(f"unknown option {key!r} for {name} (valid: {valid})")
+            if not eq:
+                raise KvrunError(f"option {name}:{key} needs a value ({key}=...)")
+            opts[key] = known[key].parse(name, value.strip())
+        if part.kind == "select":
+            if select is not None:
+                raise KvrunError(
+                    f"cannot stack two selection methods ({select[0].name} and {name}); stack "
+                    f"one selection ({', '.join(_names('select'))}) with one store "
+                    f"({'/'.join(_names('store'))})"
+                )
+            select = (part, opts)
+        else:
+            if store is not None:
+                raise KvrunError(f"cannot stack two stores ({store[0].name} and {name})")
+            store = (part, opts)
+    sel, sel_opts = select or (REGISTRY["full"], {})
+    if store and sel.own_store:
+        raise KvrunError(
+            f"{sel.name} cannot be stacked with {store[0].name}: it has its own store "
+            f"({sel.own_store})"
+        )
+    if store and sel.evicts_at_decode and store[0].kivi(store[1])["bits"] != 16:
+        raise KvrunError(
+            f"{sel.name}+{store[0].name} is not supported: decode-time eviction cannot remove "
+            "single tokens from a quantized body; use snapkv or pyramidkv with a KIVI store"
+        )
+    spec = KVSpec(sel, sel_opts, *(store or (None, {})))
+    _check_layout(spec)
+    return spec.with_budget(budget)
+
+
+def _names(kind: str) -> list[str]:
+    return [m.name for m in REGISTRY.values() if m.kind == kind]
+
+
+def _check_layout(spec: KVSpec) -> None:
+    """A KIVI layout must tile: whole groups in the residual, whole words in a group."""
+    kv = spec.kivi()
+    if kv is None or kv["bits"] == 16:
+        return
+    where = spec.store.name if spec.store else spec.select.name
+    per_word = 32 // kv["bits"]
+    if kv["residual"] % kv["group"]:
+        raise KvrunError(
+            f"{where}: residual ({kv['residual']}) must be a multiple of group ({kv['group']})"
+        )
+    if kv["group"] % per_word:
+        raise KvrunError(
+            f"{where}: group ({kv['group']}) must be a multiple of {per_word} at {kv['bits']} bits"
+        )
