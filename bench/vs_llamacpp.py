@@ -3,6 +3,7 @@
     python bench/vs_llamacpp.py                      # default model, 2 threads, 3 reps
     python bench/vs_llamacpp.py --write --json bench/vs_llamacpp.json
     python bench/vs_llamacpp.py --wtype q4 --tests pp512,tg128 --skip-8b
+    python bench/vs_llamacpp.py --synthetic-8b /tmp/llama3-8b-shape-q4_0.gguf --tests '' --skip-8b
 
 llama.cpp runs through llama-cpp-python, which is not a kvrun dependency: on first use the
 script creates the virtual environment bench/.venv-llamacpp and pip-installs
@@ -25,6 +26,18 @@ time and peak RSS for the synthetic 8B preset `llama3-8b-synthetic --wtype q4` (
 --skip-8b). Load time is the model-load call alone (kvrun.runtime.load_runtime; llama.cpp's
 Llama() constructor), imports excluded. Peak RSS is the subprocess's ru_maxrss (wait4).
 Failures are recorded as 'failed: <reason>' and do not stop the run.
+
+--synthetic-8b PATH: also compare both tools on one Llama-3-8B-body-sized file
+(bench/synth_gguf.py: dim 4096, 32 layers, GQA 32/8, FFN 14336, random Q4_0 weights, the
+default model's 49,152-token tokenizer; ~4.2 GB), written to PATH first if it is not there
+(about half a minute). At that size the matmuls dominate rather than Python overhead as on
+the 135M default model. --synthetic-tests (default pp128,tg32) run on it with the same
+alternation, warm-ups, threads and reps; the rows are labelled "llama3-8b-shape Q4_0 (same
+file)" and come with both sides' load time and peak RSS on it (kvrun's load time from the
+load probe, one per rep). --baseline-wtype is not applied to it (a dense float32 copy of
+an 8B body does not fit in memory). --tests '' then runs the file alone (no default-model
+tests, load/RSS rows or preset rows).
+--synthetic-layers N writes a shallower file for a quick check (its label says so).
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ README = BENCH_DIR / "README.md"
 VENV_DIR = BENCH_DIR / ".venv-llamacpp"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYNTH_8B = "llama3-8b-synthetic"
+SAME_FILE_LABEL = "llama3-8b-shape Q4_0 (same file)"
 SECTION_TITLE = "## kvrun vs llama.cpp (CPU)"
 BEGIN, END = "<!-- vs-llamacpp:begin -->", "<!-- vs-llamacpp:end -->"
 MiB = 1024 * 1024
@@ -423,6 +437,108 @@ def kvrun_8b_decode(args) -> dict:
     return {"tok_s": row["decode_tok_s"], "peak_rss_bytes": res["maxrss_bytes"]}
 
 
+# ---------------------------------------------------------------- the same 8B-shaped file
+
+
+def synth_label(layers: int | None) -> str:
+    if layers in (None, 32):
+        return SAME_FILE_LABEL
+    return SAME_FILE_LABEL.replace(" (", f", {layers} layers (", 1)
+
+
+def file_layers(path: str) -> int | None:
+    """llama.block_count of a GGUF file (None if unreadable)."""
+    try:
+        import gguf
+
+        f = gguf.GGUFReader(path, "r").fields.get("llama.block_count")
+        return int(f.contents()) if f is not None else None
+    except Exception:  # noqa: BLE001 - only the label depends on it
+        return None
+
+
+def ensure_synthetic(args) -> dict:
+    """The --synthetic-8b file: written by bench/synth_gguf.py if missing (tokenizer from
+    the default model). Returns path, layers, bytes and the creation record (or None)."""
+    path = str(Path(args.synthetic_8b).expanduser())
+    created = None
+    if not Path(path).is_file():
+        if str(BENCH_DIR) not in sys.path:
+            sys.path.insert(0, str(BENCH_DIR))
+        from synth_gguf import write_synthetic
+
+        log(f"writing {path} ({args.synthetic_layers} layers, random Q4_0) ...")
+        try:
+            created = write_synthetic(
+                path, args.synthetic_layers, tokenizer_from=default_model(), log=log
+            )
+        except FileNotFoundError as e:
+            sys.exit(str(e))
+        log(f"  {created['bytes'] / 1e9:.2f} GB in {created['seconds']:.1f} s")
+    layers = created["layers"] if created else file_layers(path)
+    return {
+        "path": path,
+        "layers": layers,
+        "label": synth_label(layers),
+        "bytes": Path(path).stat().st_size,
+        "created": created,
+    }
+
+
+def run_synthetic(args, synth: dict) -> dict:
+    """The --synthetic-tests on the same file through run_tests (kvrun and llama.cpp only),
+    then kvrun's load probe on it; fills synth['results'] and synth['memory']."""
+    s = argparse.Namespace(**vars(args))
+    s.model, s.baseline_wtype = synth["path"], None
+    log(f"{synth['label']}: {Path(s.model).name}")
+    results = run_tests(s, args.synthetic_test_list)
+    wtype = args.wtype or "auto"
+    loads = [attempt(kvrun_load, s, s.model, wtype) for _ in range(args.reps)]
+    for i, r in enumerate(loads):
+        shown = r.get("failed") or f"{r['load_s']:.1f} s"
+        log(f"kvrun load rep {i + 1}/{args.reps}: {shown}")
+    runs = {t: [r for v in results.values() for r in v[t]] for t in ("kvrun", "llama.cpp")}
+    synth["results"] = results
+    synth["memory"] = {
+        "kvrun": {
+            "load_s": median_of(loads, "load_s"),
+            "peak_rss_bytes": max_of(runs["kvrun"] + loads, "peak_rss_bytes"),
+            "load_runs": loads,
+        },
+        "llama.cpp": {
+            "load_s": median_of(runs["llama.cpp"], "load_s"),
+            "peak_rss_bytes": max_of(runs["llama.cpp"], "peak_rss_bytes"),
+        },
+    }
+    return synth
+
+
+def synth_rows(synth: dict) -> list[str]:
+    """Table rows of the same-file comparison (kvrun and llama.cpp columns)."""
+    label, lines = synth["label"], []
+    for name, runs in synth["results"].items():
+        k, ll = median_of(runs["kvrun"]), median_of(runs["llama.cpp"])
+        lines.append(f"| {label}: {name} | {fmt(k)} | {fmt(ll)} | {ratio(k, ll)} |")
+    m = synth["memory"]
+    k, ll = m["kvrun"]["load_s"], m["llama.cpp"]["load_s"]
+    lines.append(f"| {label}: load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
+    k, ll = mib(m["kvrun"]["peak_rss_bytes"]), mib(m["llama.cpp"]["peak_rss_bytes"])
+    lines.append(f"| {label}: peak RSS (MiB) | {fmt(k, 0)} | {fmt(ll, 0)} | {ratio(k, ll)} |")
+    return lines
+
+
+def synth_line(synth: dict) -> str:
+    layers = synth["layers"] if synth["layers"] is not None else "?"
+    made = synth["created"]
+    made = f", written in {made['seconds']:.0f} s" if made else ""
+    return (
+        f"- {synth['label']}: {Path(synth['path']).name} ({synth['bytes'] / 1e9:.2f} GB, "
+        f"bench/synth_gguf.py{made}): Llama-3-8B body (dim 4096, {layers} layers, 32/8 heads, "
+        f"FFN 14336), random Q4_0 weights, the default model's 49,152-token vocabulary; "
+        f"kvrun {kvrun_settings(synth['results'])}; no baseline column"
+    )
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -441,8 +557,9 @@ def mib(x) -> float | str | None:
     return x / MiB if isinstance(x, int | float) else x
 
 
-def table(results: dict, mem: dict) -> str:
-    extra = [t for t in next(iter(results.values())) if t not in ("kvrun", "llama.cpp")]
+def table(results: dict, mem: dict, synth: dict | None = None) -> str:
+    first = next(iter(results.values()), {})
+    extra = [t for t in first if t not in ("kvrun", "llama.cpp")]
     head = "| test | kvrun tok/s | llama.cpp tok/s | kvrun / llama.cpp |"
     head += "".join(f" {t} tok/s | kvrun / {t} |" for t in extra)
     lines = [head, "| --- |" + " ---: |" * (3 + 2 * len(extra))]
@@ -454,11 +571,12 @@ def table(results: dict, mem: dict) -> str:
             row += f" {fmt(b)} | {ratio(k, b)} |"
         lines.append(row)
     lines_before = len(lines)
-    d = mem["default"]
-    k, ll = d["kvrun"]["load_s"], d["llama.cpp"]["load_s"]
-    lines.append(f"| load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
-    k, ll = mib(d["kvrun"]["peak_rss_bytes"]), mib(d["llama.cpp"]["peak_rss_bytes"])
-    lines.append(f"| peak RSS (MiB) | {fmt(k, 0)} | {fmt(ll, 0)} | {ratio(k, ll)} |")
+    d = mem.get("default")
+    if d is not None:
+        k, ll = d["kvrun"]["load_s"], d["llama.cpp"]["load_s"]
+        lines.append(f"| load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
+        k, ll = mib(d["kvrun"]["peak_rss_bytes"]), mib(d["llama.cpp"]["peak_rss_bytes"])
+        lines.append(f"| peak RSS (MiB) | {fmt(k, 0)} | {fmt(ll, 0)} | {ratio(k, ll)} |")
     name = f"{SYNTH_8B} --wtype q4"
     shown = {"8b": ("load", "load time (s)", "load_s", 1, "after load"),
              "8b_decode": ("decode", "decode tok/s", "tok_s", 2, "while decoding")}  # fmt: skip
@@ -472,6 +590,8 @@ def table(results: dict, mem: dict) -> str:
         lines.append(f"| {name}: {label} | {fmt(r[field], digits)} | - | - |")
         rss = fmt(mib(r["peak_rss_bytes"]), 0)
         lines.append(f"| {name}: peak RSS {when} (MiB) | {rss} | - | - |")
+    if synth is not None:
+        lines += synth_rows(synth)
     if extra:  # the memory rows have no baseline cells
         lines[lines_before:] = [ln + " - | - |" * len(extra) for ln in lines[lines_before:]]
     return "\n".join(lines)
@@ -501,23 +621,29 @@ def kvrun_settings(results: dict) -> str:
     return "settings unknown"
 
 
-def section(args, meta: dict, results: dict, mem: dict) -> str:
-    return "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"- date: {meta['date']}",
-            f"- machine: {meta['cpu']}, {args.threads} threads ({os.cpu_count()} CPUs visible)",
-            f"- torch {meta['torch']}; llama-cpp-python {meta['llamacpp']}",
+def section(args, meta: dict, results: dict, mem: dict, synth: dict | None = None) -> str:
+    lines = [
+        SECTION_TITLE,
+        "",
+        f"- date: {meta['date']}",
+        f"- machine: {meta['cpu']}, {args.threads} threads ({os.cpu_count()} CPUs visible)",
+        f"- torch {meta['torch']}; llama-cpp-python {meta['llamacpp']}",
+    ]
+    if results:
+        lines.append(
             f"- model: {Path(args.model).name}; kvrun --kv full, {kvrun_settings(results)}; "
-            f"llama.cpp n_batch = n_ubatch = {args.n_batch}",
-            f"- command: `{meta['command']}`",
-            f"- median of {args.reps} reps per cell, tools alternating, one warm-up each; tg "
-            f"after a {args.tg_prompt}-token prompt; random token ids",
-            "",
-            table(results, mem),
-        ]
-    )
+            f"llama.cpp n_batch = n_ubatch = {args.n_batch}"
+        )
+    if synth is not None:
+        lines.append(synth_line(synth))
+    lines += [
+        f"- command: `{meta['command']}`",
+        f"- median of {args.reps} reps per cell, tools alternating, one warm-up each; tg "
+        f"after a {args.tg_prompt}-token prompt; random token ids",
+        "",
+        table(results, mem, synth),
+    ]
+    return "\n".join(lines)
 
 
 def write_readme(text: str) -> None:
@@ -550,7 +676,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=default_model(), help="GGUF file (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="subprocess pairs per test (median)")
-    ap.add_argument("--tests", default="pp512,pp2048,tg128", help="comma list of ppN / tgN")
+    ap.add_argument(
+        "--tests",
+        default="pp512,pp2048,tg128",
+        help="comma list of ppN / tgN on --model ('' with --synthetic-8b: none)",
+    )
     ap.add_argument("--wtype", help="passed to kvrun as --wtype (default: kvrun's default)")
     ap.add_argument(
         "--baseline-wtype",
@@ -558,6 +688,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--kvrun-args", default="", help="extra arguments for `kvrun bench`")
     ap.add_argument("--skip-8b", action="store_true", help=f"skip the {SYNTH_8B} load")
+    ap.add_argument(
+        "--synthetic-8b",
+        metavar="PATH",
+        help="also run both tools on this Llama-3-8B-shaped Q4_0 GGUF file, written there "
+        "by bench/synth_gguf.py if missing",
+    )
+    ap.add_argument(
+        "--synthetic-tests", default="pp128,tg32", help="tests on the --synthetic-8b file"
+    )
+    ap.add_argument(
+        "--synthetic-layers",
+        type=int,
+        default=32,
+        help="block count when writing the --synthetic-8b file (default: %(default)s)",
+    )
     ap.add_argument("--write", action="store_true", help="write the section into README.md")
     ap.add_argument("--json", metavar="PATH", help="save the raw numbers as JSON")
     ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp n_batch = n_ubatch")
@@ -569,13 +714,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = ap.parse_args(argv)
     args.test_list = [parse_test(t) for t in args.tests.split(",") if t.strip()]
+    args.synthetic_test_list = [parse_test(t) for t in args.synthetic_tests.split(",") if t.strip()]
+    if not args.test_list and not (args.synthetic_8b and args.synthetic_test_list):
+        ap.error("no tests to run")
     args.model = str(Path(args.model).expanduser())
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not Path(args.model).is_file():
+    if args.test_list and not Path(args.model).is_file():
         sys.exit(f"no model file at {args.model} (try `kvrun pull smollm2`)")
     raw_argv = sys.argv[1:] if argv is None else argv
     version, build_s = ensure_llamacpp()
@@ -587,16 +735,23 @@ def main(argv: list[str] | None = None) -> None:
         "llamacpp_build_s": build_s,
         "command": shlex.join(["python", "bench/vs_llamacpp.py", *raw_argv]),
     }
+    synth = ensure_synthetic(args) if args.synthetic_8b and args.synthetic_test_list else None
     t0 = time.perf_counter()
-    results = run_tests(args, args.test_list)
-    mem = collect_memory(args, results)
+    results, mem = {}, {}
+    if args.test_list:
+        results = run_tests(args, args.test_list)
+        mem = collect_memory(args, results)
+    if synth is not None:
+        run_synthetic(args, synth)
     meta["bench_s"] = time.perf_counter() - t0
-    text = section(args, meta, results, mem)
+    text = section(args, meta, results, mem, synth)
     print(text)
     if args.write:
         write_readme(text)
     if args.json:
         raw = {"meta": meta, "args": vars(args), "results": results, "memory": mem}
+        if synth is not None:
+            raw["synthetic_8b"] = synth
         Path(args.json).write_text(json.dumps(raw, indent=2, default=str) + "\n")
         log(f"saved {args.json}")
 

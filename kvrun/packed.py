@@ -29,6 +29,14 @@ NIBBLES = 0x0F0F0F0F
 SLAB_ELEMS = 1 << 24  # rows dequantized at a time: at most 64 MiB of float32 scratch
 DECODE_ROWS = 8  # CPU: up to this many rows the int4 op beats dequantize + MKL (measured)
 REFINE = 64  # head logits per row recomputed exactly after an int4 product (`logits`)
+# CPU prefill of layers with at least this many weights: dequantize to bfloat16 and multiply
+# with oneDNN's bf16 GEMM where it beats float32 here (AMX / AVX512-BF16: ~5x). Below it the
+# dequantized float32 slab stays in cache and the product is exact (the default model's
+# layers, <= 1.8M weights; 1B-class models and up have layers of 6M-120M)
+BF16_PREFILL_WEIGHTS = 1 << 23
+BF16_OP_ROWS = (
+    128  # such layers: the int4 op up to this many rows (it matches dequant + bf16 GEMM at 128)
+)
 
 
 class Scratch:
@@ -156,13 +164,15 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) @ W^T through this layer's path."""
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """x (..., K) @ W^T through this layer's path. exact: on CPU, products beyond a decode
+        step's rows stay exact float32 (the output head: logits are what is measured)."""
         if self.path == "int4pack":
-            if x.device.type == "cuda" or x.numel() <= DECODE_ROWS * self.in_features:
+            op_rows = DECODE_ROWS if exact else self.op_rows()
+            if x.device.type == "cuda" or x.numel() <= op_rows * self.in_features:
                 return int4mm.mm(x, *self._planes(), self.group)
             if self.codes is None:
-                return self._dequant_planes_linear(x)
+                return self._dequant_planes_linear(x, bf16=not exact and self.bf16_prefill())
         return dequant_linear(x, self.packed, self.dtype, self.scratch)
 
     def rows_dense(self, idx: torch.Tensor) -> torch.Tensor:
@@ -178,7 +188,7 @@ class PackedLinear(nn.Module):
         the op rounds each weight to bfloat16, which costs ~1e-3 nats of KL at the head alone
         (measured on the default model); sampling only reads the top of the distribution,
         and there the logits are now exact up to the activations' float32 products."""
-        y = self.matmul(x)
+        y = self.matmul(x, exact=True)
         rows = x.numel() // self.in_features
         if self.codes is not None or rows > DECODE_ROWS or self.path != "int4pack":
             return y
@@ -188,17 +198,31 @@ class PackedLinear(nn.Module):
         y2.scatter_(1, top, (x2 @ w.transpose(1, 2)).view(rows, -1).to(y2.dtype))
         return y
 
-    def _dequant_planes_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """Exact x @ W^T on CPU from the int4 planes, 64-row blocks a slab at a time."""
+    def _dequant_planes_linear(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+        """x @ W^T on CPU from the int4 planes, 64-row blocks a slab at a time: exact in the
+        compute dtype, or in bfloat16 (large layers where its GEMM is faster: bf16_prefill)."""
         n, k = self.out_features, self.in_features
         step = max(int4mm.BLOCK_N, SLAB_ELEMS // k // int4mm.BLOCK_N * int4mm.BLOCK_N)
+        dt = torch.bfloat16 if bf16 else self.dtype
+        xx = x.to(dt)
         planes, out = self._planes()[0], []
         for r in range(0, n, step):
             rows = slice(r, min(r + step, n))
             q = int4mm.codes_cpu(planes, rows)  # (R, K)
-            w = self.scratch.scaled(q, *self._scale_zero(rows), self.dtype)
-            out.append(F.linear(x, w))
-        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+            w = self.scratch.scaled(q, *self._scale_zero(rows), dt)
+            out.append(F.linear(xx, w))
+        y = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+        return y.to(x.dtype)
+
+    def op_rows(self) -> int:
+        """CPU: products of up to this many rows go through the int4 op."""
+        return BF16_OP_ROWS if self.bf16_prefill() else DECODE_ROWS
+
+    def bf16_prefill(self) -> bool:
+        """Whether products of many rows run in bfloat16 (large layers, where bf16 GEMMs are
+        faster on this CPU); inexact like the int4 op, ~3e-3 relative."""
+        big = self.out_features * self.in_features >= BF16_PREFILL_WEIGHTS
+        return big and self.dtype == torch.float32 and bf16_gemm_faster()
 
     def use_int4pack(self) -> bool:
         """Move the codes into the int4 ops' layout where this device and shape allow it (q4 on
@@ -298,6 +322,19 @@ def matmul_path(device_type: str, dtype: torch.dtype) -> str:
     if (got - ref).abs().max() > 1e-2 * ref.abs().max():
         return "dequant"
     return "int4pack" if _faster(lambda: lin(x), lambda: deq(x)) else "dequant"
+
+
+@functools.cache
+def bf16_gemm_faster() -> bool:
+    """Whether a bfloat16 GEMM beats float32 on this CPU (oneDNN on AMX or AVX512-BF16),
+    timed once on a 128 x 2048 x 2048 product."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 2048, generator=g), torch.randn(2048, 2048, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    try:
+        return _faster(lambda: F.linear(xb, wb), lambda: F.linear(x, w), reps=5)
+    except RuntimeError:  # no bf16 GEMM in this build
+        return False
 
 
 def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:

@@ -133,3 +133,4 @@ def test_every_method_is_stackable_or_says_why():
                 assert sel.name in str(e) and store.name in str(e), str(e)
                 continue
             assert spec.store is store and spec.select is sel
+            assert spec.name == (store.name if sel.name == "full" else text)

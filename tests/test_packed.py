@@ -171,6 +171,35 @@ def test_int4_cpu_products_within_bfloat16_rounding(bits):
     torch.testing.assert_close(lin(xl), F.linear(xl, ref_w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
+    """Layers of BF16_PREFILL_WEIGHTS weights or more (made small here) take the int4 op up
+    to BF16_OP_ROWS rows and beyond it dequantize to bfloat16 for oneDNN's GEMM: both within
+    the bfloat16 bound of the test above; the output head (`logits`) stays exact beyond a
+    decode step's rows. Where bf16 GEMMs are not faster the product stays exact."""
+    p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(4)), bits)
+    p.exact = True
+    ref_w = p.dequantize()
+    lin = PackedLinear(p, torch.float32)
+    lin.use_int4pack()
+    monkeypatch.setattr(packed_mod, "BF16_PREFILL_WEIGHTS", 0)
+    monkeypatch.setattr(packed_mod, "bf16_gemm_faster", lambda: True)
+    assert lin.op_rows() == packed_mod.BF16_OP_ROWS
+    mag = ref_w.abs() + 16 * p.scale.float().abs().repeat_interleave(GROUP, dim=1)
+    if p.zero is not None:
+        mag += p.zero.float().abs().repeat_interleave(GROUP, dim=1)
+    for rows in (packed_mod.BF16_OP_ROWS, packed_mod.BF16_OP_ROWS + 72):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        got, want = lin(x), F.linear(x, ref_w)
+        assert got.dtype == torch.float32
+        assert ((got - want).abs() <= 4 * 2**-8 * (x.abs() @ mag.T)).all()
+        assert (got - want).abs().max() > 0  # bfloat16, not the exact product
+    x = torch.randn(40, 256)
+    torch.testing.assert_close(lin.logits(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(packed_mod, "bf16_gemm_faster", lambda: False)
+    torch.testing.assert_close(lin(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
+
+
 def test_stacked_layers_equal_their_parts():
     ps = [
         quantize(torch.randn(n, 128, generator=torch.Generator().manual_seed(n)), 4)

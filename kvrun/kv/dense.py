@@ -6,6 +6,7 @@ import torch
 
 from ..kernels.dense_decode import dense_decode
 from .attention import Partial, position_mask, sdpa, segment_attention
+from .buffer import Buffer
 
 
 class DenseSeg:
@@ -27,9 +28,8 @@ class DenseSeg:
     ):
         # K and V live in buffers with spare room (1, Hkv, cap, D); `k`, `v` are the occupied
         # slots, so a decode step writes one slot instead of copying the whole segment
-        self._k = torch.empty(1, n_kv, 0, head_dim, dtype=dtype, device=device)
-        self._v = torch.empty_like(self._k)
-        self.n = 0
+        self._k = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
+        self._v = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self.pos = torch.empty(pos_rows, 0, dtype=torch.int32, device=device) if pos_rows else None
         # (Hkv or score_rows, T) fp32 accumulated attention (H2O, MiniKV; MiniKV's gqa_agg=max
         # keeps one row per query head)
@@ -37,34 +37,25 @@ class DenseSeg:
 
     @property
     def k(self) -> torch.Tensor:  # (1, Hkv, T, D) post-RoPE
-        return self._k[:, :, : self.n]
+        return self._k.data
 
     @property
     def v(self) -> torch.Tensor:  # (1, Hkv, T, D)
-        return self._v[:, :, : self.n]
+        return self._v.data
 
     @property
     def length(self) -> int:
-        return self.n
+        return self._k.n
 
     def reserve(self, n: int) -> None:
-        """Room for n slots (doubling, so appends cost O(1) copies per slot amortised)."""
-        cap = self._k.shape[2]
-        if n <= cap:
-            return
-        cap = max(n, 2 * cap, 64)
-        shape = (*self._k.shape[:2], cap, self._k.shape[3])
-        k, v = self._k.new_empty(shape), self._v.new_empty(shape)
-        k[:, :, : self.n], v[:, :, : self.n] = self.k, self.v
-        self._k, self._v = k, v
+        """Room for n slots."""
+        self._k.reserve(n)
+        self._v.reserve(n)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Add new tokens (1, Hkv, T, D) at the end; positions (T,)."""
-        end = self.n + k.shape[2]
-        self.reserve(end)
-        self._k[:, :, self.n : end] = k
-        self._v[:, :, self.n : end] = v
-        self.n = end
+        self._k.append(k)
+        self._v.append(v)
         if self.pos is not None:
             new = positions.to(torch.int32).expand(self.pos.shape[0], -1)
             self.pos = torch.cat([self.pos, new], dim=1)
@@ -75,12 +66,11 @@ class DenseSeg:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep slots idx (Hkv, T') or (1, T') (same for every head), ascending."""
-        Hkv, D = self._k.shape[1], self._k.shape[3]
+        _, Hkv, _, D = self._k.buf.shape
         full = idx.expand(Hkv, -1)
         gather = full[None, :, :, None].expand(1, Hkv, full.shape[1], D)
-        self._k = torch.gather(self.k, 2, gather)
-        self._v = torch.gather(self.v, 2, gather)
-        self.n = full.shape[1]
+        self._k.replace(torch.gather(self.k, 2, gather))
+        self._v.replace(torch.gather(self.v, 2, gather))
         if self.pos is not None:
             self.pos = torch.gather(self.pos, 1, idx.expand(self.pos.shape[0], -1))
         if self.acc is not None:
@@ -90,7 +80,8 @@ class DenseSeg:
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove and return all K, V (1, Hkv, T, D) (the segment starts a new buffer)."""
         k, v = self.k, self.v
-        self._k, self._v, self.n = k[:, :, :0].clone(), v[:, :, :0].clone(), 0
+        self._k.clear()
+        self._v.clear()
         if self.pos is not None:
             self.pos = self.pos[:, :0]
         if self.acc is not None:
@@ -101,11 +92,11 @@ class DenseSeg:
     @property
     def end(self) -> int:
         """The slot the next decode token goes to."""
-        return self.n
+        return self._k.n
 
     def room(self, n_more: int) -> None:
         """Room for n_more static steps."""
-        self.reserve(self.n + n_more)
+        self.reserve(self._k.n + n_more)
 
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
@@ -113,17 +104,18 @@ class DenseSeg:
         """One decode token with no host sync: k, v (1, Hkv, 1, D) written at `slot` (a (1,)
         device tensor, inside the room), then attention over the slots up to it; the caller
         then calls `advance`. Only for segments without positions or scores (their rows grow)."""
-        self._k.index_copy_(2, slot, k)
-        self._v.index_copy_(2, slot, v)
+        self._k.write_at(slot, k)
+        self._v.write_at(slot, v)
         lengths = (slot + 1).to(torch.int32)  # (B=1,)
-        return [Partial(*dense_decode(q, self._k, self._v, lengths))]
+        return [Partial(*dense_decode(q, self._k.buf, self._v.buf, lengths))]
 
     def advance(self) -> None:
-        self.n += 1
+        self._k.advance()
+        self._v.advance()
 
     def static_key(self) -> tuple:
         """What a captured static step depends on: the buffers' addresses."""
-        return (self._k.data_ptr(), self._v.data_ptr())
+        return (self._k.buf.data_ptr(), self._v.buf.data_ptr())
 
     def mask(self, q_pos: torch.Tensor, n_new: int, window: int | None) -> torch.Tensor | None:
         """Visibility (Tq, T) or (Hkv, Tq, T): by positions when held, else by slot order

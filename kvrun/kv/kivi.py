@@ -13,6 +13,7 @@ from ..kernels.dense_decode import dense_decode
 from ..kernels.kivi_decode import kivi_decode
 from ..kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
 from .attention import Partial, segment_attention
+from .buffer import Buffer
 
 
 def quantize(
@@ -56,18 +57,6 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_codes(words, bits).to(torch.uint8)
 
 
-def _grow(t: torch.Tensor, dim: int, need: int) -> torch.Tensor:
-    """`t` with at least `need` slots along `dim` (capacity doubles), contents kept."""
-    cap = t.shape[dim]
-    if need <= cap:
-        return t
-    shape = list(t.shape)
-    shape[dim] = max(need, 2 * cap)
-    new = t.new_empty(shape)
-    new.narrow(dim, 0, cap).copy_(t)
-    return new
-
-
 class KiviLayer:
     """One layer's KIVI store: a packed quantized body (oldest Tq tokens) + a dense tail (newest Tr)."""
 
@@ -94,17 +83,25 @@ class KiviLayer:
             raise ValueError(f"kivi: head_dim {head_dim} must be a multiple of group {group}")
         self.H, self.D, self.bits, self.G, self.R = n_kv_heads, head_dim, bits, group, residual
         self.dtype, self.device = dtype, torch.device(device)
-        self.body_len = 0  # Tq, a multiple of G
-        self.tail_len = 0  # Tr
         H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32
-        self._kq = torch.empty(H, D, 0, device=dev, dtype=i32)  # (Hkv, D, cap*b/32) keys by token
-        self._ks = torch.empty(H, D, 0, device=dev, dtype=dtype)  # (Hkv, D, cap/G)
-        self._kz = torch.empty(H, D, 0, device=dev, dtype=dtype)  # (Hkv, D, cap/G)
-        self._vq = torch.empty(H, 0, D * bits // 32, device=dev, dtype=i32)  # (Hkv, cap, D*b/32)
-        self._vs = torch.empty(H, 0, D // group, device=dev, dtype=dtype)  # (Hkv, cap, D/G)
-        self._vz = torch.empty(H, 0, D // group, device=dev, dtype=dtype)  # (Hkv, cap, D/G)
-        self._tk = torch.empty(H, 0, D, device=dev, dtype=dtype)  # (Hkv, cap, D) dense tail
-        self._tv = torch.empty(H, 0, D, device=dev, dtype=dtype)  # (Hkv, cap, D)
+        self._kq = Buffer((H, D, 0), 2, i32, dev)  # (Hkv, D, Tq*b/32) keys by token
+        self._ks = Buffer((H, D, 0), 2, dtype, dev)  # (Hkv, D, Tq/G)
+        self._kz = Buffer((H, D, 0), 2, dtype, dev)  # (Hkv, D, Tq/G)
+        self._vq = Buffer((H, 0, D * bits // 32), 1, i32, dev)  # (Hkv, Tq, D*b/32)
+        self._vs = Buffer((H, 0, D // group), 1, dtype, dev)  # (Hkv, Tq, D/G)
+        self._vz = Buffer((H, 0, D // group), 1, dtype, dev)  # (Hkv, Tq, D/G)
+        self._tk = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D) dense tail
+        self._tv = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D)
+
+    @property
+    def body_len(self) -> int:
+        """Tq, a multiple of G."""
+        return self._vq.n
+
+    @property
+    def tail_len(self) -> int:
+        """Tr."""
+        return self._tk.n
 
     @property
     def length(self) -> int:
@@ -114,22 +111,17 @@ class KiviLayer:
     # --- occupied views (the layout of baselines.md 5, "Bit packing") --------------------
     def body(self) -> tuple[torch.Tensor, ...]:
         """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of the occupied body."""
-        tq, w, g = self.body_len, self.body_len * self.bits // 32, self.body_len // self.G
-        return (self._kq[..., :w], self._ks[..., :g], self._kz[..., :g],
-                self._vq[:, :tq], self._vs[:, :tq], self._vz[:, :tq])  # fmt: skip
+        return tuple(b.data for b in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense tail K, V, (Hkv, Tr, D) each, newest last."""
-        return self._tk[:, : self.tail_len], self._tv[:, : self.tail_len]
+        return self._tk.data, self._tv.data
 
     # --- mechanism --------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append (Hkv, T, D) post-RoPE keys and values, newest last, to the dense tail."""
-        end = self.tail_len + k.shape[1]
-        self._tk, self._tv = _grow(self._tk, 1, end), _grow(self._tv, 1, end)
-        self._tk[:, self.tail_len : end] = k
-        self._tv[:, self.tail_len : end] = v
-        self.tail_len = end
+        self._tk.append(k)
+        self._tv.append(v)
 
     def flush(self, unit: int) -> int:
         """Quantize the oldest largest-multiple-of-`unit` tail tokens into the body; returns the count."""
@@ -140,22 +132,16 @@ class KiviLayer:
         n = self.tail_len // unit * unit
         if n == 0:
             return 0
-        b, G, tq = self.bits, self.G, self.body_len
+        tk, tv = self.tail()
         # (Hkv, D, n*b/32), (Hkv, D, n/G) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on CUDA
-        kq, ks, kz, vq, vs, vz = kivi_pack(self._tk[:, :n], self._tv[:, :n], b, G)
-        w0, w1, g0, g1 = tq * b // 32, (tq + n) * b // 32, tq // G, (tq + n) // G
-        self._kq = _grow(self._kq, 2, w1)
-        self._ks, self._kz = _grow(self._ks, 2, g1), _grow(self._kz, 2, g1)
-        self._vq = _grow(self._vq, 1, tq + n)
-        self._vs, self._vz = _grow(self._vs, 1, tq + n), _grow(self._vz, 1, tq + n)
-        self._kq[..., w0:w1] = kq
-        self._ks[..., g0:g1], self._kz[..., g0:g1] = ks, kz
-        self._vq[:, tq : tq + n] = vq
-        self._vs[:, tq : tq + n], self._vz[:, tq : tq + n] = vs, vz
+        packed = kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G)
+        for buf, x in zip((self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed,
+                          strict=True):  # fmt: skip
+            buf.append(x)
         rest = self.tail_len - n
-        self._tk[:, :rest] = self._tk[:, n : n + rest].clone()
-        self._tv[:, :rest] = self._tv[:, n : n + rest].clone()
-        self.body_len, self.tail_len = tq + n, rest
+        for buf in (self._tk, self._tv):  # the unflushed newest tokens move to the front
+            buf.buf[:, :rest] = buf.buf[:, n : n + rest].clone()
+            buf.n = rest
         return n
 
     def _mask(self, start: int, stop: int, Tq: int, n_new: int) -> torch.Tensor | None:
@@ -194,7 +180,8 @@ class KiviLayer:
 
     def room(self, n_more: int) -> None:
         """Room for the static steps to come: the tail never exceeds R between flushes."""
-        self._tk, self._tv = _grow(self._tk, 1, self.R + 1), _grow(self._tv, 1, self.R + 1)
+        self._tk.reserve(self.R + 1)
+        self._tv.reserve(self.R + 1)
 
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
@@ -205,20 +192,21 @@ class KiviLayer:
         The body is read at its Python-known length (constant until the next flush); the
         caller then calls `advance`, the Python side of the write.
         """
-        self._tk.index_copy_(1, slot, k[0])
-        self._tv.index_copy_(1, slot, v[0])
+        self._tk.write_at(slot, k[0])
+        self._tv.write_at(slot, v[0])
         parts = [self._attend_body(q, 0)] if self.body_len else []
         lengths = (slot + 1).to(torch.int32)  # (B=1,) tail slots 0..slot
-        out, lse = dense_decode(q, self._tk[None], self._tv[None], lengths)
+        out, lse = dense_decode(q, self._tk.buf[None], self._tv.buf[None], lengths)
         return parts + [Partial(out, lse)]
 
     def advance(self) -> None:
-        self.tail_len += 1
+        self._tk.advance()
+        self._tv.advance()
 
     def static_key(self) -> tuple:
         """What a captured static step depends on: buffer addresses and the body length."""
         bufs = (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz, self._tk, self._tv)
-        return (*(t.data_ptr() for t in bufs), self.body_len)
+        return (*(t.buf.data_ptr() for t in bufs), self.body_len)
 
     def _attend_body(self, q: torch.Tensor, n_new: int) -> Partial:
         """Body attention with the dequantization inside the dot products (kernels.kivi_decode:

@@ -20,6 +20,8 @@ from .attention import Partial, combine
 from .base import KVManager
 from .budget import minikv_pyramid, pyramid_budgets
 from .dense import DenseSeg
+from .method import Allocator, Scorer, Selector
+from .protocol import StaticSegment
 from .select import attention_colsum, dense_colsum, group_sum, keep_indices, window_votes
 from .spec import KVSpec
 
@@ -58,15 +60,17 @@ class CompressedKV(KVManager):
         self.kivi_bits = self.kivi_cfg["bits"] if self.kivi_cfg else 16
         # MiniKV: prompt-only column sums, selection once per turn at end_prefill, then a store
         # that only grows (minikv.md); its budget comes from heavy/recent unless given
-        self.minikv = self.sel.name.startswith("minikv")
+        self.minikv = self.sel.scorer == Scorer.PROMPT
         self.user_budget = spec.budget
         if self.minikv and self.opt["colsum"] == "triton" and torch.device(device).type != "cuda":
             raise KvrunError(
                 f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
             )
-        self.decode_time = self.sel.when == "every chunk and step"
+        self.decode_time = self.sel.evicts_at_decode
         # positions are stored only where a later step needs them (baselines.md 0.4)
-        self.pos_rows = {"streaming": 1, "h2o": config.n_kv_heads}.get(self.sel.name, 0)
+        # (one row when the selection is the same for every head, as by recency)
+        shared = self.sel.selector == Selector.SINKS_RECENT
+        self.pos_rows = (1 if shared else config.n_kv_heads) if self.decode_time else 0
         self.count_pos = self.pos_rows > 0
         self.on_select = on_select
         if on_select is not None and not self.pos_rows:
@@ -93,7 +97,7 @@ class CompressedKV(KVManager):
             self.dtype,
             self.device,
             self.pos_rows,
-            scores=self.sel.scorer == "cumulative" or self.minikv,
+            scores=self.sel.scorer in (Scorer.CUMULATIVE, Scorer.PROMPT),
             score_rows=c.n_heads if per_q else None,
         )
 
@@ -122,7 +126,9 @@ class CompressedKV(KVManager):
 
     def _direct_to_store(self) -> bool:
         """New tokens go straight into the KIVI store (no selection pending on them)."""
-        return self.layers[0].kivi is not None and (self.sel.name == "full" or not self.in_prefill)
+        return self.layers[0].kivi is not None and (
+            self.sel.selector == Selector.ALL or not self.in_prefill
+        )
 
     # ---------------------------------------------------------- static decode
     # Methods whose decode steps only append (no eviction at steps) decode statically: the new
@@ -145,7 +151,7 @@ class CompressedKV(KVManager):
             return f"{self.name} keeps positions or scores per slot"
         return None
 
-    def _decode_seg(self, st: _Layer):
+    def _decode_seg(self, st: _Layer) -> StaticSegment:
         """The segment a decode token of this layer goes to: KIVI store or a DenseSeg."""
         if st.kivi is not None:
             return st.kivi
@@ -204,11 +210,11 @@ class CompressedKV(KVManager):
             st.kivi.append(kr[0], v[0])
             return combine(st.kivi.attend(qr, T), self.dtype)
         st.dense.append(kr, v, positions)
-        if self.sel.scorer == "window" and self.in_prefill:
+        if self.sel.scorer == Scorer.WINDOW and self.in_prefill:
             w = self.opt["window"]
             prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
             st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -w:]
-        if self.sel.scorer == "cumulative":
+        if self.sel.scorer == Scorer.CUMULATIVE:
             mask = st.dense.mask(positions, T, window)
             if T == 1 and mask is None and qr.is_cuda:  # H2O decode: one kernel, probabilities out
                 out, _, p = dense_decode(qr, st.dense.k, st.dense.v, return_probs=True)
@@ -265,7 +271,7 @@ class CompressedKV(KVManager):
         super().end_chunk(n_tokens)
         if self.decode_time:
             self._evict("chunk")
-        elif self.sel.scorer == "window" and self.opt.get("chunked"):
+        elif self.sel.scorer == Scorer.WINDOW and self.opt.get("chunked"):
             self._select_window("chunk")
         if self._direct_to_store():
             unit = self.kivi_cfg["residual"]
@@ -273,7 +279,7 @@ class CompressedKV(KVManager):
                 st.kivi.flush(unit)
 
     def end_prefill(self) -> None:
-        if self.sel.scorer == "window":
+        if self.sel.scorer == Scorer.WINDOW:
             self._select_window("prefill")
         if self.minikv:
             self._select_minikv("prefill")
@@ -315,7 +321,7 @@ class CompressedKV(KVManager):
             if d.length > B:
                 pos = d.pos.long()  # (1 or Hkv, T)
                 sinks = pos < self.opt["sinks"]
-                if self.sel.name == "streaming":
+                if self.sel.selector == Selector.SINKS_RECENT:
                     idx = keep_indices(pos.float(), sinks, B)  # newest positions win
                 else:
                     # W(n) = floor(recent * B(n)) exactly from the decimal (as B(n), 0.2)
@@ -370,7 +376,7 @@ class CompressedKV(KVManager):
         T = self.layers[0].dense.length
         n = T if self.layers[0].kivi is not None else self.seen
         B = self.budget.tokens(n, self.protected)
-        if self.sel.allocator == "pyramid":
+        if self.sel.allocator == Allocator.PYRAMID:
             budgets = pyramid_budgets(B, T, w, self.config.n_layers, self.opt["beta"])
         else:
             budgets = [B] * self.config.n_layers

@@ -15,6 +15,35 @@ from typing import Any
 from .options import Option
 
 
+class Scorer:
+    """What a selection scores tokens by (the first axis)."""
+
+    NONE = "none"
+    WINDOW = "window"  # the last w prompt queries' attention (SnapKV §4.2)
+    CUMULATIVE = "cumulative"  # attention summed over every query so far (H2O §3)
+    PROMPT = "cumulative (prompt)"  # summed over the turn's prompt queries only (MiniKV §3)
+
+
+class Selector:
+    """How the kept tokens are picked from the scores."""
+
+    ALL = "all"  # nothing is evicted
+    SINKS_RECENT = "sinks+recent"  # by position alone, the same for every head
+    TOPK_RECENT = "topk+recent"
+    TOPK_WINDOW = "topk+window"
+    TOPK_WINDOW_QHEAD = "topk+window (per query head)"
+
+
+class Allocator:
+    """How many tokens each layer keeps (the second axis)."""
+
+    UNIFORM = "uniform"
+    PYRAMID = "pyramid"  # PyramidKV's arithmetic schedule
+    MINIKV_PYRAMID = "pyramid (MiniKV)"
+    XKV = "xkv"
+    SPINDLE = "spindle"
+
+
 def _zero(opts: Mapping[str, Any]) -> int:
     return 0
 
@@ -41,12 +70,12 @@ class Method:
     name: str
     kind: str  # "select" | "store"
     summary: str
-    # the three axes, as `kvrun kv list` shows them
-    scorer: str = "none"  # none | window | cumulative | cumulative (prompt)
-    selector: str = "all"  # all | sinks+recent | topk+recent | topk+window[ (per query head)]
-    allocator: str = "uniform"  # uniform | pyramid | pyramid (MiniKV) | xkv | spindle
-    store: str = "dense"  # dense | kivi | kivi 2-bit | merged | codebook
-    when: str = "never"  # never | prefill-end... | every chunk and step | tail flush
+    # the three axes (values of the classes above; `kvrun kv list` shows them as they are)
+    scorer: str = Scorer.NONE
+    selector: str = Selector.ALL
+    allocator: str = Allocator.UNIFORM
+    store: str = "dense"  # dense | kivi | kivi 2-bit | merged | codebook (display only)
+    when: str = "never"  # when it compresses (display only; behaviour: evicts_at_decode)
     options: tuple[Option, ...] = ()
     # P: tokens the selection always keeps (sinks + window), the floor of any budget
     protected: Callable[[Mapping[str, Any]], int] = _zero

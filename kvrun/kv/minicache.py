@@ -29,6 +29,7 @@ from ..kernels.merged_decode import merged_decode
 from ..rope import Rope
 from .attention import Partial, combine, dense_attention
 from .base import KVManager
+from .buffer import Buffer
 from .kivi import KiviLayer
 from .spec import KVSpec
 
@@ -127,34 +128,6 @@ def retention(
 # --- storage -------------------------------------------------------------------------------------
 
 
-class _Grow:
-    """A tensor growing along `dim` with spare capacity; `data` is the occupied part."""
-
-    def __init__(self, shape: tuple[int, ...], dim: int, dtype, device, reserve: int = 0):
-        shape = list(shape)
-        shape[dim] = reserve
-        self.buf = torch.empty(shape, dtype=dtype, device=device)
-        self.dim, self.n = dim, 0
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self.buf.narrow(self.dim, 0, self.n)
-
-    def append(self, x: torch.Tensor) -> None:
-        end = self.n + x.shape[self.dim]
-        if end > self.buf.shape[self.dim]:
-            shape = list(self.buf.shape)
-            shape[self.dim] = max(end, 2 * shape[self.dim], 64)
-            new = self.buf.new_empty(shape)
-            new.narrow(self.dim, 0, self.n).copy_(self.data)
-            self.buf = new
-        self.buf.narrow(self.dim, self.n, x.shape[self.dim]).copy_(x)
-        self.n = end
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.buf.element_size()
-
-
 class _Half:
     """The merged K (or V) of one pair: E, both norms and the ragged retention data.
 
@@ -165,9 +138,9 @@ class _Half:
     def __init__(
         self, g: int, m: int, hkv: int, d: int, dense_e: bool, thr: float | None, dtype, device
     ):
-        self.e = _Grow((hkv, 0, d), 1, dtype, device) if dense_e else None  # (Hkv, T, D)
-        self.na = _Grow((g, 0), 1, dtype, device)  # (g, T) norms of layer l-1
-        self.nb = _Grow((g, 0), 1, dtype, device)  # (g, T) norms of layer l
+        self.e = Buffer((hkv, 0, d), 1, dtype, device) if dense_e else None  # (Hkv, T, D)
+        self.na = Buffer((g, 0), 1, dtype, device)  # (g, T) norms of layer l-1
+        self.nb = Buffer((g, 0), 1, dtype, device)  # (g, T) norms of layer l
         self.ridx = torch.empty(0, dtype=torch.int32, device=device)  # (N_r,) token indices
         self.ra = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l-1
         self.rb = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l
@@ -208,7 +181,7 @@ class _Pair:
         self.k: _Half | None = None  # created at the first merge
         self.v: _Half | None = None
         self.kivi = kivi  # holds E_K as keys and E_V as values (KIVI store)
-        self.exact: dict[int, tuple[_Grow, _Grow]] | None = None  # this turn's K, V per layer
+        self.exact: dict[int, tuple[Buffer, Buffer]] | None = None  # this turn's K, V per layer
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
         self.length = 0  # merged tokens (slot index = position)
 
@@ -264,7 +237,7 @@ class MiniCacheKV(KVManager):
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
         shape = (1, self.H, 0, self.D)
         if self.kv_layout is None:  # dense K, V (1, Hkv, T, D) each
-            dense = lambda: _Grow(shape, 2, self.dtype, self.device)  # noqa: E731
+            dense = lambda: Buffer(shape, 2, self.dtype, self.device)  # noqa: E731
             self.plain = {i: (dense(), dense()) for i in plain}
         else:
             self.plain = {i: self._kivi() for i in plain}
@@ -279,7 +252,7 @@ class MiniCacheKV(KVManager):
         for p in self.pairs:
             p.pending = None
             p.exact = {
-                ly: (_Grow(shape, 2, dt, dev, n_tokens), _Grow(shape, 2, dt, dev, n_tokens))
+                ly: (Buffer(shape, 2, dt, dev, n_tokens), Buffer(shape, 2, dt, dev, n_tokens))
                 for ly in (p.a, p.b)
             }
 

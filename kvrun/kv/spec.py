@@ -38,12 +38,13 @@ class KVSpec:
 
     @property
     def name(self) -> str:
-        names = [] if self.select.name == "full" and self.store else [self.select.name]
+        plain = self.select is REGISTRY["full"]  # `kivi2` is full+kivi2
+        names = [] if plain and self.store else [self.select.name]
         return "+".join(names + ([self.store.name] if self.store else []))
 
     @property
     def is_full(self) -> bool:
-        return self.select.name == "full" and self.store is None
+        return self.select is REGISTRY["full"] and self.store is None
 
     @property
     def takes_budget(self) -> bool:

@@ -25,6 +25,7 @@ from ..kernels import use_triton
 from ..kernels.codebook_decode import codebook_decode
 from .attention import Partial, combine, dense_attention, position_mask, sdpa
 from .base import KVManager
+from .buffer import Buffer
 from .codebook import assign, build_codebook, unit_vectors
 from .scores import pool_scores, window_scores
 from .select import keep_indices
@@ -223,8 +224,8 @@ class _Layer:
         self.k_d = self.v_d = self.pos_d = self.mask_d = None
         self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
         # prefill state of the current turn (counted while held, baselines.md 0.6)
-        self.held_k = self.held_v = None  # (Hkv, capacity, D) pre-RoPE K, V
-        self.held_n = 0
+        self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
+        self.held_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
         self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
 
     @property
@@ -233,24 +234,19 @@ class _Layer:
 
     def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
         """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
-        T = k.shape[1]
-        if self.held_k is None or self.held_n + T > self.held_k.shape[1]:
-            cap = max(capacity, self.held_n + T)
-            hk, hv = (
-                k.new_empty(k.shape[0], cap, k.shape[2]),
-                v.new_empty(k.shape[0], cap, k.shape[2]),
-            )
-            if self.held_k is not None:
-                hk[:, : self.held_n] = self.held_k[:, : self.held_n]
-                hv[:, : self.held_n] = self.held_v[:, : self.held_n]
-            self.held_k, self.held_v = hk, hv
-        self.held_k[:, self.held_n : self.held_n + T] = k
-        self.held_v[:, self.held_n : self.held_n + T] = v
-        self.held_n += T
+        if self.held_k is None:  # room for the whole turn at once
+            shape = (k.shape[0], 0, k.shape[2])
+            self.held_k = Buffer(shape, 1, k.dtype, k.device, capacity)
+            self.held_v = Buffer(shape, 1, v.dtype, v.device, capacity)
+        self.held_k.append(k)
+        self.held_v.append(v)
+
+    @property
+    def held_n(self) -> int:
+        return 0 if self.held_k is None else self.held_k.n
 
     def drop_turn(self) -> None:
         self.held_k = self.held_v = self.qwin = None
-        self.held_n = 0
 
     def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
         self.idx_k, self.idx_v = _cat(self.idx_k, idx_k), _cat(self.idx_v, idx_v)
@@ -265,9 +261,7 @@ class _Layer:
         books = sum(b.nbytes() for b in self.books_k + self.books_v)
         stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
                   self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
-        held = 0
-        if self.held_k is not None:
-            held = 2 * self.held_k[:, : self.held_n].numel() * self.held_k.element_size()
+        held = 0 if self.held_k is None else self.held_k.nbytes() + self.held_v.nbytes()
         return books + sum(_size(t) for t in stored) + held
 
 
@@ -332,7 +326,7 @@ class SpindleKV(KVManager):
     def end_prefill(self) -> None:
         for i, st in enumerate(self.layers):
             if st.held_n:  # chunked prefill: every layer compresses here (step 8)
-                self._compress(i, st.held_k[:, : st.held_n], st.held_v[:, : st.held_n], st.qwin)
+                self._compress(i, st.held_k.data, st.held_v.data, st.qwin)
             st.drop_turn()
         super().end_prefill()
 
@@ -351,7 +345,7 @@ class SpindleKV(KVManager):
             kp, vp = k[0], v[0]
         else:
             st.hold(k[0], v[0], self.turn_len)
-            kp, vp = st.held_k[:, : st.held_n], st.held_v[:, : st.held_n]
+            kp, vp = st.held_k.data, st.held_v.data
         n = kp.shape[1]
         tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
         kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact

@@ -3,15 +3,15 @@ evicted after every prefill chunk and decode step."""
 
 from __future__ import annotations
 
-from ..method import Method
+from ..method import Method, Scorer, Selector
 from ..options import Option
 
 METHOD = Method(
     "h2o",
     "select",
     "H2O: heavy hitters by cumulative attention + recent window",
-    scorer="cumulative",
-    selector="topk+recent",
+    scorer=Scorer.CUMULATIVE,
+    selector=Selector.TOPK_RECENT,
     when="every chunk and step",
     options=(
         Option("recent", 0.5, "share of the budget for the most recent tokens", lo=0.0, hi=1.0),

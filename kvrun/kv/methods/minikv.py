@@ -4,7 +4,7 @@ KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hi
 
 from __future__ import annotations
 
-from ..method import Method
+from ..method import Allocator, Method, Scorer, Selector
 from ..options import Option
 
 OPTIONS = (
@@ -37,8 +37,8 @@ def _minikv(name: str, summary: str, alloc: str, allocator: str, own: str) -> Me
         name,
         "select",
         summary,
-        scorer="cumulative (prompt)",
-        selector="topk+recent",
+        scorer=Scorer.PROMPT,
+        selector=Selector.TOPK_RECENT,
         allocator=allocator,
         store="kivi 2-bit",
         when="prefill-end; then tail flushes",
@@ -55,14 +55,14 @@ METHODS = (
         "minikv",
         "MiniKV: H2O heavy hitters over the prompt + recent window, 2-bit KIVI (G 16, R 128)",
         "uniform",
-        "uniform",
+        Allocator.UNIFORM,
         "2-bit KIVI; minikv:quant=none for dense, minikv:group=,residual= for its layout",
     ),
     _minikv(
         "minikv-pyramid",
         "MiniKV with pyramid heavy-hitter budgets, more to lower layers (= minikv:alloc=pyramid)",
         "pyramid",
-        "pyramid (MiniKV)",
+        Allocator.MINIKV_PYRAMID,
         "2-bit KIVI; minikv-pyramid:quant=none for dense",
     ),
 )

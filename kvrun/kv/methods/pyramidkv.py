@@ -3,16 +3,16 @@ linearly from the first layer to the last (arithmetic schedule, same mean)."""
 
 from __future__ import annotations
 
-from ..method import Method
+from ..method import Allocator, Method, Scorer, Selector
 from ..options import SNAP, Option
 
 METHOD = Method(
     "pyramidkv",
     "select",
     "PyramidKV: SnapKV with linearly decreasing layer budgets",
-    scorer="window",
-    selector="topk+window",
-    allocator="pyramid",
+    scorer=Scorer.WINDOW,
+    selector=Selector.TOPK_WINDOW,
+    allocator=Allocator.PYRAMID,
     when="prefill-end",
     options=SNAP + (Option("beta", 20, "last layer gets 1/beta of the mean", lo=1),),
     protected=lambda o: o["window"],

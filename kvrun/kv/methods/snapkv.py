@@ -3,15 +3,15 @@ votes are pooled, and each KV head keeps its top-k plus the window at the end of
 
 from __future__ import annotations
 
-from ..method import Method
+from ..method import Method, Scorer, Selector
 from ..options import SNAP
 
 METHOD = Method(
     "snapkv",
     "select",
     "SnapKV: observation-window votes, max-pooled, top-k per KV head",
-    scorer="window",
-    selector="topk+window",
+    scorer=Scorer.WINDOW,
+    selector=Selector.TOPK_WINDOW,
     when="prefill-end",
     options=SNAP,
     protected=lambda o: o["window"],

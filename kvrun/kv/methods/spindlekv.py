@@ -4,7 +4,7 @@ by an index when a codeword is similar enough."""
 
 from __future__ import annotations
 
-from ..method import Method
+from ..method import Allocator, Method, Scorer, Selector
 from ..options import Option, pooling
 
 OPTIONS = (
@@ -36,9 +36,9 @@ METHOD = Method(
     "spindlekv",
     "select",
     "SpindleKV: linear per-layer eviction budgets + per-layer codebooks of K and V",
-    scorer="window",
-    selector="topk+window (per query head)",
-    allocator="spindle",
+    scorer=Scorer.WINDOW,
+    selector=Selector.TOPK_WINDOW_QHEAD,
+    allocator=Allocator.SPINDLE,
     store="codebook",
     when="prefill-end; decode tokens coded",
     options=OPTIONS,

@@ -3,14 +3,14 @@ of the most recent ones, evicted after every prefill chunk and decode step."""
 
 from __future__ import annotations
 
-from ..method import Method
+from ..method import Method, Selector
 from ..options import Option
 
 METHOD = Method(
     "streaming",
     "select",
     "StreamingLLM: attention sinks + recent window",
-    selector="sinks+recent",
+    selector=Selector.SINKS_RECENT,
     when="every chunk and step",
     options=(Option("sinks", 4, "first tokens always kept", lo=0),),
     protected=lambda o: o["sinks"] + 1,  # the sinks and the newest token

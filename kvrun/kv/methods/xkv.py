@@ -5,7 +5,7 @@ the attention mass (target mode), planned by a scoring pass or at the end of the
 from __future__ import annotations
 
 from ...errors import KvrunError
-from ..method import Method
+from ..method import Allocator, Method, Scorer, Selector
 from ..options import Option, pooling
 
 OPTIONS = (
@@ -51,9 +51,9 @@ METHOD = Method(
     "xkv",
     "select",
     "XKV: observation-window scores, per-layer budgets by global greedy allocation",
-    scorer="window",
-    selector="topk+window",
-    allocator="xkv",
+    scorer=Scorer.WINDOW,
+    selector=Selector.TOPK_WINDOW,
+    allocator=Allocator.XKV,
     when="prefill-end",
     options=OPTIONS,
     protected=protected,
