@@ -12,6 +12,7 @@ import torch
 
 from .errors import ContextOverflow, KvrunError
 from .graph import DecodeGraph, static_unsupported
+from .kv.batch import BatchKV
 from .sampling import SamplingConfig, sample
 
 
@@ -185,6 +186,31 @@ class Session:
             logits = self.model(tok, pos, self.kv)[0, -1]
         self.kv.end_step()
         self.tokens.append(token)
+        return logits
+
+    @staticmethod
+    @torch.inference_mode()
+    def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token to each of several sessions of one model in one forward pass (the
+        linear layers read the weights once for all of them; each session's cache attends
+        for its own row: kvrun.kv.batch). Returns the next-token logits (B, V). Eager steps
+        only (graph mode is per session)."""
+        if len(sessions) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens for {len(sessions)} sessions")
+        model = sessions[0].model
+        if any(s.model is not model for s in sessions):
+            raise ValueError("a batch runs sessions of one model")
+        if any(s.graph_mode != "off" for s in sessions):
+            raise ValueError("batched decode steps are eager: sessions with graph='off'")
+        for s in sessions:
+            s.check_fits(1)
+        dev = model.device
+        tok = torch.tensor([[t] for t in tokens], device=dev)  # (B, 1)
+        pos = torch.tensor([[len(s.tokens)] for s in sessions], device=dev)  # (B, 1)
+        logits = model(tok, pos, BatchKV([s.kv for s in sessions]))[:, -1]
+        for s, t in zip(sessions, tokens, strict=True):
+            s.kv.end_step()
+            s.tokens.append(t)
         return logits
 
     def generate(

@@ -190,7 +190,8 @@ class Transformer(nn.Module):
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False
     ) -> torch.Tensor:
-        """Logits (B, T, V) for tokens (B, T) at positions (T,); only the last row if asked."""
+        """Logits (B, T, V) for tokens (B, T) at positions (T,), or (B, T) when each row is its
+        own sequence (kv is then a kvrun.kv.batch.BatchKV); only the last row if asked."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         for block in self.model.layers:
             x = block(x, positions, kv)

@@ -20,6 +20,7 @@ from test_kv_methods import config, drive, new_kv, prompt, tiny
 
 import kvrun.kv.spindle as spindle
 from kvrun.kernels import codebook_decode as cb
+from kvrun.kv.codebook import Shelf
 from kvrun.kv.spindle import pack_bits
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
@@ -280,7 +281,7 @@ print("ok")
 def test_shelf_books_and_their_table():
     """Per-head books share one buffer: table() rows at the offsets are each book's rows,
     through growth; only the used rows are counted."""
-    shelf = spindle._Shelf(3, 8, F32, "cpu")
+    shelf = Shelf(3, 8, F32, "cpu")
     rows = [torch.randn(n, 8, generator=_gen(30 + n)) for n in (5, 70, 2)]
     for book, r in zip(shelf.books, rows, strict=True):  # 70 rows: every book grows past 64
         book.append(r[:1])
@@ -293,7 +294,7 @@ def test_shelf_books_and_their_table():
     for book, r, o in zip(shelf.books, rows, off.tolist(), strict=True):
         assert torch.equal(book.rows(), r) and torch.equal(table[o : o + len(r)], r)
         assert book.nbytes() == r.numel() * 4
-    one = spindle._Shelf(1, 8, F32, "cpu")
+    one = Shelf(1, 8, F32, "cpu")
     one.books[0].append(rows[1])
     table, off = one.table()
     assert off is None and torch.equal(table[:70], rows[1])

@@ -19,7 +19,7 @@ from test_kv_methods import drive, new_kv, prompt, random_transformer
 import kvrun.kv.minicache as mc
 from kvrun.config import ModelConfig
 from kvrun.kernels import merged_decode as md
-from kvrun.kv.minicache import restore
+from kvrun.kv.merged import restore
 
 F16, F32 = torch.float16, torch.float32
 

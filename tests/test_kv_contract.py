@@ -4,7 +4,8 @@ A method is tested here the moment it is registered: its declared options parse 
 defaults, a budget covering every token under its `lossless` options reproduces the full
 cache, its default settings hold fewer bytes than the full cache and report them as JSON,
 and where it has a static decode form (CUDA graphs) the static step equals the eager one.
-Not yet here: batches (B = 3 against three B = 1 runs) wait for the batch contract.
+and three sequences of different lengths decoded as one batch (kvrun.kv.batch: a store per
+(sequence, layer)) give what three single runs give.
 """
 
 from __future__ import annotations
@@ -134,3 +135,32 @@ def test_every_method_is_stackable_or_says_why():
                 continue
             assert spec.store is store and spec.select is sel
             assert spec.name == (store.name if sel.name == "full" else text)
+
+
+@pytest.mark.parametrize("m", REGISTRY.values(), ids=lambda m: m.name)
+def test_batch_of_three_equals_three_single_runs(m):
+    """B = 3: three prompts of different lengths, each prefilled alone, then decode steps
+    with the three tokens in one forward pass (Session.decode_batch). Logits, kept bytes and
+    lengths equal three B = 1 runs (up to the float reordering of a 3-row product)."""
+    model = tiny()
+    prompts = [prompt(n, seed=10 + n) for n in (50, 71, 90)]
+    budget = "0.5" if m.kind == "select" and m.takes_budget else None
+
+    def session():
+        return Session(model, None, new_kv(model, m.name, budget), ubatch=UBATCH)
+
+    singles, batch = [], [session() for _ in prompts]
+    for p in prompts:
+        s = session()
+        logits = [s.prefill(p)]
+        for _ in range(DECODE):
+            logits.append(s.decode(int(logits[-1].argmax())))
+        singles.append((s, torch.stack(logits)))
+    logits = [torch.stack([s.prefill(p) for s, p in zip(batch, prompts, strict=True)])]
+    for _ in range(DECODE):
+        logits.append(Session.decode_batch(batch, logits[-1].argmax(-1).tolist()))
+    got = torch.stack(logits, dim=1)  # (3, 1 + DECODE, V)
+    for b, (s, want) in enumerate(singles):
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
+        assert batch[b].tokens == s.tokens
+        assert batch[b].kv.nbytes() == s.kv.nbytes()

@@ -22,7 +22,7 @@ from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 from kvrun.cli.main import cli
 from kvrun.config import ModelConfig
 from kvrun.kv import kivi
-from kvrun.kv.minicache import merge, pairing, restore, retention
+from kvrun.kv.merged import merge, pairing, restore, retention
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches, passkey_prompt

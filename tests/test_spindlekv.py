@@ -23,15 +23,10 @@ from kvrun.cli.main import cli
 from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.kv import build, check
+from kvrun.kv.alloc.spindle import endpoints, layer_ratios, spindle_keep
 from kvrun.kv.codebook import assign, build_codebook
 from kvrun.kv.scores import pool_scores
-from kvrun.kv.spindle import (
-    endpoints,
-    layer_ratios,
-    qhead_scores,
-    spindle_keep,
-    union_slots,
-)
+from kvrun.kv.spindle import qhead_scores, union_slots
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches, passkey_prompt

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .buffer import Buffer
+
 ROUND = 32  # candidates examined per round of the greedy loop
 CPU_TILE = 1024  # on CPU a cb_block tile is split so it stays in cache (same counts, ~3x faster)
 
@@ -167,3 +169,131 @@ def assign(
             made.append(h)
     new = stored[made] if made else stored[:0]
     return torch.tensor(out, dtype=torch.int64, device=x.device), new, m
+
+
+# --- SpindleKV's per-layer codebook store ------------------------------------------------------
+class Shelf:
+    """One layer's K (or V) codebooks, one shared or one per KV head, in one buffer
+    (n_books, capacity, d): book h starts at row h * capacity of its flat view, so the decode
+    kernel reads per-head books through offsets, with no concatenation (nothing copied per
+    step; all books grow together, by doubling, when one is full)."""
+
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device):
+        self.data = torch.empty(n_books, 0, d, dtype=dtype, device=device)  # (n_books, cap, d)
+        self.books = [Book(self, h) for h in range(n_books)]
+        self._off: torch.Tensor | None = None  # (n_books,) int32 h * capacity, per capacity
+
+    def reserve(self, n: int) -> None:
+        """Room for n rows in every book."""
+        cap = self.data.shape[1]
+        if n <= cap:
+            return
+        grown = self.data.new_empty(self.data.shape[0], max(2 * cap, n, 64), self.data.shape[2])
+        for b in self.books:
+            grown[b.h, : b.n] = self.data[b.h, : b.n]
+        self.data, self._off = grown, None
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every book as rows of one table (n_books * capacity, d) and the first row of each
+        book (n_books,) int32 (None for one book): kernels.codebook_decode's book and off."""
+        n_books, cap, d = self.data.shape
+        if n_books == 1:
+            return self.data[0], None
+        if self._off is None:
+            self._off = torch.arange(n_books, device=self.data.device, dtype=torch.int32) * cap
+        return self.data.view(n_books * cap, d), self._off
+
+
+class Book:
+    """A growable codebook (rows of unit vectors) on its shelf; only the n used rows count."""
+
+    def __init__(self, shelf: Shelf, h: int):
+        self.shelf, self.h = shelf, h
+        self.n = 0
+
+    def rows(self) -> torch.Tensor:  # (n, d)
+        return self.shelf.data[self.h, : self.n]
+
+    def append(self, rows: torch.Tensor) -> None:
+        m = rows.shape[0]
+        self.shelf.reserve(self.n + m)
+        self.shelf.data[self.h, self.n : self.n + m] = rows
+        self.n += m
+
+    def nbytes(self) -> int:
+        return self.n * self.shelf.data.shape[2] * self.shelf.data.element_size()
+
+
+def cat_rows(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new], dim=1)
+
+
+def nbytes_of(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class CodedLayer:
+    """One layer's SpindleKV state (every tensor counted by nbytes)."""
+
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype):
+        self.shelf_k = Shelf(n_books, d, dtype, device)
+        self.shelf_v = Shelf(n_books, d, dtype, device)
+        self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
+        self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
+        # coded segment, (Hkv, S_c[, nb])
+        self.idx_k = self.idx_v = self.mag_k = self.mag_v = None
+        self.pos_c = self.mask_c = None
+        # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
+        self.k_d = self.v_d = self.pos_d = self.mask_d = None
+        self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
+        # prefill state of the current turn (counted while held, baselines.md 0.6)
+        self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
+        self.held_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
+        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
+
+    @property
+    def n_slots(self) -> int:
+        return sum(0 if p is None else p.shape[1] for p in (self.pos_c, self.pos_d))
+
+    def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
+        """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
+        if self.held_k is None:  # room for the whole turn at once
+            shape = (k.shape[0], 0, k.shape[2])
+            self.held_k = Buffer(shape, 1, k.dtype, k.device, capacity)
+            self.held_v = Buffer(shape, 1, v.dtype, v.device, capacity)
+        self.held_k.append(k)
+        self.held_v.append(v)
+
+    @property
+    def held_n(self) -> int:
+        return 0 if self.held_k is None else self.held_k.n
+
+    def drop_turn(self) -> None:
+        self.held_k = self.held_v = self.qwin = None
+
+    def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
+        self.idx_k, self.idx_v = cat_rows(self.idx_k, idx_k), cat_rows(self.idx_v, idx_v)
+        self.mag_k, self.mag_v = cat_rows(self.mag_k, mag_k), cat_rows(self.mag_v, mag_v)
+        self.pos_c, self.mask_c = cat_rows(self.pos_c, pos), cat_rows(self.mask_c, mask)
+
+    def append_dense(self, k, v, pos, mask) -> None:
+        self.k_d, self.v_d = cat_rows(self.k_d, k), cat_rows(self.v_d, v)
+        self.pos_d, self.mask_d = cat_rows(self.pos_d, pos), cat_rows(self.mask_d, mask)
+
+    def nbytes(self) -> int:
+        books = sum(b.nbytes() for b in self.books_k + self.books_v)
+        stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
+                  self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
+        held = 0 if self.held_k is None else self.held_k.nbytes() + self.held_v.nbytes()
+        return books + sum(nbytes_of(t) for t in stored) + held
+
+
+def gather_books(books: list[Book], idx: torch.Tensor) -> torch.Tensor:
+    """Codebook rows of idx (Hkv, S) -> (Hkv, S, d); one book per layer or one per KV head."""
+    if len(books) == 1:
+        return books[0].rows()[idx.long()]
+    rows = []
+    for h, b in enumerate(books):
+        r = b.rows()
+        rows.append(r[idx[h].long()] if b.n else r.new_zeros(idx.shape[1], r.shape[1]))
+    return torch.stack(rows)

@@ -16,9 +16,10 @@ import torch
 from ..errors import KvrunError
 from ..kernels.colsum import colsum, colsum_ref, colsum_triton
 from ..kernels.dense_decode import dense_decode
+from .alloc.minikv import minikv_budgets
 from .attention import Partial, combine
 from .base import KVManager
-from .budget import minikv_pyramid, pyramid_budgets
+from .budget import pyramid_budgets
 from .dense import DenseSeg
 from .method import Allocator, Scorer, Selector
 from .protocol import StaticSegment
@@ -332,23 +333,8 @@ class CompressedKV(KVManager):
             self._report(i, point)
 
     def minikv_budgets(self, t: int) -> tuple[list[int], int]:
-        """(heavy hitters per layer, recent window) for a turn of t tokens (minikv.md step 3)."""
-        o = self.opt
-        if self.user_budget is not None:  # B(t) split evenly, protected minimum 0
-            B = self.user_budget.tokens(t, 0)
-            n_rw = B // 2
-            n_hh = B - n_rw
-        else:
-            n_rw = math.floor(Fraction(str(o["recent"])) * t)
-            n_hh = math.floor(Fraction(str(o["heavy"])) * t)
-        L = self.config.n_layers
-        if o["alloc"] == "pyramid":
-            hh = minikv_pyramid(n_hh, L, o["depth"], o["pyramid_dir"])
-        else:
-            hh = [n_hh] * L
-        if o["align"]:  # round heavy hitters down so the kept count fills whole groups
-            hh = [max(0, h - (h + n_rw) % o["align"]) for h in hh]
-        return hh, n_rw
+        """(heavy hitters per layer, recent window) for a turn of t tokens."""
+        return minikv_budgets(self.opt, self.user_budget, t, self.config.n_layers)
 
     def _select_minikv(self, point: str) -> None:
         """Heavy hitters by the turn's column sums + the recent window, per KV head, once."""

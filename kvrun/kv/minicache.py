@@ -17,7 +17,6 @@ after it. Slot index = position (nothing is evicted), so a sliding window masks 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import torch
 
@@ -31,160 +30,8 @@ from .attention import Partial, combine, dense_attention
 from .base import KVManager
 from .buffer import Buffer
 from .kivi import KiviLayer
+from .merged import Half, Pair, direction, merge, pairing, retention
 from .spec import KVSpec
-
-# --- the merge math (pure functions, fp32) ------------------------------------------------------
-
-
-def pairing(n_layers: int, start: int = -1) -> list[tuple[int, int]]:
-    """Merged pairs (l-1, l) for every odd l with S <= l <= L-1; S = L // 2 when start < 0."""
-    s = n_layers // 2 if start < 0 else start
-    return [(ly - 1, ly) for ly in range(max(s | 1, 1), n_layers, 2)]
-
-
-def merge(
-    xa: torch.Tensor,  # (..., m) x^{l-1}
-    xb: torch.Tensor,  # (..., m) x^l
-    t: float = 0.6,
-    sin_eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MERGE of the spec per row: (E (..., m), n_a (...), n_b (...), d (...)), all fp32.
-
-    Omega = 2 atan2(||u_b - u_a||, ||u_b + u_a||) (stable near 0 and pi); SLERP with weight t
-    on the later layer (Eq. 3) where sin(Omega) >= sin_eps, else normalised LERP (u_b when that
-    is shorter than 1e-6); d = Omega / pi. Zero rows get u = 0, so nothing is NaN.
-    Spec decisions 3 and 6: t weights layer l as in Eq. 3 (Alg. 2 swaps the weights; t=0.4
-    reproduces it), and the paper has no rule for sin(Omega) ~ 0, hence the LERP fallback.
-    """
-    xa, xb = xa.float(), xb.float()
-    na = torch.linalg.vector_norm(xa, dim=-1)  # (...)
-    nb = torch.linalg.vector_norm(xb, dim=-1)
-    ua = xa / torch.where(na > 0, na, 1.0).unsqueeze(-1)  # (..., m); 0 for a zero row
-    ub = xb / torch.where(nb > 0, nb, 1.0).unsqueeze(-1)
-    omega = 2 * torch.atan2(
-        torch.linalg.vector_norm(ub - ua, dim=-1), torch.linalg.vector_norm(ub + ua, dim=-1)
-    )  # (...) in [0, pi]
-    s = torch.sin(omega)
-    slerp = (s >= sin_eps) & (s > 0)  # s > 0 too: sin_eps=0 must not divide by zero
-    s = torch.where(slerp, s, 1.0)
-    wa = (torch.sin((1 - t) * omega) / s).unsqueeze(-1)
-    wb = (torch.sin(t * omega) / s).unsqueeze(-1)
-    lerp = (1 - t) * ua + t * ub  # (..., m)
-    ln = torch.linalg.vector_norm(lerp, dim=-1, keepdim=True)
-    lerp = torch.where(ln >= 1e-6, lerp / torch.where(ln > 0, ln, 1.0), ub)
-    e = torch.where(slerp.unsqueeze(-1), wa * ua + wb * ub, lerp)
-    return e, na, nb, omega / math.pi
-
-
-def direction(e: torch.Tensor) -> torch.Tensor:
-    """e / ||e|| per row in fp32, with ||e|| recomputed (a dequantized row too); 0 where ||e|| = 0."""
-    e = e.float()
-    n = torch.linalg.vector_norm(e, dim=-1, keepdim=True)
-    return e / torch.where(n > 0, n, 1.0)
-
-
-def restore(e: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """Eq. 2: x_hat = e * n / ||e|| per row (fp32); e (..., m), norms (...)."""
-    return direction(e) * norms.float().unsqueeze(-1)
-
-
-def retention(
-    d: torch.Tensor,  # (G, T) angular distances of one turn's tokens, per group
-    gamma: float = 0.05,
-    rule: str = "distinct",
-    retain: str = "range",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which tokens stay unmerged: (mask (G, T) bool, threshold (G,) fp32).
-
-    range: distinct keeps d > d_max - (d_max - d_min) gamma, paper keeps d < d_min + (...) gamma
-    (Eq. 4 as printed); both are empty when d_max = d_min. topk:F keeps the ceil(F T) largest d
-    (paper: smallest), ties to the lower index. The threshold is what a decode token must exceed
-    (distinct) or stay under (paper) to be retained with decode_retain=1.
-    Spec decision 1: Eq. 4 and Alg. 2 print `d < ...`, which keeps the most *similar* pairs
-    while the text keeps the distinct ones; the spec keeps the distinct (rule=paper: as printed).
-    Decision 2: gamma is a fraction of the distance range, not of the tokens (topk:F is that).
-    """
-    d = d.float()
-    G, T = d.shape
-    paper = rule == "paper"
-    if retain == "range":
-        if T == 0:
-            never = d.new_full((G,), -math.inf if paper else math.inf)
-            return d.new_zeros(G, 0, dtype=torch.bool), never
-        lo, hi = d.amin(-1), d.amax(-1)  # (G,)
-        if paper:
-            thr = lo + (hi - lo) * gamma
-            return d < thr.unsqueeze(-1), thr
-        thr = hi - (hi - lo) * gamma
-        return d > thr.unsqueeze(-1), thr
-    k = min(T, math.ceil(Fraction(retain.partition(":")[2]) * T))  # exact from the decimal
-    order = torch.sort(d, dim=-1, descending=not paper, stable=True).indices  # (G, T)
-    mask = torch.zeros_like(d, dtype=torch.bool).scatter_(1, order[:, :k], True)
-    if k == 0:
-        return mask, d.new_full((G,), -math.inf if paper else math.inf)
-    return mask, d.gather(1, order[:, k - 1 : k]).squeeze(1)
-
-
-# --- storage -------------------------------------------------------------------------------------
-
-
-class _Half:
-    """The merged K (or V) of one pair: E, both norms and the ragged retention data.
-
-    Groups g are the KV heads (granularity=head) or one group over all heads (token); m is the
-    length of one group's vector (D or Hkv*D). Retained rows are sorted by (group, index).
-    """
-
-    def __init__(
-        self, g: int, m: int, hkv: int, d: int, dense_e: bool, thr: float | None, dtype, device
-    ):
-        self.e = Buffer((hkv, 0, d), 1, dtype, device) if dense_e else None  # (Hkv, T, D)
-        self.na = Buffer((g, 0), 1, dtype, device)  # (g, T) norms of layer l-1
-        self.nb = Buffer((g, 0), 1, dtype, device)  # (g, T) norms of layer l
-        self.ridx = torch.empty(0, dtype=torch.int32, device=device)  # (N_r,) token indices
-        self.ra = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l-1
-        self.rb = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l
-        self.roff = torch.zeros(g + 1, dtype=torch.int64, device=device)  # (g+1,) group starts
-        # decode_retain: the latest prefill threshold per group (fp32, counted); starts at a
-        # value no decode token passes
-        self.thr = torch.full((g,), thr, device=device) if thr is not None else None
-
-    def groups(self) -> torch.Tensor:
-        """(N_r,) int64 group of each retained row, from the offsets (a search: CPU
-        repeat_interleave wakes the thread pool, milliseconds on a busy machine)."""
-        r = torch.arange(self.ridx.numel(), device=self.roff.device)
-        return torch.searchsorted(self.roff[1:], r, right=True)
-
-    def add(self, gid: torch.Tensor, idx: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor) -> None:
-        """Insert retained rows (group gid, token idx, exact rows ra, rb), keeping the order."""
-        g = self.roff.numel() - 1
-        allg = torch.cat([self.groups(), gid])
-        alli = torch.cat([self.ridx.long(), idx])
-        order = torch.argsort(allg * (1 << 32) + alli)  # (group, index) pairs are unique
-        self.ridx = alli[order].to(torch.int32)
-        self.ra = torch.cat([self.ra, ra.to(self.ra.dtype)])[order]
-        self.rb = torch.cat([self.rb, rb.to(self.rb.dtype)])[order]
-        counts = torch.bincount(allg, minlength=g)
-        self.roff = torch.cat([self.roff[:1], counts.cumsum(0)])
-
-    def nbytes(self) -> int:
-        ts = [self.ridx, self.ra, self.rb, self.roff] + ([self.thr] if self.thr is not None else [])
-        total = sum(t.numel() * t.element_size() for t in ts)
-        return total + self.na.nbytes() + self.nb.nbytes() + (self.e.nbytes() if self.e else 0)
-
-
-class _Pair:
-    """Layers (a, b) = (l-1, l): merged halves, exact buffers during a prefill, pending slot."""
-
-    def __init__(self, a: int, b: int, kivi: KiviLayer | None):
-        self.a, self.b = a, b
-        self.k: _Half | None = None  # created at the first merge
-        self.v: _Half | None = None
-        self.kivi = kivi  # holds E_K as keys and E_V as values (KIVI store)
-        self.exact: dict[int, tuple[Buffer, Buffer]] | None = None  # this turn's K, V per layer
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
-        self.length = 0  # merged tokens (slot index = position)
-
 
 # --- the manager ---------------------------------------------------------------------------------
 
@@ -241,7 +88,7 @@ class MiniCacheKV(KVManager):
             self.plain = {i: (dense(), dense()) for i in plain}
         else:
             self.plain = {i: self._kivi() for i in plain}
-        self.pairs = [_Pair(a, b, self._kivi()) for a, b in self.pair_list]
+        self.pairs = [Pair(a, b, self._kivi()) for a, b in self.pair_list]
         self._work = None  # (pair, (uK, uV)): unit directions shared by layers a and b
         self._fwork = None  # (pair, [K, V] (map, 1/||E||)): merged_decode's, layers a and b
         self._sk = self._sv = None  # restore scratch (1, Hkv, cap, D), reused by every layer
@@ -299,7 +146,7 @@ class MiniCacheKV(KVManager):
         k_pos = torch.arange(ks.shape[2], device=self.device)
         return dense_attention(qr, ks, vs, positions, k_pos, window)
 
-    def _fuse(self, pair: _Pair, T: int) -> bool:
+    def _fuse(self, pair: Pair, T: int) -> bool:
         """Whether a decode step of this pair runs merged_decode: a dense E (fusing the KIVI
         dequantization with the restore is not done, minicache+kivi4 restores into the
         scratch), no sliding window that masks (every merged token visible), and something
@@ -312,7 +159,7 @@ class MiniCacheKV(KVManager):
             pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * self.g * pair.length
         )
 
-    def _attend_fused(self, pair: _Pair, second: bool, qr, kr, v) -> torch.Tensor:
+    def _attend_fused(self, pair: Pair, second: bool, qr, kr, v) -> torch.Tensor:
         """Decode of a paired layer without the restore scratch: merged_decode restores the
         n merged tokens inside the attention, combined with the step's own exact tokens."""
         parts = [self._own(qr, kr, v)]
@@ -337,7 +184,7 @@ class MiniCacheKV(KVManager):
         out = v.float().repeat_interleave(g, dim=1)  # (1, Hq, 1, D)
         return Partial(out, s.reshape(1, self.H * g, 1))
 
-    def _fused_args(self, half: _Half, work, second: bool):
+    def _fused_args(self, half: Half, work, second: bool):
         """(scale (Hkv, T), map, rows (N, D), unit) of one half of layer b (second) or a, for
         merged_decode; work = (map, 1/||E|| or None) from _override."""
         ov, inv = work
@@ -350,7 +197,7 @@ class MiniCacheKV(KVManager):
             return norms, ov, rows, True
         return norms.float() * inv, ov, rows, False  # (Hkv, T): n / ||E||
 
-    def _override(self, half: _Half, T: int):
+    def _override(self, half: Half, T: int):
         """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, for layers a and b:
         the map gives each retained (head, token) its row (-1: restore); 1/||E|| per token
         (T,) for granularity=token, per (head, token) (Hkv, T) where the torch reference runs
@@ -394,7 +241,7 @@ class MiniCacheKV(KVManager):
         return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
 
     # --------------------------------------------------------------- restore
-    def _directions(self, pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
+    def _directions(self, pair: Pair) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit directions (g, T, m) fp32 of the pair's merged K and V (dequantized for KIVI)."""
         if pair.kivi is not None:
             ek, ev = pair.kivi.dequantized()  # (Hkv, T, D) fp32 each
@@ -410,7 +257,7 @@ class MiniCacheKV(KVManager):
         """(g, T, m) -> (Hkv, T, D), the inverse of _groups."""
         return x.reshape(x.shape[1], self.H, self.D).transpose(0, 1) if self.token else x
 
-    def _restore_into(self, pair: _Pair, second: bool, dirs, out_k, out_v) -> None:
+    def _restore_into(self, pair: Pair, second: bool, dirs, out_k, out_v) -> None:
         """Write X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D): direction times
         the layer's own norm, then the retained rows put back exactly."""
         for half, u, out in ((pair.k, dirs[0], out_k), (pair.v, dirs[1], out_v)):
@@ -427,7 +274,7 @@ class MiniCacheKV(KVManager):
                 else:
                     out[half.groups(), idx] = rows.to(out.dtype)
 
-    def _restored(self, pair: _Pair, second: bool, extra: int):
+    def _restored(self, pair: Pair, second: bool, extra: int):
         """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
         n = pair.length
         if self._sk is None or self._sk.shape[2] < n + extra:
@@ -457,7 +304,7 @@ class MiniCacheKV(KVManager):
         return out_k, out_v
 
     # ------------------------------------------------------------------ merge
-    def _merge(self, pair: _Pair, ka, va, kb, vb, prefill: bool) -> None:
+    def _merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
         """Merge tokens of layers a and b, (Hkv, n, D) each, and append them to the pair."""
         n, start = ka.shape[1], pair.length
         if n == 0:
@@ -466,8 +313,8 @@ class MiniCacheKV(KVManager):
             never = -math.inf if self.rule == "paper" else math.inf
             thr = never if self.decode_retain else None
             args = (self.g, self.m, self.H, self.D, pair.kivi is None, thr)
-            pair.k = _Half(*args, self.dtype, self.device)
-            pair.v = _Half(*args, self.dtype, self.device)
+            pair.k = Half(*args, self.dtype, self.device)
+            pair.v = Half(*args, self.dtype, self.device)
         dirs = []
         for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
             ga, gb = self._groups(xa), self._groups(xb)  # (g, n, m)

@@ -14,7 +14,6 @@ decode under a sliding window that may mask, rebuild the slots densely for SDPA.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -23,57 +22,22 @@ import torch
 from ..errors import KvrunError
 from ..kernels import use_triton
 from ..kernels.codebook_decode import codebook_decode
+from .alloc.spindle import spindle_keep
 from .attention import Partial, combine, dense_attention, position_mask, sdpa
 from .base import KVManager
-from .buffer import Buffer
-from .codebook import assign, build_codebook, unit_vectors
+from .codebook import (
+    Book,
+    CodedLayer,
+    assign,
+    build_codebook,
+    gather_books,
+    unit_vectors,
+)
 from .scores import pool_scores, window_scores
 from .select import keep_indices
 from .spec import KVSpec
 
 INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
-
-
-# --- step 3: the per-layer schedule --------------------------------------------------------------
-def endpoints(r_c: Fraction, beta: Fraction) -> tuple[Fraction, Fraction]:
-    """(r_c(0), r_c(L-1)) of Eq. 5 as corrected by the spec (decision 2).
-
-    The paper prints rL = 1 - 2 r_c and a hard-coded 0.05; 2 r_c - 1 and beta keep the mean of
-    the two endpoints at r_c. r_c <= beta is a flat schedule; r_c >= 1 keeps everything.
-    """
-    alpha = (1 + beta) / 2
-    if r_c >= 1:
-        return Fraction(1), Fraction(1)
-    if r_c <= beta:
-        flat = max(r_c, Fraction(0))
-        return flat, flat
-    if r_c <= alpha:
-        return 2 * r_c - beta, beta
-    return Fraction(1), 2 * r_c - 1
-
-
-def layer_ratios(
-    r_c: Fraction, n_layers: int, beta: Fraction, schedule: str = "linear"
-) -> list[Fraction]:
-    """r_c(lambda) for every layer (Eq. 6), exact; their mean is r_c (0 <= r_c <= 1)."""
-    if schedule == "flat" or n_layers == 1:  # one layer: Eq. 6 is 0/0, the mean is r_c itself
-        return [min(max(r_c, Fraction(0)), Fraction(1))] * n_layers
-    r0, rl = endpoints(r_c, beta)
-    return [r0 + (rl - r0) * Fraction(lam, n_layers - 1) for lam in range(n_layers)]
-
-
-def spindle_keep(
-    t: int, budget: int, window: int, n_layers: int, beta: Fraction, schedule: str = "linear"
-) -> list[int] | None:
-    """k_lambda = floor(r_c(lambda) * n_ctx) context tokens per query head (Eq. 7), or None when
-    everything is kept (n_ctx <= 0 or r_c >= 1). budget = B(t), window included."""
-    n_ctx = t - window
-    if n_ctx <= 0:
-        return None
-    r_c = Fraction(budget - window, n_ctx)
-    if r_c >= 1:
-        return None
-    return [math.floor(r * n_ctx) for r in layer_ratios(r_c, n_layers, beta, schedule)]
 
 
 # --- steps 2, 4, 5: scores, per-query-head selection, unions with masks ------------------------
@@ -148,134 +112,6 @@ def union_slots(keep: torch.Tensor) -> Slots:
     return Slots(rel, valid, pack_bits(bits.transpose(1, 2)))
 
 
-# --- storage ---------------------------------------------------------------------------------------
-class _Shelf:
-    """One layer's K (or V) codebooks, one shared or one per KV head, in one buffer
-    (n_books, capacity, d): book h starts at row h * capacity of its flat view, so the decode
-    kernel reads per-head books through offsets, with no concatenation (nothing copied per
-    step; all books grow together, by doubling, when one is full)."""
-
-    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device):
-        self.data = torch.empty(n_books, 0, d, dtype=dtype, device=device)  # (n_books, cap, d)
-        self.books = [_Book(self, h) for h in range(n_books)]
-        self._off: torch.Tensor | None = None  # (n_books,) int32 h * capacity, per capacity
-
-    def reserve(self, n: int) -> None:
-        """Room for n rows in every book."""
-        cap = self.data.shape[1]
-        if n <= cap:
-            return
-        grown = self.data.new_empty(self.data.shape[0], max(2 * cap, n, 64), self.data.shape[2])
-        for b in self.books:
-            grown[b.h, : b.n] = self.data[b.h, : b.n]
-        self.data, self._off = grown, None
-
-    def table(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every book as rows of one table (n_books * capacity, d) and the first row of each
-        book (n_books,) int32 (None for one book): kernels.codebook_decode's book and off."""
-        n_books, cap, d = self.data.shape
-        if n_books == 1:
-            return self.data[0], None
-        if self._off is None:
-            self._off = torch.arange(n_books, device=self.data.device, dtype=torch.int32) * cap
-        return self.data.view(n_books * cap, d), self._off
-
-
-class _Book:
-    """A growable codebook (rows of unit vectors) on its shelf; only the n used rows count."""
-
-    def __init__(self, shelf: _Shelf, h: int):
-        self.shelf, self.h = shelf, h
-        self.n = 0
-
-    def rows(self) -> torch.Tensor:  # (n, d)
-        return self.shelf.data[self.h, : self.n]
-
-    def append(self, rows: torch.Tensor) -> None:
-        m = rows.shape[0]
-        self.shelf.reserve(self.n + m)
-        self.shelf.data[self.h, self.n : self.n + m] = rows
-        self.n += m
-
-    def nbytes(self) -> int:
-        return self.n * self.shelf.data.shape[2] * self.shelf.data.element_size()
-
-
-def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new], dim=1)
-
-
-def _size(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-class _Layer:
-    """One layer's SpindleKV state (every tensor counted by nbytes)."""
-
-    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype):
-        self.shelf_k = _Shelf(n_books, d, dtype, device)
-        self.shelf_v = _Shelf(n_books, d, dtype, device)
-        self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
-        self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
-        # coded segment, (Hkv, S_c[, nb])
-        self.idx_k = self.idx_v = self.mag_k = self.mag_v = None
-        self.pos_c = self.mask_c = None
-        # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
-        self.k_d = self.v_d = self.pos_d = self.mask_d = None
-        self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
-        # prefill state of the current turn (counted while held, baselines.md 0.6)
-        self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
-        self.held_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
-        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
-
-    @property
-    def n_slots(self) -> int:
-        return sum(0 if p is None else p.shape[1] for p in (self.pos_c, self.pos_d))
-
-    def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
-        """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
-        if self.held_k is None:  # room for the whole turn at once
-            shape = (k.shape[0], 0, k.shape[2])
-            self.held_k = Buffer(shape, 1, k.dtype, k.device, capacity)
-            self.held_v = Buffer(shape, 1, v.dtype, v.device, capacity)
-        self.held_k.append(k)
-        self.held_v.append(v)
-
-    @property
-    def held_n(self) -> int:
-        return 0 if self.held_k is None else self.held_k.n
-
-    def drop_turn(self) -> None:
-        self.held_k = self.held_v = self.qwin = None
-
-    def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
-        self.idx_k, self.idx_v = _cat(self.idx_k, idx_k), _cat(self.idx_v, idx_v)
-        self.mag_k, self.mag_v = _cat(self.mag_k, mag_k), _cat(self.mag_v, mag_v)
-        self.pos_c, self.mask_c = _cat(self.pos_c, pos), _cat(self.mask_c, mask)
-
-    def append_dense(self, k, v, pos, mask) -> None:
-        self.k_d, self.v_d = _cat(self.k_d, k), _cat(self.v_d, v)
-        self.pos_d, self.mask_d = _cat(self.pos_d, pos), _cat(self.mask_d, mask)
-
-    def nbytes(self) -> int:
-        books = sum(b.nbytes() for b in self.books_k + self.books_v)
-        stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
-                  self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
-        held = 0 if self.held_k is None else self.held_k.nbytes() + self.held_v.nbytes()
-        return books + sum(_size(t) for t in stored) + held
-
-
-def _gather(books: list[_Book], idx: torch.Tensor) -> torch.Tensor:
-    """Codebook rows of idx (Hkv, S) -> (Hkv, S, d); one book per layer or one per KV head."""
-    if len(books) == 1:
-        return books[0].rows()[idx.long()]
-    rows = []
-    for h, b in enumerate(books):
-        r = b.rows()
-        rows.append(r[idx[h].long()] if b.n else r.new_zeros(idx.shape[1], r.shape[1]))
-    return torch.stack(rows)
-
-
 # --- the manager ------------------------------------------------------------------------------------
 class SpindleKV(KVManager):
     """SpindleKV on kvrun's manager contract; options are declared in kvrun/kv/methods/spindlekv.py."""
@@ -312,7 +148,7 @@ class SpindleKV(KVManager):
         n_books = c.n_kv_heads if self.opt["codebook_scope"] == "head" else 1
         idx = torch.int32 if self.opt["index"] == "int32" else torch.int16
         self.layers = [
-            _Layer(n_books, c.head_dim, self.dtype, self.device, idx) for _ in range(c.n_layers)
+            CodedLayer(n_books, c.head_dim, self.dtype, self.device, idx) for _ in range(c.n_layers)
         ]
         self.turn_start, self.turn_len = 0, 0
         self._plan: tuple[int, list[int] | None] | None = None
@@ -357,7 +193,7 @@ class SpindleKV(KVManager):
             st.drop_turn()
         return out
 
-    def _fuse(self, st: _Layer, qr: torch.Tensor) -> bool:
+    def _fuse(self, st: CodedLayer, qr: torch.Tensor) -> bool:
         """Whether a decode step attends through kernels.codebook_decode: one new token (more
         would need causal masks among themselves); not when the model's sliding window may
         hide a slot (all positions up to the query's must fit in it); not for a layer of dense
@@ -370,7 +206,7 @@ class SpindleKV(KVManager):
             return False
         return st.pos_c is not None or use_triton(qr)
 
-    def _decode_attention(self, st: _Layer, qr: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, st: CodedLayer, qr: torch.Tensor) -> torch.Tensor:
         """Decode attention of qr (1, Hq, Tq, D) as the log-sum-exp combine of the coded and
         the dense segment's partials, each gathered and rotated inside codebook_decode."""
         cos, sin = self.rope.tables(self.seen + qr.shape[2])
@@ -388,7 +224,7 @@ class SpindleKV(KVManager):
             parts.append(Partial(out, lse))
         return combine(parts, qr.dtype)
 
-    def _attention(self, st: _Layer, qr, q_pos, k_new=None, v_new=None, k_pos_new=None):
+    def _attention(self, st: CodedLayer, qr, q_pos, k_new=None, v_new=None, k_pos_new=None):
         """Attention of qr (1, Hq, T, D) over the stored slots (masked per query head) and the
         turn's exact keys k_new (1, Hkv, n, D) post-RoPE, if any."""
         window = self.config.sliding_window
@@ -415,13 +251,13 @@ class SpindleKV(KVManager):
             m = m.expand(Hq, Tq, ks.shape[2])[None]
         return sdpa(qr, ks, vs, m)
 
-    def materialise(self, st: _Layer):
+    def materialise(self, st: CodedLayer):
         """The layer's slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV
         dtype, positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
         kp, vp, pos, mask = [], [], [], []
         if st.pos_c is not None:
-            kp.append(_gather(st.books_k, st.idx_k) * st.mag_k[..., None])
-            vp.append(_gather(st.books_v, st.idx_v) * st.mag_v[..., None])
+            kp.append(gather_books(st.books_k, st.idx_k) * st.mag_k[..., None])
+            vp.append(gather_books(st.books_v, st.idx_v) * st.mag_v[..., None])
             pos.append(st.pos_c)
             mask.append(st.mask_c)
         if st.pos_d is not None:
@@ -477,7 +313,7 @@ class SpindleKV(KVManager):
         self._widen(layer, st)
         st.append_coded(ik.to(st.idx_dtype[0]), iv.to(st.idx_dtype[1]), mk, mv, pos, sl.mask)
 
-    def _build(self, books: list[_Book], x: torch.Tensor, valid: torch.Tensor, theta: float):
+    def _build(self, books: list[Book], x: torch.Tensor, valid: torch.Tensor, theta: float):
         """Code the valid slots of x (Hkv, S, D): idx (Hkv, S) int64 and magnitudes (Hkv, S)
         in the KV dtype, 0 on padding; new entries appended to the books."""
         idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
@@ -495,7 +331,7 @@ class SpindleKV(KVManager):
             book.append(entries)
         return idx, mag
 
-    def _widen(self, layer: int, st: _Layer) -> None:
+    def _widen(self, layer: int, st: CodedLayer) -> None:
         """Switch a layer's K or V indices to int32 once its codebook exceeds 32767 entries."""
         for i, (books, name) in enumerate(((st.books_k, "key"), (st.books_v, "value"))):
             size = max(b.n for b in books)
@@ -533,7 +369,7 @@ class SpindleKV(KVManager):
         )
 
     @staticmethod
-    def _assign(books: list[_Book], x: torch.Tensor, theta: float):
+    def _assign(books: list[Book], x: torch.Tensor, theta: float):
         """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32."""
         if len(books) == 1:
             idx, new, m = assign(books[0].rows(), x, theta)

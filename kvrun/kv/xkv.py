@@ -9,18 +9,22 @@ the peak is the compressed earlier layers plus one full layer. Nothing is evicte
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
 import torch
 
-from ..errors import KvrunError
+from .alloc.xkv import allocate_budget, allocate_target, context_budget
+from .alloc.xkv_profile import (
+    Profile,
+    check_profile,
+    fold_profile,
+    load_profile,
+    profile_budgets,
+    save_profile,
+)
 from .base import KVManager
-from .budget import Budget, largest_remainder
 from .manager import CompressedKV
 from .scores import pool_scores
 from .select import group_sum, keep_indices
@@ -63,259 +67,6 @@ def normalise(w: torch.Tensor) -> torch.Tensor:
     """p_i = w_i / sum_j w_i[j] (zeros stay zeros)."""
     total = w.sum()
     return w / total if float(total) > 0 else torch.zeros_like(w)
-
-
-# ----------------------------------------------------------------------------- allocation
-def _ranked(p: list[torch.Tensor], floor: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Each layer's p in rank order (score descending, position ascending) and its floor."""
-    vals = [torch.sort(x.detach().float().cpu(), descending=True, stable=True).values for x in p]
-    return vals, [min(floor, v.numel()) for v in vals]
-
-
-def _candidates(vals: list[torch.Tensor], f: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The non-floor entries of all layers in global order: p descending, then lower layer,
-    then higher rank (a stable sort over entries listed layer by layer, rank by rank)."""
-    cand = torch.cat([v[fi:] for v, fi in zip(vals, f, strict=True)])
-    layer = torch.cat(
-        [torch.full((v.numel() - fi,), i) for i, (v, fi) in enumerate(zip(vals, f, strict=True))]
-    )
-    order = torch.sort(cand, descending=True, stable=True).indices
-    return cand[order], layer[order]
-
-
-def _greedy(vals, f, steps: int | None, target: float | None) -> list[int]:
-    """Alg. 1 corrected: start at the floors; a wait list holds each layer's next entry (-inf
-    once exhausted); take the largest (ties: lower layer) until `steps` are taken or the mean
-    retained mass reaches `target`."""
-    lists = [v.tolist() for v in vals]
-    L, n = len(lists), list(f)
-    mass = 0.0
-    for v, fi in zip(lists, f, strict=True):
-        for x in v[:fi]:
-            mass += x
-    wait = [v[fi] if fi < len(v) else -math.inf for v, fi in zip(lists, f, strict=True)]
-    taken = 0
-    while True:
-        if (steps is not None and taken == steps) or (target is not None and mass / L >= target):
-            break
-        best = max(range(L), key=lambda i: (wait[i], -i))
-        if wait[best] == -math.inf:
-            break  # every layer exhausted
-        mass += wait[best]
-        n[best] += 1
-        taken += 1
-        wait[best] = lists[best][n[best]] if n[best] < len(lists[best]) else -math.inf
-    return n
-
-
-def allocate_budget(
-    p: list[torch.Tensor], n_ctx: int, floor: int, alloc: str = "topk"
-) -> list[int]:
-    """Budget mode (Eqs. 17-18): context tokens n_i per layer, summing to n_ctx clamped to
-    [sum f_i, sum C_i], that maximise the mean retained mass; f_i = min(floor, C_i).
-
-    p: per-layer normalised scores (C_i,). Exact global top-N over the non-floor entries;
-    alloc="loop" runs the literal greedy instead (the same result, the reference).
-    """
-    vals, f = _ranked(p, floor)
-    C = [v.numel() for v in vals]
-    extra = max(sum(f), min(n_ctx, sum(C))) - sum(f)
-    if alloc == "loop":
-        return _greedy(vals, f, extra, None)
-    _, layer = _candidates(vals, f)
-    counts = torch.bincount(layer[:extra], minlength=len(p)).tolist()
-    return [fi + c for fi, c in zip(f, counts, strict=True)]
-
-
-def allocate_target(
-    p: list[torch.Tensor], target: float, floor: int, alloc: str = "topk"
-) -> list[int]:
-    """Target mode: from the floors, add entries in global descending p until the mean
-    retained mass (1/L) sum_i sum_{top n_i} p_i reaches `target` (everything if it never does)."""
-    vals, f = _ranked(p, floor)
-    if alloc == "loop":
-        return _greedy(vals, f, None, target)
-    L = len(p)
-    base = 0.0  # the floors' mass, summed in the same order as the greedy loop
-    for v, fi in zip(vals, f, strict=True):
-        for x in v[:fi].tolist():
-            base += x
-    cand, layer = _candidates(vals, f)
-    mass = torch.cat([torch.tensor([base], dtype=torch.float64), cand.double()]).cumsum(0)
-    reached = (mass / L >= target).nonzero()
-    m = int(reached[0]) if reached.numel() else cand.numel()
-    counts = torch.bincount(layer[:m], minlength=L).tolist()
-    return [fi + c for fi, c in zip(f, counts, strict=True)]
-
-
-def context_budget(
-    budget: Budget, n: int, n_layers: int, window: int, rows: int, floor: int, scope: str
-) -> int:
-    """N, the context tokens to distribute: L*B(n) - L*ows with the window counted in the
-    budget (scope total; P = window + floor), or L*B(n) of context alone (scope context)."""
-    if scope == "total":
-        return n_layers * budget.tokens(n, window + floor) - n_layers * rows
-    return n_layers * budget.tokens(n, floor)
-
-
-# -------------------------------------------------------------------------------- profiles
-@dataclass(slots=True)
-class Profile:
-    """A saved allocation: per-layer fractions of the prompt (or token counts), a running mean
-    over `count` prompts of one task type."""
-
-    model: str
-    n_layers: int
-    window: int
-    pool: str
-    units: str  # "fractions" | "tokens"
-    values: list[float]  # phi_i per layer
-    count: int
-
-    def to_json(self) -> dict:
-        return {
-            "method": "xkv",
-            "model": self.model,
-            "n_layers": self.n_layers,
-            "window": self.window,
-            "pool": self.pool,
-            "units": self.units,
-            self.units: self.values,
-            "count": self.count,
-        }
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read and validate a profile file; anything wrong is a one-line KvrunError."""
-    where = f"profile {path}"
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise KvrunError(f"cannot read {where}: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError):
-        raise KvrunError(
-            f"{where} is not valid JSON; delete it or make a new one with `kvrun profile`"
-        ) from None
-    if not isinstance(obj, dict) or obj.get("method") != "xkv":
-        raise KvrunError(f'{where} is not an XKV profile (no "method": "xkv")')
-    units = obj.get("units", "fractions" if "fractions" in obj else "tokens")
-    values, L, count = obj.get(units), obj.get("n_layers"), obj.get("count", 1)
-
-    def number(x) -> bool:
-        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-    ok = (
-        units in ("fractions", "tokens")
-        and isinstance(L, int)
-        and L > 0
-        and isinstance(values, list)
-        and len(values) == L
-        and all(number(x) and x >= 0 for x in values)
-        and (units == "tokens" or all(x <= 1 for x in values))
-        and isinstance(count, int)
-        and count >= 1
-        and isinstance(obj.get("window", 8), int)
-        and isinstance(obj.get("pool", "avg:7"), str)
-    )
-    if not ok:
-        raise KvrunError(
-            f"{where} is malformed (need n_layers, {units}: one number >= 0 per "
-            "layer, count); make a new one with `kvrun profile`"
-        )
-    return Profile(
-        str(obj.get("model", "")),
-        L,
-        obj.get("window", 8),
-        obj.get("pool", "avg:7"),
-        units,
-        [float(x) for x in values],
-        count,
-    )
-
-
-def check_profile(
-    prof: Profile, path, n_layers: int, model: str, window: int, pool: str, units: str | None = None
-) -> None:
-    """A profile made for another model shape, window, pooling (or units, when folding) is an
-    error: its fractions would not mean the same thing."""
-    where = f"profile {path}"
-    if prof.n_layers != n_layers:
-        raise KvrunError(
-            f"{where} has {prof.n_layers} layers but the model has {n_layers}; "
-            "make a profile for this model with `kvrun profile`"
-        )
-    if prof.model and model and prof.model != model:
-        raise KvrunError(
-            f"{where} was made for model {prof.model!r}, not {model!r}; "
-            "make one for this model with `kvrun profile`"
-        )
-    if (prof.window, prof.pool) != (window, pool):
-        raise KvrunError(
-            f"{where} was made with window={prof.window},pool={prof.pool}; run with "
-            "those xkv options or make a new profile"
-        )
-    if units is not None and prof.units != units:
-        raise KvrunError(
-            f"{where} stores {prof.units}, not {units}; set xkv:profile_units="
-            f"{prof.units} or write to a new file"
-        )
-
-
-def fold_profile(
-    prof: Profile | None, values: list[float], *, model: str, window: int, pool: str, units: str
-) -> Profile:
-    """The running mean with one more prompt's values (a new profile when prof is None)."""
-    if prof is None:
-        return Profile(model, len(values), window, pool, units, list(values), 1)
-    k = prof.count
-    mean = [(old * k + new) / (k + 1) for old, new in zip(prof.values, values, strict=True)]
-    return Profile(prof.model or model, prof.n_layers, window, pool, units, mean, k + 1)
-
-
-def save_profile(path: str | Path, prof: Profile) -> None:
-    """Write the profile as JSON, atomically (a crash never leaves half a file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(prof.to_json(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise KvrunError(f"cannot write profile {path}: {e.strerror}") from None
-
-
-def profile_budgets(
-    values: list[float], units: str, t: int, n_ctx: int, floor: int, C: int, target: bool
-) -> list[int]:
-    """Context tokens per layer for a prompt of t tokens (C = t - ows) from a profile.
-
-    Target mode: n_i = floor(phi_i * t + 1/2) clipped to [f, C]. Budget mode: f plus the
-    largest-remainder split of N - L*f (ties to the lower layer), layers above C cut to C and
-    the excess given to the others up to C in descending phi order, so sum n_i = N.
-
-    The split is in proportion to what each layer's profile share puts above the floor,
-    (phi_i * t - f)+, not to phi_i as xkv.md literally writes: with f > 0 the literal rule
-    would not give back the saved n_i at the same length (xkv.md test 10), this one does.
-    """
-    L, f = len(values), min(floor, max(C, 0))
-    if C <= 0:
-        return [0] * L
-    pred = [Fraction(v) * t if units == "fractions" else Fraction(v) for v in values]
-    if target:
-        return [min(C, max(f, math.floor(x + Fraction(1, 2)))) for x in pred]
-    N = max(L * f, min(n_ctx, L * C))
-    weights = [max(x - f, Fraction(0)) for x in pred]
-    if sum(weights) == 0:
-        weights = pred if sum(pred) > 0 else [Fraction(1)] * L
-    total = sum(weights)
-    extra = largest_remainder([(N - L * f) * w / total for w in weights], N - L * f)
-    n = [f + e for e in extra]
-    excess = sum(max(0, x - C) for x in n)
-    n = [min(x, C) for x in n]
-    for i in sorted(range(L), key=lambda i: (-values[i], i)):
-        add = min(excess, C - n[i])
-        n[i] += add
-        excess -= add
-    return n
 
 
 # --------------------------------------------------------------------------------- manager

@@ -1,0 +1,76 @@
+"""A batch of independent sequences through one forward pass.
+
+The batch contract, decided: a store per (sequence, layer). Each sequence keeps its own KV
+manager (any --kv method, with its own length, positions, selections, compression points
+and bytes), and `BatchKV` routes the batch's rows to them: the model's linear layers run
+once over every row of the step (one read of the weights for B tokens, the point of
+batching), while attention runs per sequence through that sequence's cache. Nothing about
+a method changes with B, so B sequences give exactly what B single runs give (up to the
+float reordering of a B-row product), which tests/test_kv_contract.py checks for every
+registered method.
+
+Why not B > 1 inside every store: sequences of a batch differ in length, in what their
+selections kept and in when they compress (one is prefilling while another decodes), and
+several methods are ragged per KV head already; padding them into one tensor would need
+masks everywhere for no gain on the CPU, where attention is a small share of a step.
+Dense stores of equal layout could later share a batched attention kernel behind the same
+contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class BatchKV:
+    """The KV contract (kvrun/kv/base.py) for B sequences, each with its own manager."""
+
+    def __init__(self, kvs: Sequence):
+        if not kvs:
+            raise ValueError("a batch needs at least one sequence")
+        self.kvs = list(kvs)
+
+    def __len__(self) -> int:
+        return len(self.kvs)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (B, Hq, T, D) pre-RoPE
+        k: torch.Tensor,  # (B, Hkv, T, D)
+        v: torch.Tensor,  # (B, Hkv, T, D)
+        positions: torch.Tensor,  # (B, T) each sequence's positions, or (T,) shared
+    ) -> torch.Tensor:  # (B, Hq, T, D)
+        if q.shape[0] != len(self.kvs):
+            raise ValueError(f"batch of {q.shape[0]} rows for {len(self.kvs)} sequences")
+        outs = []
+        for b, kv in enumerate(self.kvs):
+            pos = positions[b] if positions.dim() == 2 else positions
+            s = slice(b, b + 1)
+            outs.append(kv.attend(layer, q[s], k[s], v[s], pos))
+        return torch.cat(outs, dim=0)
+
+    # the sequence points, for every sequence of the batch
+    def begin_prefill(self, n_tokens: int) -> None:
+        for kv in self.kvs:
+            kv.begin_prefill(n_tokens)
+
+    def end_chunk(self, n_tokens: int) -> None:
+        for kv in self.kvs:
+            kv.end_chunk(n_tokens)
+
+    def end_prefill(self) -> None:
+        for kv in self.kvs:
+            kv.end_prefill()
+
+    def end_step(self) -> None:
+        for kv in self.kvs:
+            kv.end_step()
+
+    def nbytes(self) -> int:
+        return sum(kv.nbytes() for kv in self.kvs)
+
+    def nbytes_full(self) -> int:
+        return sum(kv.nbytes_full() for kv in self.kvs)
