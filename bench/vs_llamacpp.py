@@ -398,25 +398,31 @@ def max_of(runs: list[dict], key: str) -> float | None:
     return max(xs) if xs else None
 
 
-def collect_memory(args, results: dict) -> dict:
-    """Load time and peak RSS: default model on both sides, the 8B preset on kvrun."""
-    mem: dict = {}
+def load_and_rss(args, results: dict, show: bool = False) -> dict:
+    """Both tools' load time and peak RSS on args.model: kvrun's load probe --reps times,
+    llama.cpp's from its test runs; the peak over the tests' runs and the probes."""
     wtype = args.wtype or "auto"
     loads = [attempt(kvrun_load, args, args.model, wtype) for _ in range(args.reps)]
-    all_runs = {
-        t: [r for runs in results.values() for r in runs[t]] for t in ("kvrun", "llama.cpp")
-    }
-    mem["default"] = {
+    for i, r in enumerate(loads if show else []):
+        shown = r.get("failed") or f"{r['load_s']:.1f} s"
+        log(f"kvrun load rep {i + 1}/{args.reps}: {shown}")
+    runs = {t: [r for v in results.values() for r in v[t]] for t in ("kvrun", "llama.cpp")}
+    return {
         "kvrun": {
             "load_s": median_of(loads, "load_s"),
-            "peak_rss_bytes": max_of(all_runs["kvrun"] + loads, "peak_rss_bytes"),
+            "peak_rss_bytes": max_of(runs["kvrun"] + loads, "peak_rss_bytes"),
             "load_runs": loads,
         },
         "llama.cpp": {
-            "load_s": median_of(all_runs["llama.cpp"], "load_s"),
-            "peak_rss_bytes": max_of(all_runs["llama.cpp"], "peak_rss_bytes"),
+            "load_s": median_of(runs["llama.cpp"], "load_s"),
+            "peak_rss_bytes": max_of(runs["llama.cpp"], "peak_rss_bytes"),
         },
     }
+
+
+def collect_memory(args, results: dict) -> dict:
+    """Load time and peak RSS: default model on both sides, the 8B preset on kvrun."""
+    mem: dict = {"default": load_and_rss(args, results)}
     if not args.skip_8b:
         log(f"kvrun: loading {SYNTH_8B} --wtype q4 (RLIMIT_AS {args.mem_limit_gb} GB)")
         r = attempt(kvrun_load, args, SYNTH_8B, "q4")
@@ -492,24 +498,8 @@ def run_synthetic(args, synth: dict) -> dict:
     s.model, s.baseline_wtype = synth["path"], None
     log(f"{synth['label']}: {Path(s.model).name}")
     results = run_tests(s, args.synthetic_test_list)
-    wtype = args.wtype or "auto"
-    loads = [attempt(kvrun_load, s, s.model, wtype) for _ in range(args.reps)]
-    for i, r in enumerate(loads):
-        shown = r.get("failed") or f"{r['load_s']:.1f} s"
-        log(f"kvrun load rep {i + 1}/{args.reps}: {shown}")
-    runs = {t: [r for v in results.values() for r in v[t]] for t in ("kvrun", "llama.cpp")}
     synth["results"] = results
-    synth["memory"] = {
-        "kvrun": {
-            "load_s": median_of(loads, "load_s"),
-            "peak_rss_bytes": max_of(runs["kvrun"] + loads, "peak_rss_bytes"),
-            "load_runs": loads,
-        },
-        "llama.cpp": {
-            "load_s": median_of(runs["llama.cpp"], "load_s"),
-            "peak_rss_bytes": max_of(runs["llama.cpp"], "peak_rss_bytes"),
-        },
-    }
+    synth["memory"] = load_and_rss(s, results, show=True)
     return synth
 
 

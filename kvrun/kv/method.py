@@ -8,6 +8,7 @@ anywhere else as program logic. Torch-free: managers are imported when built.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +57,19 @@ def _no_rule(opts: Mapping[str, Any], budget) -> None:
     return None
 
 
-def composed(spec, config, rope, device, dtype, **kw):
-    """CompressedKV: the manager composed from scorer, selector, allocator and store parts."""
-    from .manager import CompressedKV
+def manager(module: str, name: str) -> Callable[..., Any]:
+    """A `build` making kvrun.kv.<module>.<name>(spec, config, rope, device, dtype, **kw),
+    imported on first use (the registry stays torch-free)."""
 
-    return CompressedKV(spec, config, rope, device, dtype, **kw)
+    def build(spec, config, rope, device, dtype, **kw):
+        cls = getattr(importlib.import_module(f"kvrun.kv.{module}"), name)
+        return cls(spec, config, rope, device, dtype, **kw)
+
+    return build
+
+
+# CompressedKV: the manager composed from scorer, selector, allocator and store parts
+composed = manager("manager", "CompressedKV")
 
 
 @dataclass(frozen=True, slots=True)

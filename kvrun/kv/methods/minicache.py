@@ -5,7 +5,7 @@ tokens are retained unmerged. It keeps every token, so it takes no token budget.
 from __future__ import annotations
 
 from ...errors import KvrunError
-from ..method import Method
+from ..method import Method, manager
 from ..options import Option
 
 
@@ -46,12 +46,6 @@ def _layout(o) -> dict | None:
     return {"bits": 4, "group": o["kivi_group"], "residual": o["kivi_residual"]}
 
 
-def build(spec, config, rope, device, dtype, **kw):
-    from ..minicache import MiniCacheKV
-
-    return MiniCacheKV(spec, config, rope, device, dtype, **kw)
-
-
 METHOD = Method(
     "minicache",
     "select",
@@ -67,5 +61,5 @@ METHOD = Method(
     default_budget=None,
     kivi=_layout,
     lossless="retain=topk:1.0,decode_retain=true",  # every token retained unmerged
-    build=build,
+    build=manager("minicache", "MiniCacheKV"),
 )

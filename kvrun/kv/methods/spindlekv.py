@@ -4,7 +4,7 @@ by an index when a codeword is similar enough."""
 
 from __future__ import annotations
 
-from ..method import Allocator, Method, Scorer, Selector
+from ..method import Allocator, Method, Scorer, Selector, manager
 from ..options import Option, pooling
 
 OPTIONS = (
@@ -26,12 +26,6 @@ OPTIONS = (
 )  # fmt: skip
 
 
-def build(spec, config, rope, device, dtype, **kw):
-    from ..spindle import SpindleKV
-
-    return SpindleKV(spec, config, rope, device, dtype, **kw)
-
-
 METHOD = Method(
     "spindlekv",
     "select",
@@ -45,5 +39,5 @@ METHOD = Method(
     protected=lambda o: o["window"],
     own_store="codebook; spindlekv:codebook=off for dense",
     lossless="codebook=off",
-    build=build,
+    build=manager("spindle", "SpindleKV"),
 )

@@ -5,7 +5,7 @@ the attention mass (target mode), planned by a scoring pass or at the end of the
 from __future__ import annotations
 
 from ...errors import KvrunError
-from ..method import Allocator, Method, Scorer, Selector
+from ..method import Allocator, Method, Scorer, Selector, manager
 from ..options import Option, pooling
 
 OPTIONS = (
@@ -41,12 +41,6 @@ def rule(o, budget) -> None:
         )
 
 
-def build(spec, config, rope, device, dtype, **kw):
-    from ..xkv import XKV
-
-    return XKV(spec, config, rope, device, dtype, **kw)
-
-
 METHOD = Method(
     "xkv",
     "select",
@@ -58,5 +52,5 @@ METHOD = Method(
     options=OPTIONS,
     protected=protected,
     rule=rule,
-    build=build,
+    build=manager("xkv", "XKV"),
 )
