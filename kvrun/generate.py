@@ -145,10 +145,9 @@ class Session:
         None. Only a prompt that fits one --ubatch chunk can be planned this way: a chunked
         prefill must keep every layer exact until its last chunk (xkv.md, Planning).
         """
-        plan = getattr(self.kv, "scoring_pass", None)
-        if plan is None or len(ids) > self.ubatch:
+        if len(ids) > self.ubatch:
             return
-        pre = plan(len(ids))
+        pre = self.kv.scoring_pass(len(ids))
         if pre is None:
             return
         start = len(self.tokens)

@@ -58,6 +58,14 @@ class KVManager:
         """All layers have attended over one decode token."""
         self.seen += 1
 
+    # --- planning hook ------------------------------------------------------------------
+    def scoring_pass(self, n_tokens: int) -> KVManager | None:
+        """A manager for a planning pass over the next prompt of n_tokens before its real
+        prefill, or None (the default: no method but XKV's plan=two-pass asks for one).
+        Session.plan runs the prompt through it; it keeps no KV across layers and hands its
+        plan to this manager at its end_prefill."""
+        return None
+
     # --- the model's one call ----------------------------------------------------------
     def attend(
         self,
