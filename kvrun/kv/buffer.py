@@ -61,6 +61,13 @@ class Buffer:
         shape[self.dim] = 0
         self.buf, self.n = self.buf.new_empty(shape), 0
 
+    def drop_front(self, n: int) -> None:
+        """Remove the first n occupied slots; the rest move to the front (KIVI's tail after a
+        flush: the unflushed newest tokens)."""
+        rest = self.n - n
+        self.buf.narrow(self.dim, 0, rest).copy_(self.buf.narrow(self.dim, n, rest).clone())
+        self.n = rest
+
     def write_at(self, slot: torch.Tensor, x: torch.Tensor) -> None:
         """x (one slot along `dim`) at the slot a (1,) device tensor names, inside the room:
         a static decode step's write, with no host sync (the caller then calls `advance`)."""

@@ -138,10 +138,8 @@ class KiviLayer:
         for buf, x in zip((self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed,
                           strict=True):  # fmt: skip
             buf.append(x)
-        rest = self.tail_len - n
-        for buf in (self._tk, self._tv):  # the unflushed newest tokens move to the front
-            buf.buf[:, :rest] = buf.buf[:, n : n + rest].clone()
-            buf.n = rest
+        self._tk.drop_front(n)
+        self._tv.drop_front(n)
         return n
 
     def _mask(self, start: int, stop: int, Tq: int, n_new: int) -> torch.Tensor | None:

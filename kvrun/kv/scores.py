@@ -58,7 +58,7 @@ def pool(x: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:
     return fn(x.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
 
 
-def pool_scores(x: torch.Tensor, spec: str) -> torch.Tensor:
+def pool_scores(x: torch.Tensor, text: str) -> torch.Tensor:
     """`pool` from its option text: none, avg:K or max:K (validated by options.pooling)."""
-    kind, _, k = spec.partition(":")
+    kind, _, k = text.partition(":")
     return pool(x, kind, int(k) if k else 1)
