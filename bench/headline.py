@@ -3,8 +3,12 @@
     python bench/headline.py --text book.txt [-m smollm2] [--budget 0.25] [--quick]
 
 For each method (all of `kvrun kv list`, plus the snapkv+kivi2, minicache+kivi4 and
-xkv+kivi2 stacks), methods that take a budget at --budget (MiniKV's heavy/recent split it in
-half), the others at their defaults:
+xkv+kivi2 stacks) at one setting: methods whose budget is a token fraction at --budget;
+methods with a default of their own at it (MiniKV: 25 % heavy hitters + 25 % recent window of
+the prompt, its paper's setting, so about twice --budget); the others at their defaults.
+Next to each budget: the KV bytes measured after the --depth fill (compare methods at equal
+memory by this column, not by the budget), and for SpindleKV, whose budget is its
+per-query-head eviction ratio, the paper's reported "Ratio" (Eq. 15, r1 * r2 * r3) as well:
   - pass key: accuracy over lengths 1k, 2k, 4k x depths 0, 50, 100 % (kvrun needle's grid,
     our own filler from prompts/passkey_filler.txt, greedy, raw prompts);
   - KL vs full: mean KL(P_full || P_method) over 64 teacher-forced tokens after a 4000-token
@@ -117,6 +121,35 @@ def speed(rt, configs, a) -> dict:
     return out
 
 
+def configs_of(methods: list[str], budget: str) -> list[nd.KvConfig]:
+    """One KvConfig per method: --budget where the method's default budget is a fraction,
+    its own default where it has one (MiniKV's heavy + recent); a method with a paper-style
+    size report (SpindleKV's Eq. 15 ratio, MiniKV's App. I bytes) runs with it on."""
+    out = []
+    for m in methods:
+        spec = check(m)
+        if "report" in spec.select_opts and not spec.store:
+            spec = check(f"{m}{',' if ':' in m else ':'}report=paper")
+        own = spec.select.default_budget is None  # a budget of the method's own
+        out += nd.kv_configs([(m, spec)], None if own else budget)
+    return out
+
+
+def budget_label(cfg, row: dict) -> str:
+    """The budget a row ran at, in the method's own terms."""
+    o, desc = cfg.spec.select_opts, row["kv_method"]
+    if cfg.budget is None and cfg.spec.select.default_budget is None and cfg.spec.takes_budget:
+        return f"{o['heavy']:g} heavy + {o['recent']:g} recent (own)"
+    label = cfg.budget or "-"
+    if isinstance(desc.get("paper"), dict):  # SpindleKV: eviction ratio, and the paper's Ratio
+        label += f" (paper Ratio {desc['paper']['ratio']:.3f})"
+    return label
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
 def settings(spec) -> str:
     """The recipe's axes: scorer / allocator / store (stacked store parts named)."""
     p = spec.select
@@ -130,9 +163,9 @@ def settings(spec) -> str:
 
 def table(configs, acc, kl, rows) -> list[str]:
     lines = [
-        "| method | settings (scorer / allocator / store) | budget | pass key | KL vs full (nats) "
-        "| KV bytes / full | decode tok/s | vs full |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method | settings (scorer / allocator / store) | budget | KV bytes | pass key "
+        "| KL vs full (nats) | KV bytes / full | decode tok/s | vs full |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full = rows[("full", None)]["decode_tok_s"]
     for cfg in configs:
@@ -141,7 +174,8 @@ def table(configs, acc, kl, rows) -> list[str]:
         r = rows[key]
         k = f"{kl[key]:.4f}" if key in kl else "-"
         lines.append(
-            f"| {cfg.method} | {settings(cfg.spec)} | {cfg.budget or '-'} | {c}/{n} ({c / n:.0%}) | {k} | "
+            f"| {cfg.method} | {settings(cfg.spec)} | {budget_label(cfg, r)} | {mib(r['kv_bytes'])} "
+            f"| {c}/{n} ({c / n:.0%}) | {k} | "
             f"{r['kv_ratio']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x |"
         )
     return lines
@@ -163,7 +197,7 @@ def main() -> None:
     a = args()
     rt = load_runtime(a.model, a.dtype, a.device, log=log)
     methods = list(dict.fromkeys(["full", *a.methods.split(",")]))  # full is the reference
-    configs = nd.kv_configs([(m, check(m)) for m in methods], a.budget)
+    configs = configs_of(methods, a.budget)
     t0 = time.time()
     acc = passkey_accuracy(rt, configs, a)
     kl, kl_note = kl_vs_full(rt, configs, a)
@@ -183,6 +217,10 @@ def main() -> None:
             f"- command: `python bench/headline.py {shlex.join(sys.argv[1:])}`",
             f"- pass key: lengths {a.lengths} x depths {a.depths} %, greedy, 12 tokens",
             f"- KL: {kl_note}",
+            f"- budgets: token fraction {a.budget} for the methods that take one; MiniKV at its "
+            "paper's own 25 % heavy + 25 % recent of the prompt; SpindleKV's budget is its "
+            "per-query-head eviction ratio, with the paper's reported Ratio (Eq. 15) beside it; "
+            "KV bytes: measured after the fill (compare methods at equal memory by it)",
             f"- KV bytes and decode: {a.depth}-token fill of random ids, {a.n} greedy decode "
             f"steps, mean of {a.reps} reps after a warm-up",
             "",
