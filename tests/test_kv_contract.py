@@ -3,8 +3,9 @@
 A method is tested here the moment it is registered: its declared options parse their own
 defaults, a budget covering every token under its `lossless` options reproduces the full
 cache, its default settings hold fewer bytes than the full cache and report them as JSON,
-and where it has a static decode form (CUDA graphs) the static step equals the eager one.
-and three sequences of different lengths decoded as one batch (kvrun.kv.batch: a store per
+where it has a static decode form (CUDA graphs) the static step equals the eager one,
+its stored bytes equal its spec's byte formula (with every store it stacks with), and three
+sequences of different lengths decoded as one batch (kvrun.kv.batch: a store per
 (sequence, layer)) give what three single runs give.
 """
 
@@ -92,6 +93,43 @@ def test_default_settings_compress_and_report(m):
     d = kv.describe()
     assert d["method"] == m.name
     json.dumps(d)
+
+
+def _stacks() -> list[str]:
+    """Every selection alone and with every store it stacks with (`full+kivi2` is `kivi2`)."""
+    out = []
+    for sel in SELECT:
+        out.append(sel.name)
+        for store in STORES:
+            try:
+                out.append(check(f"{sel.name}+{store.name}").name)
+            except KvrunError:
+                pass
+    return out
+
+
+@pytest.mark.parametrize("text", _stacks())
+def test_nbytes_equals_the_spec_formula(text):
+    """nbytes() (the stored tensors' sizes) equals the selection's declared byte formula
+    (Method.nbytes, from counts only) after each prefill and decode step, over two turns;
+    KIVI residual 32 so that the tail flushes during the run."""
+    model = tiny()
+    spec = check(text)
+    if spec.kivi() is not None:  # a short residual: flushes happen within a few steps
+        spec = check(text := f"{text}:residual=32")
+    formula = spec.select.nbytes
+    assert formula is not None, f"{spec.select.name} declares no byte formula"
+    kv = new_kv(model, text)
+    seen = []
+
+    def after(point):
+        if point != "chunk":  # between calls: at compression points (baselines.md 0.6)
+            assert kv.nbytes() == formula(spec, kv), (point, kv.seen)
+            seen.append(kv.nbytes())
+
+    drive(model, kv, prompt(150, seed=7), 64, n_decode=20, after=after)
+    drive(model, kv, prompt(40, seed=8), 64, n_decode=20, after=after)
+    assert seen[-1] > 0
 
 
 def _static_specs() -> list[str]:

@@ -107,6 +107,10 @@ class Method:
     lossless: str = ""
     # (spec, config, rope, device, dtype, **kw) -> the KV manager that runs it (imports lazily)
     build: Callable[..., Any] = composed
+    # (spec, manager) -> the bytes the method's spec formula gives from what the cache holds
+    # (kvrun/kv/bytes.py): a selection declares it, pricing any store stacked under it, and
+    # tests/test_kv_contract.py holds nbytes() to it; a store part leaves it None
+    nbytes: Callable[[Any, Any], int] | None = None
 
     def defaults(self) -> dict:
         return {o.name: o.default for o in self.options}

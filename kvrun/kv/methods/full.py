@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..bytes import composed as composed_bytes
+from ..bytes import dense, elem
 from ..method import Method, composed
 
 
@@ -15,6 +17,13 @@ def build(spec, config, rope, device, dtype, **kw):
     return composed(spec, config, rope, device, dtype, **kw)
 
 
+def nbytes(spec, kv) -> int:
+    """2 * L * Hkv * n * D * e (baselines.md 0.6), or the stacked store's formula."""
+    if spec.store is not None:
+        return composed_bytes()(spec, kv)
+    return kv.config.n_layers * dense(kv.config, kv.seen, elem(kv))
+
+
 METHOD = Method(
     "full",
     "select",
@@ -22,4 +31,5 @@ METHOD = Method(
     takes_budget=False,  # a --kv-budget is ignored: nothing is selected
     default_budget=None,
     build=build,
+    nbytes=nbytes,
 )

@@ -3,6 +3,7 @@ evicted after every prefill chunk and decode step."""
 
 from __future__ import annotations
 
+from ..bytes import composed
 from ..method import Method, Scorer, Selector
 from ..options import Option
 
@@ -19,4 +20,6 @@ METHOD = Method(
     ),
     protected=lambda o: o["sinks"] + 1,
     evicts_at_decode=True,
+    # L * Hkv * T * (2 * D * e + 8): an int32 position and an fp32 score per head and slot
+    nbytes=composed(lambda c: 8 * c.n_kv_heads),
 )

@@ -5,6 +5,7 @@ tokens are retained unmerged. It keeps every token, so it takes no token budget.
 from __future__ import annotations
 
 from ...errors import KvrunError
+from ..bytes import dense, elem, kivi_of
 from ..method import Method, manager
 from ..options import Option
 
@@ -46,6 +47,28 @@ def _layout(o) -> dict | None:
     return {"bits": 4, "group": o["kivi_group"], "residual": o["kivi_residual"]}
 
 
+def nbytes(spec, kv) -> int:
+    """The spec's total: unpaired layers as stored (dense K, V or KIVI); per pair and per K
+    and V, E (dense, or one KIVI store for E_K and E_V), both layers' norms (g, T), the
+    retained rows (an int32 index and the exact rows of both layers, m wide each) with the
+    int64 group offsets, and with decode_retain the fp32 prefill threshold per group."""
+    c, e, layout = kv.config, elem(kv), kv.kv_layout
+    total = 0
+    for st in kv.plain.values():
+        total += kivi_of(c, e, layout, st) if layout else dense(c, st[0].n, e)
+    for p in kv.pairs:
+        if p.k is None:  # nothing merged yet
+            continue
+        if layout:
+            total += kivi_of(c, e, layout, p.kivi)
+        for h in (p.k, p.v):
+            total += 0 if layout else dense(c, p.length, e) // 2
+            total += 2 * kv.g * p.length * e
+            total += h.ridx.numel() * (4 + 2 * kv.m * e) + 8 * (kv.g + 1)
+            total += 4 * kv.g if h.thr is not None else 0
+    return total
+
+
 METHOD = Method(
     "minicache",
     "select",
@@ -62,4 +85,5 @@ METHOD = Method(
     kivi=_layout,
     lossless="retain=topk:1.0,decode_retain=true",  # every token retained unmerged
     build=manager("minicache", "MiniCacheKV"),
+    nbytes=nbytes,
 )

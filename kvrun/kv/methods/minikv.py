@@ -4,6 +4,7 @@ KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hi
 
 from __future__ import annotations
 
+from ..bytes import composed
 from ..method import Allocator, Method, Scorer, Selector
 from ..options import Option
 
@@ -47,6 +48,9 @@ def _minikv(name: str, summary: str, alloc: str, allocator: str, own: str) -> Me
         own_store=own,
         kivi=_layout,
         lossless="quant=none,recent=1.0",  # with no --kv-budget: the window is the prompt
+        # sum_l Hkv * d * (n_q * (1/2 + e/4) + 2e * n_r) (§I of the paper's appendix, exact);
+        # quant=none: 2 * Hkv * T_l * d * e
+        nbytes=composed(),
     )
 
 

@@ -3,6 +3,7 @@ linearly from the first layer to the last (arithmetic schedule, same mean)."""
 
 from __future__ import annotations
 
+from ..bytes import composed
 from ..method import Allocator, Method, Scorer, Selector
 from ..options import SNAP, Option
 
@@ -16,4 +17,5 @@ METHOD = Method(
     when="prefill-end",
     options=SNAP + (Option("beta", 20, "last layer gets 1/beta of the mean", lo=1),),
     protected=lambda o: o["window"],
+    nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
 )

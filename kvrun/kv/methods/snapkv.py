@@ -3,6 +3,7 @@ votes are pooled, and each KV head keeps its top-k plus the window at the end of
 
 from __future__ import annotations
 
+from ..bytes import composed
 from ..method import Method, Scorer, Selector
 from ..options import SNAP
 
@@ -15,4 +16,5 @@ METHOD = Method(
     when="prefill-end",
     options=SNAP,
     protected=lambda o: o["window"],
+    nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
 )

@@ -4,6 +4,7 @@ by an index when a codeword is similar enough."""
 
 from __future__ import annotations
 
+from ..bytes import elem
 from ..method import Allocator, Method, Scorer, Selector, manager
 from ..options import Option, pooling
 
@@ -26,6 +27,24 @@ OPTIONS = (
 )  # fmt: skip
 
 
+def nbytes(spec, kv) -> int:
+    """sum over layers of e * d * (|C_K| + |C_V|) + Hkv * S_c * (i_K + i_V + 2e + 4 + nb)
+    + Hkv * S_d * (2e * d + 4 + nb): codebook entries, then per coded slot two indices (2 or
+    4 bytes, the int32 switch) and two magnitudes, per dense slot pre-RoPE K and V, and per
+    slot an int32 position and ceil(g/8) mask bytes; padding slots count."""
+    c, e = kv.config, elem(kv)
+    nb = -(-(c.n_heads // c.n_kv_heads) // 8)
+    total = 0
+    for st in kv.layers:
+        s_c = 0 if st.pos_c is None else st.pos_c.shape[1]
+        s_d = 0 if st.pos_d is None else st.pos_d.shape[1]
+        i_k, i_v = (t.itemsize for t in st.idx_dtype)
+        total += e * c.head_dim * sum(b.n for b in st.books_k + st.books_v)
+        total += c.n_kv_heads * s_c * (i_k + i_v + 2 * e + 4 + nb)
+        total += c.n_kv_heads * s_d * (2 * e * c.head_dim + 4 + nb)
+    return total
+
+
 METHOD = Method(
     "spindlekv",
     "select",
@@ -40,4 +59,5 @@ METHOD = Method(
     own_store="codebook; spindlekv:codebook=off for dense",
     lossless="codebook=off",
     build=manager("spindle", "SpindleKV"),
+    nbytes=nbytes,
 )

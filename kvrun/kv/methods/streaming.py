@@ -3,6 +3,7 @@ of the most recent ones, evicted after every prefill chunk and decode step."""
 
 from __future__ import annotations
 
+from ..bytes import composed
 from ..method import Method, Selector
 from ..options import Option
 
@@ -15,4 +16,6 @@ METHOD = Method(
     options=(Option("sinks", 4, "first tokens always kept", lo=0),),
     protected=lambda o: o["sinks"] + 1,  # the sinks and the newest token
     evicts_at_decode=True,
+    # L * T * (2 * Hkv * D * e + 4): one int32 position row, the same for every head
+    nbytes=composed(lambda c: 4),
 )

@@ -5,6 +5,7 @@ the attention mass (target mode), planned by a scoring pass or at the end of the
 from __future__ import annotations
 
 from ...errors import KvrunError
+from ..bytes import composed
 from ..method import Allocator, Method, Scorer, Selector, manager
 from ..options import Option, pooling
 
@@ -53,4 +54,5 @@ METHOD = Method(
     protected=protected,
     rule=rule,
     build=manager("xkv", "XKV"),
+    nbytes=composed(),  # sum_i 2 * Hkv * D * e * (n_i + ows + n_gen) (a KIVI store by its formula)
 )

@@ -1,0 +1,60 @@
+"""The byte formulas of the methods' specs, computed from what a cache holds (token, slot,
+entry and retained-row counts), never from its tensors.
+
+A manager's `nbytes()` sums `numel * element_size` over its stored tensors; each method
+declares `Method.nbytes(spec, kv)`, its formula, built from the helpers here, and
+tests/test_kv_contract.py checks that the two agree for every registered method at its
+compression points (after a prefill, after decode steps). A buffer counted twice, a
+capacity counted instead of the occupied slots, a wrong dtype or an unlisted tensor makes
+them differ. `e` is the KV element size in bytes (2 for fp16/bf16, 4 on the fp32 CPU path).
+Torch-free: the registry imports it.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+
+def elem(kv) -> int:
+    """e: bytes per stored K or V element in the manager's dtype."""
+    return kv.dtype.itemsize
+
+
+def dense(c, tokens: int, e: int) -> int:
+    """K and V of `tokens` tokens of one layer: 2 * Hkv * T * D * e."""
+    return 2 * c.n_kv_heads * tokens * c.head_dim * e
+
+
+def kivi(c, e: int, layout: dict, tq: int, tr: int) -> int:
+    """A KIVI store of one layer (KIVI §3, as counted in kvrun's KIVI spec):
+    Hkv * D * (Tq * (b/4 + 4e/G) + 2e * Tr), Tq quantized tokens (whole groups of G: codes
+    of b bits for K and V, a scale and a zero per group of G for each), Tr in the fp tail."""
+    b, g = layout["bits"], layout["group"]
+    n = c.n_kv_heads * c.head_dim * (tq * (Fraction(b, 4) + Fraction(4 * e, g)) + 2 * e * tr)
+    if n.denominator != 1:
+        raise ValueError(f"KIVI body of {tq} tokens is not whole groups of {g}")
+    return int(n)
+
+
+def kivi_of(c, e: int, layout: dict, store) -> int:
+    """`kivi` for a KiviLayer's current body and tail."""
+    return kivi(c, e, layout, store.body_len, store.tail_len)
+
+
+def composed(per_slot=lambda c: 0):
+    """The formula of a method run by the composed manager, per layer: dense slots at
+    2 * Hkv * D * e plus `per_slot(config)` bytes of per-slot bookkeeping (positions, scores),
+    MiniKV's held turns (dense K and V), and a stacked KIVI store by `kivi`."""
+
+    def nbytes(spec, kv) -> int:
+        c, e = kv.config, elem(kv)
+        total = 0
+        for st in kv.layers:
+            total += st.dense.length * (dense(c, 1, e) + per_slot(c))
+            if st.held is not None:
+                total += dense(c, st.held.length, e)
+            if st.kivi is not None:
+                total += kivi_of(c, e, kv.kivi_cfg, st.kivi)
+        return total
+
+    return nbytes
