@@ -143,7 +143,7 @@ class Session:
         `kv.scoring_pass(n)` returns a manager that stores no KV across layers (it attends
         within the prompt, records scores and hands its plan to `kv` at its end_prefill), or
         None. Only a prompt that fits one --ubatch chunk can be planned this way: a chunked
-        prefill must keep every layer exact until its last chunk (xkv.md, Planning).
+        prefill must keep every layer exact until its last chunk (kvrun's rule for XKV).
         """
         if len(ids) > self.ubatch:
             return

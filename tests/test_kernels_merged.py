@@ -216,7 +216,7 @@ def test_decode_logits_equal_the_restore_path(monkeypatch, spec):
     assert len(calls) == 2 * n_pairs * steps  # every paired layer, every step
     for p in kv.pairs:  # retained rows were there to put back, K and V
         assert p.k.ridx.numel() > 0 and p.v.ridx.numel() > 0
-        assert p.k.ridx.numel() < kv.g * p.length  # and merged rows to restore
+        assert p.k.ridx.numel() < kv.layout.g * p.length  # and merged rows to restore
     assert torch.equal(got[:P], ref[:P])  # prefill: the same path
     torch.testing.assert_close(got[P:], ref[P:], atol=1e-4, rtol=1e-4)
     assert kv.nbytes() == old.nbytes()  # the maps are scratch, not cache

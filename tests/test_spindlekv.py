@@ -25,8 +25,8 @@ from kvrun.errors import KvrunError
 from kvrun.kv import build, check
 from kvrun.kv.alloc.spindle import endpoints, layer_ratios, spindle_keep
 from kvrun.kv.codebook import assign, build_codebook
-from kvrun.kv.scores import pool_scores
-from kvrun.kv.spindle import qhead_scores, union_slots
+from kvrun.kv.scores import pool_scores, qhead_scores
+from kvrun.kv.spindle import union_slots
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches, passkey_prompt

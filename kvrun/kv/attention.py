@@ -2,7 +2,7 @@
 
 A layer's keys may live in several segments (a quantized body, a dense tail, the chunk
 being prefilled); each segment attends on its own and `combine` merges them exactly:
-lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) * out_s  (baselines.md 0.10).
+lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) * out_s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The KV manager contract between the model and a KV cache (see DESIGN.md, KV managers).
+"""The KV manager contract between the model and a KV cache (the model knows no compression).
 
 The model calls, for one sequence:
 

@@ -1,6 +1,6 @@
 """Budgets: B(n) from --kv-budget, and per-layer allocators (uniform, pyramid).
 
-baselines.md 0.2: b < 1 is a fraction of the tokens seen, b >= 1 a token count per layer;
+kvrun's rule: b < 1 is a fraction of the tokens seen, b >= 1 a token count per layer;
 ceil(b * n) is computed exactly from the decimal b, never in floats.
 """
 
@@ -66,7 +66,8 @@ def largest_remainder(shares: list[Fraction], total: int) -> list[int]:
 
 
 def pyramid_budgets(B: int, n: int, window: int, n_layers: int, beta: int) -> list[int]:
-    """PyramidKV's per-layer budgets, window included (baselines.md 4, the kvrun rule).
+    """PyramidKV's per-layer budgets, window included (kvrun's rule: the public schedule in
+    exact fractions, rounded by largest remainder so the layers sum to exactly L * B).
 
     B: mean budget B(n) in tokens; n: tokens (or slots) to select from.
     """
@@ -99,7 +100,7 @@ def pyramid_budgets_compat(B: int, n: int, window: int, n_layers: int, beta: int
 
 
 def minikv_pyramid_shares(n_layers: int, depth: int, direction: str = "down") -> list[Fraction]:
-    """x_lambda / x of MiniKV's pyramid (minikv.md step 3): linear from 2 - 1/delta at layer
+    """x_lambda / x of MiniKV's pyramid (§3.1.3, App. H): linear from 2 - 1/delta at layer
     0 to 1/delta at layer L-1, mean 1; `up` reverses it (the paper's App. H reading)."""
     L, top, bottom = n_layers, 2 - Fraction(1, depth), Fraction(1, depth)
     if L == 1:

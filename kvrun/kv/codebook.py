@@ -1,6 +1,6 @@
 """SpindleKV's codebooks: a greedy cover of unit vectors by medoids on the cosine graph.
 
-spindlekv.md, step 6 (Alg. 1, corrected). Nodes are unit vectors u; a and b are adjacent when
+SpindleKV §3.4 (Alg. 1, corrected). Nodes are unit vectors u; a and b are adjacent when
 u_a . u_b > theta (and every node is its own neighbour). While nodes are alive, the node with
 the most alive neighbours (lowest index on ties) becomes a codebook entry and takes all its
 alive neighbours with it. The N x N graph is never built: degrees come from tiles of
@@ -9,9 +9,14 @@ from tiles of u_alive . u_removed^T, so the whole build costs about two all-pair
 O(cb_block^2 + N) extra memory. The paper's Alg. 1 sums S (never changing) instead of the
 alive degree; the spec's correction is used here.
 
-Decode-time assignment (spindlekv.md, Decode 1) joins the best entry above theta, else appends
-the vector as a new entry, heads in order so a later head can join an entry created earlier
-in the same step.
+Decode-time assignment (SpindleKV §3.4, "merge, else rebuild", read one token at a time)
+joins the best entry above theta, else appends the vector as a new entry, heads in order so a
+later head can join an entry created earlier in the same step.
+
+This module holds the codebooks themselves: the greedy build, decode-time assignment, the
+growable books (Shelf, Book) and the coding of a layer's slots against its list of books
+(build_books, assign_books). The per-layer store that holds the books with the indices,
+magnitudes and dense slots is kvrun.kv.coded.
 """
 
 from __future__ import annotations
@@ -20,8 +25,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
-from .buffer import Buffer
 
 ROUND = 32  # candidates examined per round of the greedy loop
 CPU_TILE = 1024  # on CPU a cb_block tile is split so it stays in cache (same counts, ~3x faster)
@@ -82,7 +85,7 @@ def build_codebook(
     block: int = 4096,
     dtype: torch.dtype = torch.float16,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # entries (C, d) in dtype, idx (N,) int64
-    """The greedy medoid cover of spindlekv.md step 6, blocked; see the module docstring."""
+    """The greedy medoid cover of SpindleKV's Alg. 1 (corrected), blocked; see the module doc."""
     N, d = u.shape
     idx = torch.empty(N, dtype=torch.int64, device=u.device)
     if N == 0:
@@ -138,7 +141,7 @@ def assign(
     x: torch.Tensor,  # (H, d) new vectors, one per KV head, in head order
     theta: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Code new vectors against a codebook (spindlekv.md, Decode 1).
+    """Code new vectors against a codebook (SpindleKV §3.4, decode-time merging).
 
     Returns idx (H,) int64 into the codebook after `new` is appended, new entries (M, d) in
     the entries' dtype, and magnitudes (H,) fp32. A vector joins argmax_c cos(u, C_c) (lowest
@@ -171,7 +174,7 @@ def assign(
     return torch.tensor(out, dtype=torch.int64, device=x.device), new, m
 
 
-# --- SpindleKV's per-layer codebook store ------------------------------------------------------
+# --- SpindleKV's growable codebooks (the per-layer store is kvrun.kv.coded) --------------------
 class Shelf:
     """One layer's K (or V) codebooks, one shared or one per KV head, in one buffer
     (n_books, capacity, d): book h starts at row h * capacity of its flat view, so the decode
@@ -224,76 +227,42 @@ class Book:
         return self.n * self.shelf.data.shape[2] * self.shelf.data.element_size()
 
 
-def cat_rows(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new], dim=1)
+# --- coding a layer's slots against its books (steps 6-7; Decode 1) ----------------------------
+def build_books(
+    books: list[Book],
+    x: torch.Tensor,  # (Hkv, S, D) kept vectors in slot order
+    valid: torch.Tensor,  # (Hkv, S) bool, False on padding slots
+    theta: float,
+    cb_block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code the valid slots of x (Hkv, S, D): idx (Hkv, S) int64 and magnitudes (Hkv, S)
+    in dtype (the KV dtype), 0 on padding; new entries appended to the books."""
+    idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
+    mag = torch.zeros(valid.shape, dtype=dtype, device=x.device)
+    groups = [(books[0], valid)] if len(books) == 1 else []
+    for h, b in enumerate(books if len(books) > 1 else []):
+        sel = torch.zeros_like(valid)
+        sel[h] = valid[h]
+        groups.append((b, sel))
+    for book, sel in groups:  # candidates ordered by head, then position
+        u, m = unit_vectors(x[sel])
+        entries, ix = build_codebook(u, theta, cb_block, dtype)
+        idx[sel] = ix + book.n
+        mag[sel] = m.to(dtype)
+        book.append(entries)
+    return idx, mag
 
 
-def nbytes_of(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-class CodedLayer:
-    """One layer's SpindleKV state (every tensor counted by nbytes)."""
-
-    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype):
-        self.shelf_k = Shelf(n_books, d, dtype, device)
-        self.shelf_v = Shelf(n_books, d, dtype, device)
-        self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
-        self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
-        # coded segment, (Hkv, S_c[, nb])
-        self.idx_k = self.idx_v = self.mag_k = self.mag_v = None
-        self.pos_c = self.mask_c = None
-        # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
-        self.k_d = self.v_d = self.pos_d = self.mask_d = None
-        self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
-        # prefill state of the current turn (counted while held, baselines.md 0.6)
-        self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
-        self.held_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
-        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
-
-    @property
-    def n_slots(self) -> int:
-        return sum(0 if p is None else p.shape[1] for p in (self.pos_c, self.pos_d))
-
-    def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
-        """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
-        if self.held_k is None:  # room for the whole turn at once
-            shape = (k.shape[0], 0, k.shape[2])
-            self.held_k = Buffer(shape, 1, k.dtype, k.device, capacity)
-            self.held_v = Buffer(shape, 1, v.dtype, v.device, capacity)
-        self.held_k.append(k)
-        self.held_v.append(v)
-
-    @property
-    def held_n(self) -> int:
-        return 0 if self.held_k is None else self.held_k.n
-
-    def drop_turn(self) -> None:
-        self.held_k = self.held_v = self.qwin = None
-
-    def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
-        self.idx_k, self.idx_v = cat_rows(self.idx_k, idx_k), cat_rows(self.idx_v, idx_v)
-        self.mag_k, self.mag_v = cat_rows(self.mag_k, mag_k), cat_rows(self.mag_v, mag_v)
-        self.pos_c, self.mask_c = cat_rows(self.pos_c, pos), cat_rows(self.mask_c, mask)
-
-    def append_dense(self, k, v, pos, mask) -> None:
-        self.k_d, self.v_d = cat_rows(self.k_d, k), cat_rows(self.v_d, v)
-        self.pos_d, self.mask_d = cat_rows(self.pos_d, pos), cat_rows(self.mask_d, mask)
-
-    def nbytes(self) -> int:
-        books = sum(b.nbytes() for b in self.books_k + self.books_v)
-        stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
-                  self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
-        held = 0 if self.held_k is None else self.held_k.nbytes() + self.held_v.nbytes()
-        return books + sum(nbytes_of(t) for t in stored) + held
-
-
-def gather_books(books: list[Book], idx: torch.Tensor) -> torch.Tensor:
-    """Codebook rows of idx (Hkv, S) -> (Hkv, S, d); one book per layer or one per KV head."""
+def assign_books(
+    books: list[Book], x: torch.Tensor, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32."""
     if len(books) == 1:
-        return books[0].rows()[idx.long()]
-    rows = []
-    for h, b in enumerate(books):
-        r = b.rows()
-        rows.append(r[idx[h].long()] if b.n else r.new_zeros(idx.shape[1], r.shape[1]))
-    return torch.stack(rows)
+        idx, new, m = assign(books[0].rows(), x, theta)
+        books[0].append(new)
+        return idx, m
+    out = [assign(b.rows(), x[h : h + 1], theta) for h, b in enumerate(books)]
+    for b, (_, new, _) in zip(books, out, strict=True):
+        b.append(new)
+    return torch.cat([i for i, _, _ in out]), torch.cat([m for _, _, m in out])

@@ -1,4 +1,4 @@
-"""KIVI store (baselines.md section 5): a packed 2/4-bit body plus a dense tail, per layer.
+"""KIVI store (KIVI §3): a packed 2/4-bit body plus a dense tail, per layer.
 
 Keys are quantized per channel (groups of G consecutive tokens), values per token (groups
 of G consecutive channels), asymmetric min/max; codes are packed into int32 words in the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import KvrunError
 from ..kernels.dense_decode import dense_decode
 from ..kernels.kivi_decode import kivi_decode
 from ..kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
@@ -93,6 +94,16 @@ class KiviLayer:
         self._tk = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D) dense tail
         self._tv = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D)
 
+    @classmethod
+    def of(cls, layout: dict, config, dtype, device, where: str) -> KiviLayer:
+        """A layer's store in a spec's KIVI layout {bits, group, residual}; a layout that does
+        not fit the model (head_dim not whole groups) is a one-line error naming `where`."""
+        try:
+            return cls(config.n_kv_heads, config.head_dim, layout["bits"], layout["group"],
+                       layout["residual"], dtype, device)  # fmt: skip
+        except ValueError as e:
+            raise KvrunError(f"{where}: {e}") from None
+
     @property
     def body_len(self) -> int:
         """Tq, a multiple of G."""
@@ -108,7 +119,7 @@ class KiviLayer:
         """Tokens held: body plus tail."""
         return self.body_len + self.tail_len
 
-    # --- occupied views (the layout of baselines.md 5, "Bit packing") --------------------
+    # --- occupied views (public KIVI's bit-packing layout) -------------------------------
     def body(self) -> tuple[torch.Tensor, ...]:
         """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of the occupied body."""
         return tuple(b.data for b in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))

@@ -1,32 +1,38 @@
 """CompressedKV: one manager for every recipe, composed from the parts of kvrun.kv.
 
 Selection (scorer + selector + allocator) runs at the points the recipe names
-(baselines.md 0.5); the store (dense, or KIVI with a dense staging area during a prefill
-that selects) holds the kept tokens and attends over its own segments.
+(prefill-chunk ends, end_prefill, decode steps); the store (dense, or KIVI with a dense
+staging area during a prefill that selects) holds the kept tokens and attends over its own
+segments.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from fractions import Fraction
 
 import torch
 
 from ..errors import KvrunError
-from ..kernels.colsum import colsum, colsum_ref, colsum_triton
 from ..kernels.dense_decode import dense_decode
 from .alloc.minikv import minikv_budgets
-from .attention import Partial, combine
+from .attention import combine
 from .base import KVManager
 from .budget import pyramid_budgets
 from .dense import DenseSeg
 from .method import Allocator, Scorer, Selector
-from .protocol import StaticSegment
-from .select import attention_colsum, dense_colsum, group_sum, keep_indices, window_votes
+from .select import (
+    attention_colsum,
+    evict_indices,
+    group_sum,
+    heavy_recent_indices,
+    prompt_colsum,
+    window_indices,
+)
 from .spec import KVSpec
+from .static import StaticDecode
 
-# on_select(layer, point, positions (Hkv, T)): the debug hook of baselines.md 0.4
+# on_select(layer, point, positions (Hkv, T)): the debug hook reporting the positions kept at
+# each compression point (the report lives outside the cache and is not counted in nbytes)
 SelectHook = Callable[[int, str, torch.Tensor], None]
 
 
@@ -40,7 +46,7 @@ class _Layer:
         self.held = held  # MiniKV quant=none: the selected turns, apart from the staging
 
 
-class CompressedKV(KVManager):
+class CompressedKV(StaticDecode, KVManager):
     """A KV manager built from a validated KVSpec (--kv and --kv-budget)."""
 
     def __init__(
@@ -60,7 +66,7 @@ class CompressedKV(KVManager):
         self.kivi_cfg = spec.kivi()  # {bits, group, residual} or None
         self.kivi_bits = self.kivi_cfg["bits"] if self.kivi_cfg else 16
         # MiniKV: prompt-only column sums, selection once per turn at end_prefill, then a store
-        # that only grows (minikv.md); its budget comes from heavy/recent unless given
+        # that only grows (MiniKV §3.1.1); its budget comes from heavy/recent unless given
         self.minikv = self.sel.scorer == Scorer.PROMPT
         self.user_budget = spec.budget
         if self.minikv and self.opt["colsum"] == "triton" and torch.device(device).type != "cuda":
@@ -68,7 +74,7 @@ class CompressedKV(KVManager):
                 f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
             )
         self.decode_time = self.sel.evicts_at_decode
-        # positions are stored only where a later step needs them (baselines.md 0.4)
+        # positions are stored, and counted in nbytes, only where a later step needs them
         # (one row when the selection is the same for every head, as by recency)
         shared = self.sel.selector == Selector.SINKS_RECENT
         self.pos_rows = (1 if shared else config.n_kv_heads) if self.decode_time else 0
@@ -82,114 +88,34 @@ class CompressedKV(KVManager):
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         super().reset()
-        c = self.config
+        c, dt, dev = self.config, self.dtype, self.device
         held = self.minikv and self.kivi_cfg is None
         self.layers = [
-            _Layer(self._dense(), self._kivi(), self._held() if held else None)
+            _Layer(self._dense(), self._kivi(), DenseSeg(c.n_kv_heads, c.head_dim, dt, dev) if held else None)
             for _ in range(c.n_layers)
-        ]
+        ]  # fmt: skip
 
     def _dense(self) -> DenseSeg:
+        """A layer's dense segment: positions where a later step needs them, and column sums
+        for the cumulative scorers (per query head with MiniKV's gqa_agg=max)."""
         c = self.config
         per_q = self.minikv and self.opt["gqa_agg"] == "max"
-        return DenseSeg(
-            c.n_kv_heads,
-            c.head_dim,
-            self.dtype,
-            self.device,
-            self.pos_rows,
-            scores=self.sel.scorer in (Scorer.CUMULATIVE, Scorer.PROMPT),
-            score_rows=c.n_heads if per_q else None,
-        )
-
-    def _held(self) -> DenseSeg:
-        c = self.config
-        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device)
+        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
+                        scores=self.sel.scorer in (Scorer.CUMULATIVE, Scorer.PROMPT),
+                        score_rows=c.n_heads if per_q else None)  # fmt: skip
 
     def _kivi(self):
         if self.kivi_bits == 16:
             return None
         from .kivi import KiviLayer
 
-        o = self.kivi_cfg
-        try:
-            return KiviLayer(
-                self.config.n_kv_heads,
-                self.config.head_dim,
-                o["bits"],
-                o["group"],
-                o["residual"],
-                self.dtype,
-                self.device,
-            )
-        except ValueError as e:
-            raise KvrunError(f"{self.spec.name}: {e}") from None
+        return KiviLayer.of(self.kivi_cfg, self.config, self.dtype, self.device, self.spec.name)
 
     def _direct_to_store(self) -> bool:
         """New tokens go straight into the KIVI store (no selection pending on them)."""
         return self.layers[0].kivi is not None and (
             self.sel.selector == Selector.ALL or not self.in_prefill
         )
-
-    # ---------------------------------------------------------- static decode
-    # Methods whose decode steps only append (no eviction at steps) decode statically: the new
-    # token goes to slot position + (end - seen) of its layer's decode segment (the KIVI tail,
-    # MiniKV's held turns, or the dense store), a Python constant between compressions, and
-    # the segment is attended up to that slot as a device tensor. A KIVI body keeps its length
-    # until the next flush, which changes the captured step's key, so the graph is recaptured
-    # once per residual of R steps.
-    _cap = 0
-
-    def static_unsupported(self) -> str | None:
-        if self.decode_time:
-            return f"{self.name} evicts at every decode step"
-        st = self.layers[0]
-        if (
-            st.kivi is None
-            and st.held is None
-            and (st.dense.pos is not None or st.dense.acc is not None)
-        ):
-            return f"{self.name} keeps positions or scores per slot"
-        return None
-
-    def _decode_seg(self, st: _Layer) -> StaticSegment:
-        """The segment a decode token of this layer goes to: KIVI store or a DenseSeg."""
-        if st.kivi is not None:
-            return st.kivi
-        return st.held if st.held is not None else st.dense
-
-    @property
-    def capacity(self) -> int:
-        return self._cap
-
-    def make_static(self, capacity: int) -> None:
-        self._cap = max(self._cap, capacity)
-        for st in self.layers:
-            self._decode_seg(st).room(self._cap - self.seen)  # positions up to cap - 1
-        self.rope.reserve(self._cap)
-        self.static = True
-
-    def static_buffers(self) -> tuple:
-        segs = (self._decode_seg(st) for st in self.layers)
-        return (self._cap, *(seg.static_key() + (seg.end - self.seen,) for seg in segs))
-
-    def static_step_ok(self) -> bool:
-        """MiniKV flushes a full residual before it attends (Alg. 1): that step runs eagerly."""
-        if not self.minikv or self.kivi_cfg is None:
-            return True
-        r = self.kivi_cfg["residual"]
-        return all(st.kivi.tail_len + 1 < r for st in self.layers)
-
-    def after_static_step(self) -> None:
-        for st in self.layers:  # the step wrote its token at the segment's end
-            self._decode_seg(st).advance()
-
-    def _attend_static(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
-        cap, seg = self._cap, self._decode_seg(st)
-        qr = self.rope.apply(q, positions, bound=cap)
-        kr = self.rope.apply(k, positions, bound=cap)
-        slot = positions + (seg.end - self.seen)  # (1,) this token's slot in the segment
-        return combine(seg.attend_static(qr, kr, v, slot), self.dtype)
 
     # ---------------------------------------------------------------- attend
     def attend(self, layer, q, k, v, positions):
@@ -249,16 +175,10 @@ class CompressedKV(KVManager):
             older = [st.held.partial(qr, positions, 0, None)]
         else:
             older = []
-        per_head = self.opt["gqa_agg"] == "max"
         d = st.dense
-        mode = self.opt["colsum"]
-        if mode == "dense" and not older:
-            part, col = dense_colsum(qr, d.k, d.v, per_head)
-        else:  # two launches on CUDA (Triton), blocks of 256 query rows in torch elsewhere
-            fn = {"triton": colsum_triton, "chunked": colsum_ref}.get(mode, colsum)
-            other = torch.logsumexp(torch.stack([p.lse for p in older]), 0) if older else None
-            out, lse, col = fn(qr, d.k, d.v, per_head, other)
-            part = Partial(out, lse[None])
+        part, col = prompt_colsum(
+            qr, d.k, d.v, older, self.opt["gqa_agg"] == "max", self.opt["colsum"]
+        )
         d.acc += col
         return combine(older + [part], self.dtype)
 
@@ -320,61 +240,37 @@ class CompressedKV(KVManager):
         for i, st in enumerate(self.layers):
             d = st.dense
             if d.length > B:
-                pos = d.pos.long()  # (1 or Hkv, T)
-                sinks = pos < self.opt["sinks"]
-                if self.sel.selector == Selector.SINKS_RECENT:
-                    idx = keep_indices(pos.float(), sinks, B)  # newest positions win
-                else:
-                    # W(n) = floor(recent * B(n)) exactly from the decimal (as B(n), 0.2)
-                    W = math.floor(Fraction(str(self.opt["recent"])) * B)
-                    recent = pos >= n - W
-                    idx = keep_indices(d.acc, sinks | recent, B)
-                d.keep(idx)
+                recent = None if self.sel.selector == Selector.SINKS_RECENT else self.opt["recent"]
+                d.keep(evict_indices(d.pos, d.acc, n, B, self.opt["sinks"], recent))
             self._report(i, point)
-
-    def minikv_budgets(self, t: int) -> tuple[list[int], int]:
-        """(heavy hitters per layer, recent window) for a turn of t tokens."""
-        return minikv_budgets(self.opt, self.user_budget, t, self.config.n_layers)
 
     def _select_minikv(self, point: str) -> None:
         """Heavy hitters by the turn's column sums + the recent window, per KV head, once."""
         t = self.layers[0].dense.length
-        hh, n_rw = self.minikv_budgets(t)
-        Hkv = self.config.n_kv_heads
-        j = torch.arange(t, device=self.device)
-        recent = (j >= t - n_rw)[None].expand(Hkv, t)
+        hh, n_rw = minikv_budgets(self.opt, self.user_budget, t, self.config.n_layers)
+        norm = self.opt["score_norm"] == "length"
         for i, st in enumerate(self.layers):
-            d = st.dense
             if hh[i] + n_rw < t:
-                acc = d.acc
-                if len(acc) != Hkv:  # gqa_agg=max: the best query head of each group
-                    acc = acc.view(Hkv, -1, t).amax(1)
-                if self.opt["score_norm"] == "length":  # queries that could see token j
-                    acc = acc / (t - j).float()
-                d.keep(keep_indices(acc, recent, hh[i] + n_rw))
+                st.dense.keep(
+                    heavy_recent_indices(st.dense.acc, hh[i], n_rw, self.config.n_kv_heads, norm)
+                )
             self._report(i, point)
 
     def _select_window(self, point: str) -> None:
         """SnapKV / PyramidKV selection over the dense slots of every layer."""
         w = self.opt["window"]
         # dense store: select over all slots, budget from all tokens seen; KIVI store: only the
-        # new tokens held in staging, with the same rule (methods/README.md, later turns)
+        # new tokens held in staging, with the same rule (kvrun's rule for later chat turns)
         T = self.layers[0].dense.length
         n = T if self.layers[0].kivi is not None else self.seen
         B = self.budget.tokens(n, self.protected)
-        if self.sel.allocator == Allocator.PYRAMID:
-            budgets = pyramid_budgets(B, T, w, self.config.n_layers, self.opt["beta"])
-        else:
-            budgets = [B] * self.config.n_layers
+        L = self.config.n_layers
+        pyramid = self.sel.allocator == Allocator.PYRAMID
+        budgets = pyramid_budgets(B, T, w, L, self.opt["beta"]) if pyramid else [B] * L
         for i, st in enumerate(self.layers):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and st.qwin is not None:
-                ww = st.qwin.shape[1]
-                votes = window_votes(st.qwin, d.k[0], self.opt["kernel"], self.opt["pool"])
-                scores = torch.cat(
-                    [votes, votes.new_full((votes.shape[0], ww), float("inf"))], dim=1
-                )
-                d.keep(keep_indices(scores, None, Bl))
+                d.keep(window_indices(st.qwin, d.k[0], Bl, self.opt["kernel"], self.opt["pool"]))
             self._report(i, point)
 
     # ------------------------------------------------------------- accounting
@@ -397,17 +293,11 @@ class CompressedKV(KVManager):
             # residual ignored; logged beside the measured bytes for comparison only
             c = self.config
             d["bytes_paper"] = sum(self.kept_counts()) * c.n_heads * c.head_dim
-        if self.budget is not None:
-            d["budget"] = (
-                float(self.budget.value) if self.budget.is_fraction else int(self.budget.value)
-            )
+        if (b := self.budget) is not None:
+            d["budget"] = float(b.value) if b.is_fraction else int(b.value)
         return d
 
     def kept_counts(self) -> list[int]:
         """Slots held per layer (dense + store), for tests and `kvrun bench`."""
-        return [
-            st.dense.length
-            + (st.kivi.length if st.kivi is not None else 0)
-            + (st.held.length if st.held is not None else 0)
-            for st in self.layers
-        ]
+        parts = lambda st: (st.dense, st.kivi, st.held)  # noqa: E731
+        return [sum(s.length for s in parts(st) if s is not None) for st in self.layers]

@@ -1,6 +1,7 @@
 """MiniCache's merged pair store (§3.2-3.3): the SLERP merge math (pure functions, fp32) and
 the storage of one merged pair of layers: the shared direction E, each layer's norms and the
-retained exact rows. The manager that drives it is kvrun/kv/minicache.py."""
+retained exact rows. The manager that drives it is kvrun/kv/minicache.py; the restore over a
+pair's layout (and merged_decode's arguments) is kvrun/kv/restore.py."""
 
 from __future__ import annotations
 
@@ -146,6 +147,17 @@ class Half:
         counts = torch.bincount(allg, minlength=g)
         self.roff = torch.cat([self.roff[:1], counts.cumsum(0)])
 
+    def append(self, e, na, nb, keep, ra, rb, start: int) -> None:
+        """Append n merged tokens: E (Hkv, n, D) where it is dense, both norms (g, n), and the
+        rows of `keep` (g, n) bool (None: none) retained exactly from ra, rb (g, n, m)."""
+        if self.e is not None:
+            self.e.append(e)
+        self.na.append(na)
+        self.nb.append(nb)
+        if keep is not None and bool(keep.any()):
+            gid, j = keep.nonzero(as_tuple=True)
+            self.add(gid, j + start, ra[gid, j], rb[gid, j])
+
     def nbytes(self) -> int:
         ts = [self.ridx, self.ra, self.rb, self.roff] + ([self.thr] if self.thr is not None else [])
         total = sum(t.numel() * t.element_size() for t in ts)
@@ -163,3 +175,18 @@ class Pair:
         self.exact: dict[int, tuple[Buffer, Buffer]] | None = None  # this turn's K, V per layer
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
         self.length = 0  # merged tokens (slot index = position)
+
+    def begin_prefill(self, n_tokens: int, hkv: int, d: int, dtype, device) -> None:
+        """A new turn: no pending tokens, empty exact K, V buffers (1, Hkv, T, D) per layer."""
+        self.pending = None
+        new = lambda: Buffer((1, hkv, 0, d), 2, dtype, device, n_tokens)  # noqa: E731
+        self.exact = {ly: (new(), new()) for ly in (self.a, self.b)}
+
+    def nbytes(self) -> int:
+        """Held bytes: the halves, the KIVI store of E and the exact buffers of a prefill."""
+        total = self.kivi.nbytes() if self.kivi is not None else 0
+        if self.exact is not None:
+            total += sum(b.nbytes() for kv in self.exact.values() for b in kv)
+        if self.k is not None:
+            total += self.k.nbytes() + self.v.nbytes()
+        return total

@@ -1,4 +1,4 @@
-"""MiniCache (methods/minicache.md): adjacent upper layers share one merged KV direction.
+"""MiniCache (§4 of the paper): adjacent upper layers share one merged KV direction.
 
 Pairs (l-1, l), odd l >= S, keep per token and KV head one SLERP-merged direction E (for K and
 for V), each layer's own norm, and the most distinct rows of both layers exactly (retention).
@@ -12,6 +12,7 @@ Spec decisions beyond the paper: norm, angle and retention per (token, KV head) 
 token: per token over all heads); decode tokens are merged with both norms appended and never
 retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
 after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
+This file is the manager; the merge math and pair store are merged.py, the restore restore.py.
 """
 
 from __future__ import annotations
@@ -21,23 +22,21 @@ import math
 import torch
 
 from ..config import ModelConfig
-from ..errors import KvrunError
-from ..kernels import use_triton
-from ..kernels.dense_decode import dense_decode
 from ..kernels.merged_decode import merged_decode
 from ..rope import Rope
 from .attention import Partial, combine, dense_attention
 from .base import KVManager
 from .buffer import Buffer
 from .kivi import KiviLayer
-from .merged import Half, Pair, direction, merge, pairing, retention
+from .merged import Pair, merge, pairing, retention
+from .restore import Layout
 from .spec import KVSpec
 
 # --- the manager ---------------------------------------------------------------------------------
 
 
 class MiniCacheKV(KVManager):
-    """Cross-layer merged KV cache (methods/minicache.md), optionally on a KIVI store."""
+    """Cross-layer merged KV cache (MiniCache §4), optionally on a KIVI store."""
 
     def __init__(
         self,
@@ -53,13 +52,12 @@ class MiniCacheKV(KVManager):
         o = spec.select_opts
         self.t, self.gamma, self.sin_eps = float(o["slerp_t"]), float(o["gamma"]), o["sin_eps"]
         self.rule, self.retain = o["retain_rule"], o["retain"]
-        self.token = o["granularity"] == "token"
         self.decode_retain = bool(o["decode_retain"])
         kv = spec.kivi()
-        self.kv_layout = kv if kv is not None and kv["bits"] != 16 else None
+        self.kivi_layout = kv if kv is not None and kv["bits"] != 16 else None
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim
-        self.g, self.m = (1, self.H * self.D) if self.token else (self.H, self.D)
+        self.layout = Layout(o["granularity"] == "token", self.H, self.D)
         self.pair_list = pairing(c.n_layers, o["start"])
         self.role = {}  # layer -> (pair number, is the later layer l)
         for i, (a, b) in enumerate(self.pair_list):
@@ -69,21 +67,15 @@ class MiniCacheKV(KVManager):
 
     # ------------------------------------------------------------------ state
     def _kivi(self) -> KiviLayer | None:
-        kv = self.kv_layout
-        if kv is None:
+        if self.kivi_layout is None:
             return None
-        try:
-            return KiviLayer(
-                self.H, self.D, kv["bits"], kv["group"], kv["residual"], self.dtype, self.device
-            )
-        except ValueError as e:
-            raise KvrunError(f"{self.name}: {e}") from None
+        return KiviLayer.of(self.kivi_layout, self.config, self.dtype, self.device, self.name)
 
     def reset(self) -> None:
         super().reset()
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
         shape = (1, self.H, 0, self.D)
-        if self.kv_layout is None:  # dense K, V (1, Hkv, T, D) each
+        if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D) each
             dense = lambda: Buffer(shape, 2, self.dtype, self.device)  # noqa: E731
             self.plain = {i: (dense(), dense()) for i in plain}
         else:
@@ -95,13 +87,8 @@ class MiniCacheKV(KVManager):
 
     def begin_prefill(self, n_tokens: int) -> None:
         super().begin_prefill(n_tokens)
-        shape, dt, dev = (1, self.H, 0, self.D), self.dtype, self.device
         for p in self.pairs:
-            p.pending = None
-            p.exact = {
-                ly: (Buffer(shape, 2, dt, dev, n_tokens), Buffer(shape, 2, dt, dev, n_tokens))
-                for ly in (p.a, p.b)
-            }
+            p.begin_prefill(n_tokens, self.H, self.D, self.dtype, self.device)
 
     # ---------------------------------------------------------------- attend
     def attend(self, layer, q, k, v, positions):
@@ -151,73 +138,27 @@ class MiniCacheKV(KVManager):
         dequantization with the restore is not done, minicache+kivi4 restores into the
         scratch), no sliding window that masks (every merged token visible), and something
         to restore: with every row retained (retain=topk:1.0) SDPA over the exact rows keeps
-        the spec's bit-exact decode step (minicache.md, "How to test it" 6)."""
+        kvrun's bit-exact first decode step (retain=topk:1.0, store=fp16: equal to full)."""
         window = self.config.sliding_window
         if not self._fused or pair.kivi is not None or (window and self.seen + T > window):
             return False
-        return (
-            pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * self.g * pair.length
-        )
+        g = self.layout.g
+        return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length
 
     def _attend_fused(self, pair: Pair, second: bool, qr, kr, v) -> torch.Tensor:
         """Decode of a paired layer without the restore scratch: merged_decode restores the
         n merged tokens inside the attention, combined with the step's own exact tokens."""
-        parts = [self._own(qr, kr, v)]
+        lay = self.layout
+        parts = [lay.own(qr, kr, v)]
         if pair.length:
             if self._fwork is None or self._fwork[0] is not pair:  # layer a builds, b reuses
-                self._fwork = (pair, [self._override(h, pair.length) for h in (pair.k, pair.v)])
+                self._fwork = (pair, [lay.override(h, pair.length) for h in (pair.k, pair.v)])
             wk, wv = self._fwork[1]
-            sk, ok, rk, unit = self._fused_args(pair.k, wk, second)
-            sv, ov, rv, _ = self._fused_args(pair.v, wv, second)
+            sk, ok, rk, unit = lay.fused_args(pair.k, wk, second)
+            sv, ov, rv, _ = lay.fused_args(pair.v, wv, second)
             part = merged_decode(qr, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv)
             parts.insert(0, Partial(*part))
         return combine(parts, self.dtype)
-
-    def _own(self, qr, kr, v) -> Partial:
-        """Attention of the step's queries over their own exact tokens, causal: a single token
-        is its own softmax (out = v, lse = the score), several go through dense_decode."""
-        if kr.shape[2] > 1:
-            return Partial(*dense_decode(qr, kr, v, causal_offset=0))
-        g = qr.shape[1] // self.H
-        qg = qr.float().reshape(1, self.H, g, self.D)  # (1, Hkv, g, D)
-        s = (qg * kr.float().reshape(1, self.H, 1, self.D)).sum(-1) / math.sqrt(self.D)
-        out = v.float().repeat_interleave(g, dim=1)  # (1, Hq, 1, D)
-        return Partial(out, s.reshape(1, self.H * g, 1))
-
-    def _fused_args(self, half: Half, work, second: bool):
-        """(scale (Hkv, T), map, rows (N, D), unit) of one half of layer b (second) or a, for
-        merged_decode; work = (map, 1/||E|| or None) from _override."""
-        ov, inv = work
-        norms = (half.nb if second else half.na).data  # (g, T)
-        rows = (half.rb if second else half.ra) if ov is not None else None  # (N_r, m)
-        if self.token:  # rows (N_r, Hkv*D) read as (N_r*Hkv, D)
-            rows = rows.reshape(-1, self.D) if rows is not None else None
-            return (norms[0].float() * inv).expand(self.H, -1), ov, rows, False
-        if inv is None:  # the Triton kernel divides by ||E|| in registers
-            return norms, ov, rows, True
-        return norms.float() * inv, ov, rows, False  # (Hkv, T): n / ||E||
-
-    def _override(self, half: Half, T: int):
-        """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, for layers a and b:
-        the map gives each retained (head, token) its row (-1: restore); 1/||E|| per token
-        (T,) for granularity=token, per (head, token) (Hkv, T) where the torch reference runs
-        (computed once here instead of in both layers). Scratch for a step, not in nbytes."""
-        e, inv = half.e.data, None  # (Hkv, T, D)
-        if self.token or not use_triton(e):
-            n = torch.linalg.vector_norm(e.float(), dim=(0, 2) if self.token else -1)
-            inv = 1 / torch.where(n > 0, n, 1.0)
-        N = half.ridx.numel()
-        if N == 0:
-            return None, inv
-        ov = torch.full((self.H, T), -1, dtype=torch.int32, device=self.device)
-        r = torch.arange(N, dtype=torch.int32, device=self.device)
-        idx = half.ridx.long()
-        if self.token:  # row r of head h is r * Hkv + h
-            h = torch.arange(self.H, dtype=torch.int32, device=self.device)
-            ov[:, idx] = r[None, :] * self.H + h[:, None]
-        else:
-            ov[half.groups(), idx] = r
-        return ov, inv
 
     def _attend_plain(self, layer, qr, kr, v, positions) -> torch.Tensor:
         """An unpaired layer: a plain cache (dense or KIVI), every token kept."""
@@ -241,39 +182,6 @@ class MiniCacheKV(KVManager):
         return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
 
     # --------------------------------------------------------------- restore
-    def _directions(self, pair: Pair) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit directions (g, T, m) fp32 of the pair's merged K and V (dequantized for KIVI)."""
-        if pair.kivi is not None:
-            ek, ev = pair.kivi.dequantized()  # (Hkv, T, D) fp32 each
-        else:
-            ek, ev = pair.k.e.data, pair.v.e.data
-        return direction(self._groups(ek)), direction(self._groups(ev))
-
-    def _groups(self, x: torch.Tensor) -> torch.Tensor:
-        """(Hkv, T, D) -> (g, T, m): per head, or all heads of a token in one row."""
-        return x.transpose(0, 1).reshape(1, x.shape[1], -1) if self.token else x
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(g, T, m) -> (Hkv, T, D), the inverse of _groups."""
-        return x.reshape(x.shape[1], self.H, self.D).transpose(0, 1) if self.token else x
-
-    def _restore_into(self, pair: Pair, second: bool, dirs, out_k, out_v) -> None:
-        """Write X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D): direction times
-        the layer's own norm, then the retained rows put back exactly."""
-        for half, u, out in ((pair.k, dirs[0], out_k), (pair.v, dirs[1], out_v)):
-            n = (half.nb if second else half.na).data.unsqueeze(-1)  # (g, T, 1)
-            if self.token:
-                out.copy_(self._heads(u * n))
-            else:
-                torch.mul(u, n, out=out)
-            rows = half.rb if second else half.ra  # (N_r, m)
-            if rows.shape[0]:
-                idx = half.ridx.long()
-                if self.token:
-                    out[:, idx] = rows.view(-1, self.H, self.D).transpose(0, 1).to(out.dtype)
-                else:
-                    out[half.groups(), idx] = rows.to(out.dtype)
-
     def _restored(self, pair: Pair, second: bool, extra: int):
         """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
         n = pair.length
@@ -284,8 +192,8 @@ class MiniCacheKV(KVManager):
         ks, vs = self._sk[:, :, : n + extra], self._sv[:, :, : n + extra]
         if n:
             if self._work is None or self._work[0] is not pair:  # layer a computes, b reuses
-                self._work = (pair, self._directions(pair))
-            self._restore_into(pair, second, self._work[1], ks[0, :, :n], vs[0, :, :n])
+                self._work = (pair, self.layout.directions(pair))
+            self.layout.restore_into(pair, second, self._work[1], ks[0, :, :n], vs[0, :, :n])
         return ks, vs
 
     def restored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,12 +204,7 @@ class MiniCacheKV(KVManager):
             if isinstance(st, KiviLayer):
                 return st.dequantized()
             return st[0].data[0].float(), st[1].data[0].float()
-        pair = self.pairs[role[0]]
-        out_k = torch.zeros(self.H, pair.length, self.D, device=self.device)
-        out_v = torch.zeros_like(out_k)
-        if pair.length:
-            self._restore_into(pair, role[1], self._directions(pair), out_k, out_v)
-        return out_k, out_v
+        return self.layout.restored(self.pairs[role[0]], role[1], self.device)
 
     # ------------------------------------------------------------------ merge
     def _merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
@@ -309,15 +212,15 @@ class MiniCacheKV(KVManager):
         n, start = ka.shape[1], pair.length
         if n == 0:
             return
+        lay = self.layout
         if pair.k is None:
             never = -math.inf if self.rule == "paper" else math.inf
             thr = never if self.decode_retain else None
-            args = (self.g, self.m, self.H, self.D, pair.kivi is None, thr)
-            pair.k = Half(*args, self.dtype, self.device)
-            pair.v = Half(*args, self.dtype, self.device)
+            args = (pair.kivi is None, thr, self.dtype, self.device)
+            pair.k, pair.v = lay.half(*args), lay.half(*args)
         dirs = []
         for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
-            ga, gb = self._groups(xa), self._groups(xb)  # (g, n, m)
+            ga, gb = lay.groups(xa), lay.groups(xb)  # (g, n, m)
             e, na, nb, d = merge(ga, gb, self.t, self.sin_eps)
             keep = None
             if prefill:  # retention over this turn's tokens
@@ -327,27 +230,21 @@ class MiniCacheKV(KVManager):
             elif half.thr is not None:  # decode_retain: beyond the prefill threshold
                 thr = half.thr.unsqueeze(-1)
                 keep = d < thr if self.rule == "paper" else d > thr
-            e = self._heads(e)  # (Hkv, n, D) fp32
-            if half.e is not None:
-                half.e.append(e)
+            e = lay.heads(e)  # (Hkv, n, D) fp32
+            half.append(e, na, nb, keep, ga, gb, start)
             dirs.append(e)
-            half.na.append(na)
-            half.nb.append(nb)
-            if keep is not None and bool(keep.any()):
-                gid, j = keep.nonzero(as_tuple=True)
-                half.add(gid, j + start, ga[gid, j], gb[gid, j])
         if pair.kivi is not None:
             pair.kivi.append(dirs[0].to(self.dtype), dirs[1].to(self.dtype))
             if prefill:
-                pair.kivi.flush(self.kv_layout["group"])  # prefill flush unit U = G
+                pair.kivi.flush(self.kivi_layout["group"])  # prefill flush unit U = G
         pair.length += n
 
     # ------------------------------------------------------- compression points
     def end_chunk(self, n_tokens: int) -> None:
         super().end_chunk(n_tokens)
-        if self.kv_layout is not None:  # prefill flush unit U = G, after the chunk's attention
+        if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
             for st in self.plain.values():
-                st.flush(self.kv_layout["group"])
+                st.flush(self.kivi_layout["group"])
 
     def end_prefill(self) -> None:
         for p in self.pairs:
@@ -360,8 +257,8 @@ class MiniCacheKV(KVManager):
 
     def end_step(self) -> None:
         super().end_step()
-        if self.kv_layout is not None:
-            r = self.kv_layout["residual"]
+        if self.kivi_layout is not None:
+            r = self.kivi_layout["residual"]
             stores = list(self.plain.values()) + [p.kivi for p in self.pairs]
             for st in stores:
                 if st.tail_len >= r:
@@ -372,14 +269,7 @@ class MiniCacheKV(KVManager):
         total = 0
         for st in self.plain.values():
             total += st.nbytes() if isinstance(st, KiviLayer) else st[0].nbytes() + st[1].nbytes()
-        for p in self.pairs:
-            if p.exact is not None:  # exact buffers held during a prefill count
-                total += sum(b.nbytes() for kv in p.exact.values() for b in kv)
-            if p.k is not None:
-                total += p.k.nbytes() + p.v.nbytes()
-            if p.kivi is not None:
-                total += p.kivi.nbytes()
-        return total
+        return total + sum(p.nbytes() for p in self.pairs)  # exact buffers of a prefill count
 
     def describe(self) -> dict:
         return self.spec.describe()

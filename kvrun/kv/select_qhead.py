@@ -1,4 +1,4 @@
-"""Per-query-head selection stored once per KV head (SpindleKV §3.1, spindlekv.md steps 4-5):
+"""Per-query-head selection stored once per KV head (SpindleKV §3.3, Eq. 7):
 each query head keeps its own top-k, the KV head stores the union of its group's picks once,
 and a keep mask per slot (one bit per query head) restores each head's own set at attention."""
 

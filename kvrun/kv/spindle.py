@@ -1,4 +1,4 @@
-"""SpindleKV (spindlekv.md): linearly falling per-layer eviction budgets, per-query-head
+"""SpindleKV (§3.3-3.4 of the paper): linearly falling per-layer eviction budgets, per-query-head
 selection stored once per KV head with a keep mask per query head, and per-layer codebooks
 of pre-RoPE K and V (unit entries, one index and one magnitude per slot).
 
@@ -10,6 +10,7 @@ head j of group h to the slots of head h with bit j set. A decode step attends t
 kernels.codebook_decode, which gathers and rotates inside the kernel (Triton on CUDA, a
 torch reference elsewhere), one partial per segment merged by log-sum-exp; prefill, and
 decode under a sliding window that may mask, rebuild the slots densely for SDPA.
+The per-layer store is kvrun.kv.coded; the codebooks and their coding are kvrun.kv.codebook.
 """
 
 from __future__ import annotations
@@ -18,44 +19,16 @@ from fractions import Fraction
 
 import torch
 
-from ..errors import KvrunError
 from ..kernels import use_triton
 from ..kernels.codebook_decode import codebook_decode
 from .alloc.spindle import spindle_keep
 from .attention import Partial, combine, dense_attention, position_mask, sdpa
 from .base import KVManager
-from .codebook import (
-    Book,
-    CodedLayer,
-    assign,
-    build_codebook,
-    gather_books,
-    unit_vectors,
-)
-from .scores import pool_scores, window_scores
+from .codebook import assign_books, build_books
+from .coded import CodedLayer, paper_ratios
+from .scores import pool_scores, qhead_scores
 from .select_qhead import pack_bits, select_keep, union_slots, unpack_bits
 from .spec import KVSpec
-
-INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
-
-
-# --- steps 2, 4, 5: scores, per-query-head selection, unions with masks ------------------------
-def qhead_scores(
-    qw: torch.Tensor,  # (Hq, w, D) post-RoPE queries of the turn's last w tokens
-    k: torch.Tensor,  # (Hkv, t, D) post-RoPE keys of the turn
-    sliding: int | None = None,
-    length_norm: bool = True,
-) -> torch.Tensor:  # (Hq, t - w) fp32
-    """ac_q[a] = sum_b A_q[b, a] / (t - a) over the window rows b (Eq. 2), per query head.
-
-    Softmax in fp32 over every key the row sees (causal; the model's sliding window too, so a
-    token the model can never attend to scores 0): kvrun.kv.scores.window_scores.
-    """
-    vote = window_scores(qw, k, sliding)
-    if length_norm:
-        t, n_ctx = k.shape[1], vote.shape[1]
-        vote = vote / (t - torch.arange(n_ctx, device=k.device)).float()
-    return vote
 
 
 # --- the manager ------------------------------------------------------------------------------------
@@ -144,7 +117,7 @@ class SpindleKV(KVManager):
         would need causal masks among themselves); not when the model's sliding window may
         hide a slot (all positions up to the query's must fit in it); not for a layer of dense
         slots only (codebook=off) on the torch path, whose SDPA over the rotated slots equals
-        `full` bit for bit (spindlekv.md, test 2)."""
+        `full` bit for bit (as kvrun's full-budget test checks)."""
         window = self.config.sliding_window
         if not self._fused or qr.shape[2] != 1:
             return False
@@ -200,21 +173,8 @@ class SpindleKV(KVManager):
     def materialise(self, st: CodedLayer):
         """The layer's slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV
         dtype, positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
-        kp, vp, pos, mask = [], [], [], []
-        if st.pos_c is not None:
-            kp.append(gather_books(st.books_k, st.idx_k) * st.mag_k[..., None])
-            vp.append(gather_books(st.books_v, st.idx_v) * st.mag_v[..., None])
-            pos.append(st.pos_c)
-            mask.append(st.mask_c)
-        if st.pos_d is not None:
-            kp.append(st.k_d), vp.append(st.v_d), pos.append(st.pos_d), mask.append(st.mask_d)
-
-        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-        pos_all = cat(pos).long()
-        k = self.rope.apply(cat(kp)[None], pos_all)  # RoPE at each slot's position
-        return k, cat(vp)[None], pos_all, cat(mask)
+        k, v, pos, mask = st.slots()
+        return self.rope.apply(k[None], pos), v[None], pos, mask  # RoPE at each slot's position
 
     # ------------------------------------------------------------ compression
     def _keep_plan(self, t: int) -> list[int] | None:
@@ -228,11 +188,12 @@ class SpindleKV(KVManager):
     def _compress(self, layer: int, kp: torch.Tensor, vp: torch.Tensor, qwin) -> None:
         """Steps 2-7 for one layer over the turn's pre-RoPE K, V (Hkv, t, D).
 
-        Later chat turns (methods/README.md): only the new turn's tokens are compressed, with
-        the same rule and fractions (B from the turn's length) and a softmax over the turn's
-        own keys, as SnapKV does over a KIVI staging area; earlier turns stay as stored. The
-        turn's kept vectors get their own greedy build, whose entries are appended to the
-        layer's codebook (earlier entries and indices unchanged, as at decode).
+        Later chat turns (kvrun's rule for stores that cannot re-select): only the new turn's
+        tokens are compressed, with the same rule and fractions (B from the turn's length) and
+        a softmax over the turn's own keys, as SnapKV does over a KIVI staging area; earlier
+        turns stay as stored. The turn's kept vectors get their own greedy build, whose entries
+        are appended to the layer's codebook (earlier entries and indices unchanged, as at
+        decode).
         """
         st, o = self.layers[layer], self.opt
         Hkv, t, _ = kp.shape
@@ -254,45 +215,10 @@ class SpindleKV(KVManager):
             z = sl.valid[..., None]
             st.append_dense(ks * z, vs * z, pos, sl.mask)  # padding slots hold zeros
             return
-        ik, mk = self._build(st.books_k, ks, sl.valid, o["theta_k"])
-        iv, mv = self._build(st.books_v, vs, sl.valid, o["theta_v"])
-        self._widen(layer, st)
+        ik, mk = build_books(st.books_k, ks, sl.valid, o["theta_k"], o["cb_block"], self.dtype)
+        iv, mv = build_books(st.books_v, vs, sl.valid, o["theta_v"], o["cb_block"], self.dtype)
+        st.widen(layer, o["index"] == "int16-strict")
         st.append_coded(ik.to(st.idx_dtype[0]), iv.to(st.idx_dtype[1]), mk, mv, pos, sl.mask)
-
-    def _build(self, books: list[Book], x: torch.Tensor, valid: torch.Tensor, theta: float):
-        """Code the valid slots of x (Hkv, S, D): idx (Hkv, S) int64 and magnitudes (Hkv, S)
-        in the KV dtype, 0 on padding; new entries appended to the books."""
-        idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
-        mag = torch.zeros(valid.shape, dtype=self.dtype, device=x.device)
-        groups = [(books[0], valid)] if len(books) == 1 else []
-        for h, b in enumerate(books if len(books) > 1 else []):
-            sel = torch.zeros_like(valid)
-            sel[h] = valid[h]
-            groups.append((b, sel))
-        for book, sel in groups:  # candidates ordered by head, then position
-            u, m = unit_vectors(x[sel])
-            entries, ix = build_codebook(u, theta, self.opt["cb_block"], self.dtype)
-            idx[sel] = ix + book.n
-            mag[sel] = m.to(self.dtype)
-            book.append(entries)
-        return idx, mag
-
-    def _widen(self, layer: int, st: CodedLayer) -> None:
-        """Switch a layer's K or V indices to int32 once its codebook exceeds 32767 entries."""
-        for i, (books, name) in enumerate(((st.books_k, "key"), (st.books_v, "value"))):
-            size = max(b.n for b in books)
-            if size <= INT16_MAX or st.idx_dtype[i] == torch.int32:
-                continue
-            if self.opt["index"] == "int16-strict":
-                raise KvrunError(
-                    f"spindlekv: layer {layer}'s {name} codebook has {size} entries, more than "
-                    "int16 indices address; use spindlekv:index=auto or index=int32"
-                )
-            st.idx_dtype[i] = torch.int32
-            if i == 0 and st.idx_k is not None:
-                st.idx_k = st.idx_k.to(torch.int32)
-            if i == 1 and st.idx_v is not None:
-                st.idx_v = st.idx_v.to(torch.int32)
 
     def _append_token(self, layer: int, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor):
         """Store one decode token, k and v (Hkv, D) pre-RoPE at position p (1,)."""
@@ -302,9 +228,9 @@ class SpindleKV(KVManager):
         if not (o["codebook"] and o["decode_codebook"]):
             st.append_dense(k[:, None], v[:, None], pos, self.ones_mask)
             return
-        ik, mk = self._assign(st.books_k, k, o["theta_k"])
-        iv, mv = self._assign(st.books_v, v, o["theta_v"])
-        self._widen(layer, st)
+        ik, mk = assign_books(st.books_k, k, o["theta_k"])
+        iv, mv = assign_books(st.books_v, v, o["theta_v"])
+        st.widen(layer, o["index"] == "int16-strict")
         st.append_coded(
             ik.to(st.idx_dtype[0])[:, None],
             iv.to(st.idx_dtype[1])[:, None],
@@ -313,18 +239,6 @@ class SpindleKV(KVManager):
             pos,
             self.ones_mask,
         )
-
-    @staticmethod
-    def _assign(books: list[Book], x: torch.Tensor, theta: float):
-        """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32."""
-        if len(books) == 1:
-            idx, new, m = assign(books[0].rows(), x, theta)
-            books[0].append(new)
-            return idx, m
-        out = [assign(b.rows(), x[h : h + 1], theta) for h, b in enumerate(books)]
-        for b, (_, new, _) in zip(books, out, strict=True):
-            b.append(new)
-        return torch.cat([i for i, _, _ in out]), torch.cat([m for _, _, m in out])
 
     # ------------------------------------------------------------- accounting
     def nbytes(self) -> int:
@@ -339,31 +253,5 @@ class SpindleKV(KVManager):
         d = {"method": self.name, **self.opt}
         d["budget"] = float(b.value) if b.is_fraction else int(b.value)
         if self.opt["report"] == "paper":
-            d["paper"] = self.paper_ratios()
+            d["paper"] = paper_ratios(self)
         return d
-
-    def paper_ratios(self) -> dict:
-        """The paper's Eq. 15 size r = r1 * r2 * r3 per layer (report=paper; decision 9).
-
-        r1: tokens kept per query head over tokens seen; r2: codebook entries (K and V) over
-        the per-query-head vectors they stand for; r3 = (d + int_bits / (elem_bits + 1)) / d.
-        It prices indices and magnitudes at the codebook fraction, so it understates bytes.
-        """
-        c, g = self.config, self.group
-        elem_bits = 8 * torch.empty(0, dtype=self.dtype).element_size()
-        r1s, r2s, r3s, rs = [], [], [], []
-        for st in self.layers:
-            masks = [m for m in (st.mask_c, st.mask_d) if m is not None]
-            kept = sum(int(unpack_bits(m, g).sum()) for m in masks)
-            r1 = kept / (c.n_heads * self.seen) if self.seen else 1.0
-            entries = sum(b.n for b in st.books_k + st.books_v)
-            r2 = entries / (2 * kept) if self.opt["codebook"] and kept else 1.0
-            r3 = 1.0
-            if self.opt["codebook"]:
-                int_bits = 8 * max(torch.empty(0, dtype=t).element_size() for t in st.idx_dtype)
-                r3 = (c.head_dim + int_bits / (elem_bits + 1)) / c.head_dim
-            r1s.append(round(r1, 6))
-            r2s.append(round(r2, 6))
-            r3s.append(round(r3, 6))
-            rs.append(r1 * r2 * r3)
-        return {"ratio": round(sum(rs) / len(rs), 6), "r1": r1s, "r2": r2s, "r3": r3s}

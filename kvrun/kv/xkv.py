@@ -1,4 +1,4 @@
-"""XKV (methods/xkv.md): SnapKV-style eviction at the end of prefill with its own budget n_i
+"""XKV (§4 of the paper): SnapKV-style eviction at the end of prefill with its own budget n_i
 per layer, chosen by a global top-N over per-layer-normalised window scores.
 
 Budgets come from a scoring pass of the same model that keeps no KV (plan=two-pass), from the
@@ -9,13 +9,11 @@ the peak is the compressed earlier layers plus one full layer. Nothing is evicte
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .alloc.xkv import allocate_budget, allocate_target, context_budget
+from .alloc.xkv import Allocation, allocate_budget, allocate_target, context_budget, normalise
 from .alloc.xkv_profile import (
     Profile,
     check_profile,
@@ -26,32 +24,11 @@ from .alloc.xkv_profile import (
 )
 from .base import KVManager
 from .manager import CompressedKV
-from .scores import pool_scores
+from .scores import pool_scores, window_attention
 from .select import group_sum, keep_indices
 
 
 # --------------------------------------------------------------------------------- scores
-def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """a_q[j] (Hq, T - w) fp32: softmax attention of the w window rows over all T keys (causal
-    inside the window), averaged over the rows, for the T - w context keys.
-
-    qw (Hq, w, D) post-RoPE queries of the last w tokens; k (Hkv, T, D) post-RoPE keys, the
-    last w of them the window's own. Query head q reads KV head q // G.
-    """
-    Hq, w, D = qw.shape
-    Hkv, T, _ = k.shape
-    G = Hq // Hkv
-    # contiguous fp32 copies: the scoring pass and the prefill feed equal values in different
-    # layouts, and the scores must come out bit-identical (plan equivalence)
-    q = qw.float().contiguous().view(Hkv, G * w, D)
-    kf = k.float().contiguous()
-    logits = torch.bmm(q, kf.transpose(1, 2)).view(Hkv, G, w, T) / math.sqrt(D)
-    rows = torch.arange(T - w, T, device=k.device)  # slot of each window row
-    future = torch.arange(T, device=k.device)[None, :] > rows[:, None]  # (w, T)
-    p = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-    return p[..., : T - w].mean(dim=2).reshape(Hq, T - w)  # (1/ows) sum over rows
-
-
 def layer_scores(
     qw: torch.Tensor, k: torch.Tensor, pool: str
 ) -> tuple[torch.Tensor, torch.Tensor]:  # w (C,), s (Hkv, C) fp32
@@ -63,23 +40,7 @@ def layer_scores(
     return w, s
 
 
-def normalise(w: torch.Tensor) -> torch.Tensor:
-    """p_i = w_i / sum_j w_i[j] (zeros stay zeros)."""
-    total = w.sum()
-    return w / total if float(total) > 0 else torch.zeros_like(w)
-
-
 # --------------------------------------------------------------------------------- manager
-@dataclass(slots=True)
-class Allocation:
-    """Per-layer budgets of one prefill: n[i] context tokens plus `window` window tokens."""
-
-    n: list[int]
-    t: int  # tokens (slots) it was made for
-    window: int  # observation-window tokens kept on top of n[i] in every layer
-    source: str  # "two-pass" | "deferred" | "profile"
-
-
 class XKV(CompressedKV):
     """XKV on the composed manager: its own allocator, scores and planning; the dense or KIVI
     store and the window-query buffer of CompressedKV."""

@@ -1,4 +1,4 @@
-"""MiniKV's allocation (§3.1-3.2, minikv.md step 3): a recent window and heavy hitters per
+"""MiniKV's allocation (§3.1.2-3.1.3): a recent window and heavy hitters per
 layer for one turn, as fractions of the turn (or an even split of --kv-budget), uniform or
 on MiniKV's pyramid (more to lower layers), optionally aligned to whole quantization groups."""
 

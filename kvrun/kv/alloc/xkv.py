@@ -5,6 +5,7 @@ of the attention mass (target mode), each layer above a floor."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -101,3 +102,19 @@ def context_budget(
     if scope == "total":
         return n_layers * budget.tokens(n, window + floor) - n_layers * rows
     return n_layers * budget.tokens(n, floor)
+
+
+def normalise(w: torch.Tensor) -> torch.Tensor:
+    """p_i = w_i / sum_j w_i[j] (zeros stay zeros)."""
+    total = w.sum()
+    return w / total if float(total) > 0 else torch.zeros_like(w)
+
+
+@dataclass(slots=True)
+class Allocation:
+    """Per-layer budgets of one prefill: n[i] context tokens plus `window` window tokens."""
+
+    n: list[int]
+    t: int  # tokens (slots) it was made for
+    window: int  # observation-window tokens kept on top of n[i] in every layer
+    source: str  # "two-pass" | "deferred" | "profile"

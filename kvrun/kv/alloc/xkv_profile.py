@@ -149,8 +149,8 @@ def profile_budgets(
     the excess given to the others up to C in descending phi order, so sum n_i = N.
 
     The split is in proportion to what each layer's profile share puts above the floor,
-    (phi_i * t - f)+, not to phi_i as xkv.md literally writes: with f > 0 the literal rule
-    would not give back the saved n_i at the same length (xkv.md test 10), this one does.
+    (phi_i * t - f)+, not to phi_i (kvrun's decision): with f > 0 a plain phi_i split would
+    not give back the saved n_i at the same length (a profile round trip), this one does.
     """
     L, f = len(values), min(floor, max(C, 0))
     if C <= 0:

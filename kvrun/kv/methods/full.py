@@ -18,7 +18,7 @@ def build(spec, config, rope, device, dtype, **kw):
 
 
 def nbytes(spec, kv) -> int:
-    """2 * L * Hkv * n * D * e (baselines.md 0.6), or the stacked store's formula."""
+    """2 * L * Hkv * n * D * e (dense K and V of every token), or the stacked store's formula."""
     if spec.store is not None:
         return composed_bytes()(spec, kv)
     return kv.config.n_layers * dense(kv.config, kv.seen, elem(kv))

@@ -52,7 +52,7 @@ def nbytes(spec, kv) -> int:
     and V, E (dense, or one KIVI store for E_K and E_V), both layers' norms (g, T), the
     retained rows (an int32 index and the exact rows of both layers, m wide each) with the
     int64 group offsets, and with decode_retain the fp32 prefill threshold per group."""
-    c, e, layout = kv.config, elem(kv), kv.kv_layout
+    c, e, layout = kv.config, elem(kv), kv.kivi_layout  # the KIVI store of E, or None
     total = 0
     for st in kv.plain.values():
         total += kivi_of(c, e, layout, st) if layout else dense(c, st[0].n, e)
@@ -63,9 +63,9 @@ def nbytes(spec, kv) -> int:
             total += kivi_of(c, e, layout, p.kivi)
         for h in (p.k, p.v):
             total += 0 if layout else dense(c, p.length, e) // 2
-            total += 2 * kv.g * p.length * e
-            total += h.ridx.numel() * (4 + 2 * kv.m * e) + 8 * (kv.g + 1)
-            total += 4 * kv.g if h.thr is not None else 0
+            total += 2 * kv.layout.g * p.length * e
+            total += h.ridx.numel() * (4 + 2 * kv.layout.m * e) + 8 * (kv.layout.g + 1)
+            total += 4 * kv.layout.g if h.thr is not None else 0
     return total
 
 
