@@ -181,13 +181,13 @@ def table(configs, acc, kl, rows) -> list[str]:
     return lines
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace the text between the headline markers, or append the section."""
+def write_section(path: Path, body: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between the markers (the headline's by default), or append it."""
     old = path.read_text(encoding="utf-8") if path.exists() else "# kvrun benchmarks\n"
-    section = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in old and END in old:
-        head, _, rest = old.partition(BEGIN)
-        new = head + section + rest.partition(END)[2]
+    section = f"{begin}\n{body}\n{end}"
+    if begin in old and end in old:
+        head, _, rest = old.partition(begin)
+        new = head + section + rest.partition(end)[2]
     else:
         new = old.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(new, encoding="utf-8")

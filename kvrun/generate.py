@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -114,27 +114,44 @@ class Session:
                 f"raise -c/--ctx-size (model max {self.model.config.context_length}) or shorten the input"
             )
 
-    @torch.inference_mode()
     def prefill(
         self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None
     ) -> torch.Tensor:
         """Feed ids in chunks of --ubatch; return the logits (V,) after the last one."""
-        self.check_fits(len(ids))
-        self.plan(ids)
-        self.kv.begin_prefill(len(ids))
         logits = None
+        for out in self.prefill_chunks(ids, progress):
+            logits = out[0]
+        return logits
+
+    def prefill_chunks(
+        self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[torch.Tensor, bool]]:
+        """`prefill` one --ubatch chunk per step (the batch engine interleaves them with
+        decode steps): yields (logits after the chunk, whether it was the last)."""
+        self.check_fits(len(ids))
+        with torch.inference_mode():
+            self.plan(ids)
+            self.kv.begin_prefill(len(ids))
+        if not ids:  # nothing to feed: the turn ends at once (no logits)
+            with torch.inference_mode():
+                self.kv.end_prefill()
+            yield None, True
+            return
         for s in range(0, len(ids), self.ubatch):
             chunk = list(ids[s : s + self.ubatch])
             start = len(self.tokens)
-            tok = torch.tensor([chunk], device=self.device)  # (1, T)
-            pos = torch.arange(start, start + len(chunk), device=self.device)  # (T,)
-            logits = self.model(tok, pos, self.kv, last_only=True)[0, -1]
-            self.kv.end_chunk(len(chunk))
-            self.tokens.extend(chunk)
-            if progress:
-                progress(s + len(chunk), len(ids))
-        self.kv.end_prefill()
-        return logits
+            with torch.inference_mode():
+                tok = torch.tensor([chunk], device=self.device)  # (1, T)
+                pos = torch.arange(start, start + len(chunk), device=self.device)  # (T,)
+                logits = self.model(tok, pos, self.kv, last_only=True)[0, -1]
+                self.kv.end_chunk(len(chunk))
+                self.tokens.extend(chunk)
+                if progress:
+                    progress(s + len(chunk), len(ids))
+                last = s + len(chunk) >= len(ids)
+                if last:
+                    self.kv.end_prefill()
+            yield logits, last
 
     @torch.inference_mode()
     def plan(self, ids: Sequence[int]) -> None:

@@ -96,6 +96,67 @@ def new_session(rt: Runtime, kv, kw: dict) -> Session:
     return session
 
 
+def parallel_options(f):
+    """--parallel N and --kv-mem: documents run N at once (kvrun.engine)."""
+    f = click.option(
+        "--kv-mem",
+        default=None,
+        metavar="SIZE",
+        help="Admit a new sequence only while every active sequence's KV cache can still "
+        "fit SIZE: bytes (512M, 4G) or a fraction of free memory (0.5). Default: no limit.",
+    )(f)
+    return parallel_option(f)
+
+
+def parallel_option(f):
+    """--parallel N: sequences (documents, trials) decoded together (kvrun.engine)."""
+    return click.option(
+        "-np",
+        "--parallel",
+        default=1,
+        show_default=True,
+        type=click.IntRange(1, 256),
+        help="Sequences decoded together (one weight read per step for all of them); a "
+        "finished one frees its slot for the next at once.",
+    )(f)
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_mem(text: str | None, device) -> int | None:
+    """--kv-mem: None, bytes with an optional K/M/G/T suffix, or a fraction (0, 1] of the
+    memory free now (CUDA: the device's; CPU: MemAvailable)."""
+    if text is None:
+        return None
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if value <= 0 or (not unit and value != int(value) and value > 1):
+        raise KvrunError(f"--kv-mem {text}: give bytes (512M, 4G, 1000000) or a fraction (0.5)")
+    if unit or value > 1:
+        return int(value * _UNITS[unit])
+    return int(value * free_memory(device))
+
+
+def free_memory(device) -> int:
+    """Bytes free for new allocations: the CUDA device's, or the system's MemAvailable."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise KvrunError("--kv-mem as a fraction needs /proc/meminfo; give bytes (4G) instead")
+
+
 def kv_options(multiple: bool = False):
     """--kv and --kv-budget; with multiple=True both may be given several times (grids)."""
     kv_help = (

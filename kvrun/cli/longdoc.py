@@ -19,6 +19,8 @@ from .common import (
     load_with_progress,
     model_options,
     new_session,
+    parallel_options,
+    parse_mem,
     progress_bar,
     sampling_from,
     sampling_options,
@@ -31,6 +33,7 @@ from .common import (
 @model_options
 @graph_option
 @kv_options()
+@parallel_options
 @sampling_options(temp=0.0)  # greedy: answers should not depend on the seed
 @click.argument("files", nargs=-1, metavar="[FILE]...")
 @click.option(
@@ -95,12 +98,15 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     n_predict, truncate, sampling, ...) under "settings" (with FILEs they go once to stderr).
     A failing document gets a line with its error and the batch goes on; the exit status is 1
     when any failed. --resume skips ids already answered in OUT. Greedy (--temp 0) by default.
+    --parallel N answers N documents at once (lines are written as each finishes, so not in
+    input order; with FILEs each answer is printed whole when it is done).
 
     \b
     kvrun longdoc report.txt -q "Who signed the contract?"
     kvrun longdoc --summarize --kv snapkv --kv-budget 0.25 a.txt b.txt
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --summarize --truncate left
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
+    kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --parallel 8 --kv-mem 2G
     cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
     """
     set_debug(ctx, kw.pop("debug"))
@@ -124,7 +130,11 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     spec = check_kv(kw)
     rt = load_with_progress(kw)
     tok = rt.tokenizer
-    session = new_session(rt, rt.new_kv(spec), kw)
+    parallel, kv_mem = kw.pop("parallel"), parse_mem(kw.pop("kv_mem"), rt.model.device)
+    if parallel > 1 and kw.get("cuda_graph"):
+        raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
+    sessions = [new_session(rt, rt.new_kv(spec), kw) for _ in range(parallel)]
+    session = sessions[0]
     settings = {
         "model": str(rt.path),
         "model_name": rt.config.name,
@@ -146,11 +156,14 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     )  # fmt: skip
     if note:
         click.echo(note, err=True)
+    run = _Runner(sessions, kv_mem)
     if jsonl or out:
-        failed = _run_records(ctx, session, docs, job, out, done)
+        failed = _run_records(ctx, run, docs, job, out, done)
     else:
         click.echo("settings: " + json.dumps({"kv": job.kv, **settings}), err=True)
-        failed = _run_text(session, docs, job)
+        failed = _run_text(run, docs, job)
+    if run.stats is not None:
+        click.echo(run.summary(), err=True)
     if failed:
         raise KvrunError(f"{failed} of {len(docs)} documents failed (their errors are above)")
 
@@ -178,9 +191,41 @@ def _stats(rec: dict) -> Stats:
     return Stats(**{f.name: rec[f.name] for f in dataclasses.fields(Stats)})
 
 
-def _run_text(session, docs, job) -> int:
-    """Answers streamed to stdout under a header; stats (or the error) on stderr."""
-    prefill = _PrefillBar(session.ubatch)
+class _Runner:
+    """One session (documents in order, answers streamed) or several (kvrun.engine)."""
+
+    def __init__(self, sessions, kv_mem):
+        self.sessions, self.kv_mem, self.stats = sessions, kv_mem, None
+
+    @property
+    def parallel(self) -> bool:
+        return len(self.sessions) > 1
+
+    def __call__(self, docs, job, write, done, start, finish) -> int:
+        if not self.parallel:
+            return task.run_batch(self.sessions[0], docs, job, write, done, start, finish)
+        failed, self.stats = task.run_parallel(
+            self.sessions, docs, job, write, done, finish, self.kv_mem
+        )
+        return failed
+
+    def summary(self) -> str:
+        s = self.stats
+        return (
+            f"parallel {len(self.sessions)}: {s.sequences} sequences in {s.wall_s:.1f} s "
+            f"({60 * s.sequences / s.wall_s:.1f}/min); decode {s.decode_tok_s:.1f} tok/s "
+            f"aggregate ({s.decode_steps} batched steps, {s.decode_s:.1f} s), prefill "
+            f"{s.prefill_tokens} tok in {s.prefill_s:.1f} s; up to {s.max_active} at once, "
+            f"peak KV {s.peak_kv_bytes / 2**20:.1f} MiB"
+            if s.wall_s
+            else f"parallel {len(self.sessions)}: nothing to run"
+        )
+
+
+def _run_text(run, docs, job) -> int:
+    """Answers streamed to stdout under a header (with --parallel: printed whole as each
+    document finishes); stats (or the error) on stderr."""
+    prefill = _PrefillBar(run.sessions[0].ubatch)
 
     def start(doc):
         click.echo(f"==> {doc.id} <==")
@@ -188,6 +233,9 @@ def _run_text(session, docs, job) -> int:
 
     def finish(doc, rec):
         prefill.close()
+        if run.parallel:
+            click.echo(f"==> {doc.id} <==")
+            sys.stdout.write(rec["answer"] or "")
         click.echo("\n")
         if rec["error"] and len(docs) == 1:
             raise KvrunError(f"{doc.id}: {rec['error']}")
@@ -199,10 +247,10 @@ def _run_text(session, docs, job) -> int:
             click.echo(cut, err=True)
         click.echo(stats_line(_stats(rec)), err=True)
 
-    return task.run_batch(session, docs, job, lambda rec: None, set(), start, finish)
+    return run(docs, job, lambda rec: None, set(), start, finish)
 
 
-def _run_records(ctx, session, docs, job, out, done) -> int:
+def _run_records(ctx, run, docs, job, out, done) -> int:
     """One JSON line per document to OUT (appended, flushed each) or stdout; a bar over docs."""
     try:
         sink = open(out, "a", encoding="utf-8") if out else sys.stdout  # noqa: SIM115
@@ -237,7 +285,7 @@ def _run_records(ctx, session, docs, job, out, done) -> int:
                 click.echo(f"{name}: {line}", err=True)
 
         try:
-            return task.run_batch(session, docs, job, write, done, start, finish)
+            return run(docs, job, write, done, start, finish)
         except KeyboardInterrupt:
             where = f"; rerun with --out {out} --resume to go on" if out else ""
             click.echo(f"interrupted after {written} new documents{where}", err=True)

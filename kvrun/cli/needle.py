@@ -16,6 +16,7 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
+    parallel_option,
     progress_bar,
     set_debug,
 )
@@ -82,6 +83,7 @@ def summary_table(summary: list[dict], trials: int) -> Table:
 @click.command()
 @model_options
 @kv_options(multiple=True)
+@parallel_option
 @click.option(
     "--mode",
     type=click.Choice(["passkey", "niah"]),
@@ -158,10 +160,12 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     \b
     kvrun needle --lengths 1k,2k,4k --kv full --kv snapkv --kv-budget 0.1,0.25
     kvrun needle --kv full --kv snapkv+kivi2 --trials 3 --json needle.json --plot needle.png
+    kvrun needle --kv full --kv snapkv --parallel 8   (trials decoded 8 at once, same results)
     kvrun needle --mode niah --haystack essay.txt --needle "The secret code is tulip." \\
         --question "What is the secret code?" --answer tulip --lengths 2k,4k
     """
     set_debug(ctx, kw.pop("debug"))
+    parallel = kw.pop("parallel")
     n_predict = n_predict or (12 if mode == "passkey" else 32)
     depth_list = nd.parse_depths(depths)
     if lengths is not None:
@@ -232,7 +236,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
                 bar.update(task_id, description=f"{cfg.label}  {where}")
 
             for rec in nd.run_grid(
-                rt, task, configs, cells, n_predict, kw["ubatch"], context, on_start
+                rt, task, configs, cells, n_predict, kw["ubatch"], context, on_start, parallel
             ):
                 records.append(rec)
                 save(False)

@@ -7,10 +7,10 @@ import torch
 from ..kernels import use_triton
 from ..kernels.dense_decode import dense_decode
 from .attention import dense_attention, sdpa
-from .base import KVManager
+from .cache import KVCache
 
 
-class FullKV(KVManager):
+class FullKV(KVCache):
     """Keeps everything; the reference every compressed method is measured against.
 
     Decode steps have two forms. The dynamic one (the default) slices the cache to the tokens
@@ -58,39 +58,42 @@ class FullKV(KVManager):
         """What a captured step depends on: buffer addresses and size (recapture on change)."""
         return (self.k.data_ptr(), self.v.data_ptr(), self.capacity)
 
-    def _attend_static(self, layer, q, k, v, positions):
+    def decode_static(self, layer, q, k, v, positions):
         """One decode token with no host sync: write at `positions`, attend up to it.
         The caller keeps positions below the capacity (Session checks the context)."""
-        cap = self.capacity
-        self.k[layer].index_copy_(2, positions, self.rope.apply(k, positions, bound=cap))
+        self.k[layer].index_copy_(2, positions, k)
         self.v[layer].index_copy_(2, positions, v)
-        q = self.rope.apply(q, positions, bound=cap)
         lengths = (positions[-1:] + 1).to(torch.int32)  # (B=1,) keys 0..pos
         out, _ = dense_decode(q, self.k[layer], self.v[layer], lengths, causal_offset=None)
         return out.to(self.dtype)
 
     # ------------------------------------------------------------------------ attend
-    def attend(self, layer, q, k, v, positions):
-        if self.static and not self.in_prefill and k.shape[2] == 1:
-            return self._attend_static(layer, q, k, v, positions)
-        start, T = self.seen, k.shape[2]
-        end = start + T
+    def _write(self, layer, k, v) -> int:
+        """Store the step's K, V after the tokens seen; the new end."""
+        start, end = self.seen, self.seen + k.shape[2]
         if end > self.k.shape[3]:
             self._alloc(max(end, 2 * self.k.shape[3]))
-        self.k[layer, :, :, start:end] = self.rope.apply(k, positions)
+        self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
-        q = self.rope.apply(q, positions)
-        window = self.config.sliding_window
-        if not self.in_prefill and T == 1 and not window and use_triton(q):
-            # GQA-native split-K kernel: SDPA has no fast path for one query over many keys
-            out, _ = dense_decode(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end])
-            return out.to(self.dtype)
-        if not self.in_prefill and T == 1 and not window:  # the newest token sees every key
-            return sdpa(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end])
+        return end
+
+    def _over_cache(self, layer, q, end: int, positions):
+        """Attention over keys 0..end-1 of the layer, masked by position (causal, window)."""
         k_pos = torch.arange(end, device=positions.device)
-        return dense_attention(
-            q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], positions, k_pos, window
-        )
+        return dense_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], positions,
+                               k_pos, self.config.sliding_window)  # fmt: skip
+
+    def prefill(self, layer, q, k, v, positions):
+        return self._over_cache(layer, q, self._write(layer, k, v), positions)
+
+    def decode(self, layer, q, k, v, positions):
+        end = self._write(layer, k, v)
+        if k.shape[2] == 1 and not self.config.sliding_window:  # the token sees every key
+            ks, vs = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+            if use_triton(q):  # GQA-native split-K: SDPA has no fast path for one query
+                return dense_decode(q, ks, vs)[0].to(self.dtype)
+            return sdpa(q, ks, vs)
+        return self._over_cache(layer, q, end, positions)
 
     def nbytes(self) -> int:
         c = self.config

@@ -16,8 +16,8 @@ from ..errors import KvrunError
 from ..kernels.dense_decode import dense_decode
 from .alloc.minikv import minikv_budgets
 from .attention import combine
-from .base import KVManager
 from .budget import pyramid_budgets
+from .cache import KVCache
 from .dense import DenseSeg
 from .method import Allocator, Scorer, Selector
 from .select import (
@@ -46,7 +46,7 @@ class _Layer:
         self.held = held  # MiniKV quant=none: the selected turns, apart from the staging
 
 
-class CompressedKV(StaticDecode, KVManager):
+class CompressedKV(StaticDecode, KVCache):
     """A KV manager built from a validated KVSpec (--kv and --kv-budget)."""
 
     def __init__(
@@ -111,74 +111,85 @@ class CompressedKV(StaticDecode, KVManager):
 
         return KiviLayer.of(self.kivi_cfg, self.config, self.dtype, self.device, self.spec.name)
 
-    def _direct_to_store(self) -> bool:
-        """New tokens go straight into the KIVI store (no selection pending on them)."""
-        return self.layers[0].kivi is not None and (
-            self.sel.selector == Selector.ALL or not self.in_prefill
-        )
-
-    # ---------------------------------------------------------------- attend
-    def attend(self, layer, q, k, v, positions):
-        st = self.layers[layer]
-        T = k.shape[2]
-        if self.static and not self.in_prefill and T == 1:
-            return self._attend_static(st, q, k, v, positions)
-        window = self.config.sliding_window
+    # ------------------------------------------------------------ prefill, decode
+    def _layer(self, layer: int, T: int) -> _Layer:
+        """The layer's state; methods that keep no positions refuse a sliding window past its
+        length (the model would need to mask slots by position)."""
+        st, window = self.layers[layer], self.config.sliding_window
         if window and self.seen + T > window and (st.dense.pos is None or self.minikv):
             raise KvrunError(
                 f"--kv {self.name} cannot run sliding-window attention past {window} tokens "
                 "(it keeps no positions); use --kv full, streaming or h2o, or a shorter input"
             )
-        qr = self.rope.apply(q, positions)
-        kr = self.rope.apply(k, positions)
+        return st
+
+    def prefill(self, layer, q, k, v, positions):
+        st = self._layer(layer, k.shape[2])
         if self.minikv:
-            return self._attend_minikv(st, qr, kr, v, positions)
-        if self._direct_to_store():
-            st.kivi.append(kr[0], v[0])
-            return combine(st.kivi.attend(qr, T), self.dtype)
-        st.dense.append(kr, v, positions)
-        if self.sel.scorer == Scorer.WINDOW and self.in_prefill:
-            w = self.opt["window"]
-            prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
-            st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -w:]
+            return self._prefill_minikv(st, q, k, v, positions)
+        if st.kivi is not None and self.sel.selector == Selector.ALL:  # nothing to select
+            return self._to_store(st, q, k, v)
+        if self.sel.scorer == Scorer.WINDOW:  # the observation window: the last w queries
+            prev = st.qwin if st.qwin is not None else q.new_empty(q.shape[1], 0, q.shape[3])
+            st.qwin = torch.cat([prev, q[0]], dim=1)[:, -self.opt["window"] :]
+        return self._dense_step(st, q, k, v, positions)
+
+    def decode(self, layer, q, k, v, positions):
+        st = self._layer(layer, k.shape[2])
+        if self.minikv:
+            return self._decode_minikv(st, q, k, v, positions)
+        if st.kivi is not None:  # decode tokens go straight into the store
+            return self._to_store(st, q, k, v)
+        return self._dense_step(st, q, k, v, positions)
+
+    def _to_store(self, st: _Layer, q, k, v) -> torch.Tensor:
+        st.kivi.append(k[0], v[0])
+        return combine(st.kivi.attend(q, k.shape[2]), self.dtype)
+
+    def _dense_step(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
+        """Append to the dense segment and attend over it (and the KIVI store's earlier
+        tokens): with column sums for the cumulative scorer (H2O)."""
+        T, window, d = k.shape[2], self.config.sliding_window, st.dense
+        d.append(k, v, positions)
         if self.sel.scorer == Scorer.CUMULATIVE:
-            mask = st.dense.mask(positions, T, window)
-            if T == 1 and mask is None and qr.is_cuda:  # H2O decode: one kernel, probabilities out
-                out, _, p = dense_decode(qr, st.dense.k, st.dense.v, return_probs=True)
-                st.dense.acc += group_sum(p[0, :, 0], st.dense.k.shape[1])
+            mask = d.mask(positions, T, window)
+            if T == 1 and mask is None and q.is_cuda:  # H2O decode: one kernel, probabilities out
+                out, _, p = dense_decode(q, d.k, d.v, return_probs=True)
+                d.acc += group_sum(p[0, :, 0], d.k.shape[1])
                 return out.to(self.dtype)
-            out, col = attention_colsum(qr, st.dense.k, st.dense.v, mask)
-            st.dense.acc += col
+            out, col = attention_colsum(q, d.k, d.v, mask)
+            d.acc += col
             return out.to(self.dtype)
         if st.kivi is not None and st.kivi.length:
-            parts = st.kivi.attend(qr, 0) + [st.dense.partial(qr, positions, T, window)]
+            parts = st.kivi.attend(q, 0) + [d.partial(q, positions, T, window)]
             return combine(parts, self.dtype)
-        return st.dense.attend(qr, positions, T, window)
+        return d.attend(q, positions, T, window)
 
-    def _attend_minikv(self, st: _Layer, qr, kr, v, positions) -> torch.Tensor:
-        """MiniKV: prefill stages this turn's tokens with column sums over every prompt query;
-        decode appends to the store, flushing a full residual before attention (Alg. 1)."""
-        T = kr.shape[2]
-        if not self.in_prefill:
-            if st.kivi is not None:
-                st.kivi.append(kr[0], v[0])
-                r = self.kivi_cfg["residual"]
-                if st.kivi.tail_len >= r:
-                    st.kivi.flush(r)
-                return combine(st.kivi.attend(qr, T), self.dtype)
-            st.held.append(kr, v, positions)
-            return combine([st.held.partial(qr, positions, T, None)], self.dtype)
-        st.dense.append(kr, v, positions)
-        if st.kivi is not None and st.kivi.length:  # earlier turns, as stored
-            older = st.kivi.attend(qr, 0)
+    def _decode_minikv(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
+        """MiniKV decode: append to the store, flushing a full residual before attention
+        (§3.1.1, Alg. 1); dense held turns with quant=none."""
+        if st.kivi is None:
+            st.held.append(k, v, positions)
+            return combine([st.held.partial(q, positions, k.shape[2], None)], self.dtype)
+        st.kivi.append(k[0], v[0])
+        r = self.kivi_cfg["residual"]
+        if st.kivi.tail_len >= r:
+            st.kivi.flush(r)
+        return combine(st.kivi.attend(q, k.shape[2]), self.dtype)
+
+    def _prefill_minikv(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
+        """MiniKV prefill: this turn's tokens staged with column sums over every prompt query,
+        attending over the earlier turns as stored."""
+        st.dense.append(k, v, positions)
+        if st.kivi is not None and st.kivi.length:
+            older = st.kivi.attend(q, 0)
         elif st.held is not None and st.held.length:
-            older = [st.held.partial(qr, positions, 0, None)]
+            older = [st.held.partial(q, positions, 0, None)]
         else:
             older = []
         d = st.dense
-        part, col = prompt_colsum(
-            qr, d.k, d.v, older, self.opt["gqa_agg"] == "max", self.opt["colsum"]
-        )
+        part, col = prompt_colsum(q, d.k, d.v, older, self.opt["gqa_agg"] == "max",
+                                  self.opt["colsum"])  # fmt: skip
         d.acc += col
         return combine(older + [part], self.dtype)
 
@@ -188,18 +199,17 @@ class CompressedKV(StaticDecode, KVManager):
         for st in self.layers:
             st.qwin = None
 
-    def end_chunk(self, n_tokens: int) -> None:
-        super().end_chunk(n_tokens)
+    def at_chunk(self, n_tokens: int) -> None:
         if self.decode_time:
             self._evict("chunk")
         elif self.sel.scorer == Scorer.WINDOW and self.opt.get("chunked"):
             self._select_window("chunk")
-        if self._direct_to_store():
+        if self.layers[0].kivi is not None and self.sel.selector == Selector.ALL:
             unit = self.kivi_cfg["residual"]
             for st in self.layers:
                 st.kivi.flush(unit)
 
-    def end_prefill(self) -> None:
+    def at_prefill(self) -> None:
         if self.sel.scorer == Scorer.WINDOW:
             self._select_window("prefill")
         if self.minikv:
@@ -215,10 +225,8 @@ class CompressedKV(StaticDecode, KVManager):
                 st.kivi.flush(unit)
             elif st.held is not None and st.dense.length:
                 st.held.append(*st.dense.take(), torch.empty(0))
-        super().end_prefill()
 
-    def end_step(self) -> None:
-        super().end_step()
+    def at_step(self) -> None:
         if self.decode_time:
             self._evict("step")
         if self.layers[0].kivi is not None:

@@ -25,8 +25,8 @@ from ..config import ModelConfig
 from ..kernels.merged_decode import merged_decode
 from ..rope import Rope
 from .attention import Partial, combine, dense_attention
-from .base import KVManager
 from .buffer import Buffer
+from .cache import KVCache
 from .kivi import KiviLayer
 from .merged import Pair, merge, pairing, retention
 from .restore import Layout
@@ -35,7 +35,7 @@ from .spec import KVSpec
 # --- the manager ---------------------------------------------------------------------------------
 
 
-class MiniCacheKV(KVManager):
+class MiniCacheKV(KVCache):
     """Cross-layer merged KV cache (MiniCache §4), optionally on a KIVI store."""
 
     def __init__(
@@ -91,47 +91,51 @@ class MiniCacheKV(KVManager):
             p.begin_prefill(n_tokens, self.H, self.D, self.dtype, self.device)
 
     # ---------------------------------------------------------------- attend
-    def attend(self, layer, q, k, v, positions):
-        qr = self.rope.apply(q, positions)  # (1, Hq, T, D)
-        kr = self.rope.apply(k, positions)  # (1, Hkv, T, D)
+    def prefill(self, layer, q, k, v, positions):
+        """Exact attention; a paired layer keeps this turn's K, V exact until end_prefill
+        merges them, over the restored earlier turns."""
         role = self.role.get(layer)
         if role is None:
-            return self._attend_plain(layer, qr, kr, v, positions)
+            return self._attend_plain(layer, q, k, v, positions)
         pair, second = self.pairs[role[0]], role[1]
-        if not self.in_prefill and self._fuse(pair, kr.shape[2]):
-            out = self._attend_fused(pair, second, qr, kr, v)
-        else:
-            out = self._attend_restored(pair, layer, second, qr, kr, v, positions)
-        if second:
+        kb, vb = pair.exact[layer]
+        kb.append(k)
+        vb.append(v)
+        n, window = pair.length, self.config.sliding_window
+        if n == 0:  # first turn: exact attention over the buffer, as `full`
+            k_pos = torch.arange(kb.n, device=self.device)
+            return dense_attention(q, kb.data, vb.data, positions, k_pos, window)
+        ks, vs = self._restored(pair, second, kb.n)
+        ks[:, :, n:], vs[:, :, n:] = kb.data, vb.data  # this turn's tokens, exact
+        if second:  # layer a computed the directions, layer b used them
             self._work = self._fwork = None
-            if not self.in_prefill:  # merge the pending tokens of layer l-1 with layer l's
-                if pair.pending is None:
-                    raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
-                (ka, va), pair.pending = pair.pending, None
-                self._merge(pair, ka[0], va[0], kr[0], v[0], prefill=False)
-        elif not self.in_prefill:
-            pair.pending = (kr, v)
-        return out
+        return dense_attention(
+            q, ks, vs, positions, torch.arange(ks.shape[2], device=self.device), window
+        )
 
-    def _attend_restored(self, pair, layer, second, qr, kr, v, positions) -> torch.Tensor:
-        """A paired layer over its restored scratch (plus the exact tokens of this turn or
-        step) with SDPA: prefill, the KIVI-E store and a sliding window that masks."""
-        T, n = kr.shape[2], pair.length
-        window = self.config.sliding_window
-        if self.in_prefill:
-            kb, vb = pair.exact[layer]
-            kb.append(kr)
-            vb.append(v)
-            if n == 0:  # first turn: exact attention over the buffer, as `full`
-                k_pos = torch.arange(kb.n, device=self.device)
-                return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
-            ks, vs = self._restored(pair, second, kb.n)
-            ks[:, :, n:], vs[:, :, n:] = kb.data, vb.data  # this turn's tokens, exact
+    def decode(self, layer, q, k, v, positions):
+        """Over the restored pair (merged_decode, or SDPA over the scratch) plus the step's
+        exact tokens; layer l's step merges them with layer l-1's, pending since its step."""
+        role = self.role.get(layer)
+        if role is None:
+            return self._attend_plain(layer, q, k, v, positions)
+        pair, second = self.pairs[role[0]], role[1]
+        if self._fuse(pair, k.shape[2]):
+            out = self._attend_fused(pair, second, q, k, v)
         else:
-            ks, vs = self._restored(pair, second, T)
-            ks[:, :, n:], vs[:, :, n:] = kr, v  # the new tokens, exact
-        k_pos = torch.arange(ks.shape[2], device=self.device)
-        return dense_attention(qr, ks, vs, positions, k_pos, window)
+            ks, vs = self._restored(pair, second, k.shape[2])
+            ks[:, :, pair.length :], vs[:, :, pair.length :] = k, v  # the new tokens, exact
+            k_pos = torch.arange(ks.shape[2], device=self.device)
+            out = dense_attention(q, ks, vs, positions, k_pos, self.config.sliding_window)
+        if not second:
+            pair.pending = (k, v)
+            return out
+        self._work = self._fwork = None
+        if pair.pending is None:
+            raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
+        (ka, va), pair.pending = pair.pending, None
+        self._merge(pair, ka[0], va[0], k[0], v[0], prefill=False)
+        return out
 
     def _fuse(self, pair: Pair, T: int) -> bool:
         """Whether a decode step of this pair runs merged_decode: a dense E (fusing the KIVI
@@ -240,23 +244,20 @@ class MiniCacheKV(KVManager):
         pair.length += n
 
     # ------------------------------------------------------- compression points
-    def end_chunk(self, n_tokens: int) -> None:
-        super().end_chunk(n_tokens)
+    def at_chunk(self, n_tokens: int) -> None:
         if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
             for st in self.plain.values():
                 st.flush(self.kivi_layout["group"])
 
-    def end_prefill(self) -> None:
+    def at_prefill(self) -> None:
         for p in self.pairs:
             if p.exact is not None:
                 (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
                 self._merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
                 p.exact = None  # free the exact buffers
         self._work = self._fwork = None
-        super().end_prefill()
 
-    def end_step(self) -> None:
-        super().end_step()
+    def at_step(self) -> None:
         if self.kivi_layout is not None:
             r = self.kivi_layout["residual"]
             stores = list(self.plain.values()) + [p.kivi for p in self.pairs]

@@ -23,7 +23,7 @@ from ..kernels import use_triton
 from ..kernels.codebook_decode import codebook_decode
 from .alloc.spindle import spindle_keep
 from .attention import Partial, combine, dense_attention, position_mask, sdpa
-from .base import KVManager
+from .cache import KVCache
 from .codebook import assign_books, build_books
 from .coded import CodedLayer, paper_ratios
 from .scores import pool_scores, qhead_scores
@@ -32,7 +32,7 @@ from .spec import KVSpec
 
 
 # --- the manager ------------------------------------------------------------------------------------
-class SpindleKV(KVManager):
+class SpindleKV(KVCache):
     """SpindleKV on kvrun's manager contract; options are declared in kvrun/kv/methods/spindlekv.py."""
 
     def __init__(
@@ -78,24 +78,26 @@ class SpindleKV(KVManager):
         for st in self.layers:
             st.drop_turn()
 
-    def end_prefill(self) -> None:
+    def at_prefill(self) -> None:
         for i, st in enumerate(self.layers):
             if st.held_n:  # chunked prefill: every layer compresses here (step 8)
                 self._compress(i, st.held_k.data, st.held_v.data, st.qwin)
             st.drop_turn()
-        super().end_prefill()
 
     # ---------------------------------------------------------------- attend
-    def attend(self, layer, q, k, v, positions):
+    # the driver passes keys before RoPE: the store rotates at each slot's own position
+    keys_pre_rope = True
+
+    def decode(self, layer, qr, k, v, positions):
         st = self.layers[layer]
-        qr = self.rope.apply(q, positions)  # (1, Hq, T, D)
-        if not self.in_prefill:
-            for i in range(k.shape[2]):  # decode: each token coded, then attended over
-                self._append_token(layer, k[0, :, i], v[0, :, i], positions[i : i + 1])
-            if self._fuse(st, qr):
-                return self._decode_attention(st, qr)
-            return self._attention(st, qr, positions)
-        T = k.shape[2]
+        for i in range(k.shape[2]):  # each token coded, then attended over
+            self._append_token(layer, k[0, :, i], v[0, :, i], positions[i : i + 1])
+        if self._fuse(st, qr):
+            return self._decode_attention(st, qr)
+        return self._attention(st, qr, positions)
+
+    def prefill(self, layer, qr, k, v, positions):
+        st, T = self.layers[layer], k.shape[2]
         if st.held_n == 0 and T == self.turn_len:  # the whole turn in one chunk (step 7)
             kp, vp = k[0], v[0]
         else:

@@ -67,9 +67,8 @@ class StaticDecode:
         for st in self.layers:  # the step wrote its token at the segment's end
             self._decode_seg(st).advance()
 
-    def _attend_static(self, st, q, k, v, positions) -> torch.Tensor:
-        cap, seg = self._cap, self._decode_seg(st)
-        qr = self.rope.apply(q, positions, bound=cap)
-        kr = self.rope.apply(k, positions, bound=cap)
+    def decode_static(self, layer, q, k, v, positions) -> torch.Tensor:
+        """KVCache's static step (q, k rotated by the driver within the capacity)."""
+        seg = self._decode_seg(self.layers[layer])
         slot = positions + (seg.end - self.seen)  # (1,) this token's slot in the segment
-        return combine(seg.attend_static(qr, kr, v, slot), self.dtype)
+        return combine(seg.attend_static(q, k, v, slot), self.dtype)

@@ -23,6 +23,7 @@ from .alloc.xkv_profile import (
     save_profile,
 )
 from .base import KVManager
+from .cache import KVCache
 from .manager import CompressedKV
 from .scores import pool_scores, window_attention
 from .select import group_sum, keep_indices
@@ -165,9 +166,9 @@ class XKV(CompressedKV):
             self.allocation = Allocation(n, n_tokens, rows, "profile")
             self._evict_now = True
 
-    def attend(self, layer, q, k, v, positions):
-        out = super().attend(layer, q, k, v, positions)
-        if self._evict_now and self.in_prefill and k.shape[2] == self._prefill_n:
+    def prefill(self, layer, q, k, v, positions):
+        out = super().prefill(layer, q, k, v, positions)
+        if self._evict_now and k.shape[2] == self._prefill_n:
             # one-chunk prefill with budgets known: this layer is final, evict it now
             st = self.layers[layer]
             score = self._held[layer]
@@ -247,7 +248,7 @@ class XKV(CompressedKV):
         return d
 
 
-class _ScoringPass(KVManager):
+class _ScoringPass(KVCache):
     """Pass 1 of plan=two-pass: exact causal attention within the one-chunk prompt, nothing
     kept across layers; records w_i and the selection scores, and hands the plan to its XKV
     at end_prefill. (The model still runs the last MLP and head row: one row, negligible.)"""
@@ -261,10 +262,8 @@ class _ScoringPass(KVManager):
         self.w: list[torch.Tensor | None] = [None] * L  # (C,) allocation scores
         self.sel: list[torch.Tensor | None] = [None] * L  # (Hkv or 1, C) selection scores
 
-    def attend(self, layer, q, k, v, positions):
+    def prefill(self, layer, qr, kr, v, positions):
         o = self.owner
-        qr = self.rope.apply(q, positions)
-        kr = self.rope.apply(k, positions)
         seg = o._dense()  # the same segment (and mask) the real prefill attends with
         seg.append(kr, v, positions)
         T = kr.shape[2]
@@ -279,6 +278,5 @@ class _ScoringPass(KVManager):
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.w + self.sel if x is not None)
 
-    def end_prefill(self) -> None:
-        super().end_prefill()
+    def at_prefill(self) -> None:
         self.owner._adopt_plan(self.w, self.sel, self.seen)

@@ -166,8 +166,9 @@ def empty_record(doc: Doc, job: Job, question: str | None = None) -> dict:
     return rec
 
 
-def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
-    """Answer one document on a fresh cache; its record, or a KvrunError."""
+def prepare(session, doc: Doc, job: Job) -> tuple[dict, list[int], int]:
+    """The record to fill, the prompt ids and the document tokens dropped; a KvrunError when
+    the document cannot be asked (no question, unreadable, no room in the context)."""
     question = doc.question or job.default_question
     if not question and not job.summarize:
         raise KvrunError('no question: the line has no "question" and no --question/--summarize')
@@ -177,15 +178,32 @@ def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) ->
         session.tokenizer, job.templates[rec["task"]], question, text,
         job.chat, session.context, job.n_predict, job.truncate,
     )  # fmt: skip
+    return rec, ids, dropped
+
+
+def complete(rec: dict, result, dropped: int) -> dict:
+    """The record filled in from a generation Result."""
+    rec.update(answer=result.text, tokens=result.tokens, **result.stats.as_dict())
+    rec.update(truncated=dropped > 0, dropped_tokens=dropped)
+    return rec
+
+
+def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
+    """Answer one document on a fresh cache; its record, or a KvrunError."""
+    rec, ids, dropped = prepare(session, doc, job)
     session.reset()
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     result = session.generate(
         ids, job.n_predict, job.sampling, seed=job.seed, on_text=on_text, progress=progress
     )
-    rec.update(answer=result.text, tokens=result.tokens, **result.stats.as_dict())
-    rec.update(truncated=dropped > 0, dropped_tokens=dropped)
-    return rec
+    return complete(rec, result, dropped)
+
+
+def error_record(doc: Doc, job: Job, msg: str) -> dict:
+    """A document's record carrying only its error, on one line."""
+    rec = empty_record(doc, job, doc.question or job.default_question)
+    return {**rec, "error": " ".join(msg.split())}
 
 
 def process(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
@@ -205,8 +223,7 @@ def process(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
             raise
         msg = f"{type(e).__name__}: {e}"
     session.reset()
-    rec = empty_record(doc, job, doc.question or job.default_question)
-    return {**rec, "error": " ".join(msg.split())}
+    return error_record(doc, job, msg)
 
 
 def prepare_results(path: Path, resume: bool) -> tuple[set[str], str | None]:
@@ -248,12 +265,10 @@ def prepare_results(path: Path, resume: bool) -> tuple[set[str], str | None]:
     return done, note
 
 
-def run_batch(session, docs: list[Doc], job: Job, write, done: set[str], start, finish) -> int:
-    """Answer docs in order on one session (a fresh cache each), skipping keys in `done`; a
-    repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
-    answer; write(record), then finish(doc, record or None when skipped), after. Returns the
-    number of documents that failed."""
-    seen, failed = set(), 0
+def _todo(docs: list[Doc], done: set[str], finish):
+    """The docs to answer, in order: keys in `done` are skipped (finish(doc, None)); a
+    repeated id gets an error."""
+    seen = set()
     for doc in docs:
         key = doc_key(doc.id) if doc.id is not None else None
         if key is not None and key in seen and not doc.error:
@@ -263,8 +278,62 @@ def run_batch(session, docs: list[Doc], job: Job, write, done: set[str], start, 
             finish(doc, None)
             continue
         seen.add(key)
+        yield doc
+
+
+def run_batch(session, docs: list[Doc], job: Job, write, done: set[str], start, finish) -> int:
+    """Answer docs in order on one session (a fresh cache each), skipping keys in `done`; a
+    repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
+    answer; write(record), then finish(doc, record or None when skipped), after. Returns the
+    number of documents that failed."""
+    failed = 0
+    for doc in _todo(docs, done, finish):
         rec = process(session, doc, job, *start(doc))
         write(rec)
         failed += rec["error"] is not None
         finish(doc, rec)
     return failed
+
+
+def run_parallel(
+    sessions, docs: list[Doc], job: Job, write, done: set[str], finish, kv_mem=None
+) -> tuple[int, object]:
+    """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching).
+    Records are written as documents finish, which is not input order; a document that
+    fails gets its error record and the others go on. Returns (failed, engine stats)."""
+    from ..engine import Engine, Request
+
+    failed = 0
+
+    def fail(doc: Doc, msg: str) -> None:
+        nonlocal failed
+        rec = error_record(doc, job, msg) if not doc.error else process(None, doc, job)
+        write(rec)
+        failed += 1
+        finish(doc, rec)
+
+    def requests():
+        for doc in _todo(docs, done, finish):
+            if doc.error:
+                fail(doc, doc.error)
+                continue
+            try:
+                rec, ids, dropped = prepare(sessions[0], doc, job)
+            except KvrunError as e:
+                fail(doc, str(e))
+                continue
+            yield Request(ids, job.n_predict, job.sampling, job.seed, (doc, rec, dropped))
+
+    def ended(req, result, error) -> None:
+        nonlocal failed
+        doc, rec, dropped = req.tag
+        if error is not None:
+            return fail(doc, error)
+        rec = complete(rec, result, dropped)
+        write(rec)
+        finish(doc, rec)
+        return None
+
+    engine = Engine(sessions, kv_mem)
+    stats = engine.run(requests(), ended)
+    return failed, stats

@@ -190,8 +190,14 @@ def run_grid(
     ubatch: int = 512,
     context: int = 0,
     on_start: Callable[[Cell, KvConfig], None] | None = None,
+    parallel: int = 1,
 ) -> Iterator[dict]:
-    """One record per (cell, config), in grid order, each with a fresh KV manager."""
+    """One record per (cell, config), in grid order, each with a fresh KV manager; with
+    parallel > 1, that many trials decode together (kvrun.engine), records still in order."""
+    if parallel > 1:
+        yield from _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start,
+                                 parallel)  # fmt: skip
+        return
     for cell in cells:
         expected = task.expected(cell)
         p = task.prompt(cell, expected)
@@ -201,18 +207,57 @@ def run_grid(
             kv = rt.new_kv(cfg.spec)
             session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
             r = session.generate(p.ids, n_predict, GREEDY, seed=task.seed)
-            yield {
-                "method": cfg.method,
-                "budget": cfg.budget,
-                "length": cell.length,
-                "depth": cell.depth,
-                "needle_depth": round(p.needle_depth * 100, 2),
-                "trial": cell.trial,
-                **expected,
-                "reply": r.text,
-                "correct": task.correct(r.text, expected),
-                **r.stats.as_dict(),  # prompt_tokens, kv_bytes, kv_bytes_full, timings, ...
-            }
+            yield _record(task, cell, cfg, expected, p, r)
+
+
+def _record(task: NeedleTask, cell: Cell, cfg: KvConfig, expected: dict, p, r) -> dict:
+    return {
+        "method": cfg.method,
+        "budget": cfg.budget,
+        "length": cell.length,
+        "depth": cell.depth,
+        "needle_depth": round(p.needle_depth * 100, 2),
+        "trial": cell.trial,
+        **expected,
+        "reply": r.text,
+        "correct": task.correct(r.text, expected),
+        **r.stats.as_dict(),  # prompt_tokens, kv_bytes, kv_bytes_full, timings, ...
+    }
+
+
+def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start, parallel):
+    """run_grid's trials through the batch engine; records are held back until every
+    earlier one of the grid is done, so the order (and every result) is the sequential one."""
+    from ..engine import Engine, Request
+
+    def requests():
+        for cell in cells:
+            expected = task.expected(cell)
+            p = task.prompt(cell, expected)
+            for cfg in configs:
+                if on_start:
+                    on_start(cell, cfg)
+                yield Request(p.ids, n_predict, GREEDY, task.seed, (cell, cfg, expected, p),
+                              new_kv=lambda spec=cfg.spec: rt.new_kv(spec))  # fmt: skip
+
+    sessions = [
+        Session(
+            rt.model, rt.tokenizer, rt.new_kv(configs[0].spec), ubatch=ubatch, context=context
+        )  # fmt: skip
+        for _ in range(parallel)
+    ]
+    order = {}
+    for i, (cell, cfg) in enumerate((c, k) for c in cells for k in configs):
+        order[(cell, cfg)] = i
+    done, nxt = {}, 0
+    for req, result, error in Engine(sessions).results(requests()):
+        cell, cfg, expected, p = req.tag
+        if error is not None:
+            raise KvrunError(f"needle trial {cell.length} tokens at {cell.depth}%: {error}")
+        done[order[(cell, cfg)]] = _record(task, cell, cfg, expected, p, result)
+        while nxt in done:
+            yield done.pop(nxt)
+            nxt += 1
 
 
 def summarize(records: list[dict], configs: list[KvConfig]) -> list[dict]:

@@ -1,0 +1,5 @@
+"""`python -m kvrun ...` runs the kvrun command line."""
+
+from kvrun.cli.main import main
+
+main()

@@ -1,0 +1,314 @@
+"""Batched generation: up to N sequences at once, continuously batched (as nano-vllm and
+llama.cpp's --parallel serve), each with its own KV cache of any --kv method.
+
+Each engine step runs
+  1. admission: waiting requests take free slots while their KV reservation fits --kv-mem;
+  2. one prefill chunk (--ubatch tokens) of the oldest sequence still prefilling;
+  3. one decode token for every sequence that has one to feed, in a single forward pass
+     (Session.decode_batch: the linear layers read the weights once for all rows, each
+     sequence's cache attends for its own row, kvrun/kv/batch.py).
+A sequence that finishes frees its slot at once, so the next request is admitted in the
+following step. Prefill chunks and decode steps alternate, so a long prompt never stalls the
+sequences that are decoding for more than one chunk.
+
+Per sequence the engine does what Session.generate does (the same sampling, history, stop
+tokens, streamed text and stats), so greedy outputs equal a sequential run's (up to the float
+reordering of a B-row product). A request that fails (a prompt that does not fit, a method
+that refuses the input) is reported with its error and the others go on; an error inside a
+batched decode step fails the sequences of that step, whose caches it may have half-written.
+
+Memory admission: a request reserves bytes_per_token * (prompt + n_predict), the full cache's
+size, which bounds every method (a prefill-time selection holds the whole prompt until the
+prefill ends). Once a sequence has prefilled, its reservation becomes its measured bytes plus
+the full cost of the tokens it may still generate. A request is admitted only while the
+reservations of all active sequences fit the limit; one that cannot fit even alone fails
+with an error that says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import KvrunError
+from .generate import Result, Session, Stats, _sync, peak_memory_bytes
+from .sampling import SamplingConfig, sample
+
+
+@dataclass
+class Request:
+    """One sequence to generate: prompt ids, how many tokens, how to sample."""
+
+    ids: list[int]
+    n_predict: int
+    sampling: SamplingConfig
+    seed: int | None = None
+    tag: Any = None  # the caller's handle, given back with the result
+    on_text: Callable[[str], None] | None = None
+    # a fresh KV cache for this request (None: the slot's own cache, reset); lets one batch
+    # mix --kv methods, as a needle grid does
+    new_kv: Callable[[], Any] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Aggregate figures of one run."""
+
+    sequences: int = 0
+    failed: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0  # tokens fed through batched decode steps
+    prefill_tokens: int = 0
+    max_active: int = 0
+    peak_kv_bytes: int = 0  # measured bytes of all caches together, at step ends
+    prefill_s: float = 0.0  # time in prefill chunks
+    decode_s: float = 0.0  # time in batched decode steps (sampling included)
+    wall_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Aggregate decode rate: tokens of every sequence per second of decode steps."""
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+@dataclass
+class _Seq:
+    req: Request
+    session: Session
+    chunks: Any  # the prefill generator (None once prefilled)
+    gen: torch.Generator
+    stream: Any
+    stats: Stats = field(default_factory=Stats)
+    out: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    feed: int | None = None  # the sampled token the next decode step feeds
+    t0: float = 0.0
+    t_prefill: float = 0.0  # when the prefill ended
+    done: bool = False
+
+    @property
+    def limit(self) -> int:
+        n = self.req.n_predict
+        return n if n >= 0 else self.session.context
+
+
+class Engine:
+    """Runs requests on N sessions of one model (`sessions`, each with its own cache).
+
+    kv_mem: the admission limit in bytes (None: no limit)."""
+
+    def __init__(self, sessions: list[Session], kv_mem: int | None = None):
+        if not sessions:
+            raise ValueError("the engine needs at least one session")
+        if any(s.graph_mode != "off" for s in sessions):
+            raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
+        self.sessions = sessions
+        self.kv_mem = kv_mem
+        cfg = sessions[0].model.config
+        elem = torch.empty(0, dtype=sessions[0].model.dtype).element_size()
+        self.per_token = cfg.kv_bytes_per_token(elem)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ admission
+    def reserve(self, seq: _Seq | None, req: Request) -> int:
+        """Bytes a sequence may still come to hold (module docstring)."""
+        n = req.n_predict if req.n_predict >= 0 else self.sessions[0].context
+        if seq is None or seq.chunks is not None:  # waiting or prefilling: the full cache
+            return self.per_token * (len(req.ids) + n)
+        return seq.session.kv.nbytes() + self.per_token * max(seq.limit - len(seq.out), 0)
+
+    def _fits(self, req: Request, active: list[_Seq]) -> bool:
+        if self.kv_mem is None:
+            return True
+        used = sum(self.reserve(q, q.req) for q in active)
+        return used + self.reserve(None, req) <= self.kv_mem
+
+    # ------------------------------------------------------------------------ run
+    def run(
+        self,
+        requests: Iterable[Request],
+        finish: Callable[[Request, Result | None, str | None], None],
+    ) -> EngineStats:
+        """Generate every request; finish(request, result, None) or (request, None, error)
+        is called as each one ends, in the order they end."""
+        for ended in self.results(requests):
+            finish(*ended)
+        return self.stats
+
+    def results(
+        self, requests: Iterable[Request]
+    ) -> Iterator[tuple[Request, Result | None, str | None]]:
+        """`run` as a generator: (request, result, error) as each request ends (after the
+        engine step it ended in); requests are drawn lazily as slots free up."""
+        waiting = _Lookahead(requests)
+        free = list(self.sessions)
+        active: list[_Seq] = []
+        st = self.stats
+        t_start = time.perf_counter()
+        ready: list[tuple[Request, Result | None, str | None]] = []
+
+        def end(seq: _Seq, error: str | None = None) -> None:
+            seq.done = True
+            active.remove(seq)
+            free.append(seq.session)
+            st.sequences += 1
+            if error is not None:
+                st.failed += 1
+                seq.session.reset()
+                ready.append((seq.req, None, error))
+                return
+            ready.append((seq.req, self._result(seq), None))
+
+        while waiting or active:
+            while free and waiting:  # admission
+                req = waiting.peek()
+                if not self._fits(req, active):
+                    if active:
+                        break  # wait for a slot's memory
+                    waiting.pop()
+                    st.sequences += 1
+                    st.failed += 1
+                    ready.append((req, None, self._too_big(req)))
+                    continue
+                active.append(self._start(free.pop(), waiting.pop()))
+            st.max_active = max(st.max_active, len(active))
+            pre = next((q for q in active if q.chunks is not None), None)
+            t = time.perf_counter()
+            if pre is not None:
+                self._prefill_chunk(pre, end)
+            t1 = time.perf_counter()
+            st.prefill_s += t1 - t
+            dec = [q for q in active if q.feed is not None and not q.done]
+            if dec:
+                self._decode_step(dec, end)
+                st.decode_s += time.perf_counter() - t1
+            st.steps += 1
+            if active:
+                st.peak_kv_bytes = max(st.peak_kv_bytes, sum(q.session.kv.nbytes() for q in active))
+            st.wall_s = time.perf_counter() - t_start
+            yield from ready
+            ready.clear()
+
+    def _too_big(self, req: Request) -> str:
+        need, lim = self.reserve(None, req), self.kv_mem
+        return (
+            f"its KV cache may need {need / 2**20:.1f} MiB ({len(req.ids)} prompt + "
+            f"{req.n_predict} tokens at full size) but --kv-mem is {lim / 2**20:.1f} MiB; "
+            "raise --kv-mem or shorten the input"
+        )
+
+    def _start(self, session: Session, req: Request) -> _Seq:
+        if req.new_kv is not None:
+            session.kv = req.new_kv()
+        session.reset()
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(req.seed if req.seed is not None else torch.seed())
+        stream = session.tokenizer.stream(after=req.ids[-1] if req.ids else None)
+        seq = _Seq(req, session, session.prefill_chunks(req.ids), gen, stream)
+        seq.stats.prompt_tokens = len(req.ids)
+        return seq
+
+    def _prefill_chunk(self, seq: _Seq, end) -> None:
+        """One chunk of seq's prefill; after the last, its first token is sampled."""
+        t, before = time.perf_counter(), len(seq.session.tokens)
+        try:
+            logits, last = next(seq.chunks)
+        except KvrunError as e:
+            return end(seq, str(e))
+        except Exception as e:  # noqa: BLE001 - one bad sequence must not end the batch
+            return end(seq, f"{type(e).__name__}: {e}")
+        _sync(seq.session.device)
+        now = time.perf_counter()
+        seq.stats.prefill_s += now - t
+        self.stats.prefill_tokens += len(seq.session.tokens) - before
+        if not last:
+            return None
+        if logits is None:
+            return end(seq, "the prompt is empty")
+        seq.chunks, seq.t_prefill = None, now
+        seq.stats.stop_reason = "length"
+        if seq.limit > 0:
+            self._take(seq, logits, end)
+        else:
+            end(seq)
+        return None
+
+    def _decode_step(self, seqs: list[_Seq], end) -> None:
+        """One token for each of seqs in one forward pass."""
+        try:
+            logits = Session.decode_batch([q.session for q in seqs], [q.feed for q in seqs])
+        except Exception as e:  # noqa: BLE001 - the step's caches may be half-written
+            msg = str(e) if isinstance(e, KvrunError) else f"{type(e).__name__}: {e}"
+            for q in seqs:
+                end(q, f"failed in a batched decode step: {msg}")
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        for q, row in zip(seqs, logits, strict=True):
+            q.feed = None
+            self._take(q, row, end)
+
+    def _take(self, seq: _Seq, logits: torch.Tensor, end) -> None:
+        """Sample the next token from logits, as Session.generate does, and decide whether
+        the sequence goes on (seq.feed set) or ends."""
+        s = seq.session
+        tok = sample(logits.float().cpu(), seq.req.sampling, s.tokens[-1024:], seq.gen)
+        if tok in s.tokenizer.stop_ids:
+            seq.stats.stop_reason = "eos"
+            return end(seq)
+        seq.out.append(tok)
+        piece = seq.stream.push(tok)
+        if piece:
+            seq.text.append(piece)
+            if seq.req.on_text:
+                seq.req.on_text(piece)
+        if len(seq.out) >= seq.limit:
+            return end(seq)
+        if len(s.tokens) + 1 > s.context:
+            seq.stats.stop_reason = "context"
+            return end(seq)
+        seq.feed = tok
+        return None
+
+    def _result(self, seq: _Seq) -> Result:
+        tail = seq.stream.flush()
+        if tail:
+            seq.text.append(tail)
+            if seq.req.on_text:
+                seq.req.on_text(tail)
+        s, stats = seq.session, seq.stats
+        _sync(s.device)
+        stats.decode_s = time.perf_counter() - seq.t_prefill if seq.t_prefill else 0.0
+        stats.generated_tokens = len(seq.out)
+        stats.kv_bytes = s.kv.nbytes()
+        stats.kv_bytes_full = s.kv.nbytes_full()
+        stats.peak_mem_bytes = peak_memory_bytes(s.device)
+        s.pending = []
+        return Result("".join(seq.text), list(seq.out), stats, list(seq.req.ids))
+
+
+class _Lookahead:
+    """An iterator with one item of lookahead: requests are built only as slots free up."""
+
+    _EMPTY = object()
+
+    def __init__(self, items: Iterable):
+        self.it, self.head = iter(items), self._EMPTY
+
+    def __bool__(self) -> bool:
+        if self.head is self._EMPTY:
+            self.head = next(self.it, self._EMPTY)
+        return self.head is not self._EMPTY
+
+    def peek(self):
+        return self.head if self else None
+
+    def pop(self):
+        item = self.peek()
+        self.head = self._EMPTY
+        return item
