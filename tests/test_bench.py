@@ -214,3 +214,15 @@ def test_preset_runtime_is_built_in_the_dtype_and_runs():
         again.model.model.layers[0].mlp.up_proj.weight,
     )
     assert torch.equal(w0, w1)  # seeded: the same random weights every time
+
+
+def test_parallel_rows_report_the_batch(tiny_gguf):
+    """--parallel 3: the tg row is three sequences decoding together (aggregate tok/s), with
+    the per-sequence KV bytes of a single run; the settings record N."""
+    args = ["-m", str(tiny_gguf), "-p", "8", "-n", "3", "-d", "8", "-r", "1", "--kv", "snapkv"]
+    one = run_json(*args)["rows"][0]
+    out = run_json(*args, "--parallel", "3")
+    row = out["rows"][0]
+    assert out["settings"]["parallel"] == 3
+    assert row["decode_tok_s"] > 0 and row["kv_bytes"] == one["kv_bytes"]
+    assert row["kv_bytes_full"] == one["kv_bytes_full"]

@@ -225,3 +225,23 @@ def test_needle_parallel_gives_the_sequential_grid(tiny, tmp_path):
     seq, par = docs[1]["trials"], docs[4]["trials"]
     assert len(seq) == 2 * 3 * 3
     assert [[t[k] for k in keys] for t in par] == [[t[k] for k in keys] for t in seq]
+
+
+def test_perplexity_windows_in_parallel(default_runtime, one_thread):
+    """Four windows scored two at a time in batched decode steps give the sequential
+    scores (NLL, KL, agreement) up to the float reordering of a batched product."""
+    from kvrun.tasks.perplexity import evaluate, file_tokens
+
+    rt = default_runtime
+    tokens = file_tokens(rt.tokenizer, TEXT)
+
+    def pair(method):
+        new = lambda kv: Session(rt.model, rt.tokenizer, kv, ubatch=128)  # noqa: E731
+        return new(rt.new_kv(check(method))), new(rt.new_kv())
+
+    for method in ("snapkv", "kivi2"):
+        seq = evaluate(*pair(method), tokens, 200, 16, windows=4)
+        par = evaluate(*pair(method), tokens, 200, 16, windows=4, more=[pair(method)])
+        for a, b in zip(seq.windows, par.windows, strict=True):
+            assert (a.start, a.kv_bytes) == (b.start, b.kv_bytes)
+            assert abs(a.nll - b.nll) < 1e-4 and abs(a.kl - b.kl) < 1e-4 and a.top1 == b.top1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..errors import KvrunError
 from ..presets import is_preset, preset_config
 from ..tasks.bench import (
     BenchSettings,
@@ -21,6 +22,7 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
+    parallel_option,
     progress_bar,
     set_debug,
 )
@@ -65,6 +67,7 @@ def markdown(result: dict) -> str:
 @model_options
 @graph_option
 @kv_options(multiple=True)
+@parallel_option
 @click.option(
     "-p", "--n-prompt", default=512, show_default=True, help="Prompt tokens to time (0 = skip)."
 )
@@ -106,6 +109,7 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
     kvrun bench -m llama3-8b-synthetic --dtype bfloat16 --kv full --kv snapkv --kv-budget 0.1,0.25
     kvrun bench -m tiny-synthetic -p 64 -n 16 -r 2 --json
     kvrun bench -p 0 -n 128 --kv full --cuda-graph        # decode steps as one CUDA graph
+    kvrun bench -p 0 -n 64 -d 1000 --kv full --parallel 8 # tg: 8 sequences' aggregate tok/s
     """
     set_debug(ctx, kw.pop("debug"))
     settings = BenchSettings(
@@ -120,7 +124,10 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
         ctx_size=kw["ctx_size"],
         cuda_graph=kw["cuda_graph"],
         specs=tuple(check_kv({"kv": m}) for m in kw["kv"]),
+        parallel=kw.pop("parallel"),
     )
+    if settings.parallel > 1 and settings.cuda_graph:
+        raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
     _check_before_loading(settings, kw)
     # the common loader checks a single --kv; ours were checked above
     rt = load_with_progress(kw)

@@ -15,6 +15,7 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
+    parallel_option,
     progress_bar,
     read_text,
     set_debug,
@@ -24,6 +25,7 @@ from .common import (
 @click.command()
 @model_options
 @kv_options()
+@parallel_option
 @click.option("-f", "--file", required=True, help="Text file to score ('-' = stdin).")
 @click.option(
     "--context",
@@ -63,8 +65,10 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
     kvrun perplexity -f wiki.test.raw
     kvrun perplexity -f wiki.test.raw --kv snapkv --kv-budget 0.2 --windows 8
     kvrun perplexity -f book.txt --kv streaming --kv-budget 256 --context 2048 --json
+    kvrun perplexity -f wiki.test.raw --windows 8 --parallel 4   (4 windows per decode step)
     """
     set_debug(ctx, kw.pop("debug"))
+    parallel = kw.pop("parallel")
     text = read_text(file)
     spec = check_kv(kw)
     if kw["ctx_size"]:
@@ -77,10 +81,13 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
     )
     tokens = file_tokens(tok, text)
     check_file(len(tokens), context, eval_tokens, windows, "stdin" if file == "-" else file)
-    method = Session(rt.model, tok, rt.new_kv(spec), ubatch=kw["ubatch"], context=kw["ctx_size"])
-    ref = None
-    if not spec.is_full:
-        ref = Session(rt.model, tok, rt.new_kv(), ubatch=kw["ubatch"], context=kw["ctx_size"])
+
+    def pair() -> tuple[Session, Session | None]:
+        new = lambda kv: Session(rt.model, tok, kv, ubatch=kw["ubatch"], context=kw["ctx_size"])  # noqa: E731
+        return new(rt.new_kv(spec)), None if spec.is_full else new(rt.new_kv())
+
+    method, ref = pair()
+    more = [pair() for _ in range(min(parallel, windows) - 1)]
     bos = tok.bos_id if tok.add_bos else None
     with progress_bar("perplexity") as bar:
         task = bar.add_task(f"window 1/{windows}", total=windows * (context + eval_tokens))
@@ -98,6 +105,7 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
             bos_id=bos,
             step=lambda n: bar.advance(task, n),
             on_window=on_window,
+            more=more,
         )
     settings = {
         "file": file,

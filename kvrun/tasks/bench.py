@@ -44,6 +44,7 @@ class BenchSettings:
     ctx_size: int = 0  # 0 = the model's context
     cuda_graph: bool = False  # decode steps replay a CUDA graph where the method allows
     specs: tuple[KVSpec, ...] = ()  # `methods` validated (kvrun.kv.check), in the same order
+    parallel: int = 1  # sequences decoded together (tg is then their aggregate tok/s)
 
     def record(self) -> dict:
         """The settings as the JSON records them (the texts, not the parsed specs)."""
@@ -134,31 +135,46 @@ def _stats(key: str, xs: list[float]) -> dict:
 
 
 def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
-    """One fill + timed prompt + timed decode on a fresh cache."""
+    """One fill + timed prompt + timed decode on a fresh cache (s.parallel caches: each is
+    filled and prompted in turn, then all decode together in batched steps, and tg is the
+    aggregate rate of the batch)."""
     dev = rt.model.device
-    kv = rt.new_kv(spec)
-    graph = "on" if s.cuda_graph else "off"
-    sess = Session(rt.model, rt.tokenizer, kv, ubatch=s.ubatch, context=s.ctx_size, graph=graph)
-    logits = sess.prefill(fill) if fill else None
+    graph = "on" if s.cuda_graph and s.parallel == 1 else "off"
+    sessions = [
+        Session(
+            rt.model,
+            rt.tokenizer,
+            rt.new_kv(spec),
+            ubatch=s.ubatch,
+            context=s.ctx_size,
+            graph=graph,
+        )  # fmt: skip
+        for _ in range(s.parallel)
+    ]
+    sess, kv = sessions[0], sessions[0].kv
+    logits = [x.prefill(fill) if fill else None for x in sessions]
     _sync(dev)
     t0 = time.perf_counter()
     if prompt:
-        logits = sess.prefill(prompt)
+        logits = [x.prefill(prompt) for x in sessions]
     _sync(dev)
     t1 = time.perf_counter()
     held_before = kv.nbytes()
-    tok = int(logits.argmax()) if logits is not None else first
+    toks = [int(x.argmax()) if x is not None else first for x in logits]
     if s.n_gen:
         sess.prepare_decode(s.n_gen)  # a CUDA graph is captured once per sequence, untimed
     _sync(dev)
     t2 = time.perf_counter()
-    for _ in range(s.n_gen):
-        tok = int(sess.decode(tok).argmax())  # greedy, with the per-token sync a runner pays
+    for _ in range(s.n_gen):  # greedy, with the per-token sync a runner pays
+        if len(sessions) == 1:
+            toks = [int(sess.decode(toks[0]).argmax())]
+        else:
+            toks = Session.decode_batch(sessions, toks).argmax(-1).tolist()
     _sync(dev)
     t3 = time.perf_counter()
     return {
-        "pp": len(prompt) / (t1 - t0) if prompt else None,
-        "tg": s.n_gen / (t3 - t2) if s.n_gen else None,
+        "pp": len(prompt) * len(sessions) / (t1 - t0) if prompt else None,
+        "tg": s.n_gen * len(sessions) / (t3 - t2) if s.n_gen else None,
         "kv_bytes": kv.nbytes(),
         "kv_bytes_full": kv.nbytes_full(),
         "kv_read": (held_before + kv.nbytes()) / 2,

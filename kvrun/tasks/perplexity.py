@@ -208,6 +208,54 @@ def score_window(
     return Scores(*out, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
 
 
+def score_windows(
+    pairs: Sequence[tuple[Session, Session | None]],
+    windows: Sequence[Sequence[int]],
+    context: int,
+    step: Callable[[int], None] | None = None,
+) -> list[Scores]:
+    """score_window for several windows at once, each on its own (method, ref) pair: the
+    prefills run one by one, then every eval token of every window (method and reference
+    rows) goes through one batched decode step (Session.decode_batch, kvrun.engine's batch).
+    The time of the batch is shared evenly among its windows."""
+    k = len(windows)
+    flat = [s for m, r in pairs[:k] for s in ([m] if r is None else [m, r])]
+    owners = [i for i, (_, r) in enumerate(pairs[:k]) for _ in range(1 if r is None else 2)]
+    for s in flat:
+        s.reset()
+    t0 = time.perf_counter()
+    logits = []
+    for s, i in zip(flat, owners, strict=True):  # progress counts the method's prefills
+        prog = _chunk_steps(step) if step and s is pairs[i][0] else None
+        logits.append(s.prefill(windows[i][:context], prog))
+    _sync(flat[0].device)
+    t1 = time.perf_counter()
+    n = len(windows[0]) - context
+    acc = [([], [], [], []) for _ in range(k)]  # nll, nll_ref, kl, agree per window
+    for j in range(n):
+        for i in range(k):
+            rows = [x for x, o in zip(logits, owners, strict=True) if o == i]
+            lp = _logprobs(rows[0])
+            lp_ref = lp if len(rows) == 1 else _logprobs(rows[1])
+            target = windows[i][context + j]
+            for out, x in zip(acc[i], (-lp[target], -lp_ref[target],
+                                       (lp_ref.exp() * (lp_ref - lp)).sum(),
+                                       lp.argmax() == lp_ref.argmax()), strict=True):  # fmt: skip
+                out.append(x)
+        if j + 1 < n:
+            feed = [windows[i][context + j] for i in owners]
+            logits = list(Session.decode_batch(flat, feed))
+        if step:
+            step(k)
+    t2 = time.perf_counter()
+    return [
+        Scores(
+            *(torch.stack(x).tolist() for x in a), prefill_s=(t1 - t0) / k, decode_s=(t2 - t1) / k
+        )  # fmt: skip
+        for a in acc
+    ]
+
+
 def _chunk_steps(step: Callable[[int], None]) -> Callable[[int, int], None]:
     """A Session.prefill progress callback (done, total) that reports increments to step."""
     last = [0]
@@ -229,11 +277,14 @@ def evaluate(
     bos_id: int | None = None,
     step: Callable[[int], None] | None = None,
     on_window: Callable[[Window], None] | None = None,
+    more: Sequence[tuple[Session, Session | None]] = (),
 ) -> Report:
     """Score `windows` windows of context + eval_tokens tokens spread over `tokens`.
 
     ref: a full-cache Session on the same model (None when the method is the full cache).
     bos_id: replaces each window's first token (pass it when the model adds BOS).
+    more: further (method, ref) pairs like the first: windows are then scored
+    1 + len(more) at a time in batched decode steps (--parallel).
     """
     span = context + eval_tokens
     ctx_flag = method.context != method.model.config.context_length
@@ -241,23 +292,31 @@ def evaluate(
     check_file(len(tokens), context, eval_tokens, windows)
     out: list[Window] = []
     prefill_s = decode_s = 0.0
-    for i, start in enumerate(window_starts(len(tokens), span, windows)):
-        ids = window_ids(tokens, start, span, bos_id)
-        sc = score_window(method, ref, ids, context, step)
-        prefill_s, decode_s = prefill_s + sc.prefill_s, decode_s + sc.decode_s
-        w = Window(
-            index=i,
-            start=start,
-            nll=statistics.fmean(sc.nll),
-            nll_full=statistics.fmean(sc.nll_full),
-            kl=statistics.fmean(sc.kl),
-            top1=sum(sc.top1) / len(sc.top1),
-            kv_bytes=method.kv.nbytes(),
-            kv_bytes_full=method.kv.nbytes_full(),
-            token_nll=sc.nll,
-        )
-        out.append(w)
-        if on_window:
-            on_window(w)
+    pairs = [(method, ref), *more]
+    starts = window_starts(len(tokens), span, windows)
+    for b in range(0, len(starts), len(pairs)):
+        batch = starts[b : b + len(pairs)]
+        ids = [window_ids(tokens, start, span, bos_id) for start in batch]
+        if len(pairs) == 1:
+            scores = [score_window(method, ref, ids[0], context, step)]
+        else:
+            scores = score_windows(pairs, ids, context, step)
+        for i, (start, sc) in enumerate(zip(batch, scores, strict=True)):
+            m = pairs[i][0]
+            prefill_s, decode_s = prefill_s + sc.prefill_s, decode_s + sc.decode_s
+            w = Window(
+                index=b + i,
+                start=start,
+                nll=statistics.fmean(sc.nll),
+                nll_full=statistics.fmean(sc.nll_full),
+                kl=statistics.fmean(sc.kl),
+                top1=sum(sc.top1) / len(sc.top1),
+                kv_bytes=m.kv.nbytes(),
+                kv_bytes_full=m.kv.nbytes_full(),
+                token_nll=sc.nll,
+            )
+            out.append(w)
+            if on_window:
+                on_window(w)
     peak = peak_memory_bytes(method.device)
     return Report(out, context, eval_tokens, len(tokens), prefill_s, decode_s, peak)
