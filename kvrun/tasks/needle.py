@@ -198,16 +198,22 @@ def run_grid(
         yield from _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start,
                                  parallel)  # fmt: skip
         return
+    for cell, cfg, expected, p in _trials(task, configs, cells, on_start):
+        kv = rt.new_kv(cfg.spec)
+        session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
+        r = session.generate(p.ids, n_predict, GREEDY, seed=task.seed)
+        yield _record(task, cell, cfg, expected, p, r)
+
+
+def _trials(task: NeedleTask, configs: list[KvConfig], cells: list[Cell], on_start):
+    """(cell, config, expected answer, prompt) in grid order; on_start is told of each."""
     for cell in cells:
         expected = task.expected(cell)
         p = task.prompt(cell, expected)
         for cfg in configs:
             if on_start:
                 on_start(cell, cfg)
-            kv = rt.new_kv(cfg.spec)
-            session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
-            r = session.generate(p.ids, n_predict, GREEDY, seed=task.seed)
-            yield _record(task, cell, cfg, expected, p, r)
+            yield cell, cfg, expected, p
 
 
 def _record(task: NeedleTask, cell: Cell, cfg: KvConfig, expected: dict, p, r) -> dict:
@@ -231,14 +237,9 @@ def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start
     from ..engine import Engine, Request
 
     def requests():
-        for cell in cells:
-            expected = task.expected(cell)
-            p = task.prompt(cell, expected)
-            for cfg in configs:
-                if on_start:
-                    on_start(cell, cfg)
-                yield Request(p.ids, n_predict, GREEDY, task.seed, (cell, cfg, expected, p),
-                              new_kv=lambda spec=cfg.spec: rt.new_kv(spec))  # fmt: skip
+        for tag in _trials(task, configs, cells, on_start):
+            yield Request(tag[3].ids, n_predict, GREEDY, task.seed, tag,
+                          new_kv=lambda spec=tag[1].spec: rt.new_kv(spec))  # fmt: skip
 
     sessions = [
         Session(
