@@ -9,6 +9,8 @@ segments.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,28 +38,19 @@ from .static import StaticDecode
 SelectHook = Callable[[int, str, torch.Tensor], None]
 
 
+@dataclass(slots=True)
 class _Layer:
-    __slots__ = ("dense", "kivi", "qwin", "held")
-
-    def __init__(self, dense: DenseSeg, kivi, held: DenseSeg | None = None):
-        self.dense = dense  # staging (selection pending) or the whole dense store
-        self.kivi = kivi
-        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) last prefill queries (SnapKV)
-        self.held = held  # MiniKV quant=none: the selected turns, apart from the staging
+    dense: DenseSeg  # staging (selection pending) or the whole dense store
+    kivi: Any  # the KIVI store (KiviLayer) of a stack, or None
+    held: DenseSeg | None = None  # MiniKV quant=none: the selected turns, apart from staging
+    qwin: torch.Tensor | None = None  # (Hq, <=w, D) last prefill queries (SnapKV)
 
 
 class CompressedKV(StaticDecode, KVCache):
     """A KV manager built from a validated KVSpec (--kv and --kv-budget)."""
 
-    def __init__(
-        self,
-        spec: KVSpec,
-        config,
-        rope,
-        device,
-        dtype,
-        on_select: SelectHook | None = None,
-    ):
+    def __init__(self, spec: KVSpec, config, rope, device, dtype,
+                 on_select: SelectHook | None = None):  # fmt: skip
         super().__init__(config, rope, device, dtype)
         self.spec = spec
         self.sel, self.opt = spec.select, spec.select_opts
