@@ -225,8 +225,7 @@ class Tokenizer:
         """Build from a Hugging Face folder: tokenizer.json, else tokenizer.model, plus configs."""
         path = Path(path)
         config, generation = (
-            json.loads((path / n).read_text("utf-8")) if (path / n).is_file() else {}
-            for n in ("tokenizer_config.json", "generation_config.json")
+            _json_file(path / n) for n in ("tokenizer_config.json", "generation_config.json")
         )
         has_json = (path / "tokenizer.json").is_file()
         if not has_json and not (path / "tokenizer.model").is_file():
@@ -239,7 +238,14 @@ class Tokenizer:
         except KvrunError:
             raise
         except Exception as e:  # a malformed tokenizer.json or tokenizer.model
-            raise KvrunError(f"cannot read the tokenizer in {path}: {e}") from None
+            if not has_json:
+                raise KvrunError(
+                    f"{path / 'tokenizer.model'} is not a SentencePiece model ({e})"
+                ) from None
+            _json_file(path / "tokenizer.json")  # not JSON at all: says so
+            raise KvrunError(
+                f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({e})"
+            ) from None
         for name in ("bos", "eos"):
             text = config.get(f"{name}_token")
             text = text.get("content") if isinstance(text, dict) else text
@@ -361,3 +367,13 @@ class StreamDecoder:
     def flush(self) -> str:
         """Return whatever is still held back (an incomplete character becomes U+FFFD)."""
         return self._emit(final=True) if self._read < len(self._ids) else ""
+
+
+def _json_file(path: Path) -> dict:
+    """A JSON config next to the tokenizer ({} when absent), or a one-line error."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except (ValueError, OSError) as e:
+        raise KvrunError(f"{path} is not valid JSON ({e})") from None

@@ -134,9 +134,48 @@ def open_gguf(path: Path):
     if magic != b"GGUF":
         raise KvrunError(f"{path} is not a GGUF file (bad magic {magic!r})")
     try:
-        return gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # gguf raises bare ValueError/IndexError on damaged files
+        return _checked_reader(gguf)(str(path), "r")
+    except _Damaged as e:
+        raise KvrunError(f"{path} is a damaged GGUF file: {e}") from None
+    except Exception as e:  # gguf raises bare ValueError/IndexError on damaged headers
         raise KvrunError(f"{path} is a damaged or truncated GGUF file ({e})") from None
+
+
+class _Damaged(Exception):
+    """A GGUF whose tensor table points outside the file (the message names the tensor)."""
+
+
+def _checked_reader(gguf):
+    """gguf.GGUFReader that checks every tensor's data lies inside the file before mapping
+    it, so a truncated download names the tensor and the missing bytes instead of numpy's
+    reshape error."""
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for info in fields:
+                name = bytes(info.parts[1]).decode("utf-8", "replace")
+                dims, raw, offset = info.parts[3], info.parts[4], info.parts[5]
+                try:
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw[0])]
+                except (ValueError, KeyError):
+                    raise _Damaged(f"tensor {name} has an unknown type {int(raw[0])}") from None
+                n_bytes = int(np.prod(dims)) * type_size // block
+                start = int(start_offs + offset[0])
+                if start >= size and n_bytes:
+                    raise _Damaged(
+                        f"tensor {name}'s data starts at byte {start:,}, past the end of the "
+                        f"file ({size:,} bytes); download it again"
+                    )
+                if start + n_bytes > size:
+                    raise _Damaged(
+                        f"tensor {name} is cut short: {start + n_bytes - size:,} of its "
+                        f"{n_bytes:,} bytes are missing (the file has {size:,} bytes); "
+                        "download it again"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
 
 
 def gguf_metadata(reader) -> dict[str, Any]:
@@ -232,6 +271,40 @@ def load_gguf(
 
 
 # --------------------------------------------------------------------- safetensors
+def safetensors_damage(path: Path) -> str | None:
+    """What is wrong with a safetensors file, in words (its layout: an 8-byte header length,
+    a JSON header, then the data each tensor's data_offsets point into), or None."""
+    try:
+        raw_size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > raw_size - 8:
+                return (
+                    f"its header claims {n:,} bytes but the file has {raw_size:,}; "
+                    "it is cut short or not a safetensors file"
+                )
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot read it ({e.strerror})"
+    except ValueError as e:
+        return f"its header is not valid JSON ({e})"
+    data = raw_size - 8 - n
+    cut = sorted(
+        (tuple(info["data_offsets"][:2]), name)
+        for name, info in header.items()
+        if isinstance(info, dict) and len(info.get("data_offsets") or ()) == 2
+        and info["data_offsets"][1] > data
+    )  # fmt: skip
+    if not cut:
+        return None
+    (start, end), name = cut[0]
+    more = f"; {len(cut) - 1} more tensors lie past the end" if len(cut) > 1 else ""
+    return (
+        f"tensor {name} is cut short: {end - max(start, data):,} of its {end - start:,} bytes "
+        f"are missing (the file has {raw_size:,} bytes){more}; download it again"
+    )
+
+
 def shard_paths(root: Path) -> list[Path]:
     """The safetensors files of an HF directory (from the index when sharded)."""
     index = root / "model.safetensors.index.json"
@@ -278,7 +351,8 @@ def load_safetensors(
         except KvrunError:
             raise
         except Exception as e:  # safetensors raises its own error type on bad headers
-            raise KvrunError(f"{shard} is not a valid safetensors file ({e})") from None
+            why = safetensors_damage(shard) or str(e)
+            raise KvrunError(f"{shard} is not a valid safetensors file: {why}") from None
         if progress:
             progress(n + 1, len(shards))
     if config.tie_embeddings or "lm_head.weight" not in tensors:

@@ -148,11 +148,21 @@ def test_not_a_gguf(tmp_path):
 
 
 def test_truncated_gguf(default_gguf, tmp_path):
+    """A cut download names the tensor cut short and the bytes missing; a cut inside the
+    tensor table (or before the data) still says the file is damaged, in one line."""
+    import gguf
+
+    data_start = gguf.GGUFReader(str(default_gguf)).tensors[0].data_offset
     cut = tmp_path / "cut.gguf"
-    with open(default_gguf, "rb") as f:
-        cut.write_bytes(f.read(3_000_000))
-    one_error_line(run("generate", "-m", str(cut), "-p", "hi"), "truncated")
-    one_error_line(run("info", str(cut)), "truncated")
+    raw = default_gguf.read_bytes()
+    cut.write_bytes(raw[:20_000_000])
+    needles = ["damaged GGUF", "token_embd.weight is cut short", "bytes are missing"]
+    one_error_line(run("generate", "-m", str(cut), "-p", "hi"), *needles)
+    one_error_line(run("info", str(cut)), *needles)
+    cut.write_bytes(raw[:data_start])  # the header whole, no tensor data
+    one_error_line(run("info", str(cut)), "damaged GGUF", "past the end of the file")
+    cut.write_bytes(raw[:3_000_000])  # inside the metadata
+    one_error_line(run("info", str(cut)), "damaged")
 
 
 def test_unsupported_architecture(tmp_path):

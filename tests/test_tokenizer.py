@@ -268,5 +268,5 @@ def test_malformed_inputs_are_kvrun_errors(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match="cannot build the GGUF tokenizer"):
         Tokenizer.from_gguf({**meta, "tokenizer.ggml.merges": ["x y"]})  # x, y not in vocab
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(KvrunError, match="cannot read the tokenizer"):
+    with pytest.raises(KvrunError, match="tokenizer.json is not valid JSON"):
         Tokenizer.from_hf_dir(tmp_path)
