@@ -210,7 +210,7 @@ class Engine:
         gen.manual_seed(req.seed if req.seed is not None else torch.seed())
         stream = session.tokenizer.stream(after=req.ids[-1] if req.ids else None)
         seq = _Seq(req, session, session.prefill_chunks(req.ids), gen, stream)
-        seq.stats.prompt_tokens = len(req.ids)
+        seq.stats.prompt_tokens, seq.t0 = len(req.ids), time.perf_counter()
         return seq
 
     def _prefill_chunk(self, seq: _Seq, end) -> None:
@@ -258,6 +258,8 @@ class Engine:
         the sequence goes on (seq.feed set) or ends."""
         s = seq.session
         tok = sample(logits.float().cpu(), seq.req.sampling, s.tokens[-1024:], seq.gen)
+        if not seq.stats.ttft_s:  # from admission: waiting for a slot is not counted
+            seq.stats.ttft_s = time.perf_counter() - seq.t0
         if tok in s.tokenizer.stop_ids:
             seq.stats.stop_reason = "eos"
             return end(seq)

@@ -28,6 +28,7 @@ class Stats:
     kv_bytes_full: int = 0
     peak_mem_bytes: int = 0
     stop_reason: str = ""  # "eos" | "length" | "context" | "interrupt"
+    ttft_s: float = 0.0  # time to first token: the prefill and the first sample
 
     @property
     def prefill_tok_s(self) -> float:
@@ -266,6 +267,8 @@ class Session:
         while len(out) < limit:
             # every token sampled so far has been fed, so the cache's tokens are the history
             tok = sample(logits.float().cpu(), sampling, self.tokens[-1024:], gen)
+            if not stats.ttft_s:
+                stats.ttft_s = time.perf_counter() - t0
             if tok in self.tokenizer.stop_ids:
                 stats.stop_reason = "eos"
                 break

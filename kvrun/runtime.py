@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,7 @@ class Runtime:
     config: ModelConfig
     path: Path
     weights: LoadedWeights  # tensors dropped after the model is built
+    load_s: float = 0.0  # wall time of load_runtime (resolve, read, build)
 
     def new_kv(self, spec: KVSpec | None = None, **kw) -> KVManager:
         """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full."""
@@ -93,16 +95,19 @@ def load_runtime(
     kvrun/weights.py and kvrun/packed.py)."""
     from .model import Transformer
 
+    t0 = time.perf_counter()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev, wtype)
     from .presets import is_preset, preset_runtime
 
     if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
-        return preset_runtime(spec, dt, dev, progress, wtype)
+        rt = preset_runtime(spec, dt, dev, progress, wtype)
+        rt.load_s = time.perf_counter() - t0
+        return rt
     path = resolve(spec, pull_missing=pull_missing, log=log)
     w = load(path, dt, progress, wtype, dev)
     if w.wtype in DENSE_WTYPES and w.wtype_note:  # auto chose dense for a quantized file
         log(w.wtype_note)
     model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
     w.tensors = {}
-    return Runtime(model, w.tokenizer, w.config, path, w)
+    return Runtime(model, w.tokenizer, w.config, path, w, time.perf_counter() - t0)

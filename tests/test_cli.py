@@ -43,8 +43,11 @@ def test_generate_json_has_every_field_and_is_deterministic(default_gguf):
         "peak_mem_bytes",
         "model",
         "kv",
+        "ttft_s",
+        "load_s",
     ]:
         assert key in out, key
+    assert 0 < out["ttft_s"] and out["load_s"] > 0
     assert out["generated_tokens"] == len(out["tokens"]) > 0
     assert out["kv"]["method"] == "full"
     assert out["kv_bytes"] == out["kv_bytes_full"] > 0

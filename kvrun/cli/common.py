@@ -324,11 +324,13 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
-def stats_line(s: Stats) -> str:
-    """The one line every run ends with."""
+def stats_line(s: Stats, load_s: float | None = None) -> str:
+    """The one line every run ends with (load time first when given, as llama.cpp does)."""
     ratio = s.kv_bytes / s.kv_bytes_full if s.kv_bytes_full else 1.0
+    load = f"load {load_s:.2f} s | " if load_s is not None else ""
+    first = f", first token {s.ttft_s:.2f} s" if s.ttft_s else ""
     return (
-        f"prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
+        f"{load}prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s{first} | "
         f"gen {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | "
         f"KV {human_bytes(s.kv_bytes)} held / {human_bytes(s.kv_bytes_full)} full ({ratio:.1%}) | "
         f"peak mem {human_bytes(s.peak_mem_bytes)}"

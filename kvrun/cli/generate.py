@@ -103,7 +103,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
     s = result.stats
     if as_json:
         out = {"text": result.text, "tokens": result.tokens}
-        out.update(s.as_dict())
+        out.update(s.as_dict(), load_s=round(rt.load_s, 3))
         out.update(
             {
                 "model": str(rt.path),
@@ -125,4 +125,4 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
         dump_json(out)
     else:
         sys.stdout.write("\n")
-        click.echo(stats_line(s), err=True)
+        click.echo(stats_line(s, rt.load_s), err=True)

@@ -17,7 +17,7 @@ TRUNCATE_MODES = ("middle", "left", "error")
 RESULT_FIELDS = (
     "answer", "tokens", "prompt_tokens", "generated_tokens", "prefill_s", "decode_s",
     "prefill_tok_s", "decode_tok_s", "kv_bytes", "kv_bytes_full", "kv_ratio", "peak_mem_bytes",
-    "stop_reason", "truncated", "dropped_tokens",
+    "stop_reason", "ttft_s", "truncated", "dropped_tokens",
 )  # fmt: skip
 _NONE = type(None)
 _SLOT = "<<kvrun:document>>"  # stands for the document while a chat template renders
