@@ -50,7 +50,9 @@ def main() -> None:
         base = base or t
         rows.append(f"| `{name}` | {t:.2f} | {t / base:.2f} |")
         print(rows[-1], file=sys.stderr, flush=True)
-    m = machine("cpu")
+    import torch
+
+    m = machine(torch.device("cpu"))
     body = "\n".join(
         [
             "## Start-up of commands that run no model",
