@@ -92,6 +92,16 @@ class Rope:
         self._last = (positions, *rows) if bound is None else None
         return rows
 
+    def apply_rows(self, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """Rotate x (B, H, T, D) where row b has its own positions: flat (B * T,) is the
+        (B, T) positions flattened (pass the same tensor for q and k: its rows are gathered
+        once). The same arithmetic as `apply`, element for element."""
+        cos, _, ssin = self._rows(flat, None)
+        B, _, T, D = x.shape
+        cos, ssin = cos.view(B, 1, T, D), ssin.view(B, 1, T, D)
+        rolled = torch.roll(x, D // 2, dims=-1)
+        return torch.addcmul(x * cos, rolled, ssin)
+
     def apply(
         self, x: torch.Tensor, positions: torch.Tensor, bound: int | None = None
     ) -> torch.Tensor:

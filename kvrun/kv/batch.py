@@ -31,6 +31,7 @@ class BatchKV:
         if not kvs:
             raise ValueError("a batch needs at least one sequence")
         self.kvs = list(kvs)
+        self._flat = None  # (positions, flattened, rows) of the current forward pass
 
     def __len__(self) -> int:
         return len(self.kvs)
@@ -45,11 +46,35 @@ class BatchKV:
     ) -> torch.Tensor:  # (B, Hq, T, D)
         if q.shape[0] != len(self.kvs):
             raise ValueError(f"batch of {q.shape[0]} rows for {len(self.kvs)} sequences")
+        if positions.dim() == 2 and self._decoding():
+            return self._decode(layer, q, k, v, positions)
         outs = []
         for b, kv in enumerate(self.kvs):
             pos = positions[b] if positions.dim() == 2 else positions
             s = slice(b, b + 1)
             outs.append(kv.attend(layer, q[s], k[s], v[s], pos))
+        return torch.cat(outs, dim=0)
+
+    def _decoding(self) -> bool:
+        """Every sequence is a KVCache in an eager decode step (RoPE can be batched)."""
+        from .cache import KVCache
+
+        return all(
+            isinstance(kv, KVCache) and not kv.in_prefill and not kv.static for kv in self.kvs
+        )
+
+    def _decode(self, layer, q, k, v, positions) -> torch.Tensor:
+        """A decode step of every sequence with RoPE applied once for the whole batch (the
+        per-sequence work left is each cache's own store and attention)."""
+        if self._flat is None or self._flat[0] is not positions:  # once per forward pass
+            self._flat = (positions, positions.reshape(-1), list(positions))
+        rope, flat, rows = self.kvs[0].rope, self._flat[1], self._flat[2]
+        qr = rope.apply_rows(q, flat)
+        kr = rope.apply_rows(k, flat) if not all(kv.keys_pre_rope for kv in self.kvs) else k
+        outs = []
+        for b, kv in enumerate(self.kvs):
+            s = slice(b, b + 1)
+            outs.append(kv.decode(layer, qr[s], k[s] if kv.keys_pre_rope else kr[s], v[s], rows[b]))
         return torch.cat(outs, dim=0)
 
     # the sequence points, for every sequence of the batch
