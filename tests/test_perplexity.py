@@ -214,7 +214,7 @@ def no_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("kvrun.cli.common.load_runtime", boom)
+    monkeypatch.setattr("kvrun.runtime.load_runtime", boom)
 
 
 def test_cli_errors_before_loading(tiny, text_file, tmp_path, no_load):

@@ -34,7 +34,8 @@ from test_kv_methods import (
 from test_kv_methods import config as tiny_config
 from test_kv_methods import new_kv as build
 
-import kvrun.cli.common
+import kvrun.cli.common  # noqa: F401 - the CLI modules, loaded
+import kvrun.runtime
 from kvrun.cli.main import KvrunGroup, cli
 from kvrun.cli.profile import profile
 from kvrun.errors import KvrunError
@@ -724,7 +725,7 @@ KEY = 49595
 def cli_runtime(default_runtime, monkeypatch):
     """The default model, loaded once for the module and handed to every command (the load
     path itself is covered by test_passkey_cli)."""
-    monkeypatch.setattr(kvrun.cli.common, "load_runtime", lambda *a, **k: default_runtime)
+    monkeypatch.setattr(kvrun.runtime, "load_runtime", lambda *a, **k: default_runtime)
     return default_runtime
 
 
@@ -810,7 +811,7 @@ def test_profile_bad_input_is_one_line_before_loading(args, needles, tmp_path, m
     def no_loading(*a, **k):
         raise AssertionError("bad input must be caught before the model loads")
 
-    monkeypatch.setattr(kvrun.cli.common, "load_runtime", no_loading)
+    monkeypatch.setattr(kvrun.runtime, "load_runtime", no_loading)
     base = {"-f": ["-f", "s.txt"], "-o": ["-o", "out.json"]}
     full = [x for flag, v in base.items() if flag not in args for x in v] + args
     one_error_line(CliRunner().invoke(GROUP, ["profile", *full]), *needles)

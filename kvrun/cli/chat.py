@@ -101,7 +101,9 @@ def chat(ctx, system, n_predict, **kw):
         if text == "/stats":
             msg = stats_line(last) if last else "no reply yet"
             err_console.print(
-                f"{msg} | cache holds {len(session.tokens)}/{session.context} tokens", style="dim"
+                f"{msg} | cache holds {len(session.tokens)}/{session.context} tokens",
+                style="dim",
+                soft_wrap=True,  # one line, as the other commands print it
             )
             continue
         if text in ("/help", "/?"):
