@@ -205,14 +205,16 @@ def test_chat_and_json_to_stdout(tiny):
 def test_interrupt_keeps_finished_trials(tmp_path, tiny, monkeypatch):
     calls = []
 
-    class Stops(nd.Session):
+    import kvrun.generate
+
+    class Stops(kvrun.generate.Session):
         def generate(self, *a, **k):
             calls.append(1)
             if len(calls) == 3:
                 raise KeyboardInterrupt
             return super().generate(*a, **k)
 
-    monkeypatch.setattr(nd, "Session", Stops)
+    monkeypatch.setattr(kvrun.generate, "Session", Stops)
     out = tmp_path / "part.json"
     r = invoke("-m", tiny.gguf_path, "--lengths", "300", "--depths", "0,50,100", "-n", "2",
                "--json", out)  # fmt: skip

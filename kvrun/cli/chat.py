@@ -7,7 +7,6 @@ import sys
 
 import click
 
-from ..chat import Conversation
 from ..errors import ContextOverflow
 from .common import (
     check_kv,
@@ -75,6 +74,8 @@ def chat(ctx, system, n_predict, **kw):
     spec = check_kv(kw)
     rt = load_with_progress(kw)
     session = new_session(rt, rt.new_kv(spec), kw)
+    from ..chat import Conversation
+
     conv = Conversation(session, system)
     interactive = sys.stdin.isatty()
     if interactive:

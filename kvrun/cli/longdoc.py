@@ -10,7 +10,6 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..generate import Stats
 from ..tasks import longdoc as task
 from .common import (
     check_kv,
@@ -187,7 +186,9 @@ def _read_docs(files, jsonl) -> list[task.Doc]:
     return docs
 
 
-def _stats(rec: dict) -> Stats:
+def _stats(rec: dict):
+    from ..generate import Stats
+
     return Stats(**{f.name: rec[f.name] for f in dataclasses.fields(Stats)})
 
 

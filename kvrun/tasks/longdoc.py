@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 from ..errors import ContextOverflow, KvrunError
 
 TRUNCATE_MODES = ("middle", "left", "error")
@@ -190,6 +188,8 @@ def complete(rec: dict, result, dropped: int) -> dict:
 
 def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
     """Answer one document on a fresh cache; its record, or a KvrunError."""
+    import torch
+
     rec, ids, dropped = prepare(session, doc, job)
     session.reset()
     if session.device.type == "cuda":
@@ -210,6 +210,8 @@ def process(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
     """answer_document, with any failure turned into a record whose error is one line."""
     if doc.error:
         return {**empty_record(doc, job, doc.question), "error": doc.error}
+    import torch  # loaded with the model by now; the CLI imports this module before that
+
     try:
         return answer_document(session, doc, job, on_text, progress)
     except KvrunError as e:

@@ -15,10 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import SamplingConfig
 from ..errors import KvrunError
-from ..generate import Session
 from ..kv import KVSpec
-from ..sampling import SamplingConfig
 from . import passkey
 
 GREEDY = SamplingConfig(temp=0.0, top_k=0, top_p=1.0, min_p=0.0)
@@ -198,6 +197,8 @@ def run_grid(
         yield from _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start,
                                  parallel)  # fmt: skip
         return
+    from ..generate import Session
+
     for cell, cfg, expected, p in _trials(task, configs, cells, on_start):
         kv = rt.new_kv(cfg.spec)
         session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
@@ -235,6 +236,7 @@ def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start
     """run_grid's trials through the batch engine; records are held back until every
     earlier one of the grid is done, so the order (and every result) is the sequential one."""
     from ..engine import Engine, Request
+    from ..generate import Session
 
     def requests():
         for tag in _trials(task, configs, cells, on_start):
