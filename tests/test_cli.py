@@ -273,7 +273,8 @@ def test_chat_on_a_compressed_cache(default_gguf, kv):
 @pytest.mark.parametrize(
     "args",
     [["--help"], ["kv", "list"], ["models"], ["generate", "--kv", "bogus", "-p", "hi"],
-     ["chat", "--kv", "bogus"], ["longdoc", "missing.txt", "-q", "x"], ["needle", "--kv", "bogus"]],
+     ["chat", "--kv", "bogus"], ["longdoc", "missing.txt", "-q", "x"], ["needle", "--kv", "bogus"],
+     ["perplexity", "-f", "missing.txt"]],
 )  # fmt: skip
 def test_commands_that_run_no_model_do_not_import_torch(args):
     """Commands that need no model (and option errors) load neither torch nor the modules of
@@ -284,7 +285,7 @@ def test_commands_that_run_no_model_do_not_import_torch(args):
     code = (
         "import sys\nfrom kvrun.cli.main import cli\ntry:\n"
         f"    cli({args!r}, prog_name='kvrun')\nfinally:\n"
-        "    print('\\nTORCH', 'torch' in sys.modules, 'kvrun.cli.perplexity' in sys.modules)"
+        "    print('\\nTORCH', 'torch' in sys.modules, 'kvrun.cli.bench' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == "TORCH False False", r.stdout + r.stderr

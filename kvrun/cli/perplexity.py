@@ -6,7 +6,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..generate import Session
 from ..tasks.perplexity import Report, check_context, check_file, evaluate, file_tokens
 from .common import (
     check_kv,
@@ -81,6 +80,8 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
     )
     tokens = file_tokens(tok, text)
     check_file(len(tokens), context, eval_tokens, windows, "stdin" if file == "-" else file)
+
+    from ..generate import Session
 
     def pair() -> tuple[Session, Session | None]:
         new = lambda kv: Session(rt.model, tok, kv, ubatch=kw["ubatch"], context=kw["ctx_size"])  # noqa: E731

@@ -14,11 +14,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ContextOverflow, KvrunError
-from ..generate import Session, peak_memory_bytes
+
+if TYPE_CHECKING:  # torch loads with the model; the checks above run before that
+    import torch
+
+    from ..generate import Session
 
 FIGURES = ("nll", "ppl", "nll_full", "ppl_full", "kl", "top1")
 
@@ -149,10 +152,14 @@ def window_ids(tokens: Sequence[int], start: int, span: int, bos_id: int | None)
 
 
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.log_softmax(logits.to(torch.float64), dim=-1)  # (V,)
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -204,6 +211,8 @@ def score_window(
             logits = [s.decode(target) for s in sessions]
         if step:
             step(1)
+    import torch
+
     out = [torch.stack(x).tolist() for x in (nll, nll_ref, kl, agree)]  # syncs
     return Scores(*out, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
 
@@ -244,10 +253,14 @@ def score_windows(
                 out.append(x)
         if j + 1 < n:
             feed = [windows[i][context + j] for i in owners]
+            from ..generate import Session
+
             logits = list(Session.decode_batch(flat, feed))
         if step:
             step(k)
     t2 = time.perf_counter()
+    import torch
+
     return [
         Scores(
             *(torch.stack(x).tolist() for x in a), prefill_s=(t1 - t0) / k, decode_s=(t2 - t1) / k
@@ -318,5 +331,7 @@ def evaluate(
             out.append(w)
             if on_window:
                 on_window(w)
+    from ..generate import peak_memory_bytes
+
     peak = peak_memory_bytes(method.device)
     return Report(out, context, eval_tokens, len(tokens), prefill_s, decode_s, peak)
