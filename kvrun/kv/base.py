@@ -12,7 +12,10 @@ The model calls, for one sequence:
         kv.end_step()
 
 `q, k, v` arrive before RoPE: a manager applies RoPE itself (with `self.rope`), so stores
-that keep pre-RoPE keys (SpindleKV) can rotate at their own stored positions.
+that keep pre-RoPE keys (SpindleKV) can rotate at their own stored positions. Every
+method's cache implements this contract through one driver, KVCache (kvrun/kv/cache.py),
+which applies RoPE once and routes steps to the method's prefill / decode paths and
+compression hooks; kvrun/kv/batch.py runs B sequences, each with its own cache.
 """
 
 from __future__ import annotations
