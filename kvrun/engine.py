@@ -109,9 +109,8 @@ class Engine:
             raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
         self.sessions = sessions
         self.kv_mem = kv_mem
-        cfg = sessions[0].model.config
-        elem = torch.empty(0, dtype=sessions[0].model.dtype).element_size()
-        self.per_token = cfg.kv_bytes_per_token(elem)
+        model = sessions[0].model
+        self.per_token = model.config.kv_bytes_per_token(model.dtype.itemsize)
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ admission

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .cache import KVCache
+
 
 class BatchKV:
     """The KV contract (kvrun/kv/base.py) for B sequences, each with its own manager."""
@@ -57,8 +59,6 @@ class BatchKV:
 
     def _decoding(self) -> bool:
         """Every sequence is a KVCache in an eager decode step (RoPE can be batched)."""
-        from .cache import KVCache
-
         return all(
             isinstance(kv, KVCache) and not kv.in_prefill and not kv.static for kv in self.kvs
         )
