@@ -33,7 +33,8 @@ from kvrun.kv import REGISTRY, check
 from kvrun.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks import perplexity as ppl
-from kvrun.tasks.bench import BenchSettings, bench_row, machine
+from kvrun.tasks.bench import bench_row, machine
+from kvrun.tasks.bench_settings import BenchSettings
 from kvrun.tasks.passkey import filler_units
 
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"

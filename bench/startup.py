@@ -3,7 +3,8 @@
     python bench/startup.py [--reps 5]
 
 Each command runs as a fresh process (`python -m kvrun ...`), --reps times after one
-warm-up (the page cache holds the files); the table gives the median wall time and its
+warm-up (the page cache holds the files, and `kvrun info` finds the probe record a run
+leaves); the table gives the median wall time and its
 ratio to importing torch alone, and goes into bench/README.md between startup markers.
 """
 
@@ -27,8 +28,16 @@ CASES = [
     ("kvrun --help", [sys.executable, "-m", "kvrun", "--help"]),
     ("kvrun kv list", [sys.executable, "-m", "kvrun", "kv", "list"]),
     ("kvrun models", [sys.executable, "-m", "kvrun", "models"]),
+    ("kvrun info (GGUF metadata; matmul path from the probe record)",
+     [sys.executable, "-m", "kvrun", "info"]),
     ("kvrun generate --kv bogus (an option error)",
      [sys.executable, "-m", "kvrun", "generate", "--kv", "bogus", "-p", "hi"]),
+    ("kvrun bench --kv bogus (an option error)",
+     [sys.executable, "-m", "kvrun", "bench", "--kv", "bogus"]),
+    ("kvrun profile -f missing.txt (an input error)",
+     [sys.executable, "-m", "kvrun", "profile", "-f", "missing.txt", "-o", "p.json"]),
+    ("kvrun generate -n 1 (runs the model: load + prompt + 1 token)",
+     [sys.executable, "-m", "kvrun", "generate", "-p", "hi", "-n", "1"]),
 ]  # fmt: skip
 
 

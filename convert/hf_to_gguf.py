@@ -12,8 +12,9 @@ import torch
 
 from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
+from kvrun.modelfile import GGUF_BLOCK, GGUF_TOP, gguf_name_to_hf
 from kvrun.rope import inverse_frequencies
-from kvrun.weights import GGUF_BLOCK, GGUF_TOP, gguf_name_to_hf, load_safetensors, permute_qk
+from kvrun.weights import load_safetensors, permute_qk
 
 Progress = Callable[[int, int], None]
 Q = gguf.GGMLQuantizationType

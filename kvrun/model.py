@@ -107,7 +107,11 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        # given a weight, nn.Embedding skips its normal_ init: on the meta device that init
+        # goes through torch._refs and imports torch._dynamo (~1.5 s of every model load)
+        self.embed_tokens = nn.Embedding(
+            c.vocab_size, c.dim, _weight=torch.empty(c.vocab_size, c.dim)
+        )
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
 

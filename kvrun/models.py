@@ -64,7 +64,7 @@ class LocalModel:
 def _gguf_names(path: Path) -> list[str]:
     """Names from GGUF metadata (general.name, basename + size label), read from the header."""
     try:
-        from .weights import gguf_metadata, open_gguf
+        from .modelfile import gguf_metadata, open_gguf
 
         meta = gguf_metadata(open_gguf(path))
     except Exception:  # noqa: BLE001 - a damaged file still lists by its file name

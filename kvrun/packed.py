@@ -9,7 +9,8 @@ Two matmul paths:
   (~3e-3 relative). On CPU they serve decode steps; prefill products dequantize exactly.
   `_weight_int8pack_mm` is not used: it takes one scale per row, Q8_0 has one per 32.
 
-`matmul_path(device, dtype)` times both on a probe once per process and keeps the faster.
+`matmul_path(device, dtype)` times both on a probe once per process and keeps the faster; the
+answer is recorded (kvrun/probes.py) so `kvrun info` can report it without torch.
 PyTorch's CPU int4 kernel is vectorized for AVX-512 and bfloat16 only (bench/README.md).
 """
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import int4mm
+from . import int4mm, probes
 from .quant import Packed, cat_rows, dense_name, pack_nibbles
 
 NIBBLES = 0x0F0F0F0F
@@ -308,7 +309,13 @@ def matmul_path(device_type: str, dtype: torch.dtype) -> str:
     """'int4pack' or 'dequant': the path that measures faster for a decode-step product here
     (one row; a 1536 x 576 probe, the default model's FFN, on CPU; 2048 x 4096 on CUDA,
     whose op takes K in multiples of 1024); the int4 op must also agree with the exact
-    product to 1e-2."""
+    product to 1e-2. Recorded for `kvrun info`."""
+    path = _measure_path(device_type, dtype)
+    probes.record(probes.matmul(device_type, str(dtype).removeprefix("torch.")), path)
+    return path
+
+
+def _measure_path(device_type: str, dtype: torch.dtype) -> str:
     device = torch.device(device_type)
     n, k = (2048, 4096) if device.type == "cuda" else (1536, 576)
     lin, deq = _probe(n, k, device, dtype), _probe(n, k, device, dtype)

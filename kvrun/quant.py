@@ -21,26 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-GROUP = (
-    32  # elements per scale/zero: llama.cpp's block size for Q4_0/Q4_1/Q8_0 and Q4_K's sub-blocks
-)
-WTYPES = ("auto", "f32", "f16", "bf16", "q8", "q4")
+from .wformat import GROUP, nearest_bits
+
 DENSE_WTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def dense_name(dtype: torch.dtype) -> str:
     """The --wtype that names dense weights in dtype ('f32', 'f16', 'bf16')."""
     return next(k for k, v in DENSE_WTYPES.items() if v == dtype)
-
-
-EXACT_Q4 = ("Q4_0", "Q4_1", "Q4_K")
-EXACT_Q8 = ("Q8_0",)
-# bits per weight of the GGUF types that are re-quantized: <= 4.5 go to q4, the rest to q8
-_TYPE_BITS = {
-    "Q2_K": 2.6, "Q3_K": 3.4, "IQ2_XXS": 2.1, "IQ2_XS": 2.3, "IQ2_S": 2.5, "IQ3_XXS": 3.1,
-    "IQ3_S": 3.4, "IQ1_S": 1.6, "IQ1_M": 1.8, "IQ4_NL": 4.5, "IQ4_XS": 4.3, "TQ1_0": 1.7,
-    "TQ2_0": 2.1, "Q5_0": 5.5, "Q5_1": 6.0, "Q5_K": 5.5, "Q6_K": 6.6, "Q8_K": 8.1,
-}  # fmt: skip
 
 
 @dataclass
@@ -201,15 +189,6 @@ _CONVERT = {"Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q8_0": (34, _q8_0), "Q4_K
 _BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256}
 
 
-def nearest_bits(type_name: str) -> int:
-    """The packed width a GGUF type maps to (4 for Q4 types and below, else 8)."""
-    if type_name in EXACT_Q4:
-        return 4
-    if type_name in EXACT_Q8:
-        return 8
-    return 4 if _TYPE_BITS.get(type_name, 8.0) <= 4.5 else 8
-
-
 def from_gguf(t, rows_per_slab: int = 4096) -> Packed:
     """A GGUF tensor (a gguf ReaderTensor) as Packed, read from the memory map slab by slab.
 
@@ -253,35 +232,3 @@ def _slab(name: str, slab: torch.Tensor, t) -> Packed:
     p = quantize(torch.from_numpy(np.ascontiguousarray(w)), nearest_bits(name))
     p.source, p.exact = name, False
     return p
-
-
-def packed_nbytes(bits: int, n: int, k: int, scale_bytes: int, symmetric: bool) -> int:
-    """Bytes of a Packed of this shape (what `Packed.nbytes` will measure)."""
-    groups = n * (k // GROUP)
-    return n * k * bits // 8 + groups * scale_bytes * (1 if symmetric else 2)
-
-
-def plan_nbytes(type_name: str, n: int, k: int, bits: int, planes: bool = False) -> int:
-    """Bytes a GGUF tensor of type_name takes once packed to `bits` (for `kvrun info`).
-
-    planes: held in the CPU int4 planes (kvrun/int4mm.py): the same code bytes, bfloat16
-    scales and zeros (4 bytes per group and plane), and the float16 ones only where the
-    mapping is exact (kept for exact prefill products)."""
-    base = _canonical_nbytes(type_name, n, k, bits)
-    if not planes:
-        return base
-    codes = n * k * bits // 8
-    exact = type_name in EXACT_Q4 or (type_name in EXACT_Q8 and bits == 8)
-    return codes + n * (k // GROUP) * 4 * (bits // 4) + (base - codes if exact else 0)
-
-
-def _canonical_nbytes(type_name: str, n: int, k: int, bits: int) -> int:
-    if type_name == "Q8_0" and bits == 8:
-        return packed_nbytes(8, n, k, 2, True)
-    if type_name in ("Q4_0", "Q4_1"):
-        return packed_nbytes(bits, n, k, 2, False)
-    if type_name == "Q4_K":
-        return packed_nbytes(bits, n, k, 4, False)
-    if bits == 8:  # quantize() makes symmetric q8, requantize_bits keeps q4's zero
-        return packed_nbytes(8, n, k, 2, True)
-    return packed_nbytes(4, n, k, 2, False)

@@ -14,8 +14,9 @@ from .errors import KvrunError
 from .kv import FULL, KVSpec, build
 from .kv.base import KVManager
 from .models import resolve
-from .quant import DENSE_WTYPES, WTYPES
+from .quant import DENSE_WTYPES
 from .weights import LoadedWeights, load
+from .wformat import WTYPES
 
 DTYPES = {
     "float32": torch.float32,
@@ -98,7 +99,8 @@ def load_runtime(
     t0 = time.perf_counter()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev, wtype)
-    from .presets import is_preset, preset_runtime
+    from .presets import preset_runtime
+    from .shapes import is_preset
 
     if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
         rt = preset_runtime(spec, dt, dev, progress, wtype)

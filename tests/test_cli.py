@@ -8,7 +8,7 @@ import pytest
 from cli_checks import one_error_line
 from click.testing import CliRunner
 
-from kvrun.cli.main import cli
+from kvrun.cli.main import COMMANDS, cli
 
 
 def run(*args, input=None, env=None):
@@ -164,8 +164,10 @@ def test_truncated_gguf(default_gguf, tmp_path):
     one_error_line(run("info", str(cut)), *needles)
     cut.write_bytes(raw[:data_start])  # the header whole, no tensor data
     one_error_line(run("info", str(cut)), "damaged GGUF", "past the end of the file")
-    cut.write_bytes(raw[:3_000_000])  # inside the metadata
-    one_error_line(run("info", str(cut)), "damaged")
+    cut.write_bytes(raw[:1000])  # inside the metadata
+    one_error_line(run("info", str(cut)), "damaged GGUF", "runs past the end", "download it again")
+    cut.write_bytes(raw[:10])  # inside the fixed header
+    one_error_line(run("info", str(cut)), "damaged GGUF", "header is cut short")
 
 
 def test_unsupported_architecture(tmp_path):
@@ -272,20 +274,34 @@ def test_chat_on_a_compressed_cache(default_gguf, kv):
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["kv", "list"], ["models"], ["generate", "--kv", "bogus", "-p", "hi"],
-     ["chat", "--kv", "bogus"], ["longdoc", "missing.txt", "-q", "x"], ["needle", "--kv", "bogus"],
-     ["perplexity", "-f", "missing.txt"]],
+    [["--help"], ["kv", "list"], ["models"], ["info"], ["info", "--wtype", "q4"],
+     ["generate", "--kv", "bogus", "-p", "hi"], ["chat", "--kv", "bogus"],
+     ["longdoc", "missing.txt", "-q", "x"], ["needle", "--kv", "bogus"],
+     ["perplexity", "-f", "missing.txt"], ["bench", "--kv", "bogus"], ["bench", "-p", "-1"],
+     ["profile", "-f", "missing.txt", "-o", "p.json"], ["convert", "missing.gguf", "out"]],
 )  # fmt: skip
-def test_commands_that_run_no_model_do_not_import_torch(args):
-    """Commands that need no model (and option errors) load neither torch nor the modules of
-    other commands: checked in a child process's sys.modules, not by timing."""
+def test_commands_that_run_no_model_do_not_import_torch(args, default_gguf, tmp_path, monkeypatch):
+    """Commands that need no model (`info` reads metadata only) and option errors load
+    neither torch nor the modules of other commands: checked in a child process's
+    sys.modules, not by timing. `info` reads the matmul path from the probe record that a
+    run leaves (recorded here, as a run on this machine would)."""
     import subprocess
     import sys
 
+    from kvrun import probes
+
+    monkeypatch.setenv("KVRUN_CACHE", str(tmp_path))
+    probes.record(probes.matmul("cpu", "float32"), "int4pack")
     code = (
         "import sys\nfrom kvrun.cli.main import cli\ntry:\n"
         f"    cli({args!r}, prog_name='kvrun')\nfinally:\n"
-        "    print('\\nTORCH', 'torch' in sys.modules, 'kvrun.cli.bench' in sys.modules)"
+        "    cmds = sorted(m for m in sys.modules if m.startswith('kvrun.cli.'))\n"
+        "    print('\\nTORCH', 'torch' in sys.modules, *cmds)"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.stdout.strip().splitlines()[-1] == "TORCH False False", r.stdout + r.stderr
+    own = {f"kvrun.cli.{COMMANDS[args[0]][0]}"} if args[0] in COMMANDS else set()
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    torch, *cli_modules = r.stdout.strip().splitlines()[-1].split()[1:]
+    assert torch == "False", r.stdout + r.stderr
+    assert set(cli_modules) <= {"kvrun.cli.main", "kvrun.cli.common", *own}, cli_modules

@@ -15,8 +15,9 @@ from kvrun.convert import convert
 from kvrun.errors import KvrunError, ModelNotFound
 from kvrun.kv.full import FullKV
 from kvrun.model import Transformer
+from kvrun.modelfile import gguf_metadata, open_gguf
 from kvrun.tokenizer import Tokenizer
-from kvrun.weights import gguf_metadata, load, open_gguf
+from kvrun.weights import load
 
 DEFAULT_GGUF = Path.home() / ".cache/kvrun/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_TEXT = "Hello world! In 2024 I counted 12345 llamas; they ate 7.5 kg of hay."

@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType as Q
 
 from kvrun.config import ModelConfig
 from kvrun.errors import UnsupportedModel
-from kvrun.weights import dequantize_tensor, gguf_metadata, gguf_name_to_hf, open_gguf
+from kvrun.modelfile import gguf_metadata, gguf_name_to_hf, open_gguf
+from kvrun.weights import dequantize_tensor
 
 DEFAULT_GGUF = Path.home() / ".cache/kvrun/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -192,3 +193,54 @@ def test_default_model_every_tensor_loads(default_gguf):
         types.add(t.tensor_type.name)
     assert "model.embed_tokens.weight" in {gguf_name_to_hf(n) for n in names}
     assert {"Q4_1", "F32"} <= types
+
+
+def _same_as_gguf_reader(path: Path) -> None:
+    ours, ref = open_gguf(path), gguf.GGUFReader(str(path), "r")
+    want = {name: f.contents() for name, f in ref.fields.items()}
+    assert gguf_metadata(ours) == want
+    assert len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
+        assert a.shape.tolist() == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data)
+
+
+def test_header_parser_equals_gguf_reader(tmp_path):
+    """kvrun's GGUF header parser (kvrun.modelfile, ~30x faster on a 49k vocabulary) reads
+    every value type, a non-default alignment and tensors of several types exactly as
+    gguf.GGUFReader does."""
+    path = tmp_path / "kinds.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 7)
+    w.add_int8("t.i8", -7)
+    w.add_uint16("t.u16", 700)
+    w.add_int16("t.i16", -700)
+    w.add_uint32("t.u32", 70000)
+    w.add_int32("t.i32", -70000)
+    w.add_float32("t.f32", 0.5)
+    w.add_uint64("t.u64", 2**40)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 0.25)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.strs", ["a", "", "ü"])
+    w.add_array("t.empty", [])
+    w.add_custom_alignment(64)
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((4, 64)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((2, 32)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((3, 64)).astype(np.float32), Q.Q8_0)
+    w.add_tensor("c.weight", q, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(path)
+
+
+def test_header_parser_on_the_default_model(default_gguf):
+    _same_as_gguf_reader(default_gguf)

@@ -14,16 +14,9 @@ from kvrun import int4mm
 from kvrun import packed as packed_mod
 from kvrun.errors import KvrunError, UnsupportedModel
 from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear
-from kvrun.quant import (
-    GROUP,
-    from_gguf,
-    nearest_bits,
-    plan_nbytes,
-    quantize,
-    quantize_rows,
-    requantize_bits,
-)
+from kvrun.quant import from_gguf, quantize, quantize_rows, requantize_bits
 from kvrun.weights import read_gguf_tensor
+from kvrun.wformat import GROUP, nearest_bits, plan_nbytes
 
 EXACT = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 MAPPED = ["Q5_0", "Q5_1", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"]
@@ -309,8 +302,9 @@ def test_auto_packs_when_dense_would_not_fit(monkeypatch):
 
 def test_synthetic_preset_packed_without_floats():
     from kvrun.config import ModelConfig
-    from kvrun.presets import PRESETS, preset_runtime, random_weights, weight_bytes
+    from kvrun.presets import preset_runtime, random_weights, weight_bytes
     from kvrun.quant import Packed
+    from kvrun.shapes import PRESETS
     from kvrun.tasks.bench import weight_bytes as measured_bytes
 
     cfg: ModelConfig = PRESETS["tiny-synthetic"]

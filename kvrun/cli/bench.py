@@ -5,14 +5,13 @@ from __future__ import annotations
 import click
 
 from ..errors import KvrunError
-from ..presets import is_preset, preset_config
-from ..tasks.bench import (
+from ..shapes import is_preset, preset_config
+from ..tasks.bench_settings import (
     BenchSettings,
     cases,
     check_settings,
     parse_budgets,
     parse_counts,
-    run_bench,
 )
 from .common import (
     check_kv,
@@ -130,6 +129,8 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
         raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
     _check_before_loading(settings, kw)
     # the common loader checks a single --kv; ours were checked above
+    from ..tasks.bench import run_bench
+
     rt = load_with_progress(kw)
     with progress_bar("bench") as bar:
         total = len(cases(settings)) * (settings.reps + 1)

@@ -28,9 +28,9 @@ def convert(src, dst, outtype, force):
     kvrun convert smollm2 ./smollm2-hf
     kvrun convert ./smollm2-hf smollm2-f16.gguf --outtype f16
     """
-    from ..convert import convert as run_convert
-
     path = resolve(src)
+    from ..convert import convert as run_convert  # torch, once SRC is known to exist
+
     with progress_bar("convert") as bar:
         task = bar.add_task("converting", total=None)
         out = run_convert(

@@ -22,7 +22,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
     if path.is_dir():
         from safetensors import safe_open
 
-        from ..weights import shard_paths
+        from ..modelfile import shard_paths
 
         cfg = ModelConfig.from_hf(path / "config.json")
         types: Counter = Counter()
@@ -46,7 +46,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
             "file_bytes": size,
             "chat_template": _hf_has_template(path),
         }
-    from ..weights import gguf_metadata, gguf_name_to_hf, open_gguf
+    from ..modelfile import gguf_metadata, gguf_name_to_hf, open_gguf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
@@ -83,17 +83,22 @@ def weights_rows(facts: dict, wtype: str, is_gguf: bool, tied: bool) -> dict:
     """Bytes in memory per --wtype on this CPU: the one asked for, or (auto) packed as the
     file and dense. Packed forms count as this machine holds them (the int4 op's planes
     where PyTorch's CPU kernel serves decode steps)."""
-    import torch
-
-    from ..packed import matmul_path
-    from ..weights import weights_plan
+    from ..probes import matmul, recorded
+    from ..wformat import weights_plan
 
     tensors = facts["tensors"]
     if wtype != "auto":
         names = [wtype]
     else:
         names = ["packed", "f32"] if is_gguf else ["f32"]
-    planes = matmul_path("cpu", torch.float32) == "int4pack"
+    path = recorded(matmul("cpu", "float32"))
+    if path is None:  # not yet probed with this torch on this CPU: probe once (needs torch)
+        import torch
+
+        from ..packed import matmul_path
+
+        path = matmul_path("cpu", torch.float32)
+    planes = path == "int4pack"
     out = {}
     for name in names:
         total, forms = weights_plan(tensors, name, planes, tied)

@@ -6,14 +6,12 @@ import dataclasses
 from pathlib import Path
 
 import click
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from ..errors import ContextOverflow, KvrunError
-from ..generate import Session
 from ..kv import check
-from ..kv.xkv import XKV, Profile, check_profile, fold_profile, load_profile, save_profile
+from ..kv.alloc.xkv_profile import Profile, check_profile, fold_profile, load_profile, save_profile
 from .common import (
     dump_json,
     load_with_progress,
@@ -85,6 +83,9 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     old = load_profile(out_path) if out_path.exists() else None
     if old is not None:  # shape checks that need no model; n_layers and model come after loading
         check_profile(old, out, old.n_layers, "", o["window"], o["pool"], units)
+    from ..generate import Session  # torch, once the input is known to be good
+    from ..kv.xkv import XKV
+
     rt = load_with_progress(kw)
     if old is not None:
         check_profile(old, out, rt.config.n_layers, rt.config.name, o["window"], o["pool"], units)
@@ -137,16 +138,19 @@ def _check_kv(text: str, kv_budget: str | None):
     return spec, spec.budget
 
 
-@torch.inference_mode()
-def _plan(session: Session, kv: XKV, ids: list[int]):
-    """XKV's allocation for one sample: the scoring pass alone when the sample fits one
-    --ubatch (plan=two-pass), else a deferred prefill (allocation at its end)."""
-    session.reset()
-    session.plan(ids)
-    if kv.allocation is None:
-        session.prefill(ids)
-    a = kv.allocation
-    session.reset()
+def _plan(session, kv, ids: list[int]):
+    """XKV's allocation for one sample (session: a Session over kv, an XKV): the scoring
+    pass alone when the sample fits one --ubatch (plan=two-pass), else a deferred prefill
+    (allocation at its end)."""
+    import torch
+
+    with torch.inference_mode():
+        session.reset()
+        session.plan(ids)
+        if kv.allocation is None:
+            session.prefill(ids)
+        a = kv.allocation
+        session.reset()
     return a
 
 

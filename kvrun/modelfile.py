@@ -1,0 +1,253 @@
+"""Model files read without torch: GGUF tensor tables and metadata (with checks that name a
+damaged tensor), safetensors headers and shards. `kvrun info` and `kvrun models` need no
+more than this; kvrun.weights loads the tensors."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import KvrunError, ModelNotFound
+
+GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+}
+_BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """Map a llama.cpp tensor name to the canonical (HF) name; None when unknown."""
+    m = _BLK.match(name)
+    if m:
+        block, part, kind = m.groups()
+        hf = GGUF_BLOCK.get(part)
+        return f"model.layers.{block}.{hf}.{kind}" if hf else None
+    stem, _, kind = name.rpartition(".")
+    hf = GGUF_TOP.get(stem)
+    return f"{hf}.{kind}" if hf and hf != "rope_freqs" else hf
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: the fields kvrun reads of a gguf.ReaderTensor."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF order (innermost first), as gguf gives it
+    data_offset: int
+    data: np.ndarray  # a view of the memory map: elements for float types, block bytes else
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's metadata and tensor table, its tensors left in the memory map."""
+
+    meta: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# GGUF value types: (struct code, numpy dtype) of the scalar types; 8 is a string, 9 an array
+_SCALARS = {
+    0: ("B", np.uint8), 1: ("b", np.int8), 2: ("H", np.uint16), 3: ("h", np.int16),
+    4: ("I", np.uint32), 5: ("i", np.int32), 6: ("f", np.float32), 7: ("?", np.bool_),
+    10: ("Q", np.uint64), 11: ("q", np.int64), 12: ("d", np.float64),
+}  # fmt: skip
+_ELEMENT_DTYPE = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                  "I16": np.int16, "I32": np.int32, "I64": np.int64}  # fmt: skip
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Read a GGUF file's header (metadata and tensor table) and map its tensors, with a clear
+    error for anything that is not a whole GGUF file.
+
+    The header is parsed here, following the GGUF specification (little-endian, versions 2
+    and 3), not by gguf.GGUFReader: that reader makes a numpy view for every string of the
+    tokenizer's vocabulary and merges, about 2 s for a 49k-token vocabulary, where this
+    takes a few hundredths. gguf still supplies the type table and the tensor layouts.
+    """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelNotFound(f"cannot read {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise KvrunError(f"{path} is not a GGUF file (bad magic {magic!r})")
+    data = np.memmap(path, mode="r")
+    try:
+        return _Header(data).read()
+    except _Damaged as e:
+        raise KvrunError(f"{path} is a damaged GGUF file: {e}") from None
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+        raise KvrunError(f"{path} is a damaged or truncated GGUF file ({e})") from None
+
+
+class _Damaged(Exception):
+    """A GGUF whose header or tensor table is inconsistent (the message says where)."""
+
+
+class _Header:
+    def __init__(self, data: np.ndarray):
+        self.data, self.buf, self.pos = data, memoryview(data), 4
+
+    def take(self, code: str):
+        size = struct.calcsize(code)
+        if self.pos + size > len(self.buf):
+            raise _Damaged(
+                f"its header is cut short at byte {len(self.buf):,} (inside the metadata or "
+                "tensor table); download it again"
+            )
+        (value,) = struct.unpack_from("<" + code, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise _Damaged(f"a string at byte {self.pos:,} runs past the end; download it again")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
+
+    def value(self, kind: int):
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            item, count = self.take("I"), self.take("Q")
+            if item == 8:
+                return [self.string() for _ in range(count)]
+            if item not in _SCALARS:
+                return [self.value(item) for _ in range(count)]
+            dtype = np.dtype(_SCALARS[item][1]).newbyteorder("<")
+            if self.pos + count * dtype.itemsize > len(self.buf):
+                raise _Damaged(
+                    f"an array at byte {self.pos:,} runs past the end; download it again"
+                )
+            arr = np.frombuffer(self.buf, dtype, count, self.pos)
+            self.pos += arr.nbytes
+            return arr.tolist()
+        if kind not in _SCALARS:
+            raise _Damaged(f"unknown value type {kind} at byte {self.pos:,}")
+        return self.take(_SCALARS[kind][0])
+
+    def read(self) -> GGUFFile:
+        import gguf
+
+        version = self.take("I")
+        if version not in (2, 3):
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            why = "a big-endian GGUF (not supported)" if swapped in (2, 3) else f"version {version}"
+            raise KvrunError(f"unsupported GGUF: {why}; kvrun reads little-endian GGUF v2 and v3")
+        n_tensors, n_kv = self.take("Q"), self.take("Q")
+        meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors,
+                                "GGUF.kv_count": n_kv}  # fmt: skip
+        for _ in range(n_kv):
+            key = self.string()
+            meta[key] = self.value(self.take("I"))
+        table = []
+        for _ in range(n_tensors):
+            name = self.string()
+            dims = [self.take("Q") for _ in range(self.take("I"))]
+            table.append((name, dims, self.take("I"), self.take("Q")))
+        align = int(meta.get("general.alignment", 32))
+        start = -(-self.pos // align) * align
+        return GGUFFile(meta, [self.tensor(gguf, start, *row) for row in table])
+
+    def tensor(self, gguf, start: int, name: str, dims: list[int], raw: int, offset: int):
+        try:
+            kind = gguf.GGMLQuantizationType(raw)
+            block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            raise _Damaged(f"tensor {name} has an unknown type {raw}") from None
+        n_elems = int(np.prod(dims, dtype=np.int64))
+        n_bytes = n_elems * type_size // block
+        first, size = start + offset, len(self.data)
+        if first >= size and n_bytes:
+            raise _Damaged(
+                f"tensor {name}'s data starts at byte {first:,}, past the end of the "
+                f"file ({size:,} bytes); download it again"
+            )
+        if first + n_bytes > size:
+            raise _Damaged(
+                f"tensor {name} is cut short: {first + n_bytes - size:,} of its "
+                f"{n_bytes:,} bytes are missing (the file has {size:,} bytes); download it again"
+            )
+        shape = tuple(reversed(dims))
+        dtype = _ELEMENT_DTYPE.get(kind.name)
+        if dtype is None:  # block-quantized (and BF16): rows of block bytes
+            dtype, shape = np.uint8, gguf.quant_shape_to_byte_shape(shape, kind)
+        data = self.data[first : first + n_bytes].view(dtype).reshape(shape)
+        return GGUFTensor(name, kind, np.array(dims, dtype=np.uint64), first, data)
+
+
+def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
+    """GGUF key/value metadata as plain Python values (with GGUF.version, .tensor_count and
+    .kv_count, as gguf.GGUFReader names them)."""
+    return reader.meta
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """What is wrong with a safetensors file, in words (its layout: an 8-byte header length,
+    a JSON header, then the data each tensor's data_offsets point into), or None."""
+    try:
+        raw_size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > raw_size - 8:
+                return (
+                    f"its header claims {n:,} bytes but the file has {raw_size:,}; "
+                    "it is cut short or not a safetensors file"
+                )
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot read it ({e.strerror})"
+    except ValueError as e:
+        return f"its header is not valid JSON ({e})"
+    data = raw_size - 8 - n
+    cut = sorted(
+        (tuple(info["data_offsets"][:2]), name)
+        for name, info in header.items()
+        if isinstance(info, dict) and len(info.get("data_offsets") or ()) == 2
+        and info["data_offsets"][1] > data
+    )  # fmt: skip
+    if not cut:
+        return None
+    (start, end), name = cut[0]
+    more = f"; {len(cut) - 1} more tensors lie past the end" if len(cut) > 1 else ""
+    return (
+        f"tensor {name} is cut short: {end - max(start, data):,} of its {end - start:,} bytes "
+        f"are missing (the file has {raw_size:,} bytes){more}; download it again"
+    )
+
+
+def shard_paths(root: Path) -> list[Path]:
+    """The safetensors files of an HF directory (from the index when sharded)."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise KvrunError(f"{index} is not a valid safetensors index ({e})") from None
+        return [root / s for s in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"{root} has config.json but no *.safetensors weights")
+    return files
