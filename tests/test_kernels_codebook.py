@@ -18,7 +18,7 @@ import torch
 from test_kernels import F32, NEG, _dtypes, _tol, assert_partial
 from test_kv_methods import config, drive, new_kv, prompt, tiny
 
-import kvrun.kv.spindle as spindle
+import kvrun.kv.coded as coded
 from kvrun.kernels import codebook_decode as cb
 from kvrun.kv.codebook import Shelf
 from kvrun.kv.spindle import pack_bits
@@ -304,13 +304,13 @@ def _decode_both(m, spec, budget, n_prompt, n_decode, monkeypatch, ubatch=32):
     """Logits of one turn with decode through codebook_decode and through the old path (the
     slots rebuilt, SDPA), the same tokens fed; and how many kernel calls the first made."""
     calls = []
-    real = spindle.codebook_decode
+    real = coded.codebook_decode
 
     def counted(*a):
         calls.append(a[2] is not None)  # a coded (True) or a dense (False) segment
         return real(*a)
 
-    monkeypatch.setattr(spindle, "codebook_decode", counted)
+    monkeypatch.setattr(coded, "codebook_decode", counted)
     ids = prompt(n_prompt, seed=21)
     kv = new_kv(m, spec, budget)
     new = drive(m, kv, ids, ubatch, n_decode=n_decode)

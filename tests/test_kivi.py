@@ -178,7 +178,7 @@ def test_short_prompt_unit_r_is_full_attention():
     k, v = _kv(H, Tn, D, F32, seed=9)
     layer.append(k, v)
     q = torch.randn(1, 2 * H, Tn, D, generator=_gen(10))
-    parts = layer.attend(q, Tn)
+    parts = layer.partials(q, None, Tn, None)
     assert layer.flush(128) == 0 and layer.body_len == 0
     causal = torch.ones(Tn, Tn, dtype=torch.bool).tril()
     ref = segment_attention(q, k[None], v[None], causal)
@@ -196,7 +196,7 @@ def _reference(layer: KiviLayer, q: torch.Tensor, n_new: int):
 
 
 def _check_attend(layer: KiviLayer, q: torch.Tensor, n_new: int, dtype) -> None:
-    parts = layer.attend(q, n_new)
+    parts = layer.partials(q, None, n_new, None)
     assert len(parts) == (2 if layer.body_len else 1)
     ref = _reference(layer, q, n_new)
     out = combine(parts, F32)
@@ -238,7 +238,7 @@ def test_attend_matches_dense_over_dequantized(gqa, dtype):
         if layer.tail_len == R:
             layer.flush(R)
             empty_tail_seen = True  # the next query sees a body and an empty tail
-            parts = layer.attend(qs[:, :, t + 1 : t + 2], 0)
+            parts = layer.partials(qs[:, :, t + 1 : t + 2], None, 0, None)
             assert len(parts) == 2 and bool(torch.isneginf(parts[1].lse).all())
             _check_attend(layer, qs[:, :, t + 1 : t + 2], 0, dtype)
         t += 1
@@ -262,7 +262,7 @@ def test_attend_rejects_bad_n_new():
     layer = KiviLayer(1, 32, 2, 16, 32, F32, "cpu")
     layer.append(*_kv(1, 5, 32, F32, seed=15))
     with pytest.raises(ValueError, match="n_new"):
-        layer.attend(torch.randn(1, 1, 3, 32), 2)
+        layer.partials(torch.randn(1, 1, 3, 32), None, 2, None)
 
 
 # --- bytes ----------------------------------------------------------------------------

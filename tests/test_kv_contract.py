@@ -202,3 +202,34 @@ def test_batch_of_three_equals_three_single_runs(m):
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
         assert batch[b].tokens == s.tokens
         assert batch[b].kv.nbytes() == s.kv.nbytes()
+
+
+@pytest.mark.parametrize("m", SELECT, ids=lambda m: m.name)
+def test_stores_follow_the_store_protocol(m):
+    """Every per-layer store a method's cache holds (alone and stacked on each store) has the
+    Store protocol's parts (kvrun/kv/protocol.py), and its partials, merged by log-sum-exp,
+    are finite attention outputs over what it holds. (FullKV and MiniCache's dense pairs
+    hold no per-layer stores: KVCache.stores says why.)"""
+    from kvrun.kv.attention import combine
+    from kvrun.kv.protocol import Store
+
+    model = tiny()
+    texts = [m.name] + [f"{m.name}+{s.name}" for s in STORES]
+    for text in texts:
+        try:
+            check(text)
+        except KvrunError:
+            continue  # a stack the method refuses (checked in test_every_method_is_stackable)
+        kv = new_kv(model, text, None)
+        drive(model, kv, prompt(N, seed=5), UBATCH, n_decode=2)
+        c = model.config
+        q = torch.randn(1, c.n_heads, 1, c.head_dim)
+        stores = kv.stores()
+        assert not stores or sum(s.nbytes() for s in stores) > 0, text
+        for store in stores:
+            assert isinstance(store, Store), (text, type(store).__name__)
+            if not store.length:  # a staging segment emptied into its stack's store
+                continue
+            parts = store.partials(q, torch.tensor([kv.seen]), 0, None)
+            out = combine(parts, torch.float32)
+            assert out.shape == q.shape and torch.isfinite(out).all(), text

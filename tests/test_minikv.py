@@ -229,13 +229,13 @@ def test_flush_happens_before_attention():
     drive(m, kv, prompt(t, seed=2), 512, n_decode=119, tokens=[7] * 119)
     st = kv.layers[0].kivi
     captured = {}
-    inner = st.attend
+    inner = st.partials
 
-    def spy(q, n_new):
+    def spy(q, q_pos, n_new, window):
         captured["body"], captured["tail"] = st.body_len, st.tail_len
-        return inner(q, n_new)
+        return inner(q, q_pos, n_new, window)
 
-    st.attend = spy
+    st.partials = spy
     drive(m, kv, [], 1, n_decode=1, tokens=[7])
     assert captured == {"body": 1120, "tail": 0}
 

@@ -389,7 +389,7 @@ def check_covering(kv, get, theta):
     """7: every coded slot's vector is within theta of the original; |recon| = stored mag."""
     checked = 0
     for layer, st in enumerate(kv.layers):
-        kr, vr, pos, _ = kv.materialise(st)
+        kr, vr, pos, _ = st.materialise()
         for which, rec in (("k", kr[0]), ("v", vr[0])):
             mag = st.mag_k if which == "k" else st.mag_v
             for h in range(pos.shape[0]):
@@ -425,7 +425,7 @@ def test_no_merging_reconstructs_every_vector(scope):
     get = capture(kv)
     drive(m, kv, prompt(100, 6), 30, n_decode=4)
     for layer, st in enumerate(kv.layers):
-        kr, vr, pos, mask = kv.materialise(st)
+        kr, vr, pos, mask = st.materialise()
         valid = mask.ne(0).any(-1)  # (Hkv, S) real slots
         assert kv.codebook_sizes()[layer] == (int(valid.sum()), int(valid.sum()))
         for h in range(HKV):

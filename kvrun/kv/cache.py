@@ -52,6 +52,12 @@ class KVCache(KVManager):
         """The static decode step (after make_static): no host sync, fixed shapes."""
         raise NotImplementedError
 
+    def stores(self) -> list:
+        """The per-layer stores the cache holds (kvrun/kv/protocol.py's Store), for tests and
+        accounting. FullKV keeps one (layers, ...) tensor pair instead, for its static form,
+        and MiniCache's dense pairs are restored by the manager: neither lists those."""
+        return []
+
     # --- compression hooks --------------------------------------------------------------
     def at_chunk(self, n_tokens: int) -> None:
         """After every layer attended over a prefill chunk of n_tokens."""

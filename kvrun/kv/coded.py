@@ -1,10 +1,11 @@
 """SpindleKV's per-layer store (codebooks of §3.4, kvrun's layout): CodedLayer holds one layer's
 K and V codebooks (kvrun.kv.codebook's Shelf and Book), the coded segment (codebook indices and
 magnitudes), the dense segment (pre-RoPE K and V), each with int32 positions and uint8 keep
-masks, and the prefill state of the current turn; every tensor is counted by nbytes. It also
-widens a layer's indices to int32 (decision 8) and rebuilds its slots before RoPE;
-paper_ratios reports the paper's Eq. 15 size over a manager's layers (report=paper).
-kvrun.kv.spindle is the manager that fills the store and attends over it.
+masks, and the prefill state of the current turn; every tensor is counted by nbytes. It
+attends in its own representation (the Store protocol), widens a layer's indices to int32
+past 32767 entries (kvrun's rule: the paper gives no index width) and rebuilds its slots
+before RoPE; paper_ratios reports the paper's Eq. 15 size (report=paper).
+kvrun.kv.spindle is the manager that fills the store.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import KvrunError
+from ..kernels.codebook_decode import codebook_decode
+from .attention import Partial, dense_attention, position_mask, sdpa
 from .buffer import Buffer
 from .codebook import Book, Shelf
 from .select_qhead import unpack_bits
@@ -24,8 +27,21 @@ if TYPE_CHECKING:
 INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
 
 
-def cat_rows(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new], dim=1)
+class _Seg:
+    """A stored field of CodedLayer: the occupied slots of its Buffer (slots along dim 1), or
+    None before the first append."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layer: CodedLayer | None, owner=None):
+        b = layer.bufs.get(self.name) if layer is not None else None
+        return None if b is None else b.data
+
+    def __set__(self, layer: CodedLayer, x: torch.Tensor) -> None:
+        """The field's slots become x (a rewrite of every slot, as a permutation)."""
+        layer.bufs.pop(self.name, None)
+        layer._append(**{self.name: x})
 
 
 def nbytes_of(t: torch.Tensor | None) -> int:
@@ -33,18 +49,26 @@ def nbytes_of(t: torch.Tensor | None) -> int:
 
 
 class CodedLayer:
-    """One layer's SpindleKV state (every tensor counted by nbytes)."""
+    """One layer's SpindleKV state (every tensor counted by nbytes), attending in its own
+    representation (the Store protocol, kvrun/kv/protocol.py): `partials` through
+    kernels.codebook_decode, `attend` over the slots rebuilt for SDPA.
 
-    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype):
+    rope: the model's kvrun.rope.Rope (slots are rotated at their own positions inside the
+    attention); group: query heads per KV head (the keep masks hold one bit per query head).
+    """
+
+    # coded segment (Hkv, S_c[, nb]): codebook indices, magnitudes, int32 positions, keep masks
+    idx_k, idx_v, mag_k, mag_v, pos_c, mask_c = _Seg(), _Seg(), _Seg(), _Seg(), _Seg(), _Seg()
+    # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
+    k_d, v_d, pos_d, mask_d = _Seg(), _Seg(), _Seg(), _Seg()
+
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype, rope, group):
+        self.rope, self.group = rope, group
         self.shelf_k = Shelf(n_books, d, dtype, device)
         self.shelf_v = Shelf(n_books, d, dtype, device)
         self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
         self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
-        # coded segment, (Hkv, S_c[, nb])
-        self.idx_k = self.idx_v = self.mag_k = self.mag_v = None
-        self.pos_c = self.mask_c = None
-        # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
-        self.k_d = self.v_d = self.pos_d = self.mask_d = None
+        self.bufs: dict[str, Buffer] = {}  # the _Seg fields' buffers, made at their first append
         self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
         # prefill state of the current turn (held state counts in nbytes until freed)
         self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
@@ -54,6 +78,8 @@ class CodedLayer:
     @property
     def n_slots(self) -> int:
         return sum(0 if p is None else p.shape[1] for p in (self.pos_c, self.pos_d))
+
+    length = n_slots  # the Store protocol's name (slots per KV head, padding included)
 
     def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
         """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
@@ -71,18 +97,24 @@ class CodedLayer:
     def drop_turn(self) -> None:
         self.held_k = self.held_v = self.qwin = None
 
+    def _append(self, **rows: torch.Tensor) -> None:
+        """Slots (Hkv, n[, ...]) after the occupied ones of each named field (a decode token
+        writes into the buffers' room instead of copying the layer's slots)."""
+        for name, x in rows.items():
+            b = self.bufs.get(name)
+            if b is None:
+                b = self.bufs[name] = Buffer((x.shape[0], 0, *x.shape[2:]), 1, x.dtype, x.device)
+            b.append(x)
+
     def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
-        self.idx_k, self.idx_v = cat_rows(self.idx_k, idx_k), cat_rows(self.idx_v, idx_v)
-        self.mag_k, self.mag_v = cat_rows(self.mag_k, mag_k), cat_rows(self.mag_v, mag_v)
-        self.pos_c, self.mask_c = cat_rows(self.pos_c, pos), cat_rows(self.mask_c, mask)
+        self._append(idx_k=idx_k, idx_v=idx_v, mag_k=mag_k, mag_v=mag_v, pos_c=pos, mask_c=mask)
 
     def append_dense(self, k, v, pos, mask) -> None:
-        self.k_d, self.v_d = cat_rows(self.k_d, k), cat_rows(self.v_d, v)
-        self.pos_d, self.mask_d = cat_rows(self.pos_d, pos), cat_rows(self.mask_d, mask)
+        self._append(k_d=k, v_d=v, pos_d=pos, mask_d=mask)
 
     def widen(self, layer: int, strict: bool) -> None:
         """Switch the layer's K or V indices to int32 once its codebook exceeds 32767 entries
-        (decision 8); strict (index=int16-strict) raises instead."""
+        (kvrun's rule; the paper gives no index width); strict (index=int16-strict) raises."""
         for i, (books, name) in enumerate(((self.books_k, "key"), (self.books_v, "value"))):
             size = max(b.n for b in books)
             if size <= INT16_MAX or self.idx_dtype[i] == torch.int32:
@@ -93,10 +125,9 @@ class CodedLayer:
                     "int16 indices address; use spindlekv:index=auto or index=int32"
                 )
             self.idx_dtype[i] = torch.int32
-            if i == 0 and self.idx_k is not None:
-                self.idx_k = self.idx_k.to(torch.int32)
-            if i == 1 and self.idx_v is not None:
-                self.idx_v = self.idx_v.to(torch.int32)
+            b = self.bufs.get(("idx_k", "idx_v")[i])
+            if b is not None:
+                b.replace(b.data.to(torch.int32))
 
     def slots(self):
         """The layer's slots rebuilt before RoPE: K (Hkv, S, D), V (Hkv, S, D) in the KV dtype,
@@ -115,6 +146,66 @@ class CodedLayer:
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
         return cat(kp), cat(vp), cat(pos).long(), cat(mask)
+
+    # ------------------------------------------------------------ attention
+    def partials(
+        self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
+    ) -> list[Partial]:
+        """Decode attention of q (1, Hq, 1, D), post-RoPE, over the stored slots: one partial
+        per segment (coded, dense), each gathered and rotated inside codebook_decode.
+
+        For one query token that sees every slot (the manager's `_fuse` decides): its own
+        token is already stored, so n_new needs no causal mask, and window must not hide a
+        slot. q_pos is not read: the driver rotated q at its positions, so the RoPE tables
+        already cover them and every slot before them.
+        """
+        cos, sin = self.rope.tables(0)
+        parts = []
+        if self.pos_c is not None:
+            (bk, ok), (bv, ov) = self.shelf_k.table(), self.shelf_v.table()
+            mask = None if self.all_bits else self.mask_c
+            out, lse = codebook_decode(q, bk, self.idx_k, self.mag_k, bv, self.idx_v, self.mag_v,
+                                       self.pos_c, cos, sin, mask, ok, ov)  # fmt: skip
+            parts.append(Partial(out, lse))
+        if self.pos_d is not None:
+            mask = None if self.all_bits else self.mask_d
+            out, lse = codebook_decode(q, self.k_d, None, None, self.v_d, None, None, self.pos_d,
+                                       cos, sin, mask)  # fmt: skip
+            parts.append(Partial(out, lse))
+        return parts
+
+    def attend(self, q, q_pos, window, k_new=None, v_new=None, k_pos_new=None) -> torch.Tensor:
+        """Attention of q (1, Hq, T, D) at q_pos (T,) over the stored slots (masked per query
+        head) and the turn's exact keys k_new (1, Hkv, n, D) post-RoPE at k_pos_new, if any:
+        SDPA over the slots rebuilt (prefill, and decode steps `partials` does not take)."""
+        if self.n_slots == 0:
+            return dense_attention(q, k_new, v_new, q_pos, k_pos_new, window)
+        ks, vs, pos, mask = self.materialise()
+        Hq, Tq = q.shape[1], q.shape[2]
+        vis = position_mask(q_pos, pos, window)  # (Hkv, Tq, S) or None
+        m = None
+        if not self.all_bits:
+            m = unpack_bits(mask, self.group).transpose(1, 2).reshape(Hq, 1, -1)  # (Hq, 1, S)
+        if vis is not None:
+            vis = vis.repeat_interleave(self.group, dim=0)  # (Hq, Tq, S)
+            m = vis if m is None else m & vis
+        if k_new is not None:
+            ks, vs = torch.cat([ks, k_new], dim=2), torch.cat([vs, v_new], dim=2)
+            mn = position_mask(q_pos, k_pos_new, window)  # (Tq, n) or None
+            if m is not None or mn is not None:
+                S, n = pos.shape[1], k_pos_new.numel()
+                ms = torch.ones(1, 1, 1, dtype=torch.bool, device=q.device) if m is None else m
+                mn = torch.ones(1, 1, dtype=torch.bool, device=q.device) if mn is None else mn
+                m = torch.cat([ms.expand(Hq, Tq, S), mn.expand(Hq, Tq, n)], dim=-1)
+        if m is not None:
+            m = m.expand(Hq, Tq, ks.shape[2])[None]
+        return sdpa(q, ks, vs, m)
+
+    def materialise(self):
+        """The slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV dtype,
+        positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
+        k, v, pos, mask = self.slots()
+        return self.rope.apply(k[None], pos), v[None], pos, mask  # RoPE at each slot's position
 
     def nbytes(self) -> int:
         books = sum(b.nbytes() for b in self.books_k + self.books_v)
@@ -137,7 +228,7 @@ def gather_books(books: list[Book], idx: torch.Tensor) -> torch.Tensor:
 
 # --- the paper's size report (Eq. 15; report=paper) --------------------------------------------
 def paper_ratios(kv: SpindleKV) -> dict:
-    """The paper's Eq. 15 size r = r1 * r2 * r3 per layer (report=paper; decision 9).
+    """The paper's Eq. 15 size r = r1 * r2 * r3 per layer (report=paper).
 
     r1: tokens kept per query head over tokens seen; r2: codebook entries (K and V) over
     the per-query-head vectors they stand for; r3 = (d + int_bits / (elem_bits + 1)) / d.

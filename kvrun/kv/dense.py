@@ -25,12 +25,15 @@ class DenseSeg:
         pos_rows: int = 0,
         scores: bool = False,
         score_rows: int | None = None,
+        count_pos: bool = True,
     ):
         # K and V live in buffers with spare room (1, Hkv, cap, D); `k`, `v` are the occupied
         # slots, so a decode step writes one slot instead of copying the whole segment
         self._k = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self._v = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self.pos = torch.empty(pos_rows, 0, dtype=torch.int32, device=device) if pos_rows else None
+        # False: positions held only for a debug hook outside the cache (not counted in nbytes)
+        self.count_pos = count_pos
         # (Hkv or score_rows, T) fp32 accumulated attention (H2O, MiniKV; MiniKV's gqa_agg=max
         # keeps one row per query head)
         self.acc = torch.empty(score_rows or n_kv, 0, device=device) if scores else None
@@ -138,15 +141,15 @@ class DenseSeg:
             m = m.repeat_interleave(q.shape[1] // self.k.shape[1], dim=0)
         return sdpa(q, self.k, self.v, m)
 
-    def partial(
+    def partials(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
-    ) -> Partial:
-        """Output and log-sum-exp, for combining with other segments."""
-        return segment_attention(q, self.k, self.v, self.mask(q_pos, n_new, window))
+    ) -> list[Partial]:
+        """Output and log-sum-exp, for combining with other segments (the Store protocol)."""
+        return [segment_attention(q, self.k, self.v, self.mask(q_pos, n_new, window))]
 
-    def nbytes(self, count_pos: bool) -> int:
+    def nbytes(self) -> int:
         n = self.k.numel() * self.k.element_size() * 2
-        if self.pos is not None and count_pos:
+        if self.pos is not None and self.count_pos:
             n += self.pos.numel() * 4
         if self.acc is not None:
             n += self.acc.numel() * 4

@@ -162,11 +162,13 @@ class KiviLayer:
         i = torch.arange(Tq, device=self.device)
         return j[None, :] <= i[:, None]
 
-    def attend(self, q: torch.Tensor, n_new: int) -> list[Partial]:
-        """[body partial, tail partial] (body omitted when empty) for q (1, Hq, Tq, D) post-RoPE.
+    def partials(self, q: torch.Tensor, q_pos, n_new: int, window: int | None) -> list[Partial]:
+        """[body partial, tail partial] (body omitted when empty) for q (1, Hq, Tq, D) post-RoPE
+        (the Store protocol).
 
         The last `n_new` slots are the queries' own tokens (causal among themselves, n_new is
-        0 or Tq); every older slot is visible to all queries.
+        0 or Tq); every older slot is visible to all queries. KIVI holds no positions: q_pos
+        and window are not read (its callers mask a sliding window over `dequantized()`).
         """
         Tq = q.shape[2]
         if n_new not in (0, Tq) or n_new > self.length:

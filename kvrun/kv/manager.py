@@ -95,7 +95,8 @@ class CompressedKV(StaticDecode, KVCache):
         per_q = self.minikv and self.opt["gqa_agg"] == "max"
         return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
                         scores=self.sel.scorer in (Scorer.CUMULATIVE, Scorer.PROMPT),
-                        score_rows=c.n_heads if per_q else None)  # fmt: skip
+                        score_rows=c.n_heads if per_q else None,
+                        count_pos=self.count_pos)  # fmt: skip
 
     def _kivi(self):
         if self.kivi_bits == 16:
@@ -137,7 +138,7 @@ class CompressedKV(StaticDecode, KVCache):
 
     def _to_store(self, st: _Layer, q, k, v) -> torch.Tensor:
         st.kivi.append(k[0], v[0])
-        return combine(st.kivi.attend(q, k.shape[2]), self.dtype)
+        return combine(st.kivi.partials(q, None, k.shape[2], None), self.dtype)
 
     def _dense_step(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
         """Append to the dense segment and attend over it (and the KIVI store's earlier
@@ -154,7 +155,7 @@ class CompressedKV(StaticDecode, KVCache):
             d.acc += col
             return out.to(self.dtype)
         if st.kivi is not None and st.kivi.length:
-            parts = st.kivi.attend(q, 0) + [d.partial(q, positions, T, window)]
+            parts = st.kivi.partials(q, positions, 0, window) + d.partials(q, positions, T, window)
             return combine(parts, self.dtype)
         return d.attend(q, positions, T, window)
 
@@ -163,21 +164,21 @@ class CompressedKV(StaticDecode, KVCache):
         (§3.1.1, Alg. 1); dense held turns with quant=none."""
         if st.kivi is None:
             st.held.append(k, v, positions)
-            return combine([st.held.partial(q, positions, k.shape[2], None)], self.dtype)
+            return combine(st.held.partials(q, positions, k.shape[2], None), self.dtype)
         st.kivi.append(k[0], v[0])
         r = self.kivi_cfg["residual"]
         if st.kivi.tail_len >= r:
             st.kivi.flush(r)
-        return combine(st.kivi.attend(q, k.shape[2]), self.dtype)
+        return combine(st.kivi.partials(q, positions, k.shape[2], None), self.dtype)
 
     def _prefill_minikv(self, st: _Layer, q, k, v, positions) -> torch.Tensor:
         """MiniKV prefill: this turn's tokens staged with column sums over every prompt query,
         attending over the earlier turns as stored."""
         st.dense.append(k, v, positions)
         if st.kivi is not None and st.kivi.length:
-            older = st.kivi.attend(q, 0)
+            older = st.kivi.partials(q, positions, 0, None)
         elif st.held is not None and st.held.length:
-            older = [st.held.partial(q, positions, 0, None)]
+            older = st.held.partials(q, positions, 0, None)
         else:
             older = []
         d = st.dense
@@ -278,9 +279,9 @@ class CompressedKV(StaticDecode, KVCache):
     def nbytes(self) -> int:
         total = 0
         for st in self.layers:
-            total += st.dense.nbytes(self.count_pos)
+            total += st.dense.nbytes()
             if st.held is not None:
-                total += st.held.nbytes(False)
+                total += st.held.nbytes()
             if st.kivi is not None:
                 total += st.kivi.nbytes()
             if st.qwin is not None:  # SnapKV's saved window queries count while held (0.6)
@@ -297,6 +298,9 @@ class CompressedKV(StaticDecode, KVCache):
         if (b := self.budget) is not None:
             d["budget"] = float(b.value) if b.is_fraction else int(b.value)
         return d
+
+    def stores(self) -> list:
+        return [s for st in self.layers for s in (st.dense, st.kivi, st.held) if s is not None]
 
     def kept_counts(self) -> list[int]:
         """Slots held per layer (dense + store), for tests and `kvrun bench`."""

@@ -33,7 +33,7 @@ def merge(
     Omega = 2 atan2(||u_b - u_a||, ||u_b + u_a||) (stable near 0 and pi); SLERP with weight t
     on the later layer (Eq. 3) where sin(Omega) >= sin_eps, else normalised LERP (u_b when that
     is shorter than 1e-6); d = Omega / pi. Zero rows get u = 0, so nothing is NaN.
-    Spec decisions 3 and 6: t weights layer l as in Eq. 3 (Alg. 2 swaps the weights; t=0.4
+    kvrun's decisions where the paper is unclear: t weights layer l as in Eq. 3 (Alg. 2 swaps the weights; t=0.4
     reproduces it), and the paper has no rule for sin(Omega) ~ 0, hence the LERP fallback.
     """
     xa, xb = xa.float(), xb.float()
@@ -80,9 +80,9 @@ def retention(
     (Eq. 4 as printed); both are empty when d_max = d_min. topk:F keeps the ceil(F T) largest d
     (paper: smallest), ties to the lower index. The threshold is what a decode token must exceed
     (distinct) or stay under (paper) to be retained with decode_retain=1.
-    Spec decision 1: Eq. 4 and Alg. 2 print `d < ...`, which keeps the most *similar* pairs
-    while the text keeps the distinct ones; the spec keeps the distinct (rule=paper: as printed).
-    Decision 2: gamma is a fraction of the distance range, not of the tokens (topk:F is that).
+    kvrun's decision: Eq. 4 and Alg. 2 print `d < ...`, which keeps the most *similar* pairs
+    while the text keeps the distinct ones; kvrun keeps the distinct (rule=paper: as printed).
+    And gamma is a fraction of the distance range, not of the tokens (topk:F is that).
     """
     d = d.float()
     G, T = d.shape

@@ -8,7 +8,7 @@ plain cache. Prefill attends exactly; each turn's tokens are merged at end_prefi
 token is merged as soon as layer l has attended. E and the unpaired layers may sit in a KIVI
 store (minicache+kivi4), norms and retained rows stay in the KV dtype.
 
-Spec decisions beyond the paper: norm, angle and retention per (token, KV head) (granularity=
+kvrun's decisions beyond the paper: norm, angle and retention per (token, KV head) (granularity=
 token: per token over all heads); decode tokens are merged with both norms appended and never
 retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
 after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
@@ -175,7 +175,7 @@ class MiniCacheKV(KVCache):
                 tk, tv = st.tail()
                 return dense_attention(qr, tk[None], tv[None], positions, k_pos, window)
             if not window or self.seen + kr.shape[2] <= window:
-                return combine(st.attend(qr, kr.shape[2]), self.dtype)
+                return combine(st.partials(qr, positions, kr.shape[2], window), self.dtype)
             kd, vd = st.dequantized()  # a sliding window: mask by position over the dequantized
             return dense_attention(qr, kd[None].to(self.dtype), vd[None].to(self.dtype),
                                    positions, k_pos, window)  # fmt: skip
@@ -271,6 +271,10 @@ class MiniCacheKV(KVCache):
         for st in self.plain.values():
             total += st.nbytes() if isinstance(st, KiviLayer) else st[0].nbytes() + st[1].nbytes()
         return total + sum(p.nbytes() for p in self.pairs)  # exact buffers of a prefill count
+
+    def stores(self) -> list:
+        plain = [s for s in self.plain.values() if isinstance(s, KiviLayer)]
+        return plain + [p.kivi for p in self.pairs if p.kivi is not None]
 
     def describe(self) -> dict:
         return self.spec.describe()

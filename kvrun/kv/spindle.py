@@ -10,7 +10,8 @@ head j of group h to the slots of head h with bit j set. A decode step attends t
 kernels.codebook_decode, which gathers and rotates inside the kernel (Triton on CUDA, a
 torch reference elsewhere), one partial per segment merged by log-sum-exp; prefill, and
 decode under a sliding window that may mask, rebuild the slots densely for SDPA.
-The per-layer store is kvrun.kv.coded; the codebooks and their coding are kvrun.kv.codebook.
+The per-layer store, which attends in this representation, is kvrun.kv.coded (CodedLayer);
+the codebooks and their coding are kvrun.kv.codebook. This file selects, codes and routes.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from fractions import Fraction
 import torch
 
 from ..kernels import use_triton
-from ..kernels.codebook_decode import codebook_decode
 from .alloc.spindle import spindle_keep
-from .attention import Partial, combine, dense_attention, position_mask, sdpa
+from .attention import combine
 from .cache import KVCache
 from .codebook import assign_books, build_books
 from .coded import CodedLayer, paper_ratios
 from .scores import pool_scores, qhead_scores
-from .select_qhead import pack_bits, select_keep, union_slots, unpack_bits
+from .select_qhead import pack_bits, select_keep, union_slots
 from .spec import KVSpec
 
 
@@ -67,7 +67,8 @@ class SpindleKV(KVCache):
         n_books = c.n_kv_heads if self.opt["codebook_scope"] == "head" else 1
         idx = torch.int32 if self.opt["index"] == "int32" else torch.int16
         self.layers = [
-            CodedLayer(n_books, c.head_dim, self.dtype, self.device, idx) for _ in range(c.n_layers)
+            CodedLayer(n_books, c.head_dim, self.dtype, self.device, idx, self.rope, self.group)
+            for _ in range(c.n_layers)
         ]
         self.turn_start, self.turn_len = 0, 0
         self._plan: tuple[int, list[int] | None] | None = None
@@ -92,9 +93,9 @@ class SpindleKV(KVCache):
         st = self.layers[layer]
         for i in range(k.shape[2]):  # each token coded, then attended over
             self._append_token(layer, k[0, :, i], v[0, :, i], positions[i : i + 1])
-        if self._fuse(st, qr):
-            return self._decode_attention(st, qr)
-        return self._attention(st, qr, positions)
+        if self._fuse(st, qr):  # the store's partials: gathered and rotated in the kernel
+            return combine(st.partials(qr, positions, k.shape[2], None), qr.dtype)
+        return st.attend(qr, positions, self.config.sliding_window)
 
     def prefill(self, layer, qr, k, v, positions):
         st, T = self.layers[layer], k.shape[2]
@@ -106,7 +107,7 @@ class SpindleKV(KVCache):
         n = kp.shape[1]
         tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
         kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
-        out = self._attention(st, qr, positions, kr, vp[None], tpos)
+        out = st.attend(qr, positions, self.config.sliding_window, kr, vp[None], tpos)
         prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
         st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]
         if st.held_n == 0:  # compress now, so the peak is one layer of full KV
@@ -126,57 +127,6 @@ class SpindleKV(KVCache):
         if window is not None and self.seen + 1 > window:
             return False
         return st.pos_c is not None or use_triton(qr)
-
-    def _decode_attention(self, st: CodedLayer, qr: torch.Tensor) -> torch.Tensor:
-        """Decode attention of qr (1, Hq, Tq, D) as the log-sum-exp combine of the coded and
-        the dense segment's partials, each gathered and rotated inside codebook_decode."""
-        cos, sin = self.rope.tables(self.seen + qr.shape[2])
-        parts = []
-        if st.pos_c is not None:
-            (bk, ok), (bv, ov) = st.shelf_k.table(), st.shelf_v.table()
-            mask = None if st.all_bits else st.mask_c
-            out, lse = codebook_decode(qr, bk, st.idx_k, st.mag_k, bv, st.idx_v, st.mag_v,
-                                       st.pos_c, cos, sin, mask, ok, ov)  # fmt: skip
-            parts.append(Partial(out, lse))
-        if st.pos_d is not None:
-            mask = None if st.all_bits else st.mask_d
-            out, lse = codebook_decode(qr, st.k_d, None, None, st.v_d, None, None, st.pos_d,
-                                       cos, sin, mask)  # fmt: skip
-            parts.append(Partial(out, lse))
-        return combine(parts, qr.dtype)
-
-    def _attention(self, st: CodedLayer, qr, q_pos, k_new=None, v_new=None, k_pos_new=None):
-        """Attention of qr (1, Hq, T, D) over the stored slots (masked per query head) and the
-        turn's exact keys k_new (1, Hkv, n, D) post-RoPE, if any."""
-        window = self.config.sliding_window
-        if st.n_slots == 0:
-            return dense_attention(qr, k_new, v_new, q_pos, k_pos_new, window)
-        ks, vs, pos, mask = self.materialise(st)
-        Hq, Tq = qr.shape[1], qr.shape[2]
-        vis = position_mask(q_pos, pos, window)  # (Hkv, Tq, S) or None
-        m = None
-        if not st.all_bits:
-            m = unpack_bits(mask, self.group).transpose(1, 2).reshape(Hq, 1, -1)  # (Hq, 1, S)
-        if vis is not None:
-            vis = vis.repeat_interleave(self.group, dim=0)  # (Hq, Tq, S)
-            m = vis if m is None else m & vis
-        if k_new is not None:
-            ks, vs = torch.cat([ks, k_new], dim=2), torch.cat([vs, v_new], dim=2)
-            mn = position_mask(q_pos, k_pos_new, window)  # (Tq, n) or None
-            if m is not None or mn is not None:
-                S, n = pos.shape[1], k_pos_new.numel()
-                ms = torch.ones(1, 1, 1, dtype=torch.bool, device=qr.device) if m is None else m
-                mn = torch.ones(1, 1, dtype=torch.bool, device=qr.device) if mn is None else mn
-                m = torch.cat([ms.expand(Hq, Tq, S), mn.expand(Hq, Tq, n)], dim=-1)
-        if m is not None:
-            m = m.expand(Hq, Tq, ks.shape[2])[None]
-        return sdpa(qr, ks, vs, m)
-
-    def materialise(self, st: CodedLayer):
-        """The layer's slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV
-        dtype, positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
-        k, v, pos, mask = st.slots()
-        return self.rope.apply(k[None], pos), v[None], pos, mask  # RoPE at each slot's position
 
     # ------------------------------------------------------------ compression
     def _keep_plan(self, t: int) -> list[int] | None:
@@ -245,6 +195,9 @@ class SpindleKV(KVCache):
     # ------------------------------------------------------------- accounting
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers)
+
+    def stores(self) -> list:
+        return list(self.layers)
 
     def codebook_sizes(self) -> list[tuple[int, int]]:
         """(|C_K|, |C_V|) per layer (summed over heads with codebook_scope=head)."""

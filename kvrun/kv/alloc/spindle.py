@@ -8,7 +8,7 @@ from fractions import Fraction
 
 
 def endpoints(r_c: Fraction, beta: Fraction) -> tuple[Fraction, Fraction]:
-    """(r_c(0), r_c(L-1)) of Eq. 5 as corrected by the spec (decision 2).
+    """(r_c(0), r_c(L-1)) of Eq. 5, corrected (kvrun's decision; SpindleKV §3.3).
 
     The paper prints rL = 1 - 2 r_c and a hard-coded 0.05; 2 r_c - 1 and beta keep the mean of
     the two endpoints at r_c. r_c <= beta is a flat schedule; r_c >= 1 keeps everything.
