@@ -16,7 +16,7 @@ import torch
 from test_kernels import _dtypes, _tol, assert_partial
 from test_kv_methods import drive, new_kv, prompt, random_transformer
 
-import kvrun.kv.minicache as mc
+import kvrun.kv.restore as restore_mod
 from kvrun.config import ModelConfig
 from kvrun.kernels import merged_decode as md
 from kvrun.kv.merged import restore
@@ -172,9 +172,9 @@ def model6():
 
 
 def count_calls(monkeypatch) -> list:
-    """Count the manager's merged_decode calls (the new path ran)."""
-    calls, real = [], mc.merged_decode
-    monkeypatch.setattr(mc, "merged_decode", lambda *a: calls.append(1) or real(*a))
+    """Count the pair store's merged_decode calls (the new path ran)."""
+    calls, real = [], restore_mod.merged_decode
+    monkeypatch.setattr(restore_mod, "merged_decode", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

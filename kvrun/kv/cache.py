@@ -55,7 +55,7 @@ class KVCache(KVManager):
     def stores(self) -> list:
         """The per-layer stores the cache holds (kvrun/kv/protocol.py's Store), for tests and
         accounting. FullKV keeps one (layers, ...) tensor pair instead, for its static form,
-        and MiniCache's dense pairs are restored by the manager: neither lists those."""
+        and MiniCache's unpaired dense layers two Buffers: neither lists those."""
         return []
 
     # --- compression hooks --------------------------------------------------------------

@@ -175,6 +175,14 @@ class Pair:
         self.exact: dict[int, tuple[Buffer, Buffer]] | None = None  # this turn's K, V per layer
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
         self.length = 0  # merged tokens (slot index = position)
+        # what layer a computes for a step and layer b reuses, then releases (scratch, not in
+        # nbytes): unit directions (uK, uV) of the dense restore, merged_decode's override maps
+        self.work: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fwork: list | None = None
+
+    def release(self) -> None:
+        """Drop the step's shared scratch (after layer b, and at the end of a prefill)."""
+        self.work = self.fwork = None
 
     def begin_prefill(self, n_tokens: int, hkv: int, d: int, dtype, device) -> None:
         """A new turn: no pending tokens, empty exact K, V buffers (1, Hkv, T, D) per layer."""

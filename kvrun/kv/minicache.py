@@ -22,14 +22,13 @@ import math
 import torch
 
 from ..config import ModelConfig
-from ..kernels.merged_decode import merged_decode
 from ..rope import Rope
-from .attention import Partial, combine, dense_attention
+from .attention import combine, dense_attention
 from .buffer import Buffer
 from .cache import KVCache
 from .kivi import KiviLayer
 from .merged import Pair, merge, pairing, retention
-from .restore import Layout
+from .restore import Layout, PairLayer, Scratch
 from .spec import KVSpec
 
 # --- the manager ---------------------------------------------------------------------------------
@@ -81,9 +80,11 @@ class MiniCacheKV(KVCache):
         else:
             self.plain = {i: self._kivi() for i in plain}
         self.pairs = [Pair(a, b, self._kivi()) for a, b in self.pair_list]
-        self._work = None  # (pair, (uK, uV)): unit directions shared by layers a and b
-        self._fwork = None  # (pair, [K, V] (map, 1/||E||)): merged_decode's, layers a and b
-        self._sk = self._sv = None  # restore scratch (1, Hkv, cap, D), reused by every layer
+        scratch = Scratch(self.H, self.D, self.dtype, self.device)  # shared by every pair
+        self.views = {
+            layer: PairLayer(self.pairs[i], second, self.layout, scratch)
+            for layer, (i, second) in self.role.items()
+        }  # the pair as each of its layers' Store
 
     def begin_prefill(self, n_tokens: int) -> None:
         super().begin_prefill(n_tokens)
@@ -101,17 +102,14 @@ class MiniCacheKV(KVCache):
         kb, vb = pair.exact[layer]
         kb.append(k)
         vb.append(v)
-        n, window = pair.length, self.config.sliding_window
-        if n == 0:  # first turn: exact attention over the buffer, as `full`
+        window = self.config.sliding_window
+        if pair.length == 0:  # first turn: exact attention over the buffer, as `full`
             k_pos = torch.arange(kb.n, device=self.device)
             return dense_attention(q, kb.data, vb.data, positions, k_pos, window)
-        ks, vs = self._restored(pair, second, kb.n)
-        ks[:, :, n:], vs[:, :, n:] = kb.data, vb.data  # this turn's tokens, exact
+        out = self.views[layer].attend(q, kb.data, vb.data, positions, window)  # turn exact
         if second:  # layer a computed the directions, layer b used them
-            self._work = self._fwork = None
-        return dense_attention(
-            q, ks, vs, positions, torch.arange(ks.shape[2], device=self.device), window
-        )
+            pair.release()
+        return out
 
     def decode(self, layer, q, k, v, positions):
         """Over the restored pair (merged_decode, or SDPA over the scratch) plus the step's
@@ -119,18 +117,16 @@ class MiniCacheKV(KVCache):
         role = self.role.get(layer)
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
-        pair, second = self.pairs[role[0]], role[1]
-        if self._fuse(pair, k.shape[2]):
-            out = self._attend_fused(pair, second, q, k, v)
-        else:
-            ks, vs = self._restored(pair, second, k.shape[2])
-            ks[:, :, pair.length :], vs[:, :, pair.length :] = k, v  # the new tokens, exact
-            k_pos = torch.arange(ks.shape[2], device=self.device)
-            out = dense_attention(q, ks, vs, positions, k_pos, self.config.sliding_window)
+        pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
+        if self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact
+            parts = view.partials(q, positions, 0, None) + [self.layout.own(q, k, v)]
+            out = combine(parts, self.dtype)
+        else:  # the new tokens exact, after the restored ones
+            out = view.attend(q, k, v, positions, self.config.sliding_window)
         if not second:
             pair.pending = (k, v)
             return out
-        self._work = self._fwork = None
+        pair.release()
         if pair.pending is None:
             raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
         (ka, va), pair.pending = pair.pending, None
@@ -148,21 +144,6 @@ class MiniCacheKV(KVCache):
             return False
         g = self.layout.g
         return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length
-
-    def _attend_fused(self, pair: Pair, second: bool, qr, kr, v) -> torch.Tensor:
-        """Decode of a paired layer without the restore scratch: merged_decode restores the
-        n merged tokens inside the attention, combined with the step's own exact tokens."""
-        lay = self.layout
-        parts = [lay.own(qr, kr, v)]
-        if pair.length:
-            if self._fwork is None or self._fwork[0] is not pair:  # layer a builds, b reuses
-                self._fwork = (pair, [lay.override(h, pair.length) for h in (pair.k, pair.v)])
-            wk, wv = self._fwork[1]
-            sk, ok, rk, unit = lay.fused_args(pair.k, wk, second)
-            sv, ov, rv, _ = lay.fused_args(pair.v, wv, second)
-            part = merged_decode(qr, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv)
-            parts.insert(0, Partial(*part))
-        return combine(parts, self.dtype)
 
     def _attend_plain(self, layer, qr, kr, v, positions) -> torch.Tensor:
         """An unpaired layer: a plain cache (dense or KIVI), every token kept."""
@@ -186,20 +167,6 @@ class MiniCacheKV(KVCache):
         return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
 
     # --------------------------------------------------------------- restore
-    def _restored(self, pair: Pair, second: bool, extra: int):
-        """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
-        n = pair.length
-        if self._sk is None or self._sk.shape[2] < n + extra:
-            cap = max(n + extra, 2 * (self._sk.shape[2] if self._sk is not None else 0), 256)
-            self._sk = torch.empty(1, self.H, cap, self.D, dtype=self.dtype, device=self.device)
-            self._sv = torch.empty_like(self._sk)
-        ks, vs = self._sk[:, :, : n + extra], self._sv[:, :, : n + extra]
-        if n:
-            if self._work is None or self._work[0] is not pair:  # layer a computes, b reuses
-                self._work = (pair, self.layout.directions(pair))
-            self.layout.restore_into(pair, second, self._work[1], ks[0, :, :n], vs[0, :, :n])
-        return ks, vs
-
     def restored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's cache as attention sees it, (Hkv, T, D) fp32 K and V (tests, debugging)."""
         role = self.role.get(layer)
@@ -208,7 +175,7 @@ class MiniCacheKV(KVCache):
             if isinstance(st, KiviLayer):
                 return st.dequantized()
             return st[0].data[0].float(), st[1].data[0].float()
-        return self.layout.restored(self.pairs[role[0]], role[1], self.device)
+        return self.views[layer].restored()
 
     # ------------------------------------------------------------------ merge
     def _merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
@@ -255,7 +222,7 @@ class MiniCacheKV(KVCache):
                 (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
                 self._merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
                 p.exact = None  # free the exact buffers
-        self._work = self._fwork = None
+            p.release()
 
     def at_step(self) -> None:
         if self.kivi_layout is not None:
@@ -274,7 +241,7 @@ class MiniCacheKV(KVCache):
 
     def stores(self) -> list:
         plain = [s for s in self.plain.values() if isinstance(s, KiviLayer)]
-        return plain + [p.kivi for p in self.pairs if p.kivi is not None]
+        return plain + list(self.views.values())  # a pair's KIVI store of E is inside its view
 
     def describe(self) -> dict:
         return self.spec.describe()

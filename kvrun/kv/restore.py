@@ -1,8 +1,10 @@
 """MiniCache's restore of merged tokens (MiniCache §4.2, Eq. 2): the Layout of a pair's
 groups over the KV heads and what depends only on it and the pair: the dense restore
 X_hat = E * n / ||E|| with the retained rows put back, and merged_decode's arguments (the
-override maps and scales). The manager (kvrun/kv/minicache.py) caches their results between
-layers a and b; the merge math and the pair store are kvrun/kv/merged.py."""
+override maps and scales). PairLayer is one layer's view of a pair as a Store
+(kvrun/kv/protocol.py): it attends over the merged tokens, restoring them inside
+merged_decode or into a scratch shared by every pair; layer a's work is kept on the pair
+for layer b. The merge math and the pair store are kvrun/kv/merged.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 
 from ..kernels import use_triton
 from ..kernels.dense_decode import dense_decode
-from .attention import Partial
+from ..kernels.merged_decode import merged_decode
+from .attention import Partial, dense_attention, segment_attention
 from .merged import Half, Pair, direction
 
 
@@ -123,3 +126,75 @@ class Layout:
         if inv is None:  # the Triton kernel divides by ||E|| in registers
             return norms, ov, rows, True
         return norms.float() * inv, ov, rows, False  # (Hkv, T): n / ||E||
+
+
+class Scratch:
+    """The restore scratch K, V (1, Hkv, cap, D) in the KV dtype, reused by every pair."""
+
+    def __init__(self, H: int, D: int, dtype, device):
+        self.H, self.D, self.dtype, self.device = H, D, dtype, device
+        self.k = self.v = None
+
+    def views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None or self.k.shape[2] < n:
+            cap = max(n, 2 * (self.k.shape[2] if self.k is not None else 0), 256)
+            self.k = torch.empty(1, self.H, cap, self.D, dtype=self.dtype, device=self.device)
+            self.v = torch.empty_like(self.k)
+        return self.k[:, :, :n], self.v[:, :, :n]
+
+
+class PairLayer:
+    """Layer a (second=False) or b of a MiniCache pair, as a Store: the pair's merged tokens
+    restored with this layer's norms and retained rows. Both views share the pair, whose
+    bytes count once, at layer a."""
+
+    def __init__(self, pair: Pair, second: bool, layout: Layout, scratch: Scratch):
+        self.pair, self.second, self.layout, self.scratch = pair, second, layout, scratch
+
+    @property
+    def length(self) -> int:
+        return self.pair.length
+
+    def nbytes(self) -> int:
+        return 0 if self.second else self.pair.nbytes()
+
+    def partials(self, q, q_pos, n_new: int, window: int | None) -> list[Partial]:
+        """Attention of q (1, Hq, Tq, D) over the merged tokens, all visible (n_new = 0: the
+        step's own tokens are not merged yet): restored inside merged_decode over a dense E,
+        else over the dense restore."""
+        pair, lay = self.pair, self.layout
+        if pair.length == 0:
+            return []
+        if pair.kivi is not None:  # E dequantized into the scratch
+            ks, vs = self.restore(0)
+            return [segment_attention(q, ks, vs, None)]
+        if pair.fwork is None:  # layer a builds, b reuses
+            pair.fwork = [lay.override(h, pair.length) for h in (pair.k, pair.v)]
+        wk, wv = pair.fwork
+        sk, ok, rk, unit = lay.fused_args(pair.k, wk, self.second)
+        sv, ov, rv, _ = lay.fused_args(pair.v, wv, self.second)
+        return [
+            Partial(*merged_decode(q, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv))
+        ]
+
+    def restore(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
+        n, pair = self.pair.length, self.pair
+        ks, vs = self.scratch.views(n + extra)
+        if n:
+            if pair.work is None:  # layer a computes, b reuses
+                pair.work = self.layout.directions(pair)
+            self.layout.restore_into(pair, self.second, pair.work, ks[0, :, :n], vs[0, :, :n])
+        return ks, vs
+
+    def attend(self, q, k_new, v_new, positions, window: int | None) -> torch.Tensor:
+        """SDPA of q over the restored merged tokens and the exact k_new, v_new (1, Hkv, n, D)
+        after them (slot index = position)."""
+        ks, vs = self.restore(k_new.shape[2])
+        ks[:, :, self.pair.length :], vs[:, :, self.pair.length :] = k_new, v_new
+        k_pos = torch.arange(ks.shape[2], device=ks.device)
+        return dense_attention(q, ks, vs, positions, k_pos, window)
+
+    def restored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cache as attention sees it, (Hkv, T, D) fp32 K and V (tests)."""
+        return self.layout.restored(self.pair, self.second, self.scratch.device)
