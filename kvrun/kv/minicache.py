@@ -12,7 +12,8 @@ kvrun's decisions beyond the paper: norm, angle and retention per (token, KV hea
 token: per token over all heads); decode tokens are merged with both norms appended and never
 retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
 after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
-This file is the manager; the merge math and pair store are merged.py, the restore restore.py.
+This file is the manager; the merge math and pair store are merged.py, the restore and each
+layer's Store view of its pair (PairLayer) restore.py.
 """
 
 from __future__ import annotations
