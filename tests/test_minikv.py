@@ -100,14 +100,15 @@ def staged(spec, t, acc, budget=None):
     by `acc` (Hkv or Hq rows) just before selection; returns the kept positions per layer."""
     m = tiny()
     kv, ev = hooked(m, spec, budget)
-    orig = kv._select_minikv
+    part = kv.recipe.selection  # the manager's own HeavyRecent part
+    orig = part.run
 
-    def select(point):
-        for st in kv.layers:
+    def select(kv_, point):
+        for st in kv_.layers:
             st.dense.acc = acc.clone().float()
-        orig(point)
+        orig(kv_, point)
 
-    kv._select_minikv = select
+    part.run = select
     drive(m, kv, prompt(t), 64)
     return [rows for layer, point, _, rows in ev if point == "prefill"]
 

@@ -79,7 +79,8 @@ class Method:
     name: str
     kind: str  # "select" | "store"
     summary: str
-    # the three axes (values of the classes above; `kvrun kv list` shows them as they are)
+    # the three axes (values of the classes above; `kvrun kv list` shows them as they are, and
+    # kvrun/kv/recipe.py turns them into the parts a CompressedKV runs)
     scorer: str = Scorer.NONE
     selector: str = Selector.ALL
     allocator: str = Allocator.UNIFORM

@@ -19,7 +19,7 @@ from .protocol import StaticSegment
 
 class StaticDecode:
     """Mixin of CompressedKV: its layers (`layers`, each with dense / kivi / held), `seen`,
-    `rope`, `dtype`, `decode_time`, `minikv` and `kivi_cfg` are the manager's."""
+    `rope`, `dtype`, `decode_time`, `prompt_only` and `kivi_cfg` are the manager's."""
 
     _cap = 0
 
@@ -58,7 +58,7 @@ class StaticDecode:
 
     def static_step_ok(self) -> bool:
         """MiniKV flushes a full residual before it attends (Alg. 1): that step runs eagerly."""
-        if not self.minikv or self.kivi_cfg is None:
+        if not self.prompt_only or self.kivi_cfg is None:
             return True
         r = self.kivi_cfg["residual"]
         return all(st.kivi.tail_len + 1 < r for st in self.layers)

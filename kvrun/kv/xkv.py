@@ -195,8 +195,9 @@ class XKV(CompressedKV):
         full = torch.cat([score, score.new_full((score.shape[0], rows), float("inf"))], dim=1)
         d.keep(keep_indices(full, None, n_ctx + rows))
 
-    def _select_window(self, point: str) -> None:
-        """end_prefill: deferred scoring, allocation and eviction for the layers not yet done."""
+    def plan_and_select(self, point: str) -> None:
+        """The selection part's point (recipe.Planned) at end_prefill: deferred scoring,
+        allocation and eviction for the layers not yet done."""
         todo = [i for i, done in enumerate(self._done) if not done]
         if todo:
             kivi = self.layers[0].kivi is not None
@@ -228,7 +229,7 @@ class XKV(CompressedKV):
         self._held = [None] * len(self._done)
         self._evict_now = False
         for i in range(len(self.layers)):
-            self._report(i, point)
+            self.report(i, point)
 
     # --------------------------------------------------------------------- accounting
     def nbytes(self) -> int:
