@@ -54,8 +54,7 @@ class KVCache(KVManager):
 
     def stores(self) -> list:
         """The per-layer stores the cache holds (kvrun/kv/protocol.py's Store), for tests and
-        accounting. FullKV keeps one (layers, ...) tensor pair instead, for its static form,
-        and MiniCache's unpaired dense layers two Buffers: neither lists those."""
+        accounting (MiniCache's unpaired dense layers, two Buffers each, are not listed)."""
         return []
 
     # --- compression hooks --------------------------------------------------------------

@@ -50,10 +50,24 @@ class DenseSeg:
     def length(self) -> int:
         return self._k.n
 
+    @property
+    def capacity(self) -> int:
+        """Slots the buffers hold room for."""
+        return self._k.capacity
+
     def reserve(self, n: int) -> None:
         """Room for n slots."""
         self._k.reserve(n)
         self._v.reserve(n)
+
+    def rewind(self) -> None:
+        """Empty, keeping the room: a new sequence writes into the same buffers (a captured
+        CUDA graph that reads them stays valid)."""
+        self._k.n = self._v.n = 0
+        if self.pos is not None:
+            self.pos = self.pos[:, :0]
+        if self.acc is not None:
+            self.acc = self.acc[:, :0]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Add new tokens (1, Hkv, T, D) at the end; positions (T,)."""
