@@ -54,7 +54,7 @@ class KVCache(KVManager):
 
     def stores(self) -> list:
         """The per-layer stores the cache holds (kvrun/kv/protocol.py's Store), for tests and
-        accounting (MiniCache's unpaired dense layers, two Buffers each, are not listed)."""
+        accounting."""
         return []
 
     # --- compression hooks --------------------------------------------------------------

@@ -25,8 +25,8 @@ import torch
 from ..config import ModelConfig
 from ..rope import Rope
 from .attention import combine, dense_attention
-from .buffer import Buffer
 from .cache import KVCache
+from .dense import DenseSeg
 from .kivi import KiviLayer
 from .merged import Pair, merge, pairing, retention
 from .restore import Layout, PairLayer, Scratch
@@ -74,10 +74,8 @@ class MiniCacheKV(KVCache):
     def reset(self) -> None:
         super().reset()
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
-        shape = (1, self.H, 0, self.D)
-        if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D) each
-            dense = lambda: Buffer(shape, 2, self.dtype, self.device)  # noqa: E731
-            self.plain = {i: (dense(), dense()) for i in plain}
+        if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D), as `full` keeps them
+            self.plain = {i: DenseSeg(self.H, self.D, self.dtype, self.device) for i in plain}
         else:
             self.plain = {i: self._kivi() for i in plain}
         self.pairs = [Pair(a, b, self._kivi()) for a, b in self.pair_list]
@@ -161,11 +159,9 @@ class MiniCacheKV(KVCache):
             kd, vd = st.dequantized()  # a sliding window: mask by position over the dequantized
             return dense_attention(qr, kd[None].to(self.dtype), vd[None].to(self.dtype),
                                    positions, k_pos, window)  # fmt: skip
-        kb, vb = st
-        kb.append(kr)
-        vb.append(v)
-        k_pos = torch.arange(kb.n, device=self.device)
-        return dense_attention(qr, kb.data, vb.data, positions, k_pos, window)
+        st.append(kr, v, positions)  # a DenseSeg: slot = position
+        k_pos = torch.arange(st.length, device=self.device)
+        return dense_attention(qr, st.k, st.v, positions, k_pos, window)
 
     # --------------------------------------------------------------- restore
     def restored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +171,7 @@ class MiniCacheKV(KVCache):
             st = self.plain[layer]
             if isinstance(st, KiviLayer):
                 return st.dequantized()
-            return st[0].data[0].float(), st[1].data[0].float()
+            return st.k[0].float(), st.v[0].float()
         return self.views[layer].restored()
 
     # ------------------------------------------------------------------ merge
@@ -237,12 +233,13 @@ class MiniCacheKV(KVCache):
     def nbytes(self) -> int:
         total = 0
         for st in self.plain.values():
-            total += st.nbytes() if isinstance(st, KiviLayer) else st[0].nbytes() + st[1].nbytes()
+            total += st.nbytes()
         return total + sum(p.nbytes() for p in self.pairs)  # exact buffers of a prefill count
 
     def stores(self) -> list:
-        plain = [s for s in self.plain.values() if isinstance(s, KiviLayer)]
-        return plain + list(self.views.values())  # a pair's KIVI store of E is inside its view
+        return list(self.plain.values()) + list(
+            self.views.values()
+        )  # a pair's KIVI store of E is inside its view
 
     def describe(self) -> dict:
         return self.spec.describe()

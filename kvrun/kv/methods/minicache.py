@@ -55,7 +55,7 @@ def nbytes(spec, kv) -> int:
     c, e, layout = kv.config, elem(kv), kv.kivi_layout  # the KIVI store of E, or None
     total = 0
     for st in kv.plain.values():
-        total += kivi_of(c, e, layout, st) if layout else dense(c, st[0].n, e)
+        total += kivi_of(c, e, layout, st) if layout else dense(c, st.length, e)
     for p in kv.pairs:
         if p.k is None:  # nothing merged yet
             continue
