@@ -21,7 +21,7 @@ from test_kv_methods import config, drive, new_kv, prompt, tiny
 import kvrun.kv.coded as coded
 from kvrun.kernels import codebook_decode as cb
 from kvrun.kv.codebook import Shelf
-from kvrun.kv.spindle import pack_bits
+from kvrun.kv.select_qhead import pack_bits
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 

@@ -26,7 +26,7 @@ from kvrun.kv import build, check
 from kvrun.kv.alloc.spindle import endpoints, layer_ratios, spindle_keep
 from kvrun.kv.codebook import assign, build_codebook
 from kvrun.kv.scores import pool_scores, qhead_scores
-from kvrun.kv.spindle import union_slots
+from kvrun.kv.select_qhead import union_slots
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches, passkey_prompt

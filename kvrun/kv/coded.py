@@ -18,7 +18,7 @@ from ..errors import KvrunError
 from ..kernels.codebook_decode import codebook_decode
 from .attention import Partial, dense_attention, position_mask, sdpa
 from .buffer import Buffer
-from .codebook import Book, Shelf
+from .codebook import Book, Shelf, assign_books, build_books
 from .select_qhead import unpack_bits
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class CodedLayer:
     k_d, v_d, pos_d, mask_d = _Seg(), _Seg(), _Seg(), _Seg()
 
     def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype, rope, group):
-        self.rope, self.group = rope, group
+        self.rope, self.group, self.dtype = rope, group, dtype
         self.shelf_k = Shelf(n_books, d, dtype, device)
         self.shelf_v = Shelf(n_books, d, dtype, device)
         self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
@@ -111,6 +111,38 @@ class CodedLayer:
 
     def append_dense(self, k, v, pos, mask) -> None:
         self._append(k_d=k, v_d=v, pos_d=pos, mask_d=mask)
+
+    def store_turn(self, layer: int, ks, vs, valid, pos, mask, o) -> None:
+        """A turn's kept vectors (Hkv, S, D) pre-RoPE, in slot order (valid: real slots, the
+        rest padding): coded with a greedy build whose entries are appended to the layer's
+        codebooks (earlier entries and indices unchanged, as at decode), or stored dense with
+        codebook=off (padding slots hold zeros)."""
+        if not o["codebook"]:
+            z = valid[..., None]
+            self.append_dense(ks * z, vs * z, pos, mask)
+            return
+        ik, mk = build_books(self.books_k, ks, valid, o["theta_k"], o["cb_block"], self.dtype)
+        iv, mv = build_books(self.books_v, vs, valid, o["theta_v"], o["cb_block"], self.dtype)
+        self.widen(layer, o["index"] == "int16-strict")
+        self.append_coded(ik.to(self.idx_dtype[0]), iv.to(self.idx_dtype[1]), mk, mv, pos, mask)
+
+    def store_token(self, layer: int, k, v, pos, mask, o) -> None:
+        """One decode token, k and v (Hkv, D) pre-RoPE at pos (Hkv, 1): assigned to the
+        codebooks (new entries where none is within theta), or dense (decode_codebook=off)."""
+        if not (o["codebook"] and o["decode_codebook"]):
+            self.append_dense(k[:, None], v[:, None], pos, mask)
+            return
+        ik, mk = assign_books(self.books_k, k, o["theta_k"])
+        iv, mv = assign_books(self.books_v, v, o["theta_v"])
+        self.widen(layer, o["index"] == "int16-strict")
+        self.append_coded(
+            ik.to(self.idx_dtype[0])[:, None],
+            iv.to(self.idx_dtype[1])[:, None],
+            mk.to(self.dtype)[:, None],
+            mv.to(self.dtype)[:, None],
+            pos,
+            mask,
+        )
 
     def widen(self, layer: int, strict: bool) -> None:
         """Switch the layer's K or V indices to int32 once its codebook exceeds 32767 entries

@@ -33,6 +33,7 @@ class Selector:
     TOPK_RECENT = "topk+recent"
     TOPK_WINDOW = "topk+window"
     TOPK_WINDOW_QHEAD = "topk+window (per query head)"
+    MERGE_PAIRS = "merge layer pairs, retain distinct rows"  # MiniCache §4: nothing evicted
 
 
 class Allocator:

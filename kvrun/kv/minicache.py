@@ -12,13 +12,12 @@ kvrun's decisions beyond the paper: norm, angle and retention per (token, KV hea
 token: per token over all heads); decode tokens are merged with both norms appended and never
 retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
 after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
-This file is the manager; the merge math and pair store are merged.py, the restore and each
-layer's Store view of its pair (PairLayer) restore.py.
+This file routes the steps; the merge math and pair store are merged.py, the restore and each
+layer's Store view of its pair (PairLayer) restore.py, the merge and retention at each point
+the recipe part kvrun.kv.selection.MergePairs.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -28,7 +27,8 @@ from .attention import combine, dense_attention
 from .cache import KVCache
 from .dense import DenseSeg
 from .kivi import KiviLayer
-from .merged import Pair, merge, pairing, retention
+from .merged import Pair, pairing
+from .recipe import recipe_of
 from .restore import Layout, PairLayer, Scratch
 from .spec import KVSpec
 
@@ -63,6 +63,7 @@ class MiniCacheKV(KVCache):
         for i, (a, b) in enumerate(self.pair_list):
             self.role[a], self.role[b] = (i, False), (i, True)
         self._fused = True  # decode via merged_decode where it applies (False: tests, the check)
+        self.recipe = recipe_of(spec.select, o)  # no scorer; pairs merged, distinct rows retained
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -129,7 +130,7 @@ class MiniCacheKV(KVCache):
         if pair.pending is None:
             raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
         (ka, va), pair.pending = pair.pending, None
-        self._merge(pair, ka[0], va[0], k[0], v[0], prefill=False)
+        self.recipe.selection.merge(self, pair, ka[0], va[0], k[0], v[0], prefill=False)
         return out
 
     def _fuse(self, pair: Pair, T: int) -> bool:
@@ -174,39 +175,6 @@ class MiniCacheKV(KVCache):
             return st.k[0].float(), st.v[0].float()
         return self.views[layer].restored()
 
-    # ------------------------------------------------------------------ merge
-    def _merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
-        """Merge tokens of layers a and b, (Hkv, n, D) each, and append them to the pair."""
-        n, start = ka.shape[1], pair.length
-        if n == 0:
-            return
-        lay = self.layout
-        if pair.k is None:
-            never = -math.inf if self.rule == "paper" else math.inf
-            thr = never if self.decode_retain else None
-            args = (pair.kivi is None, thr, self.dtype, self.device)
-            pair.k, pair.v = lay.half(*args), lay.half(*args)
-        dirs = []
-        for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
-            ga, gb = lay.groups(xa), lay.groups(xb)  # (g, n, m)
-            e, na, nb, d = merge(ga, gb, self.t, self.sin_eps)
-            keep = None
-            if prefill:  # retention over this turn's tokens
-                keep, thr = retention(d, self.gamma, self.rule, self.retain)
-                if half.thr is not None:
-                    half.thr = thr
-            elif half.thr is not None:  # decode_retain: beyond the prefill threshold
-                thr = half.thr.unsqueeze(-1)
-                keep = d < thr if self.rule == "paper" else d > thr
-            e = lay.heads(e)  # (Hkv, n, D) fp32
-            half.append(e, na, nb, keep, ga, gb, start)
-            dirs.append(e)
-        if pair.kivi is not None:
-            pair.kivi.append(dirs[0].to(self.dtype), dirs[1].to(self.dtype))
-            if prefill:
-                pair.kivi.flush(self.kivi_layout["group"])  # prefill flush unit U = G
-        pair.length += n
-
     # ------------------------------------------------------- compression points
     def at_chunk(self, n_tokens: int) -> None:
         if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
@@ -214,12 +182,7 @@ class MiniCacheKV(KVCache):
                 st.flush(self.kivi_layout["group"])
 
     def at_prefill(self) -> None:
-        for p in self.pairs:
-            if p.exact is not None:
-                (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
-                self._merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
-                p.exact = None  # free the exact buffers
-            p.release()
+        self.recipe.selection.run(self, "prefill")
 
     def at_step(self) -> None:
         if self.kivi_layout is not None:

@@ -1,4 +1,4 @@
-"""A selection method's recipe: the parts a CompressedKV runs, built from its declaration.
+"""A selection method's recipe: the parts its cache runs, built from its declaration.
 
 A `Method` (kvrun/kv/methods/) declares its axes as values (scorer, selector, allocator); the
 recipe turns them into parts that act:
@@ -7,14 +7,19 @@ recipe turns them into parts that act:
   selector: nothing, the observation window's queries (SnapKV §4.2), column sums over every
   query so far (H2O §3), or over the turn's prompt queries only (MiniKV §3.1.1). Scores
   come out of the same pass that computes attention, so the scorer owns that pass;
-- a Selection part decides which tokens stay and at which compression points it runs
-  ("chunk", "prefill", "step"), asking its Allocator part how many tokens each layer keeps
-  (uniform, PyramidKV's arithmetic schedule, MiniKV's pyramid of heavy hitters);
-- the store is the layer's: a DenseSeg, or the KIVI store of a stack (CompressedKV builds it).
+- a Selection part (kvrun/kv/selection.py) decides which tokens stay and at which
+  compression points it runs ("chunk", "prefill", "step"), asking its Allocator part how
+  many tokens each layer keeps (uniform, PyramidKV's arithmetic schedule, MiniKV's pyramid
+  of heavy hitters, SpindleKV's falling schedule); MiniCache's part merges layer pairs and
+  picks the rows retained exactly;
+- the store is the layer's (kvrun/kv/protocol.py): a DenseSeg or the KIVI store of a stack
+  (CompressedKV), a CodedLayer (SpindleKV), a pair (MiniCache).
 
-The manager calls `recipe.scoring.prefill/decode` on every step and `recipe.selection.run`
-at the points it names; no method name appears in either. XKV (kvrun/kv/xkv.py) plans its
-own per-layer budgets: its selection part hands the point to the XKV manager's planner.
+CompressedKV calls `recipe.scoring.prefill/decode` on every step and `recipe.selection.run`
+at the points it names; no method name appears in either. SpindleKV and MiniCache attend
+through their own stores (pre-RoPE codebooks, merged pairs) and run the same selection
+parts at their points. XKV (kvrun/kv/xkv.py) plans its own per-layer budgets: its
+selection part hands the point to the XKV manager's planner.
 """
 
 from __future__ import annotations
@@ -24,17 +29,19 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.dense_decode import dense_decode
-from .alloc.minikv import minikv_budgets
 from .attention import combine
-from .budget import pyramid_budgets
 from .method import Allocator, Scorer, Selector
-from .select import (
-    attention_colsum,
-    evict_indices,
-    group_sum,
-    heavy_recent_indices,
-    prompt_colsum,
-    window_indices,
+from .select import attention_colsum, group_sum, prompt_colsum
+from .selection import (
+    Evict,
+    HeavyRecent,
+    MergePairs,
+    Planned,
+    Pyramid,
+    QHeadUnion,
+    Selection,
+    Uniform,
+    WindowTopK,
 )
 
 
@@ -130,125 +137,6 @@ class PromptColsum(Scoring):
         return combine(st.kivi.partials(q, positions, k.shape[2], None), kv.dtype)
 
 
-# --- allocation: how many tokens each layer keeps ---------------------------------------------
-class Uniform:
-    def budgets(self, kv, B: int, T: int) -> list[int]:
-        return [B] * kv.config.n_layers
-
-
-class Pyramid:
-    """PyramidKV's arithmetic schedule (§3.2), from B and the window."""
-
-    def budgets(self, kv, B: int, T: int) -> list[int]:
-        return pyramid_budgets(B, T, kv.opt["window"], kv.config.n_layers, kv.opt["beta"])
-
-
-class MiniKVPyramid:
-    """MiniKV's heavy hitters per layer (a pyramid, §3.1) and its recent window."""
-
-    def budgets(self, kv, t: int) -> tuple[list[int], int]:
-        return minikv_budgets(kv.opt, kv.user_budget, t, kv.config.n_layers)
-
-
-# --- selection: which tokens stay, and when ---------------------------------------------------
-class Selection:
-    """Keeps every token (a store alone, as `full+kivi2`)."""
-
-    points: frozenset[str] = frozenset()  # the compression points it runs at
-    keeps_all = True
-
-    def run(self, kv, point: str) -> None:
-        return None
-
-    def position_rows(self, n_kv: int) -> int:
-        """Rows of int32 positions the dense segment keeps (and counts): only where a later
-        step needs them, as decode-time eviction does (0: none)."""
-        return 0
-
-
-class Evict(Selection):
-    """Decode-time eviction (StreamingLLM, H2O) down to B(n) in every layer, after each
-    prefill chunk and decode step: sinks, then the top scores and a recent share (H2O), or
-    the newest tokens only (StreamingLLM: recent=None)."""
-
-    points = frozenset({"chunk", "step"})
-    keeps_all = False
-
-    def __init__(self, by_score: bool):
-        self.by_score = by_score
-
-    def position_rows(self, n_kv: int) -> int:
-        # by recency alone every head keeps the same slots: one row serves them all
-        return n_kv if self.by_score else 1
-
-    def run(self, kv, point: str) -> None:
-        n = kv.seen
-        B = kv.budget.tokens(n, kv.protected)
-        recent = kv.opt["recent"] if self.by_score else None
-        for i, st in enumerate(kv.layers):
-            d = st.dense
-            if d.length > B:
-                d.keep(evict_indices(d.pos, d.acc, n, B, kv.opt["sinks"], recent))
-            kv.report(i, point)
-
-
-class WindowTopK(Selection):
-    """SnapKV / PyramidKV: each KV head keeps its top votes plus the window, at the end of the
-    prefill (and after each chunk with chunked=true)."""
-
-    keeps_all = False
-
-    def __init__(self, allocator, chunked: bool):
-        self.allocator = allocator
-        self.points = frozenset({"prefill", "chunk"} if chunked else {"prefill"})
-
-    def run(self, kv, point: str) -> None:
-        # dense store: select over all slots, budget from all tokens seen; KIVI store: only the
-        # new tokens held in staging, with the same rule (kvrun's rule for later chat turns)
-        T = kv.layers[0].dense.length
-        n = T if kv.layers[0].kivi is not None else kv.seen
-        B = kv.budget.tokens(n, kv.protected)
-        budgets = self.allocator.budgets(kv, B, T)
-        for i, st in enumerate(kv.layers):
-            d, Bl = st.dense, budgets[i]
-            if d.length > Bl and st.qwin is not None:
-                d.keep(window_indices(st.qwin, d.k[0], Bl, kv.opt["kernel"], kv.opt["pool"]))
-            kv.report(i, point)
-
-
-class HeavyRecent(Selection):
-    """MiniKV: heavy hitters by the turn's column sums + the recent window, per KV head, once
-    per turn at the end of its prefill."""
-
-    points = frozenset({"prefill"})
-    keeps_all = False
-    allocator = MiniKVPyramid()
-
-    def run(self, kv, point: str) -> None:
-        t = kv.layers[0].dense.length
-        hh, n_rw = self.allocator.budgets(kv, t)
-        norm = kv.opt["score_norm"] == "length"
-        for i, st in enumerate(kv.layers):
-            if hh[i] + n_rw < t:
-                st.dense.keep(
-                    heavy_recent_indices(st.dense.acc, hh[i], n_rw, kv.config.n_kv_heads, norm)
-                )
-            kv.report(i, point)
-
-
-class Planned(Selection):
-    """A selection whose manager plans the per-layer budgets itself (XKV: a scoring pass or a
-    deferred allocation, kvrun/kv/xkv.py): the point goes to its planner."""
-
-    keeps_all = False
-
-    def __init__(self, chunked: bool):
-        self.points = frozenset({"prefill", "chunk"} if chunked else {"prefill"})
-
-    def run(self, kv, point: str) -> None:
-        kv.plan_and_select(point)
-
-
 # --- the recipe ---------------------------------------------------------------------------------
 SCORING = {Scorer.NONE: Scoring(), Scorer.WINDOW: WindowVotes(), Scorer.CUMULATIVE: Cumulative(),
            Scorer.PROMPT: PromptColsum()}  # fmt: skip
@@ -265,12 +153,16 @@ def recipe_of(method, opts) -> Recipe:
     chunked = bool(opts.get("chunked"))
     if method.selector == Selector.ALL:
         selection = Selection()
+    elif method.selector == Selector.MERGE_PAIRS:
+        selection = MergePairs()
     elif method.evicts_at_decode:
         selection = Evict(by_score=method.selector != Selector.SINKS_RECENT)
     elif method.scorer == Scorer.PROMPT:  # heavy hitters per layer from MiniKV's allocator
         selection = HeavyRecent()
     elif method.allocator == Allocator.XKV:
         selection = Planned(chunked)
+    elif method.allocator == Allocator.SPINDLE:  # per query head, a codebook store
+        selection = QHeadUnion()
     else:
         alloc = Pyramid() if method.allocator == Allocator.PYRAMID else Uniform()
         selection = WindowTopK(alloc, chunked)

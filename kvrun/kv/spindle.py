@@ -11,7 +11,8 @@ kernels.codebook_decode, which gathers and rotates inside the kernel (Triton on 
 torch reference elsewhere), one partial per segment merged by log-sum-exp; prefill, and
 decode under a sliding window that may mask, rebuild the slots densely for SDPA.
 The per-layer store, which attends in this representation, is kvrun.kv.coded (CodedLayer);
-the codebooks and their coding are kvrun.kv.codebook. This file selects, codes and routes.
+the codebooks and their coding are kvrun.kv.codebook; the selection and the schedule are
+recipe parts (kvrun.kv.selection: QHeadUnion, SpindleSchedule). This file routes the steps.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ from fractions import Fraction
 import torch
 
 from ..kernels import use_triton
-from .alloc.spindle import spindle_keep
 from .attention import combine
 from .cache import KVCache
-from .codebook import assign_books, build_books
 from .coded import CodedLayer, paper_ratios
-from .scores import pool_scores, qhead_scores
-from .select_qhead import pack_bits, select_keep, union_slots
+from .recipe import recipe_of
+from .select_qhead import pack_bits
 from .spec import KVSpec
 
 
@@ -58,6 +57,7 @@ class SpindleKV(KVCache):
             torch.ones(config.n_kv_heads, 1, self.group, dtype=torch.bool, device=device)
         )  # (Hkv, 1, ceil(g/8)) a decode slot: every query head sees it
         self._fused = True  # decode through kernels.codebook_decode (False: the old path, tests)
+        self.recipe = recipe_of(spec.select, self.opt)  # window votes, per-query-head union
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -71,7 +71,7 @@ class SpindleKV(KVCache):
             for _ in range(c.n_layers)
         ]
         self.turn_start, self.turn_len = 0, 0
-        self._plan: tuple[int, list[int] | None] | None = None
+        self.plan: tuple[int, list[int] | None] | None = None  # the allocator's, per turn length
 
     def begin_prefill(self, n_tokens: int) -> None:
         super().begin_prefill(n_tokens)
@@ -80,10 +80,7 @@ class SpindleKV(KVCache):
             st.drop_turn()
 
     def at_prefill(self) -> None:
-        for i, st in enumerate(self.layers):
-            if st.held_n:  # chunked prefill: every layer compresses here (step 8)
-                self._compress(i, st.held_k.data, st.held_v.data, st.qwin)
-            st.drop_turn()
+        self.recipe.selection.run(self, "prefill")
 
     # ---------------------------------------------------------------- attend
     # the driver passes keys before RoPE: the store rotates at each slot's own position
@@ -92,7 +89,8 @@ class SpindleKV(KVCache):
     def decode(self, layer, qr, k, v, positions):
         st = self.layers[layer]
         for i in range(k.shape[2]):  # each token coded, then attended over
-            self._append_token(layer, k[0, :, i], v[0, :, i], positions[i : i + 1])
+            pos = positions[i : i + 1].to(torch.int32).expand(k.shape[1], 1)
+            st.store_token(layer, k[0, :, i], v[0, :, i], pos, self.ones_mask, self.opt)
         if self._fuse(st, qr):  # the store's partials: gathered and rotated in the kernel
             return combine(st.partials(qr, positions, k.shape[2], None), qr.dtype)
         return st.attend(qr, positions, self.config.sliding_window)
@@ -108,10 +106,9 @@ class SpindleKV(KVCache):
         tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
         kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
         out = st.attend(qr, positions, self.config.sliding_window, kr, vp[None], tpos)
-        prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
-        st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]
+        self.recipe.scoring.observe(self, st, qr)  # the window's queries, for the selection
         if st.held_n == 0:  # compress now, so the peak is one layer of full KV
-            self._compress(layer, kp, vp, st.qwin)
+            self.recipe.selection.compress(self, layer, kp, vp, st.qwin)
             st.drop_turn()
         return out
 
@@ -127,70 +124,6 @@ class SpindleKV(KVCache):
         if window is not None and self.seen + 1 > window:
             return False
         return st.pos_c is not None or use_triton(qr)
-
-    # ------------------------------------------------------------ compression
-    def _keep_plan(self, t: int) -> list[int] | None:
-        """k_lambda for a turn of t tokens; B from the turn's own length (later turns too)."""
-        if self._plan is None or self._plan[0] != t:
-            B = self.budget.tokens(t, self.window)
-            L = self.config.n_layers
-            self._plan = (t, spindle_keep(t, B, self.window, L, self.beta, self.opt["schedule"]))
-        return self._plan[1]
-
-    def _compress(self, layer: int, kp: torch.Tensor, vp: torch.Tensor, qwin) -> None:
-        """Steps 2-7 for one layer over the turn's pre-RoPE K, V (Hkv, t, D).
-
-        Later chat turns (kvrun's rule for stores that cannot re-select): only the new turn's
-        tokens are compressed, with the same rule and fractions (B from the turn's length) and
-        a softmax over the turn's own keys, as SnapKV does over a KIVI staging area; earlier
-        turns stay as stored. The turn's kept vectors get their own greedy build, whose entries
-        are appended to the layer's codebook (earlier entries and indices unchanged, as at
-        decode).
-        """
-        st, o = self.layers[layer], self.opt
-        Hkv, t, _ = kp.shape
-        plan = self._keep_plan(t)
-        if plan is None:
-            keep = torch.ones(Hkv, self.group, t, dtype=torch.bool, device=kp.device)
-        else:
-            tpos = torch.arange(self.turn_start, self.turn_start + t, device=kp.device)
-            kr = self.rope.apply(kp[None], tpos)[0]  # (Hkv, t, D) post-RoPE, transient
-            sc = qhead_scores(qwin, kr, self.config.sliding_window, o["score_norm"] == "length")
-            sc = pool_scores(sc, o["pool"])
-            keep = select_keep(sc, plan[layer], t, Hkv, o["gqa"])
-        sl = union_slots(keep)
-        st.all_bits &= bool(sl.valid.all()) and bool(keep.all(1).eq(keep.any(1)).all())
-        pos = torch.where(sl.valid, sl.rel + self.turn_start, 0).to(torch.int32)  # (Hkv, S)
-        gather = sl.rel[..., None].expand(-1, -1, kp.shape[2])
-        ks, vs = kp.gather(1, gather), vp.gather(1, gather)  # (Hkv, S, D) kept, in slot order
-        if not o["codebook"]:
-            z = sl.valid[..., None]
-            st.append_dense(ks * z, vs * z, pos, sl.mask)  # padding slots hold zeros
-            return
-        ik, mk = build_books(st.books_k, ks, sl.valid, o["theta_k"], o["cb_block"], self.dtype)
-        iv, mv = build_books(st.books_v, vs, sl.valid, o["theta_v"], o["cb_block"], self.dtype)
-        st.widen(layer, o["index"] == "int16-strict")
-        st.append_coded(ik.to(st.idx_dtype[0]), iv.to(st.idx_dtype[1]), mk, mv, pos, sl.mask)
-
-    def _append_token(self, layer: int, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor):
-        """Store one decode token, k and v (Hkv, D) pre-RoPE at position p (1,)."""
-        st, Hkv = self.layers[layer], k.shape[0]
-        pos = p.to(torch.int32).expand(Hkv, 1)
-        o = self.opt
-        if not (o["codebook"] and o["decode_codebook"]):
-            st.append_dense(k[:, None], v[:, None], pos, self.ones_mask)
-            return
-        ik, mk = assign_books(st.books_k, k, o["theta_k"])
-        iv, mv = assign_books(st.books_v, v, o["theta_v"])
-        st.widen(layer, o["index"] == "int16-strict")
-        st.append_coded(
-            ik.to(st.idx_dtype[0])[:, None],
-            iv.to(st.idx_dtype[1])[:, None],
-            mk.to(self.dtype)[:, None],
-            mv.to(self.dtype)[:, None],
-            pos,
-            self.ones_mask,
-        )
 
     # ------------------------------------------------------------- accounting
     def nbytes(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...errors import KvrunError
 from ..bytes import dense, elem, kivi_of
-from ..method import Method, manager
+from ..method import Method, Selector, manager
 from ..options import Option
 
 
@@ -73,6 +73,7 @@ METHOD = Method(
     "minicache",
     "select",
     "MiniCache: cross-layer SLERP merge of layer pairs from the middle up, norms per layer",
+    selector=Selector.MERGE_PAIRS,
     store="merged",
     when="prefill-end; decode pairs merged",
     options=OPTIONS,
