@@ -144,6 +144,9 @@ SCORING = {Scorer.NONE: Scoring(), Scorer.WINDOW: WindowVotes(), Scorer.CUMULATI
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
+    """A method's parts. Scoring parts are stateless and shared; a selection part is made per
+    cache (its allocator is stateless too: per-turn plans live on the cache)."""
+
     scoring: Scoring
     selection: Selection
 
