@@ -1,0 +1,58 @@
+"""Model load time and peak memory of `kvrun generate`, two checkouts side by side.
+
+    git worktree add /tmp/old <rev>
+    python bench/load_time.py /tmp/old . [--reps 3]
+
+Each rep runs `python -m kvrun generate -p hi -n 1 --json` (default model) under each
+checkout's PYTHONPATH in turn, so a busy machine slows both alike; prints the median
+`load_s` and peak memory per checkout as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def run(tree: str) -> tuple[float, int]:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvrun",
+        "generate",
+        "-p",
+        "hi",
+        "-n",
+        "1",
+        "--temp",
+        "0",
+        "--json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp", check=True)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    return d["load_s"], d["peak_mem_bytes"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trees", nargs=2, help="two checkouts: before, after")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    got: dict[str, list[tuple[float, int]]] = {t: [] for t in a.trees}
+    for _ in range(a.reps):
+        for t in a.trees:
+            got[t].append(run(t))
+    print("| checkout | load s (median) | peak mem MiB (median) |\n| --- | ---: | ---: |")
+    for t, rows in got.items():
+        load = statistics.median(r[0] for r in rows)
+        mem = statistics.median(r[1] for r in rows) / 2**20
+        print(f"| {t} | {load:.2f} | {mem:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
