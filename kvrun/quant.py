@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .wformat import GROUP, nearest_bits
+from .wformat import DENSE_NAMES, GROUP, nearest_bits
 
-DENSE_WTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DENSE_WTYPES = dict(zip(DENSE_NAMES, (torch.float32, torch.float16, torch.bfloat16), strict=True))
 
 
 def dense_name(dtype: torch.dtype) -> str:

@@ -61,6 +61,10 @@ class Buffer:
         shape[self.dim] = 0
         self.buf, self.n = self.buf.new_empty(shape), 0
 
+    def rewind(self) -> None:
+        """Empty, keeping the room (and the address a captured CUDA graph reads)."""
+        self.n = 0
+
     def drop_front(self, n: int) -> None:
         """Remove the first n occupied slots; the rest move to the front (KIVI's tail after a
         flush: the unflushed newest tokens)."""

@@ -63,7 +63,8 @@ class DenseSeg:
     def rewind(self) -> None:
         """Empty, keeping the room: a new sequence writes into the same buffers (a captured
         CUDA graph that reads them stays valid)."""
-        self._k.n = self._v.n = 0
+        self._k.rewind()
+        self._v.rewind()
         if self.pos is not None:
             self.pos = self.pos[:, :0]
         if self.acc is not None:
