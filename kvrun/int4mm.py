@@ -108,15 +108,21 @@ def codes_cpu(planes: list[torch.Tensor], rows=None) -> torch.Tensor:
     return hi * 16 + lo - 128
 
 
-def mm(x: torch.Tensor, planes: list[torch.Tensor], sz: list[torch.Tensor], group: int):
-    """x (..., K) @ W^T through the int4 op(s), in x's dtype."""
+_MM_CPU = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_MM_CUDA = torch.ops.aten._weight_int4pack_mm.default
+
+
+def mm(x: torch.Tensor, planes, sz, group: int) -> torch.Tensor:
+    """x (..., K) @ W^T through the int4 op(s), in x's dtype (no cast for bfloat16 x)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(x2, planes[0], group, sz[0])
+        y = _MM_CUDA(x2, planes[0], group, sz[0])
     else:
-        xb = x2.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, planes[0], group, sz[0])
+        xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+        y = _MM_CPU(xb, planes[0], group, sz[0])
         for p, s in zip(planes[1:], sz[1:], strict=True):
-            y += torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, group, s)
-    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+            y += _MM_CPU(xb, p, group, s)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y.view(*shape[:-1], y.shape[-1])

@@ -38,6 +38,10 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def _bf16_op(mod: nn.Module, rows: int) -> bool:
+    return type(mod) is PackedLinear and mod.bf16_op(rows)
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
@@ -66,7 +70,10 @@ class Attention(nn.Module):
         k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         out = kv.attend(self.layer, q, k, v, positions)  # (B, Hq, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim)
+        if _bf16_op(self.o_proj, B * T):  # bfloat16 out: the residual add promotes it
+            return self.o_proj.matmul(out.to(torch.bfloat16))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -84,8 +91,15 @@ class MLP(nn.Module):
             self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gu, rows = self.gate_up, x.numel() // x.shape[-1]
+        if gu is not None and gu.bf16_op(rows) and _bf16_op(self.down_proj, rows):
+            # both products through the CPU int4 op, which works in bfloat16 anyway: the
+            # activation stays bfloat16 between them (silu and the product rounded there)
+            # and the residual add promotes the bfloat16 result
+            gate, up = gu.matmul(x.to(torch.bfloat16)).chunk(2, dim=-1)
+            return self.down_proj.matmul(F.silu(gate).mul_(up))
+        if gu is not None:
+            gate, up = gu(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -100,8 +114,9 @@ class Block(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the branches may return bfloat16 (products of the CPU int4 op): x keeps its dtype
+        x = torch.add(x, self.self_attn(self.input_layernorm(x), positions, kv))
+        return torch.add(x, self.mlp(self.post_attention_layernorm(x)))
 
 
 class Decoder(nn.Module):

@@ -114,6 +114,24 @@ class PackedLinear(nn.Module):
         self.register_buffer("scale", p.scale)
         self.register_buffer("zero", p.zero)
         self.n_planes = 0  # int4 planes held as buffers w0, sz0 (and w1, sz1 for q8)
+        # the op's arguments as plain attributes (planes, scales-and-zeros, rows it takes):
+        # a decode step makes ~120 products, and module attribute lookups cost ~1 us each
+        self._op: tuple | None = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)  # .to() / .cuda(): the buffers are new tensors
+        self._bind()
+        return out
+
+    def _bind(self) -> None:
+        """Cache the op's arguments (after the buffers change)."""
+        if self.path != "int4pack":
+            self._op = None
+            return
+        planes, sz = self._planes()
+        cuda = planes[0].device.type == "cuda"
+        rows = None if cuda else (self.op_rows(), DECODE_ROWS)  # CPU: (any product, exact)
+        self._op = (tuple(planes), tuple(sz), rows)
 
     @property
     def packed(self) -> Packed:
@@ -168,13 +186,20 @@ class PackedLinear(nn.Module):
     def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """x (..., K) @ W^T through this layer's path. exact: on CPU, products beyond a decode
         step's rows stay exact float32 (the output head: logits are what is measured)."""
-        if self.path == "int4pack":
-            op_rows = DECODE_ROWS if exact else self.op_rows()
-            if x.device.type == "cuda" or x.numel() <= op_rows * self.in_features:
-                return int4mm.mm(x, *self._planes(), self.group)
+        op = self._op
+        if op is not None:
+            if op[2] is None or x.numel() <= op[2][exact] * self.in_features:
+                return int4mm.mm(x, op[0], op[1], self.group)
             if self.codes is None:
                 return self._dequant_planes_linear(x, bf16=not exact and self.bf16_prefill())
         return dequant_linear(x, self.packed, self.dtype, self.scratch)
+
+    def bf16_op(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs through the CPU int4 op, which takes and
+        gives bfloat16: callers chain such products without float32 round trips (`matmul`
+        of a bfloat16 x returns bfloat16)."""
+        op = self._op
+        return op is not None and op[2] is not None and rows <= op[2][0]
 
     def rows_dense(self, idx: torch.Tensor) -> torch.Tensor:
         """The exact dense rows idx (R,) -> (R, K) in the compute dtype."""
@@ -248,6 +273,7 @@ class PackedLinear(nn.Module):
             self.register_buffer(f"sz{i}", s)
         self.n_planes = len(planes)
         self.path = "int4pack"
+        self._bind()
         if dev.type != "cuda" or not isinstance(self, PackedEmbedding):
             self.codes = None  # read back from the CPU planes; CUDA gathers keep the codes
         if dev.type != "cuda" and not self.exact:
