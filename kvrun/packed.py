@@ -114,7 +114,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("scale", p.scale)
         self.register_buffer("zero", p.zero)
         self.n_planes = 0  # int4 planes held as buffers w0, sz0 (and w1, sz1 for q8)
-        # the op's arguments as plain attributes (planes, scales-and-zeros, rows it takes):
+        # the op's arguments as plain attributes (planes, scales-and-zeros, on CUDA or not):
         # a decode step makes ~120 products, and module attribute lookups cost ~1 us each
         self._op: tuple | None = None
 
@@ -129,9 +129,7 @@ class PackedLinear(nn.Module):
             self._op = None
             return
         planes, sz = self._planes()
-        cuda = planes[0].device.type == "cuda"
-        rows = None if cuda else (self.op_rows(), DECODE_ROWS)  # CPU: (any product, exact)
-        self._op = (tuple(planes), tuple(sz), rows)
+        self._op = (tuple(planes), tuple(sz), planes[0].device.type == "cuda")
 
     @property
     def packed(self) -> Packed:
@@ -188,7 +186,7 @@ class PackedLinear(nn.Module):
         step's rows stay exact float32 (the output head: logits are what is measured)."""
         op = self._op
         if op is not None:
-            if op[2] is None or x.numel() <= op[2][exact] * self.in_features:
+            if op[2] or self._op_takes(x.numel() // self.in_features, exact):
                 return int4mm.mm(x, op[0], op[1], self.group)
             if self.codes is None:
                 return self._dequant_planes_linear(x, bf16=not exact and self.bf16_prefill())
@@ -198,8 +196,11 @@ class PackedLinear(nn.Module):
         """Whether a product of `rows` rows runs through the CPU int4 op, which takes and
         gives bfloat16: callers chain such products without float32 round trips (`matmul`
         of a bfloat16 x returns bfloat16)."""
-        op = self._op
-        return op is not None and op[2] is not None and rows <= op[2][0]
+        return self._op is not None and not self._op[2] and self._op_takes(rows)
+
+    def _op_takes(self, rows: int, exact: bool = False) -> bool:
+        """CPU: whether a product of `rows` rows goes through the int4 op."""
+        return rows <= DECODE_ROWS or (not exact and rows <= self.op_rows())
 
     def rows_dense(self, idx: torch.Tensor) -> torch.Tensor:
         """The exact dense rows idx (R,) -> (R, K) in the compute dtype."""

@@ -358,3 +358,52 @@ def test_q4_on_columns_off_the_group_is_one_line(tmp_path, monkeypatch):
         one_error_line(r, "group size 48", "--wtype f32")
     r = CliRunner().invoke(cli, ["generate", "-p", "hi", "--wtype", "q3"])
     assert r.exit_code == 2 and "q3" in r.output
+
+
+def _layer(n: int, k: int, seed: int, int4: bool = True) -> PackedLinear:
+    p = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1, 4)
+    lin = PackedLinear(p, torch.float32)
+    assert not int4 or lin.use_int4pack()
+    return lin
+
+
+def test_op_arguments_follow_the_buffers():
+    """The int4 op's arguments are kept as plain attributes (a decode step makes ~120
+    products); replacing the buffers (Module._apply: .to(), .cuda()) rebinds them."""
+    lin = _layer(128, 256, 1)
+    x = torch.randn(1, 256)
+    want = lin(x)
+    lin._apply(lambda t: t.clone())
+    assert lin._op[0][0] is lin.w0 and lin._op[1][0] is lin.sz0
+    torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
+
+
+def test_bfloat16_products_chain_through_the_op():
+    """A bfloat16 x through the CPU int4 op comes back bfloat16, the same product a float32
+    x gets (the op casts to bfloat16 first); `bf16_op` names the products that chain, and
+    the MLP of a decode step chains gate/up -> silu * up -> down in bfloat16, within a
+    bfloat16 rounding of the float32 chain."""
+    from types import SimpleNamespace
+
+    from kvrun.model import MLP
+
+    lin = _layer(128, 256, 2)
+    x = torch.randn(1, 3, 256)
+    got = lin(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), lin(x), rtol=0, atol=0)
+    assert lin.bf16_op(packed_mod.DECODE_ROWS) and not lin.bf16_op(packed_mod.DECODE_ROWS + 1)
+    assert not _layer(64, 64, 6, int4=False).bf16_op(1)
+
+    mlp = MLP(SimpleNamespace(dim=256, ffn_dim=512))
+    mlp.gate_up = PackedLinear.stack([_layer(512, 256, s, int4=False) for s in (3, 4)])
+    mlp.gate_up.use_int4pack()
+    mlp.down_proj = _layer(256, 512, 5)
+    x = torch.randn(1, 2, 256)
+    got = mlp(x)  # decode-sized: the bfloat16 chain
+    assert got.dtype == torch.bfloat16
+    gate, up = mlp.gate_up(x).chunk(2, dim=-1)  # the float32 chain
+    want = mlp.down_proj(F.silu(gate) * up)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    rows = torch.randn(packed_mod.DECODE_ROWS + 1, 256)
+    assert mlp(rows).dtype == torch.float32  # beyond a decode step: float32 as before
