@@ -541,7 +541,9 @@ def test_gqa_duplicated_heads_select_as_mha(spec, budget, G):
     outG = feed(kvG, q.repeat_interleave(G, dim=1), k, v, n_prompt, 16)
     assert len(ev1) == (1 if spec.startswith("snapkv") else -(-n_prompt // 16) + n - n_prompt)
     assert evG == ev1 and any(r[0] != r[1] for *_, r in ev1)
-    torch.testing.assert_close(outG, out1.repeat_interleave(G, dim=1), rtol=0, atol=1e-6)
+    # the G copies attend as G query rows of one SDPA call (kvrun/kv/attention.py's decode
+    # form), the MHA layer as one row: equal up to float32 rounding of different blockings
+    torch.testing.assert_close(outG, out1.repeat_interleave(G, dim=1), rtol=2e-6, atol=1e-6)
 
 
 # --- 11. later chat turns ---------------------------------------------------------------------
