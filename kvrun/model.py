@@ -38,8 +38,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def _bf16_op(mod: nn.Module, rows: int) -> bool:
-    return type(mod) is PackedLinear and mod.bf16_op(rows)
+def _bf16_op(mod: nn.Module, x: torch.Tensor) -> bool:
+    """Whether mod's product of x runs through the CPU int4 op and its bfloat16 result can
+    go straight into the residual add (which promotes it to x's float32, or keeps bfloat16;
+    a float16 x would be promoted to float32, so it keeps the cast)."""
+    rows = x.numel() // x.shape[-1]
+    ok = x.dtype in (torch.float32, torch.bfloat16)
+    return ok and type(mod) is PackedLinear and mod.bf16_op(rows)
 
 
 class Attention(nn.Module):
@@ -71,7 +76,7 @@ class Attention(nn.Module):
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         out = kv.attend(self.layer, q, k, v, positions)  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim)
-        if _bf16_op(self.o_proj, B * T):  # bfloat16 out: the residual add promotes it
+        if _bf16_op(self.o_proj, out):  # bfloat16 out: the residual add promotes it
             return self.o_proj.matmul(out.to(torch.bfloat16))
         return self.o_proj(out)
 
@@ -91,8 +96,8 @@ class MLP(nn.Module):
             self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu, rows = self.gate_up, x.numel() // x.shape[-1]
-        if gu is not None and gu.bf16_op(rows) and _bf16_op(self.down_proj, rows):
+        gu = self.gate_up
+        if gu is not None and _bf16_op(gu, x) and _bf16_op(self.down_proj, x):
             # both products through the CPU int4 op, which works in bfloat16 anyway: the
             # activation stays bfloat16 between them (silu and the product rounded there)
             # and the residual add promotes the bfloat16 result

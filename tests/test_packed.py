@@ -407,3 +407,4 @@ def test_bfloat16_products_chain_through_the_op():
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     rows = torch.randn(packed_mod.DECODE_ROWS + 1, 256)
     assert mlp(rows).dtype == torch.float32  # beyond a decode step: float32 as before
+    assert mlp(x.half()).dtype == torch.float16  # a float16 model keeps its casts
