@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,15 @@ BF16_PREFILL_WEIGHTS = 1 << 23
 BF16_OP_ROWS = (
     128  # such layers: the int4 op up to this many rows (it matches dequant + bf16 GEMM at 128)
 )
+
+
+class OpArgs(NamedTuple):
+    """A PackedLinear's int4 op arguments, kept as plain attributes (a decode step makes ~120
+    products, and module buffer lookups cost ~1 us each)."""
+
+    planes: tuple[torch.Tensor, ...]
+    sz: tuple[torch.Tensor, ...]  # the planes' scales-and-zeros
+    cuda: bool
 
 
 class Scratch:
@@ -114,9 +124,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("scale", p.scale)
         self.register_buffer("zero", p.zero)
         self.n_planes = 0  # int4 planes held as buffers w0, sz0 (and w1, sz1 for q8)
-        # the op's arguments as plain attributes (planes, scales-and-zeros, on CUDA or not):
-        # a decode step makes ~120 products, and module attribute lookups cost ~1 us each
-        self._op: tuple | None = None
+        self._op: OpArgs | None = None  # set while path == "int4pack"
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)  # .to() / .cuda(): the buffers are new tensors
@@ -129,7 +137,7 @@ class PackedLinear(nn.Module):
             self._op = None
             return
         planes, sz = self._planes()
-        self._op = (tuple(planes), tuple(sz), planes[0].device.type == "cuda")
+        self._op = OpArgs(tuple(planes), tuple(sz), planes[0].device.type == "cuda")
 
     @property
     def packed(self) -> Packed:
@@ -186,8 +194,8 @@ class PackedLinear(nn.Module):
         step's rows stay exact float32 (the output head: logits are what is measured)."""
         op = self._op
         if op is not None:
-            if op[2] or self._op_takes(x.numel() // self.in_features, exact):
-                return int4mm.mm(x, op[0], op[1], self.group)
+            if op.cuda or self._op_takes(x.numel() // self.in_features, exact):
+                return int4mm.mm(x, op.planes, op.sz, self.group)
             if self.codes is None:
                 return self._dequant_planes_linear(x, bf16=not exact and self.bf16_prefill())
         return dequant_linear(x, self.packed, self.dtype, self.scratch)
@@ -196,7 +204,7 @@ class PackedLinear(nn.Module):
         """Whether a product of `rows` rows runs through the CPU int4 op, which takes and
         gives bfloat16: callers chain such products without float32 round trips (`matmul`
         of a bfloat16 x returns bfloat16)."""
-        return self._op is not None and not self._op[2] and self._op_takes(rows)
+        return self._op is not None and not self._op.cuda and self._op_takes(rows)
 
     def _op_takes(self, rows: int, exact: bool = False) -> bool:
         """CPU: whether a product of `rows` rows goes through the int4 op."""

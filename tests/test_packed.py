@@ -374,7 +374,7 @@ def test_op_arguments_follow_the_buffers():
     x = torch.randn(1, 256)
     want = lin(x)
     lin._apply(lambda t: t.clone())
-    assert lin._op[0][0] is lin.w0 and lin._op[1][0] is lin.sz0
+    assert lin._op.planes[0] is lin.w0 and lin._op.sz[0] is lin.sz0
     torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
 
 

@@ -65,6 +65,10 @@ class DenseSeg:
         CUDA graph that reads them stays valid)."""
         self._k.rewind()
         self._v.rewind()
+        self._empty_rows()
+
+    def _empty_rows(self) -> None:
+        """No positions or scores held (their rows kept)."""
         if self.pos is not None:
             self.pos = self.pos[:, :0]
         if self.acc is not None:
@@ -100,10 +104,7 @@ class DenseSeg:
         k, v = self.k, self.v
         self._k.clear()
         self._v.clear()
-        if self.pos is not None:
-            self.pos = self.pos[:, :0]
-        if self.acc is not None:
-            self.acc = self.acc[:, :0]
+        self._empty_rows()
         return k, v
 
     # --- static decode (CUDA graphs), the protocol of KiviLayer's ---------------------------

@@ -61,6 +61,7 @@ class CompressedKV(StaticDecode, KVCache):
         # positions are stored, and counted in nbytes, only where a later step needs them
         # (one row when the selection is the same for every head, as by recency)
         self.pos_rows = self.recipe.selection.position_rows(config.n_kv_heads)
+        self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
         self.on_select = on_select
         if on_select is not None and not self.pos_rows:
             self.pos_rows = config.n_kv_heads  # a debug record outside the cache, not counted
@@ -82,12 +83,10 @@ class CompressedKV(StaticDecode, KVCache):
         for the cumulative scorers (per query head with MiniKV's gqa_agg=max)."""
         c = self.config
         per_q = self.prompt_only and self.opt["gqa_agg"] == "max"
-        # positions held only for the debug hook are not the cache's: not counted
-        counted = self.recipe.selection.position_rows(c.n_kv_heads) > 0
         return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
                         scores=self.recipe.scoring.scores,
                         score_rows=c.n_heads if per_q else None,
-                        count_pos=counted)  # fmt: skip
+                        count_pos=self.count_pos)  # fmt: skip
 
     def _kivi(self):
         if self.kivi_bits == 16:
