@@ -7,7 +7,8 @@
 #   kernels  bench/kernels.py --check, then GB/s of dense and KIVI-2/4 decode at 8k/32k/128k
 #   model    kvrun bench, Llama-3-8B shapes (random weights): full, kivi2, minikv at depth
 #            0, 8192, 32768; full also with --cuda-graph
-#   graph    the default model (SmolLM2-135M): decode tok/s with and without the CUDA graph
+#   graph    the default model (SmolLM2-135M): decode tok/s with and without the CUDA graph,
+#            one sequence and --parallel 8
 #
 # Output goes to DIR (default $OUT if set, else bench/gpu-results): one file per command
 # (JSON where the command has --json; kvrun bench's also as a markdown table, NAME.md), the
@@ -39,7 +40,8 @@ for s in "${stages[@]}"; do
   case $s in
     tests)
       run tests python -m pytest -q -rs tests/test_kernels.py tests/test_kernels_merged.py \
-        tests/test_kernels_codebook.py tests/test_kernels_e2e.py tests/test_graph.py ;;
+        tests/test_kernels_codebook.py tests/test_kernels_e2e.py tests/test_graph.py \
+        tests/test_graph_batch.py ;;
     kernels)
       run check python bench/kernels.py --check
       run kernels python bench/kernels.py --contexts 8192,32768,131072 --json ;;
@@ -49,7 +51,9 @@ for s in "${stages[@]}"; do
       run model_graph kvrun bench "${m[@]}" --kv full --cuda-graph --json ;;
     graph)
       run graph_off kvrun bench -p 0 -n 128 -d 0,4096 -r 5 --kv full --json
-      run graph_on kvrun bench -p 0 -n 128 -d 0,4096 -r 5 --kv full --cuda-graph --json ;;
+      run graph_on kvrun bench -p 0 -n 128 -d 0,4096 -r 5 --kv full --cuda-graph --json
+      run graph_off_n8 kvrun bench -p 0 -n 128 -d 0,4096 -r 3 --kv full --parallel 8 --json
+      run graph_on_n8 kvrun bench -p 0 -n 128 -d 0,4096 -r 3 --kv full --parallel 8 --cuda-graph --json ;;
   esac
 done
 for f in "$out"/model*.txt "$out"/graph_*.txt; do  # kvrun bench JSON -> its markdown table

@@ -8,7 +8,9 @@ Each engine step runs
      (Session.decode_batch: the linear layers read the weights once for all rows, each
      sequence's cache attends for its own row, kvrun/kv/batch.py).
 A sequence that finishes frees its slot at once, so the next request is admitted in the
-following step. Prefill chunks and decode steps alternate, so a long prompt never stalls the
+following step. With --cuda-graph the decode step is the static one, replayed from a CUDA
+graph per bucket of batch size and members (kvrun.graph.BatchGraph), where every member's
+method has a static form; other steps run eagerly. Prefill chunks and decode steps alternate, so a long prompt never stalls the
 sequences that are decoding for more than one chunk.
 
 Per sequence the engine does what Session.generate does (the same sampling, history, stop
@@ -36,6 +38,7 @@ import torch
 
 from .errors import KvrunError
 from .generate import Result, Session, Stats, _sync, peak_memory_bytes
+from .graph import BatchGraph
 from .sampling import SamplingConfig, sample
 
 
@@ -68,6 +71,8 @@ class EngineStats:
     peak_kv_bytes: int = 0  # measured bytes of all caches together, at step ends
     prefill_s: float = 0.0  # time in prefill chunks
     decode_s: float = 0.0  # time in batched decode steps (sampling included)
+    graph_steps: int = 0  # decode steps in their static form (replayed, with --cuda-graph)
+    graph_captures: int = 0  # CUDA graphs captured for them
     wall_s: float = 0.0
 
     @property
@@ -105,11 +110,15 @@ class Engine:
     def __init__(self, sessions: list[Session], kv_mem: int | None = None):
         if not sessions:
             raise ValueError("the engine needs at least one session")
-        if any(s.graph_mode != "off" for s in sessions):
-            raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
         self.sessions = sessions
         self.kv_mem = kv_mem
         model = sessions[0].model
+        # sessions asked for CUDA graphs (--cuda-graph): the batch's decode steps replay one
+        # per bucket and members ("static": the same steps uncaptured, for CPU tests)
+        modes = {s.graph_mode for s in sessions}
+        self.graph = None
+        if modes - {"off"}:
+            self.graph = BatchGraph(model, sessions[0].context, capture="on" in modes)
         self.per_token = model.config.kv_bytes_per_token(model.dtype.itemsize)
         self.stats = EngineStats()
 
@@ -231,6 +240,8 @@ class Engine:
             return end(seq, "the prompt is empty")
         seq.chunks, seq.t_prefill = None, now
         seq.stats.stop_reason = "length"
+        if self.graph is not None:  # room for every token it may generate, once
+            self.graph.reserve(seq.session.kv, len(seq.session.tokens) + seq.limit)
         if seq.limit > 0:
             self._take(seq, logits, end)
         else:
@@ -240,14 +251,21 @@ class Engine:
     def _decode_step(self, seqs: list[_Seq], end) -> None:
         """One token for each of seqs in one forward pass."""
         try:
-            logits = Session.decode_batch([q.session for q in seqs], [q.feed for q in seqs])
+            if self.graph is not None:  # slot order: the same members, the same graph
+                seqs = sorted(seqs, key=lambda q: self.sessions.index(q.session))
+            logits = Session.decode_batch(
+                [q.session for q in seqs], [q.feed for q in seqs], self.graph
+            )
         except Exception as e:  # noqa: BLE001 - the step's caches may be half-written
             msg = str(e) if isinstance(e, KvrunError) else f"{type(e).__name__}: {e}"
             for q in seqs:
                 end(q, f"failed in a batched decode step: {msg}")
             return
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(seqs)
+        st = self.stats
+        st.decode_steps += 1
+        st.decode_tokens += len(seqs)
+        if self.graph is not None:
+            st.graph_steps, st.graph_captures = self.graph.static_steps, self.graph.captures
         for q, row in zip(seqs, logits, strict=True):
             q.feed = None
             self._take(q, row, end)

@@ -11,8 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import ContextOverflow, KvrunError
-from .graph import DecodeGraph, static_unsupported
-from .kv.batch import BatchKV
+from .graph import BatchGraph, DecodeGraph, eager_rows, static_unsupported
 from .sampling import SamplingConfig, sample
 
 
@@ -207,24 +206,26 @@ class Session:
 
     @staticmethod
     @torch.inference_mode()
-    def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+    def decode_batch(
+        sessions: Sequence[Session], tokens: Sequence[int], graph: BatchGraph | None = None
+    ) -> torch.Tensor:
         """Feed one token to each of several sessions of one model in one forward pass (the
         linear layers read the weights once for all of them; each session's cache attends
-        for its own row: kvrun.kv.batch). Returns the next-token logits (B, V). Eager steps
-        only (graph mode is per session)."""
+        for its own row: kvrun.kv.batch). Returns the next-token logits (B, V). With `graph`
+        the step is the static one, replayed from a CUDA graph where every cache allows
+        (kvrun.graph.BatchGraph); without, eager (the sessions' own graph mode is not used)."""
         if len(sessions) != len(tokens):
             raise ValueError(f"{len(tokens)} tokens for {len(sessions)} sessions")
         model = sessions[0].model
         if any(s.model is not model for s in sessions):
             raise ValueError("a batch runs sessions of one model")
-        if any(s.graph_mode != "off" for s in sessions):
-            raise ValueError("batched decode steps are eager: sessions with graph='off'")
         for s in sessions:
             s.check_fits(1)
-        dev = model.device
-        tok = torch.tensor([[t] for t in tokens], device=dev)  # (B, 1)
-        pos = torch.tensor([[len(s.tokens)] for s in sessions], device=dev)  # (B, 1)
-        logits = model(tok, pos, BatchKV([s.kv for s in sessions]))[:, -1]
+        kvs, positions = [s.kv for s in sessions], [len(s.tokens) for s in sessions]
+        if graph is not None:
+            logits = graph.step(kvs, tokens, positions)
+        else:
+            logits = eager_rows(model, kvs, tokens, positions)
         for s, t in zip(sessions, tokens, strict=True):
             s.kv.end_step()
             s.tokens.append(t)

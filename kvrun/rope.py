@@ -61,6 +61,10 @@ class Rope:
         if n > self._cos.shape[0]:
             self._grow(n)
 
+    def static_key(self) -> tuple:
+        """What a captured step depends on: the tables' addresses (they move when they grow)."""
+        return (self._cos.data_ptr(), self._sin.data_ptr(), self._ssin.data_ptr())
+
     def tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos, sin tables (>= n, D), covering positions below n, for kernels that
         read rows by position themselves (kernels.codebook_decode)."""

@@ -167,6 +167,9 @@ def test_parallel_refuses_bad_options(tiny, tmp_path):
     assert r.exit_code != 0 and "--kv-mem lots" in r.stderr
     r = run_cli("--jsonl", str(src), "-q", "x", "--parallel", "0", "-m", str(tiny.gguf_path))
     assert r.exit_code != 0 and "--parallel" in r.stderr
+    r = run_cli("--jsonl", str(src), "-q", "x", "--parallel", "2", "--cuda-graph",
+                "-m", str(tiny.gguf_path))  # fmt: skip
+    assert r.exit_code != 0 and "--cuda-graph needs a CUDA device" in r.stderr
 
 
 def test_resume_after_kill_mid_batch(tiny, tmp_path):
@@ -199,10 +202,17 @@ def test_resume_after_kill_mid_batch(tiny, tmp_path):
         assert got[i]["tokens"] == rec["tokens"]
 
 
-def test_engine_refuses_graph_sessions(tiny_rt):
-    s = Session(tiny_rt.model, tiny_rt.tokenizer, tiny_rt.new_kv(check("full")), graph="static")
-    with pytest.raises(Exception, match="--parallel"):
-        Engine([s])
+def test_graph_sessions_batch_through_one_batch_graph(tiny_rt):
+    """Sessions that asked for a graph (--cuda-graph) decode their batch through the engine's
+    BatchGraph (tests/test_graph_batch.py); "static" ones run its steps uncaptured."""
+    s = [Session(tiny_rt.model, tiny_rt.tokenizer, tiny_rt.new_kv(check("full")), graph="static")
+         for _ in range(2)]  # fmt: skip
+    eng = Engine(s)
+    assert eng.graph is not None and not eng.graph.capture
+    assert (
+        Engine([Session(tiny_rt.model, tiny_rt.tokenizer, tiny_rt.new_kv(check("full")))]).graph
+        is None
+    )
 
 
 def test_needle_parallel_gives_the_sequential_grid(tiny, tmp_path):

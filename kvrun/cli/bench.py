@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from ..errors import KvrunError
 from ..shapes import is_preset, preset_config
 from ..tasks.bench_settings import (
     BenchSettings,
@@ -125,8 +124,6 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
         specs=tuple(check_kv({"kv": m}) for m in kw["kv"]),
         parallel=kw.pop("parallel"),
     )
-    if settings.parallel > 1 and settings.cuda_graph:
-        raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
     _check_before_loading(settings, kw)
     # the common loader checks a single --kv; ours were checked above
     from ..tasks.bench import run_bench

@@ -83,7 +83,8 @@ def graph_option(f):
         show_default=True,
         help="Replay each decode step as one CUDA graph (needs --device cuda; every method "
         "that only appends at decode steps; h2o, streaming, minicache and spindlekv decode "
-        "eagerly, with a note).",
+        "eagerly, with a note). With --parallel N a batch's step is captured per batch-size "
+        "bucket (1, 2, 4, 8, 16, ...) and its sequences.",
     )(f)
 
 

@@ -130,8 +130,6 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     rt = load_with_progress(kw)
     tok = rt.tokenizer
     parallel, kv_mem = kw.pop("parallel"), parse_mem(kw.pop("kv_mem"), rt.model.device)
-    if parallel > 1 and kw.get("cuda_graph"):
-        raise KvrunError("--parallel decodes in eager batched steps; drop --cuda-graph")
     sessions = [new_session(rt, rt.new_kv(spec), kw) for _ in range(parallel)]
     session = sessions[0]
     settings = {

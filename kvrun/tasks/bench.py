@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..generate import Session, peak_memory_bytes
+from ..graph import BatchGraph
 from ..kv import KVSpec
 from .bench_settings import BenchSettings, cases, check_settings, row_labels
 
@@ -50,7 +51,7 @@ def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
     filled and prompted in turn, then all decode together in batched steps, and tg is the
     aggregate rate of the batch)."""
     dev = rt.model.device
-    graph = "on" if s.cuda_graph and s.parallel == 1 else "off"
+    graph = "on" if s.cuda_graph else "off"
     sessions = [
         Session(
             rt.model,
@@ -72,15 +73,22 @@ def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
     t1 = time.perf_counter()
     held_before = kv.nbytes()
     toks = [int(x.argmax()) if x is not None else first for x in logits]
-    if s.n_gen:
-        sess.prepare_decode(s.n_gen)  # a CUDA graph is captured once per sequence, untimed
+    batch = BatchGraph(rt.model, sess.context) if graph == "on" and len(sessions) > 1 else None
+    if s.n_gen:  # a CUDA graph is captured once per sequence (or batch), untimed
+        if batch is None:
+            sess.prepare_decode(s.n_gen)
+        else:
+            kvs = [x.kv for x in sessions]
+            for x in sessions:
+                batch.reserve(x.kv, len(x.tokens) + s.n_gen)
+            batch.prepare(kvs, toks, [len(x.tokens) for x in sessions])
     _sync(dev)
     t2 = time.perf_counter()
     for _ in range(s.n_gen):  # greedy, with the per-token sync a runner pays
         if len(sessions) == 1:
             toks = [int(sess.decode(toks[0]).argmax())]
         else:
-            toks = Session.decode_batch(sessions, toks).argmax(-1).tolist()
+            toks = Session.decode_batch(sessions, toks, batch).argmax(-1).tolist()
     _sync(dev)
     t3 = time.perf_counter()
     return {
