@@ -13,9 +13,10 @@ A batch of sequences (the engine's `--parallel N`) decodes through `BatchGraph`:
 B sequences padded to a bucket size (1, 2, 4, 8, then multiples of 8, as nano-vllm buckets),
 captured over its members' static buffers. Each sequence keeps its own store, so a captured
 step is specific to its members: it is keyed by the bucket, the members in slot order and
-their buffers, and kept while the members stay (a full cache keeps its buffers from one
-document to the next, so a slot's new document replays its predecessor's graph). Padding rows
-write and attend in a small scratch cache of their own, at position 0, and are dropped.
+their buffers, captured when the same members decode two steps in a row, and kept (the 16
+most recently replayed). A full cache keeps its buffers from one document to the next, so a
+slot's next document replays its predecessor's graph. Padding rows write and attend in a
+small scratch cache of their own, at position 0, and are dropped.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class BatchGraph:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, logits)
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> tok, pos
         self.pad = None  # the padding rows' scratch cache, made on first use
+        self.last: tuple | None = None  # the previous static step's key
         self.captures = 0  # graphs captured (a figure for the stats)
         self.static_steps = 0
         self.eager_steps = 0
@@ -220,10 +222,15 @@ class BatchGraph:
         return rows, forward
 
     def _graph(self, rows, forward, replay: bool = True) -> torch.Tensor:
-        """The output of the step captured over these rows' buffers (captured now if new),
-        replayed."""
+        """The step's output, replayed from the graph captured over these rows' buffers. A
+        member set is captured on its second step in a row (or by `prepare`): under
+        continuous batching a set that lasts one step (a sequence joining as another leaves)
+        would cost a capture for one replay, so its first step runs uncaptured."""
         key = (self.model.rope.static_key(), *(kv.static_buffers() for kv in rows))
         hit = self.graphs.pop(key, None)
+        last, self.last = self.last, key
+        if hit is None and replay and key != last:
+            return forward()
         if hit is None:
             hit = capture_graph(forward, warmup=2 if not self.captures else 1)
             self.captures += 1

@@ -143,6 +143,26 @@ def test_engine_replays_a_step_only_for_its_members(tiny_rt, monkeypatch, spec):
         assert eng2.graph.captures < 2 * g.captures
 
 
+def test_a_member_set_is_captured_on_its_second_step_in_a_row(monkeypatch):
+    """Sets that change at every step (continuous batching's churn) are not captured; a set
+    that decodes twice in a row is, and is then replayed when it comes back."""
+    monkeypatch.setattr(kvrun.graph, "capture_graph", fake_capture)
+    m = tiny_model()
+    sess = [Session(m, None, new_kv(m, "full"), graph="static") for _ in LENS]
+    toks = prefill(sess)
+    g = BatchGraph(m, m.config.context_length, capture=True)
+    pairs, trio = (sess[:2], sess[1:]), sess
+    for i in range(4):  # two sets, alternating
+        Session.decode_batch(pairs[i % 2], [toks[0]] * 2, g)
+    assert g.captures == 0 and g.static_steps == 4
+    for _ in range(3):
+        Session.decode_batch(trio, toks, g)
+    assert g.captures == 1 and len(g.graphs) == 1
+    Session.decode_batch(pairs[0], [toks[0]] * 2, g)
+    Session.decode_batch(trio, toks, g)  # back: replayed, not recaptured
+    assert g.captures == 1
+
+
 def test_a_member_without_a_static_form_makes_the_step_eager(tiny_rt, monkeypatch):  # noqa: F811
     """A request with its own h2o cache (as a needle grid mixes methods) in a graph batch: the
     steps it is in run eagerly, the others replay, and every document's tokens are kept."""
