@@ -8,10 +8,10 @@ Each engine step runs
      (Session.decode_batch: the linear layers read the weights once for all rows, each
      sequence's cache attends for its own row, kvrun/kv/batch.py).
 A sequence that finishes frees its slot at once, so the next request is admitted in the
-following step. With --cuda-graph the decode step is the static one, replayed from a CUDA
-graph per bucket of batch size and members (kvrun.graph.BatchGraph), where every member's
-method has a static form; other steps run eagerly. Prefill chunks and decode steps alternate, so a long prompt never stalls the
-sequences that are decoding for more than one chunk.
+following step. Prefill chunks and decode steps alternate, so a long prompt never stalls the
+sequences that are decoding for more than one chunk. With --cuda-graph a decode step is the
+static one, replayed from a CUDA graph per batch-size bucket and members
+(kvrun.graph.BatchGraph) where every member's method has a static form; others run eagerly.
 
 Per sequence the engine does what Session.generate does (the same sampling, history, stop
 tokens, streamed text and stats), so greedy outputs equal a sequential run's (up to the float

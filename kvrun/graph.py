@@ -49,7 +49,7 @@ def room(kv, need: int, limit: int) -> None:
 def make_ready(kv, position: int, limit: int) -> None:
     """Room for a static token at `position`: doubled when it is past the capacity, else the
     same (a prefill since the last step may have used the room the manager reserved)."""
-    if position >= kv.capacity or not kv.static:
+    if position >= kv.capacity:
         room(kv, max(min(2 * position + 1, limit), position + 1), limit)
     else:
         kv.make_static(kv.capacity)
@@ -160,8 +160,9 @@ class DecodeGraph:
 
 class BatchGraph:
     """Decode steps of a batch of sequences as replayable steps (see the module docstring):
-    one per bucket and members, captured on first use and replayed while the members and
-    their buffers stay. A step with a member that cannot be static runs eagerly."""
+    one per bucket and members, captured on the members' second step in a row and replayed
+    while they and their buffers stay. A step with a member that cannot be static (or is
+    flushing before it attends) runs eagerly."""
 
     def __init__(self, model, limit: int, capture: bool = True):
         self.model, self.limit, self.capture = model, limit, capture

@@ -88,16 +88,16 @@ def graph_option(f):
     )(f)
 
 
-def new_session(rt: Runtime, kv, kw: dict) -> Session:
+def new_session(rt: Runtime, kv, kw: dict, note: bool = True) -> Session:
     """A Session with the command's --ubatch, -c and --cuda-graph; notes why a requested graph
-    is not used."""
+    is not used (unless note is False: the other slots of a --parallel batch)."""
     from ..generate import Session
 
     graph = "on" if kw.get("cuda_graph") else "off"
     session = Session(
         rt.model, rt.tokenizer, kv, ubatch=kw["ubatch"], context=kw["ctx_size"], graph=graph
     )
-    if session.graph_note:
+    if session.graph_note and note:
         err_console.print(session.graph_note, style="yellow")
     return session
 

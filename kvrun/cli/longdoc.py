@@ -130,7 +130,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     rt = load_with_progress(kw)
     tok = rt.tokenizer
     parallel, kv_mem = kw.pop("parallel"), parse_mem(kw.pop("kv_mem"), rt.model.device)
-    sessions = [new_session(rt, rt.new_kv(spec), kw) for _ in range(parallel)]
+    sessions = [new_session(rt, rt.new_kv(spec), kw, note=i == 0) for i in range(parallel)]
     session = sessions[0]
     settings = {
         "model": str(rt.path),
