@@ -210,10 +210,11 @@ class _Runner:
 
     def summary(self) -> str:
         s = self.stats
+        graph = f", {s.graph_steps} static, {s.graph_captures} graphs" if s.graph_steps else ""
         return (
             f"parallel {len(self.sessions)}: {s.sequences} sequences in {s.wall_s:.1f} s "
             f"({60 * s.sequences / s.wall_s:.1f}/min); decode {s.decode_tok_s:.1f} tok/s "
-            f"aggregate ({s.decode_steps} batched steps, {s.decode_s:.1f} s), prefill "
+            f"aggregate ({s.decode_steps} batched steps{graph}, {s.decode_s:.1f} s), prefill "
             f"{s.prefill_tokens} tok in {s.prefill_s:.1f} s; up to {s.max_active} at once, "
             f"peak KV {s.peak_kv_bytes / 2**20:.1f} MiB"
             if s.wall_s
