@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of the kernels issue, in stages that each fit a 10-minute slot:
 #
-#   bash bench/gpu.sh [STAGE...] [-o DIR]     stages: tests kernels model graph (default: all)
+#   bash bench/gpu.sh [STAGE...] [-o DIR]     stages: tests kernels model graph parallel (default: all)
 #
 #   tests    the kernel, graph and end-to-end tests on CUDA (compiled Triton, bf16 included)
 #   kernels  bench/kernels.py --check, then GB/s of dense and KIVI-2/4 decode at 8k/32k/128k
@@ -9,6 +9,9 @@
 #            0, 8192, 32768; full also with --cuda-graph
 #   graph    the default model (SmolLM2-135M): decode tok/s with and without the CUDA graph,
 #            one sequence and --parallel 8
+#   parallel kvrun bench on Llama-3-8B shapes (random weights): 64 tokens decoded after 1,000
+#            at --parallel 1, 8, 32, full and snapkv, with CUDA graphs (aggregate tok/s);
+#            then bench/parallel.py on the default model (real text), N = 1, 8, 32
 #
 # Output goes to DIR (default $OUT if set, else bench/gpu-results): one file per command
 # (JSON where the command has --json; kvrun bench's also as a markdown table, NAME.md), the
@@ -20,11 +23,11 @@ stages=()
 while [ $# -gt 0 ]; do
   case $1 in
     -o) out=$2; shift 2 ;;
-    tests|kernels|model|graph) stages+=("$1"); shift ;;
-    *) echo "bench/gpu.sh: unknown stage or flag '$1' (stages: tests kernels model graph; -o DIR)" >&2; exit 2 ;;
+    tests|kernels|model|graph|parallel) stages+=("$1"); shift ;;
+    *) echo "bench/gpu.sh: unknown stage or flag '$1' (stages: tests kernels model graph parallel; -o DIR)" >&2; exit 2 ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests kernels model graph)
+[ ${#stages[@]} -eq 0 ] && stages=(tests kernels model graph parallel)
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv \
   > "$out/gpu.txt" 2>&1 || { echo "bench/gpu.sh: no NVIDIA GPU (nvidia-smi failed)" >&2; exit 1; }
@@ -54,6 +57,13 @@ for s in "${stages[@]}"; do
       run graph_on kvrun bench -p 0 -n 128 -d 0,4096 -r 5 --kv full --cuda-graph --json
       run graph_off_n8 kvrun bench -p 0 -n 128 -d 0,4096 -r 3 --kv full --parallel 8 --json
       run graph_on_n8 kvrun bench -p 0 -n 128 -d 0,4096 -r 3 --kv full --parallel 8 --cuda-graph --json ;;
+    parallel)
+      for n in 1 8 32; do
+        run model_parallel_n$n kvrun bench -m llama3-8b-synthetic -p 1000 -n 64 -r 2 \
+          --kv full --kv snapkv --parallel $n --cuda-graph --json
+      done
+      run parallel python bench/parallel.py --docs 32 --parallel 1,8,32 --cuda-graph \
+        --out "$out/parallel.md" ;;
   esac
 done
 for f in "$out"/model*.txt "$out"/graph_*.txt; do  # kvrun bench JSON -> its markdown table

@@ -2,6 +2,7 @@
 
     python bench/parallel.py [-m smollm2] [--docs 16] [--doc-tokens 1000] [-n 64]
                              [--parallel 1,4,8] [--kv full --kv snapkv] [--text FILE]
+                             [--wtype auto] [--device auto] [--cuda-graph] [--out FILE]
 
 Builds --docs documents of about --doc-tokens tokens from --text (default: the GPL-3 text
 shipped with Debian, any long English text works), asks each the same question with greedy
@@ -11,7 +12,8 @@ building, the sequential loop for N = 1, kvrun.engine for N > 1) on one loaded m
 row per (--kv, N). Reports wall time for the batch, documents per minute, aggregate decode
 tok/s (generated tokens over the time spent in decode steps) and the speedup over N = 1 of
 the same --kv; checks that every document's tokens equal the N = 1 run's. The table goes to
-stdout and into bench/README.md between parallel markers, with date, machine and command.
+stdout and into bench/README.md (or --out) between parallel markers, with date, machine and
+command. On a GPU: `bash bench/gpu.sh parallel` (N = 1, 8, 32 with CUDA graphs).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from headline import write_section
 
 from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
+from kvrun.runtime import load_runtime, pick_device
 from kvrun.sampling import SamplingConfig
 from kvrun.tasks import longdoc as task
 from kvrun.tasks.bench import machine
@@ -48,6 +50,9 @@ def args() -> argparse.Namespace:
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--wtype", default="auto")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="decode steps replay CUDA graphs (kvrun longdoc --cuda-graph)")  # fmt: skip
     ap.add_argument("--out", default=str(README))
     return ap.parse_args()
 
@@ -64,8 +69,10 @@ def documents(tok, text: str, n: int, size: int) -> list[task.Doc]:
 
 def run(rt, spec, docs, a, parallel: int) -> tuple[float, dict, float, int]:
     """(wall s, tokens by id, decode s, generated tokens) of one batch."""
+    graph = "on" if a.cuda_graph else "off"
     sessions = [
-        Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=a.ubatch) for _ in range(parallel)
+        Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=a.ubatch, graph=graph)
+        for _ in range(parallel)
     ]
     templates = {t: task.load_template(t) for t in ("question", "summarize")}
     job = task.Job(templates, "What is this text about? Answer in detail.", False,
@@ -90,7 +97,11 @@ def run(rt, spec, docs, a, parallel: int) -> tuple[float, dict, float, int]:
 
 def main() -> None:
     a = args()
-    rt = load_runtime(a.model, a.dtype, a.device, log=lambda m: print(m, file=sys.stderr))
+    if a.cuda_graph and pick_device(a.device).type != "cuda":
+        raise SystemExit("--cuda-graph needs a CUDA device (--device cuda)")
+    rt = load_runtime(
+        a.model, a.dtype, a.device, log=lambda m: print(m, file=sys.stderr), wtype=a.wtype
+    )
     text = Path(a.text).read_text("utf-8", errors="replace")
     docs = documents(rt.tokenizer, text, a.docs, a.doc_tokens)
     rows = []
@@ -117,7 +128,7 @@ def main() -> None:
             f"- machine: {m['device_name']} ({m['device']}), {m['threads']} threads, "
             f"torch {m['torch']}",
             f"- model: {rt.path.name}, {str(rt.model.dtype).removeprefix('torch.')} "
-            f"(wtype {rt.weights.wtype})",
+            f"(wtype {rt.weights.wtype}){', CUDA graphs' if a.cuda_graph else ''}",
             f"- command: `python bench/parallel.py {shlex.join(sys.argv[1:])}`",
             f"- {len(docs)} documents of {a.doc_tokens} tokens, one question each, greedy, "
             f"up to {a.n} tokens per answer; wall = the whole batch (prefill and decode)",
