@@ -199,6 +199,8 @@ class Engine:
             if active:
                 st.peak_kv_bytes = max(st.peak_kv_bytes, sum(q.session.kv.nbytes() for q in active))
             st.wall_s = time.perf_counter() - t_start
+            if self.graph is not None:
+                st.graph_steps, st.graph_captures = self.graph.static_steps, self.graph.captures
             yield from ready
             ready.clear()
 
@@ -261,11 +263,8 @@ class Engine:
             for q in seqs:
                 end(q, f"failed in a batched decode step: {msg}")
             return
-        st = self.stats
-        st.decode_steps += 1
-        st.decode_tokens += len(seqs)
-        if self.graph is not None:
-            st.graph_steps, st.graph_captures = self.graph.static_steps, self.graph.captures
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
         for q, row in zip(seqs, logits, strict=True):
             q.feed = None
             self._take(q, row, end)

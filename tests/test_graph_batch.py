@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine import GREEDY, tiny, tiny_rt  # noqa: F401 - module fixtures
-from test_graph import HostReads
+from test_graph import HostReads, _kv_on
 from test_kv_methods import config as tiny_config
 from test_kv_methods import new_kv, prompt, random_transformer
 from test_kv_methods import tiny as tiny_model
@@ -35,7 +35,16 @@ SPECS = ["full", "kivi2:residual=32", "minikv:residual=32", "snapkv", "xkv+kivi2
 def decode_rows(model, spec: str, graph: BatchGraph | None, n: int = 40):
     """Logits (n, B, V) of n batched greedy decode steps after prefilling LENS prompts."""
     mode = "off" if graph is None else "static"
-    sess = [Session(model, None, _kv(model, spec), ubatch=64, graph=mode) for _ in LENS]
+    sess = [
+        Session(
+            model,
+            None,
+            new_kv(model, spec) if model.device.type == "cpu" else _kv_on(model, spec),
+            ubatch=64,
+            graph=mode,
+        )
+        for _ in LENS
+    ]
     toks = prefill(sess)
     out = []
     for _ in range(n):
@@ -51,14 +60,6 @@ def prefill(sessions) -> list[int]:
         int(s.prefill(prompt(k, seed=i)).argmax())
         for i, (s, k) in enumerate(zip(sessions, LENS, strict=True))
     ]
-
-
-def _kv(model, spec):
-    if model.device.type == "cpu":
-        return new_kv(model, spec)
-    from kvrun.kv import build
-
-    return build(check(spec), model.config, model.rope, model.device, model.dtype)
 
 
 def test_buckets():
