@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import decode_loop
 from .config import ModelConfig
 from .packed import PackedEmbedding, PackedLinear, Scratch, matmul_path
 from .quant import Packed
@@ -145,6 +146,12 @@ class Transformer(nn.Module):
         self.model = Decoder(c)
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         self.rope: Rope | None = None
+        self._loop: list | None | bool = False  # decode_loop.bind's layers; False: not bound
+        self.use_decode_loop = True  # False: decode steps go through the modules (to compare)
+
+    def _apply(self, fn, recurse=True):
+        self._loop = False  # .to() / .cuda(): the bound tensors are stale
+        return super()._apply(fn, recurse)
 
     @classmethod
     def from_weights(
@@ -217,8 +224,13 @@ class Transformer(nn.Module):
         """Logits (B, T, V) for tokens (B, T) at positions (T,), or (B, T) when each row is its
         own sequence (kv is then a kvrun.kv.batch.BatchKV); only the last row if asked."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
-        for block in self.model.layers:
-            x = block(x, positions, kv)
+        if self._loop is False:
+            self._loop = decode_loop.bind(self)
+        if self._loop and self.use_decode_loop and decode_loop.takes(x):
+            x = decode_loop.blocks(self, self._loop, x, positions, kv)
+        else:
+            for block in self.model.layers:
+                x = block(x, positions, kv)
         if last_only:
             x = x[:, -1:]
         return self.head(self.model.norm(x)).float()  # (B, T, V)

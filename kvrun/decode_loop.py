@@ -1,0 +1,96 @@
+"""A decode step's blocks as one flat loop over prebound int4 products (CPU).
+
+A decode step of the default model makes 120 products of ~40 us each; through the modules it
+also pays ~150 us a layer of Python around them (module calls, dtype and path checks made
+anew for every product). This loop is bound once per model: each layer's norms and the int4
+op's arguments of its four products sit in one tuple, and the step does the same arithmetic
+as `Block.forward`, op for op (the test checks the logits bit for bit), with none of the
+checks. It serves the rows of a decode step (up to DECODE_ROWS, one token each) on a float32
+model whose products all run through the CPU int4 op; anything else takes the modules.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import int4mm
+from .packed import DECODE_ROWS, PackedLinear
+
+_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+
+
+class Product(NamedTuple):
+    """One int4 product: y (R, N) = x (R, K) @ W^T, bfloat16 in and out."""
+
+    planes: tuple[torch.Tensor, ...]
+    sz: tuple[torch.Tensor, ...]
+    group: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.planes) == 1:
+            return _MM(x, self.planes[0], self.group, self.sz[0])
+        return int4mm.mm(x, self.planes, self.sz, self.group)
+
+
+class Layer(NamedTuple):
+    norm1: torch.Tensor  # (dim,) input_layernorm
+    qkv: Product  # dim -> (Hq + 2 Hkv) D
+    o: Product  # Hq D -> dim
+    norm2: torch.Tensor  # (dim,) post_attention_layernorm
+    gate_up: Product  # dim -> 2 ffn
+    down: Product  # ffn -> dim
+
+
+def _product(mod) -> Product | None:
+    if type(mod) is not PackedLinear or mod._op is None or mod._op.cuda:
+        return None
+    return Product(mod._op.planes, mod._op.sz, mod.group)
+
+
+def bind(model) -> list[Layer] | None:
+    """The flat layers of `model`, or None where the loop does not apply (dense or CUDA
+    products, Q/K/V or gate/up not stacked, a compute dtype other than float32)."""
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        return None
+    layers = []
+    for block in model.model.layers:
+        a, mlp = block.self_attn, block.mlp
+        prods = [_product(m) for m in (a.qkv, a.o_proj, mlp.gate_up, mlp.down_proj)]
+        if any(p is None for p in prods):
+            return None
+        qkv, o, gate_up, down = prods
+        norm1, norm2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
+        layers.append(Layer(norm1, qkv, o, norm2, gate_up, down))
+    return layers
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the loop serves these embeddings (B, T, dim): decode rows, float32."""
+    B, T, _ = x.shape
+    return T == 1 and B <= DECODE_ROWS and x.dtype == torch.float32
+
+
+def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.Tensor:
+    """x (B, 1, dim) through every block: the arithmetic of Block.forward (float32 residual
+    and norms; bfloat16 into and out of the int4 op, as `PackedLinear.matmul` casts)."""
+    c = model.config
+    B, T, dim = x.shape
+    hq, hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
+    split, eps, shape = [hq * d, hkv * d, hkv * d], c.norm_eps, (dim,)
+    bf16 = torch.bfloat16
+    for i, L in enumerate(layers):
+        h = F.rms_norm(x, shape, L.norm1, eps).view(B * T, dim).to(bf16)
+        q, k, v = L.qkv(h).to(torch.float32).split(split, dim=-1)  # (B T, *)
+        q = q.view(B, T, hq, d).transpose(1, 2)  # (B, Hq, T, D)
+        k = k.view(B, T, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        out = kv.attend(i, q, k, v, positions)  # (B, Hq, T, D)
+        out = out.transpose(1, 2).reshape(B * T, hq * d).to(bf16)
+        x = torch.add(x, L.o(out).view(B, T, dim))  # float32 + bfloat16 -> float32
+        h = F.rms_norm(x, shape, L.norm2, eps).view(B * T, dim).to(bf16)
+        gate, up = L.gate_up(h).chunk(2, dim=-1)  # (B T, ffn) each, bfloat16
+        x = torch.add(x, L.down(F.silu(gate).mul_(up)).view(B, T, dim))
+    return x

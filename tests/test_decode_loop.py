@@ -1,0 +1,108 @@
+"""The flat decode loop (kvrun/decode_loop.py) against the modules it stands in for.
+
+The loop must do Block.forward's arithmetic op for op, so decode-step logits are compared
+bit for bit: one sequence over many steps (KIVI flushes, MiniKV and SnapKV evictions, the
+MiniCache merge), and rows of several sequences in one batched step."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from test_packed_default import packed_runtime  # noqa: F401 (module fixture)
+
+from kvrun import decode_loop
+from kvrun.generate import Session
+from kvrun.kv import check
+
+TEXT = (
+    "The lighthouse keeper wrote in his log every evening: the weather, the ships that "
+    "passed, the colour of the sea. In the spring of that year a storm broke the lamp. "
+)
+
+
+@contextmanager
+def counted(mp):
+    """Count the steps that went through the loop."""
+    calls = []
+    real = decode_loop.blocks
+
+    def blocks(*a, **kw):
+        calls.append(a[2].shape)
+        return real(*a, **kw)
+
+    mp.setattr(decode_loop, "blocks", blocks)
+    yield calls
+
+
+def run(rt, spec, budget, ids, steps):
+    """Prefill ids, then greedy decode steps; the logits of every step."""
+    s = Session(rt.model, rt.tokenizer, rt.new_kv(check(spec, budget)), ubatch=64)
+    logits = [s.prefill(ids)]
+    for _ in range(steps):
+        logits.append(s.decode(int(logits[-1].argmax())))
+    return torch.stack(logits)
+
+
+def test_binds_packed_models_only(packed_runtime, default_runtime):  # noqa: F811
+    layers = decode_loop.bind(packed_runtime.model)
+    assert layers is not None and len(layers) == packed_runtime.config.n_layers
+    assert len(layers[0].qkv.planes) == 1  # Q4_1: one int4 plane a product
+    assert decode_loop.bind(default_runtime.model) is None  # dense float32 weights
+    x = torch.zeros(1, 1, packed_runtime.config.dim)
+    assert decode_loop.takes(x)
+    assert not decode_loop.takes(torch.zeros(1, 2, x.shape[-1]))  # a prefill chunk
+    assert not decode_loop.takes(torch.zeros(9, 1, x.shape[-1]))  # beyond the op's rows
+    assert not decode_loop.takes(x.bfloat16())
+
+
+METHODS = [("full", None), ("snapkv", "0.5"), ("kivi2", None), ("minikv", None),
+           ("minicache", None), ("h2o", "0.5"), ("xkv+kivi2", "0.5")]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec,budget", METHODS)
+def test_loop_equals_modules(packed_runtime, spec, budget, monkeypatch):  # noqa: F811
+    rt = packed_runtime
+    ids = rt.tokenizer.encode(TEXT * 3)[:120]
+    m = rt.model
+    with counted(monkeypatch) as calls:
+        fast = run(rt, spec, budget, ids, 40)
+    assert len(calls) == 40  # every decode step took the loop, no prefill chunk did
+    m.use_decode_loop = False
+    try:
+        ref = run(rt, spec, budget, ids, 40)
+    finally:
+        m.use_decode_loop = True
+    assert torch.equal(fast, ref)
+
+
+def test_batched_rows_equal_modules(packed_runtime, monkeypatch):  # noqa: F811
+    """Three sequences at different lengths and methods decode as rows of one step."""
+    rt = packed_runtime
+    m = rt.model
+    texts = [TEXT, TEXT * 2, "Once upon a time " * 5]
+    specs = [("full", None), ("snapkv", "0.5"), ("kivi2", None)]
+
+    def steps(n):
+        sessions = []
+        for text, (spec, budget) in zip(texts, specs, strict=True):
+            s = Session(m, rt.tokenizer, rt.new_kv(check(spec, budget)), ubatch=64)
+            s.prefill(rt.tokenizer.encode(text))
+            sessions.append(s)
+        tokens, out = [5, 6, 7], []
+        for _ in range(n):
+            logits = Session.decode_batch(sessions, tokens)
+            tokens = logits.argmax(-1).tolist()
+            out.append(logits)
+        return torch.stack(out)
+
+    with counted(monkeypatch) as calls:
+        fast = steps(20)
+    assert len(calls) == 20 and calls[0][0] == 3
+    m.use_decode_loop = False
+    try:
+        ref = steps(20)
+    finally:
+        m.use_decode_loop = True
+    assert torch.equal(fast, ref)
