@@ -3,6 +3,7 @@
     python bench/decode_profile.py                 # default model, --wtype auto, full cache
     python bench/decode_profile.py --wtype f32     # the dense reference path
     python bench/decode_profile.py --kv snapkv --budget 0.25 --prompt 2048
+    python bench/decode_profile.py --modules       # without the flat decode loop
 
 Decode steps follow a prompt of random ids; the first steps are a warm-up. The table's
 times are self CPU time per step under the profiler (which adds overhead of its own, so
@@ -31,6 +32,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="timed steps (16 more profiled)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument(
+        "--modules",
+        action="store_true",
+        help="decode through the modules, not kvrun/decode_loop.py",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # --wtype auto is passed as nothing, so the script also profiles checkouts from before it
@@ -42,6 +48,8 @@ def main() -> None:
         kv = rt.new_kv(check(args.kv, args.budget))
     except ImportError:  # checkouts before the KV registry: new_kv parsed the text itself
         kv = rt.new_kv(args.kv, args.budget)
+    if args.modules:
+        rt.model.use_decode_loop = False
     s = Session(rt.model, rt.tokenizer, kv)
     ids = torch.randint(100, rt.config.vocab_size, (args.prompt,), generator=torch.Generator())
     with torch.inference_mode():

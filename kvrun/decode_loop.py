@@ -20,6 +20,8 @@ from . import int4mm
 from .packed import DECODE_ROWS, PackedLinear
 
 _MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+# where `rms_norm` may read a number back: free on CPU; on CUDA a sync a graph cannot capture
+READ_BACK = ("cpu",)
 
 
 class Product(NamedTuple):
@@ -73,24 +75,38 @@ def takes(x: torch.Tensor) -> bool:
     return T == 1 and B <= DECODE_ROWS and x.dtype == torch.float32
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None) -> torch.Tensor:
+    """RMSNorm of float32 x (..., dim) (into `out` when given: the cast to its dtype is the
+    product's own). One row on CPU, a decode step's, takes its sum of squares as a number: 3
+    ops where F.rms_norm makes ~7 (~0.5 ms a step of the default model, 61 norms)."""
+    dim = x.shape[-1]
+    if x.numel() != dim or x.device.type not in READ_BACK:
+        y = F.rms_norm(x, (dim,), w, eps)
+        return y if out is None else out.copy_(y)
+    r = torch.linalg.vecdot(x.view(dim), x.view(dim)).item()
+    return torch.mul(torch.mul(x, w), (r / dim + eps) ** -0.5, out=out)
+
+
 def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.Tensor:
     """x (B, 1, dim) through every block: the arithmetic of Block.forward (float32 residual
     and norms; bfloat16 into and out of the int4 op, as `PackedLinear.matmul` casts)."""
     c = model.config
     B, T, dim = x.shape
     hq, hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
-    split, eps, shape = [hq * d, hkv * d, hkv * d], c.norm_eps, (dim,)
+    split, eps = [hq * d, hkv * d, hkv * d], c.norm_eps
     bf16 = torch.bfloat16
+    h = torch.empty(B, T, dim, dtype=bf16)  # each norm's output, the products' input
+    h2 = h.view(B * T, dim)
     for i, L in enumerate(layers):
-        h = F.rms_norm(x, shape, L.norm1, eps).view(B * T, dim).to(bf16)
-        q, k, v = L.qkv(h).to(torch.float32).split(split, dim=-1)  # (B T, *)
+        rms_norm(x, L.norm1, eps, out=h)
+        q, k, v = L.qkv(h2).to(torch.float32).split(split, dim=-1)  # (B T, *)
         q = q.view(B, T, hq, d).transpose(1, 2)  # (B, Hq, T, D)
         k = k.view(B, T, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         out = kv.attend(i, q, k, v, positions)  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(B * T, hq * d).to(bf16)
         x = torch.add(x, L.o(out).view(B, T, dim))  # float32 + bfloat16 -> float32
-        h = F.rms_norm(x, shape, L.norm2, eps).view(B * T, dim).to(bf16)
-        gate, up = L.gate_up(h).chunk(2, dim=-1)  # (B T, ffn) each, bfloat16
+        rms_norm(x, L.norm2, eps, out=h)
+        gate, up = L.gate_up(h2).chunk(2, dim=-1)  # (B T, ffn) each, bfloat16
         x = torch.add(x, L.down(F.silu(gate).mul_(up)).view(B, T, dim))
     return x
