@@ -93,16 +93,14 @@ def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.
     c = model.config
     B, T, dim = x.shape
     hq, hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
-    split, eps = [hq * d, hkv * d, hkv * d], c.norm_eps
+    eps = c.norm_eps
     bf16 = torch.bfloat16
     h = torch.empty(B, T, dim, dtype=bf16)  # each norm's output, the products' input
     h2 = h.view(B * T, dim)
     for i, L in enumerate(layers):
         rms_norm(x, L.norm1, eps, out=h)
-        q, k, v = L.qkv(h2).to(torch.float32).split(split, dim=-1)  # (B T, *)
-        q = q.view(B, T, hq, d).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(B, T, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(B, T, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        heads = L.qkv(h2).to(torch.float32).view(B, T, -1, d).transpose(1, 2)  # (B, H, T, D)
+        q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]  # Hq, Hkv, Hkv
         out = kv.attend(i, q, k, v, positions)  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(B * T, hq * d).to(bf16)
         x = torch.add(x, L.o(out).view(B, T, dim))  # float32 + bfloat16 -> float32
