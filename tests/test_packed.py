@@ -164,6 +164,32 @@ def test_int4_cpu_products_within_bfloat16_rounding(bits):
     torch.testing.assert_close(lin(xl), F.linear(xl, ref_w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("refine,margin", [(64, 6.0), (4, 1e9)])
+def test_head_refines_the_top_logits(monkeypatch, refine, margin):
+    """A decode step's head logits (int4 op): every logit within REFINE_MARGIN of its row's
+    largest is recomputed exactly, at most REFINE of them (the largest); the rest stay the
+    op's bfloat16 product."""
+    monkeypatch.setattr(packed_mod, "REFINE", refine)
+    monkeypatch.setattr(packed_mod, "REFINE_MARGIN", margin)
+    g = torch.Generator().manual_seed(7)
+    p = quantize(torch.randn(512, 128, generator=g), 8)
+    p.exact = True
+    head = PackedEmbedding(p, torch.float32)
+    assert head.use_int4pack()
+    x = 3 * torch.randn(3, 128, generator=g)
+    approx, exact = head.matmul(x, exact=True), F.linear(x, p.dequantize())
+    got = head.logits(x)
+    for r in range(3):
+        near = (approx[r] > approx[r].max() - margin).nonzero().squeeze(1)
+        top = near if near.numel() <= refine else approx[r].topk(refine).indices
+        mask = torch.zeros(512, dtype=torch.bool)
+        mask[top] = True
+        assert 1 <= mask.sum() <= refine and mask.sum() < 512
+        torch.testing.assert_close(got[r][mask], exact[r][mask], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[r][~mask], approx[r][~mask])
+        assert (approx[r][mask] - exact[r][mask]).abs().max() > 1e-4  # there was something to fix
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
     """Layers of BF16_PREFILL_WEIGHTS weights or more (made small here) take the int4 op up
