@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import int4mm
 from .packed import DECODE_ROWS, PackedLinear
 
-_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_MM = int4mm._MM_CPU
 # where `rms_norm` may read a number back: free on CPU; on CUDA a sync a graph cannot capture
 READ_BACK = ("cpu",)
 
