@@ -77,14 +77,21 @@ def takes(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None) -> torch.Tensor:
     """RMSNorm of float32 x (..., dim) (into `out` when given: the cast to its dtype is the
-    product's own). One row on CPU, a decode step's, takes its sum of squares as a number: 3
-    ops where F.rms_norm makes ~7 (~0.5 ms a step of the default model, 61 norms)."""
+    product's own). The rows of a decode step on CPU take their sums of squares as numbers:
+    3 ops where F.rms_norm makes ~7 (~0.5 ms a step of the default model, 61 norms). A row
+    comes out the same alone and among others (`--parallel` keeps the tokens of N = 1)."""
     dim = x.shape[-1]
-    if x.numel() != dim or x.device.type not in READ_BACK:
+    rows = x.numel() // dim
+    if rows > DECODE_ROWS or x.device.type not in READ_BACK:
         y = F.rms_norm(x, (dim,), w, eps)
         return y if out is None else out.copy_(y)
-    r = torch.linalg.vecdot(x.view(dim), x.view(dim)).item()
-    return torch.mul(torch.mul(x, w), (r / dim + eps) ** -0.5, out=out)
+    x2 = x.reshape(rows, dim)  # 2-D for any row count: a 1-D vecdot sums in another order
+    scale = [(s / dim + eps) ** -0.5 for s in torch.linalg.vecdot(x2, x2).tolist()]
+    if rows > 1:  # each factor rounded to float32 as a number is when it multiplies
+        scale = torch.tensor(scale, dtype=x.dtype).view(*x.shape[:-1], 1)
+    else:
+        scale = scale[0]
+    return torch.mul(torch.mul(x, w), scale, out=out)
 
 
 def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.Tensor:

@@ -106,3 +106,39 @@ def test_batched_rows_equal_modules(packed_runtime, monkeypatch):  # noqa: F811
     finally:
         m.use_decode_loop = True
     assert torch.equal(fast, ref)
+
+
+def test_norm_of_a_row_is_the_same_alone_and_among_others():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(576, generator=g)
+    for b in (2, 3, 8):
+        x = torch.randn(b, 1, 576, generator=g) * torch.rand(b, 1, 1, generator=g) * 10
+        both = decode_loop.rms_norm(x, w, 1e-5)
+        for i in range(b):
+            assert torch.equal(both[i], decode_loop.rms_norm(x[i : i + 1], w, 1e-5)[0])
+        ref = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+        torch.testing.assert_close(both, ref, rtol=1e-6, atol=1e-6)
+        out = torch.empty(b, 1, 576, dtype=torch.bfloat16)
+        assert torch.equal(decode_loop.rms_norm(x, w, 1e-5, out=out), both.bfloat16())
+
+
+def test_batched_rows_equal_each_sequence_alone(packed_runtime):  # noqa: F811
+    """The property `--parallel N` rests on: a sequence's logits in a batched step are those
+    of its own step, bit for bit (the batch's int4 products and norms are row-wise)."""
+    rt = packed_runtime
+    texts = [TEXT, TEXT * 2, "Once upon a time " * 5]
+
+    def sessions():
+        out = []
+        for text in texts:
+            s = Session(rt.model, rt.tokenizer, rt.new_kv(check("full", None)), ubatch=64)
+            s.prefill(rt.tokenizer.encode(text))
+            out.append(s)
+        return out
+
+    forced = [[5 + 7 * i + j for j in range(3)] for i in range(12)]  # (steps, B) tokens
+    together = sessions()
+    batched = torch.stack([Session.decode_batch(together, toks) for toks in forced])
+    for j, s in enumerate(sessions()):
+        alone = torch.stack([s.decode(toks[j]) for toks in forced])
+        assert torch.equal(batched[:, j], alone)
