@@ -10,7 +10,8 @@ from torch import nn
 
 from . import decode_loop
 from .config import ModelConfig
-from .packed import PackedEmbedding, PackedLinear, Scratch, matmul_path
+from .matmul_choice import matmul_path
+from .packed import PackedEmbedding, PackedLinear, Scratch
 from .quant import Packed
 from .rope import Rope, inverse_frequencies
 

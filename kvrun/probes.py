@@ -1,7 +1,7 @@
 """What the timing probes found on this machine, kept on disk so that commands which run no
 model (`kvrun info`) can report it without importing torch.
 
-A run that probes (kvrun.packed.matmul_path) records its answer under a key naming the
+A run that probes (kvrun.matmul_choice.matmul_path) records its answer under a key naming the
 probe, the torch build and the CPU; a reader gets None for anything not yet probed with
 this torch on this CPU. The file is a cache: losing it costs one probe, and a write that
 fails is ignored.
@@ -41,7 +41,7 @@ def _machine() -> str:
 
 
 def matmul(device_type: str, dtype: str) -> str:
-    """The name kvrun.packed.matmul_path records its answer under ('int4pack' | 'dequant')."""
+    """The name kvrun.matmul_choice.matmul_path records its answer under ('int4pack' | 'dequant')."""
     return f"matmul_path {device_type} {dtype}"
 
 

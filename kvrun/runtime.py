@@ -93,7 +93,7 @@ def load_runtime(
     wtype: str = "auto",
 ) -> Runtime:
     """Resolve, load and place a model; wtype: auto | f32 | f16 | bf16 | q8 | q4 (see
-    kvrun/weights.py and kvrun/packed.py)."""
+    kvrun/weights.py, kvrun/packed.py and kvrun/matmul_choice.py)."""
     from .model import Transformer
 
     t0 = time.perf_counter()

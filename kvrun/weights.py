@@ -126,7 +126,7 @@ def load_gguf(
     if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
         wtype = dense_name(dtype)  # nothing to keep packed
     elif wtype == "auto":
-        from .packed import auto_wtype
+        from .matmul_choice import auto_wtype
 
         elem = torch.empty(0, dtype=dtype).element_size()
         wtype, note = auto_wtype(config.n_params() * elem, device or torch.device("cpu"), dtype)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_dequant import COLS, DEQUANT_ONLY, ROWS, _raw_blocks, _read, _write
 
-from kvrun import int4mm
+from kvrun import int4mm, matmul_choice
 from kvrun import packed as packed_mod
 from kvrun.errors import KvrunError, UnsupportedModel
 from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear
@@ -202,7 +202,7 @@ def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
     lin = PackedLinear(p, torch.float32)
     lin.use_int4pack()
     monkeypatch.setattr(packed_mod, "BF16_PREFILL_WEIGHTS", 0)
-    monkeypatch.setattr(packed_mod, "bf16_gemm_faster", lambda: True)
+    monkeypatch.setattr(matmul_choice, "bf16_gemm_faster", lambda: True)
     assert lin.op_rows() == packed_mod.BF16_OP_ROWS
     mag = ref_w.abs() + 16 * p.scale.float().abs().repeat_interleave(GROUP, dim=1)
     if p.zero is not None:
@@ -215,7 +215,7 @@ def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
         assert (got - want).abs().max() > 0  # bfloat16, not the exact product
     x = torch.randn(40, 256)
     torch.testing.assert_close(lin.logits(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(packed_mod, "bf16_gemm_faster", lambda: False)
+    monkeypatch.setattr(matmul_choice, "bf16_gemm_faster", lambda: False)
     torch.testing.assert_close(lin(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
 
 
@@ -322,7 +322,7 @@ def test_auto_packs_when_dense_would_not_fit(monkeypatch):
     from kvrun import presets
 
     monkeypatch.setattr(presets, "available_bytes", lambda device: 10 * 2**20)
-    wt, note = packed_mod.auto_wtype(20 * 2**20, torch.device("cpu"), torch.float32)
+    wt, note = matmul_choice.auto_wtype(20 * 2**20, torch.device("cpu"), torch.float32)
     assert wt == "packed" and "would take" in note
 
 
@@ -337,7 +337,7 @@ def test_synthetic_preset_packed_without_floats():
     tensors = random_weights(cfg, torch.float32, torch.device("cpu"), bits=4)
     assert all(isinstance(v, Packed) for k, v in tensors.items() if not k.endswith("norm.weight"))
     rt = preset_runtime("tiny-synthetic", torch.float32, torch.device("cpu"), wtype="q4")
-    planes = packed_mod.matmul_path("cpu", torch.float32) == "int4pack"
+    planes = matmul_choice.matmul_path("cpu", torch.float32) == "int4pack"
     assert measured_bytes(rt.model) == weight_bytes(cfg, torch.float32, 4, planes)
     kv = rt.new_kv()
     with torch.inference_mode():

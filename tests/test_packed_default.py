@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_default_model import PROMPTS
 
-from kvrun import packed as packed_mod
+from kvrun import matmul_choice
 from kvrun.generate import Session
 from kvrun.kv import check
 from kvrun.packed import PackedEmbedding, PackedLinear
@@ -26,7 +26,7 @@ def packed_runtime(default_gguf):
     from kvrun.runtime import load_runtime
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(packed_mod, "auto_wtype", lambda *a: ("packed", "forced by the test"))
+        mp.setattr(matmul_choice, "auto_wtype", lambda *a: ("packed", "forced by the test"))
         rt = load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None, wtype="auto")
     assert rt.weights.wtype == "packed"
     return rt

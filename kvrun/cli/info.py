@@ -95,7 +95,7 @@ def weights_rows(facts: dict, wtype: str, is_gguf: bool, tied: bool) -> dict:
     if path is None:  # not yet probed with this torch on this CPU: probe once (needs torch)
         import torch
 
-        from ..packed import matmul_path
+        from ..matmul_choice import matmul_path
 
         path = matmul_path("cpu", torch.float32)
     planes = path == "int4pack"

@@ -1,0 +1,105 @@
+"""Which matmul path packed weights take on a device, measured once per process.
+
+`matmul_path(device, dtype)` times PyTorch's int4 op against dequantize + F.linear on a probe
+(kvrun/packed.py holds both paths) and keeps the faster; the answer is recorded
+(kvrun/probes.py) so `kvrun info` can report it without torch. `bf16_gemm_faster` decides the
+bfloat16 prefill of large layers, `auto_wtype` what `--wtype auto` means for a GGUF here.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import probes
+from .quant import dense_name, quantize
+
+
+def _probe(n: int, k: int, device: torch.device, dtype: torch.dtype):
+    from .packed import PackedLinear  # (kvrun/packed.py imports this module)
+
+    g = torch.Generator().manual_seed(0)
+    return PackedLinear(quantize(torch.randn(n, k, generator=g) * 0.02, 4).to(device), dtype)
+
+
+def _faster(a, b, reps: int = 15) -> bool:
+    """Whether `a` beats `b`: best of `reps` calls each, alternating a and b, so a busy
+    machine slows both alike (timed one after the other, load spikes picked the winner)."""
+    best = [float("inf"), float("inf")]
+    for r in range(reps + 1):
+        for i, fn in enumerate((a, b)):
+            t = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if r:  # round 0 warms up
+                best[i] = min(best[i], time.perf_counter() - t)
+    return best[0] < best[1]
+
+
+@functools.cache
+def matmul_path(device_type: str, dtype: torch.dtype) -> str:
+    """'int4pack' or 'dequant': the path that measures faster for a decode-step product here
+    (one row; a 1536 x 576 probe, the default model's FFN, on CPU; 2048 x 4096 on CUDA,
+    whose op takes K in multiples of 1024); the int4 op must also agree with the exact
+    product to 1e-2. Recorded for `kvrun info`."""
+    path = _measure_path(device_type, dtype)
+    probes.record(probes.matmul(device_type, str(dtype).removeprefix("torch.")), path)
+    return path
+
+
+def _measure_path(device_type: str, dtype: torch.dtype) -> str:
+    device = torch.device(device_type)
+    n, k = (2048, 4096) if device.type == "cuda" else (1536, 576)
+    lin, deq = _probe(n, k, device, dtype), _probe(n, k, device, dtype)
+    x = torch.randn(1, k, device=device, dtype=dtype)
+    try:
+        if not lin.use_int4pack():
+            return "dequant"
+        got, ref = lin(x).float(), deq(x).float()
+    except (RuntimeError, NotImplementedError):  # op missing in this build
+        return "dequant"
+    if (got - ref).abs().max() > 1e-2 * ref.abs().max():
+        return "dequant"
+    return "int4pack" if _faster(lambda: lin(x), lambda: deq(x)) else "dequant"
+
+
+@functools.cache
+def bf16_gemm_faster() -> bool:
+    """Whether a bfloat16 GEMM beats float32 on this CPU (oneDNN on AMX or AVX512-BF16),
+    timed once on a 128 x 2048 x 2048 product."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 2048, generator=g), torch.randn(2048, 2048, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    try:
+        return _faster(lambda: F.linear(xb, wb), lambda: F.linear(x, w), reps=5)
+    except RuntimeError:  # no bf16 GEMM in this build
+        return False
+
+
+def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """What `--wtype auto` means for a quantized GGUF here: ('packed' | dense name, why).
+
+    Packed where PyTorch's int4 op serves decode steps here (`matmul_path`), or where the
+    dense weights would not fit in 60% of the free memory. Otherwise dense in the compute
+    dtype: without the op a packed decode step dequantizes every weight, slower than
+    reading dense ones. (A probe that times packed against dense products cannot decide
+    this: its weights sit in cache, the model's do not.)
+    """
+    from .presets import available_bytes
+
+    free = available_bytes(device)
+    if free is not None and dense_bytes > 0.6 * free:
+        return "packed", (
+            f"weights packed: dense {dense_name(dtype)} would take {dense_bytes / 2**30:.1f} GiB "
+            f"of {free / 2**30:.1f} GiB free"
+        )
+    if matmul_path(device.type, dtype) == "int4pack":
+        return "packed", "weights packed (int4 op path)"
+    return dense_name(dtype), (
+        f"weights dense {dense_name(dtype)}: PyTorch's int4 op is missing or slow on this "
+        f"{device.type} and the dense model fits; --wtype q4 keeps them packed"
+    )
