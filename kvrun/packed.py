@@ -223,13 +223,14 @@ class PackedLinear(nn.Module):
         distribution, and there the logits are now exact up to float32 products.
 
         The top: every logit within REFINE_MARGIN of the row's largest, at most REFINE of
-        them. Rows further down hold < e^-6 of the largest's probability each; refining a
+        them. Logits further down hold < e^-6 of the largest's probability each; refining a
         fixed 64 instead reads ~1.7x the rows (each gathered from the op's interleaved
         layout: 18 KB a row) for a KL of 7.7e-5 against 9.1e-5 (bench/README.md)."""
         y = self.matmul(x, exact=True)
         rows = x.numel() // self.in_features
-        if self.codes is not None or rows > DECODE_ROWS or self.path != "int4pack":
-            return y
+        op = self._op
+        if self.codes is not None or rows > DECODE_ROWS or op is None or op.cuda:
+            return y  # exact already, or CUDA (its layout is not read back; no host sync)
         y2, x2 = y.view(rows, -1), x.reshape(rows, -1)  # (R, N), (R, K)
         for r in range(rows):  # CPU: reading the counts back costs nothing
             row = y2[r]
