@@ -11,6 +11,7 @@ model whose products all run through the CPU int4 op; anything else takes the mo
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -86,7 +87,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None) -> torch.Te
         y = F.rms_norm(x, (dim,), w, eps)
         return y if out is None else out.copy_(y)
     x2 = x.reshape(rows, dim)  # 2-D for any row count: a 1-D vecdot sums in another order
-    scale = [(s / dim + eps) ** -0.5 for s in torch.linalg.vecdot(x2, x2).tolist()]
+    ms = [s / dim + eps for s in torch.linalg.vecdot(x2, x2).tolist()]
+    scale = [m**-0.5 if m > 0 else math.inf for m in ms]  # 0 ** -0.5 raises in Python
     if rows > 1:  # each factor rounded to float32 as a number is when it multiplies
         scale = torch.tensor(scale, dtype=x.dtype).view(*x.shape[:-1], 1)
     else:
