@@ -48,9 +48,8 @@ class Layer(NamedTuple):
 
 
 def _product(mod) -> Product | None:
-    if type(mod) is not PackedLinear or mod._op is None or mod._op.cuda:
-        return None
-    return Product(mod._op.planes, mod._op.sz, mod.group)
+    op = mod.cpu_op() if type(mod) is PackedLinear else None
+    return None if op is None else Product(op.planes, op.sz, mod.group)
 
 
 def bind(model) -> list[Layer] | None:

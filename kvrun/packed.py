@@ -198,6 +198,12 @@ class PackedLinear(nn.Module):
                 return self._dequant_planes_linear(x, bf16=not exact and self.bf16_prefill())
         return dequant_linear(x, self.packed, self.dtype, self.scratch)
 
+    def cpu_op(self) -> OpArgs | None:
+        """The int4 op's arguments where this layer's decode products run through the CPU op
+        (kvrun/decode_loop.py binds them), else None."""
+        op = self._op
+        return op if op is not None and not op.cuda else None
+
     def bf16_op(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs through the CPU int4 op, which takes and
         gives bfloat16: callers chain such products without float32 round trips (`matmul`
