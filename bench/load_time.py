@@ -1,11 +1,11 @@
 """Model load time and peak memory of `kvrun generate`, two checkouts side by side.
 
     git worktree add /tmp/old <rev>
-    python bench/load_time.py /tmp/old . [--reps 3]
+    python bench/load_time.py /tmp/old . [--reps 3] [-m MODEL] [--wtype auto]
 
-Each rep runs `python -m kvrun generate -p hi -n 1 --json` (default model) under each
-checkout's PYTHONPATH in turn, so a busy machine slows both alike; prints the median
-`load_s` and peak memory per checkout as a markdown table.
+Each rep runs `python -m kvrun generate -m MODEL --wtype W -p hi -n 1 --json` (default: the
+default model) under each checkout's PYTHONPATH in turn, so a busy machine slows both alike; prints
+the median `load_s` and peak memory per checkout as a markdown table.
 """
 
 from __future__ import annotations
@@ -18,13 +18,17 @@ import subprocess
 import sys
 
 
-def run(tree: str) -> tuple[float, int]:
+def run(tree: str, model: str, wtype: str) -> tuple[float, int]:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     cmd = [
         sys.executable,
         "-m",
         "kvrun",
         "generate",
+        "-m",
+        model,
+        "--wtype",
+        wtype,
         "-p",
         "hi",
         "-n",
@@ -42,11 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trees", nargs=2, help="two checkouts: before, after")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("-m", "--model", default="smollm2")
+    ap.add_argument("--wtype", default="auto")
     a = ap.parse_args()
     got: dict[str, list[tuple[float, int]]] = {t: [] for t in a.trees}
     for _ in range(a.reps):
         for t in a.trees:
-            got[t].append(run(t))
+            got[t].append(run(t, a.model, a.wtype))
     print("| checkout | load s (median) | peak mem MiB (median) |\n| --- | ---: | ---: |")
     for t, rows in got.items():
         load = statistics.median(r[0] for r in rows)

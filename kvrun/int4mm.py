@@ -49,7 +49,28 @@ def scales_zeros(
 
 
 def pack_cpu(q: torch.Tensor) -> torch.Tensor:
-    """Codes (N, K) in 0..15 -> (N, K // 2) uint8 in the CPU op's layout."""
+    """Codes (N, K) in 0..15 -> (N, K // 2) uint8 in the CPU op's layout, built with byte ops
+    (N a multiple of BLOCK_N). The op's own conversion (`pack_cpu_op`) takes int32 codes, 4
+    bytes a weight; loading an 8B Q4 model spent ~20 s there (tests check both agree)."""
+    n, k = q.shape
+    b = q.to(torch.uint8).view(n // BLOCK_N, 2, BLOCK_N // 2, k)  # rows 64b + 32h + i
+    return (b[:, 0] | (b[:, 1] << 4)).transpose(1, 2).reshape(n, k // 2)
+
+
+def pack_cpu_nibbles(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """`pack_cpu` of a q4 Packed's canonical bytes (N, K // 2), without unpacking them: byte j
+    of a group holds element j (low nibble) and j + group / 2 (high), so the low nibbles of
+    rows 64b + i and 64b + 32 + i make one byte of the op's layout, and their high nibbles
+    another (the byte ops below; 2-3x faster than unpacking to codes first)."""
+    n, half = codes.shape
+    c = codes.view(n // BLOCK_N, 2, BLOCK_N // 2, half // (group // 2), group // 2)
+    lo, hi = c[:, 0], c[:, 1]  # (blocks, 32, G, group / 2): rows 64b + i and 64b + 32 + i
+    both = torch.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], dim=3)
+    return both.permute(0, 2, 3, 4, 1).reshape(n, half)  # (blocks, K, 32)
+
+
+def pack_cpu_op(q: torch.Tensor) -> torch.Tensor:
+    """`pack_cpu` through PyTorch's own conversion (the reference its layout is checked on)."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
 
@@ -72,22 +93,22 @@ def unpack_cpu(w: torch.Tensor, rows: slice | torch.Tensor | None = None) -> tor
     return both.transpose(1, 2).reshape(-1, k)
 
 
-SLAB_ROWS = 8192  # rows packed at a time: the op wants int32 codes, 4 bytes a weight
+SLAB_ROWS = 8192  # rows packed at a time (the codes and the packing's scratch: 2 bytes a weight)
 
 
 def planes_cpu(p: Packed) -> list[torch.Tensor]:
     """A packed weight's codes as CPU-layout 4-bit planes (one for q4, two for q8), a slab
-    of rows at a time (the int32 scratch stays bounded for any matrix size)."""
+    of rows at a time (the scratch stays bounded for any matrix size)."""
     (n, k), bits = p.shape, p.bits
     out = [p.codes.new_empty(n, k // 2, dtype=torch.uint8) for _ in range(bits // 4)]
     for r in range(0, n, SLAB_ROWS):
-        c = p.rows(slice(r, r + SLAB_ROWS)).int_codes().view(-1, k).to(torch.int32)
         if bits == 4:
-            out[0][r : r + SLAB_ROWS] = pack_cpu(c)
+            out[0][r : r + SLAB_ROWS] = pack_cpu_nibbles(p.codes[r : r + SLAB_ROWS], p.group)
             continue
-        c += 128  # 0..255
-        out[0][r : r + SLAB_ROWS] = pack_cpu(c >> 4)
-        out[1][r : r + SLAB_ROWS] = pack_cpu(c & 15)
+        c = p.codes[r : r + SLAB_ROWS]  # (R, K) int8
+        u = c.view(torch.uint8) ^ 0x80  # int8 c -> c + 128 in 0..255
+        out[0][r : r + SLAB_ROWS] = pack_cpu(u >> 4)
+        out[1][r : r + SLAB_ROWS] = pack_cpu(u & 15)
     return out
 
 

@@ -156,13 +156,16 @@ def random_packed(shape: tuple[int, int], bits: int, device, gen) -> Packed:
     mean ~0 (one fp16 scale, and for q4 a zero, per group of 32)."""
     n, k = shape
     groups = (n, k // GROUP)
+    # random bytes drawn 8 at a time (one 64-bit draw each: 4x faster than a draw per byte,
+    # ~4 s of an 8B preset's load instead of ~16)
+    nbytes = n * k // (2 if bits == 4 else 1)  # a multiple of 16: k is of the group
+    raw = torch.randint(-(2**63), 2**63 - 1, (nbytes // 8,), device=device, generator=gen)
     if bits == 4:  # codes 0..15: std 4.61 steps, centred by zero = -7.5 steps
-        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
         scale = torch.full(groups, INIT_STD / 4.61, dtype=torch.float16, device=device)
+        codes = raw.view(torch.uint8).view(n, k // 2)
         return Packed(4, codes, scale, scale * -7.5, source="random", exact=False)
-    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
-    scale = torch.full(groups, INIT_STD / 73.3, dtype=torch.float16, device=device)
-    return Packed(8, codes, scale, None, source="random", exact=False)
+    scale = torch.full(groups, INIT_STD / 73.9, dtype=torch.float16, device=device)  # -128..127
+    return Packed(8, raw.view(torch.int8).view(n, k), scale, None, source="random", exact=False)
 
 
 def preset_runtime(

@@ -14,7 +14,7 @@ from kvrun import int4mm, matmul_choice
 from kvrun import packed as packed_mod
 from kvrun.errors import KvrunError, UnsupportedModel
 from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear
-from kvrun.quant import from_gguf, quantize, quantize_rows, requantize_bits
+from kvrun.quant import from_gguf, pack_nibbles, quantize, quantize_rows, requantize_bits
 from kvrun.weights import read_gguf_tensor
 from kvrun.wformat import GROUP, nearest_bits, plan_nbytes
 
@@ -111,7 +111,8 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
     packing (whole tensor, whole-block slices, gathered rows), and a layer moved to the int4
     planes dequantizes to exactly the weights it had (q8 as two 4-bit planes)."""
     q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(5))
-    w = int4mm.pack_cpu(q)
+    w = int4mm.pack_cpu_op(q)  # PyTorch's own packing
+    assert torch.equal(int4mm.pack_cpu(q), w)  # kvrun's byte-op packing makes the same bytes
     assert torch.equal(int4mm.unpack_cpu(w), q.to(torch.uint8))
     assert torch.equal(int4mm.unpack_cpu(w, slice(64, 192)), q[64:].to(torch.uint8))
     idx = torch.tensor([0, 31, 32, 63, 64, 191, 100, 100])
@@ -434,3 +435,18 @@ def test_bfloat16_products_chain_through_the_op():
     rows = torch.randn(packed_mod.DECODE_ROWS + 1, 256)
     assert mlp(rows).dtype == torch.float32  # beyond a decode step: float32 as before
     assert mlp(x.half()).dtype == torch.float16  # a float16 model keeps its casts
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (128, 576), (320, 1536)])
+def test_byte_packing_matches_the_ops_own(shape):
+    """`pack_cpu` (byte ops) gives the bytes of PyTorch's int4 conversion for CPU, and a
+    product through the op on them equals the product on the op's own packing."""
+    q = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(shape[0]))
+    ours, ref = int4mm.pack_cpu(q), int4mm.pack_cpu_op(q)
+    assert ours.dtype == torch.uint8 and torch.equal(ours, ref)
+    for group in (32, 64):  # straight from a Packed's canonical bytes (Q4_0's nibble order)
+        if shape[1] % group == 0:
+            assert torch.equal(int4mm.pack_cpu_nibbles(pack_nibbles(q, group), group), ref)
+    sz = int4mm.scales_zeros(torch.rand(shape[0], shape[1] // 32), None, torch.bfloat16)
+    x = torch.randn(3, shape[1], dtype=torch.bfloat16)
+    assert torch.equal(int4mm.mm(x, [ours], [sz], 32), int4mm.mm(x, [ref], [sz], 32))
