@@ -56,16 +56,10 @@ def main() -> None:
         return s
 
     def body_compiled(s: Session) -> None:
-        g, loop = s.graph, decode_loop.bind(model)
+        g = s.graph
 
         def body(tok, pos):
-            x = model.model.embed_tokens(tok)
-            if loop and decode_loop.takes(x):
-                x = decode_loop.blocks(model, loop, x, pos, g.kv)
-            else:
-                for block in model.model.layers:
-                    x = block(x, pos, g.kv)
-            return model.model.norm(x)
+            return model.model.norm(model.hidden(tok, pos, g.kv))
 
         fn = torch.compile(body, dynamic=False)
         g._forward = lambda: model.head(fn(g.tok, g.pos)).float()[0, -1]

@@ -50,8 +50,9 @@ def scales_zeros(
 
 def pack_cpu(q: torch.Tensor) -> torch.Tensor:
     """Codes (N, K) in 0..15 -> (N, K // 2) uint8 in the CPU op's layout, built with byte ops
-    (N a multiple of BLOCK_N). The op's own conversion (`pack_cpu_op`) takes int32 codes, 4
-    bytes a weight; loading an 8B Q4 model spent ~20 s there (tests check both agree)."""
+    (N a multiple of BLOCK_N). PyTorch's own conversion
+    (`_convert_weight_to_int4pack_for_cpu`) takes int32 codes, 4 bytes a weight; loading an
+    8B Q4 model spent ~20 s there (tests check both give the same bytes)."""
     n, k = q.shape
     b = q.to(torch.uint8).view(n // BLOCK_N, 2, BLOCK_N // 2, k)  # rows 64b + 32h + i
     return (b[:, 0] | (b[:, 1] << 4)).transpose(1, 2).reshape(n, k // 2)
@@ -67,11 +68,6 @@ def pack_cpu_nibbles(codes: torch.Tensor, group: int) -> torch.Tensor:
     lo, hi = c[:, 0], c[:, 1]  # (blocks, 32, G, group / 2): rows 64b + i and 64b + 32 + i
     both = torch.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], dim=3)
     return both.permute(0, 2, 3, 4, 1).reshape(n, half)  # (blocks, K, 32)
-
-
-def pack_cpu_op(q: torch.Tensor) -> torch.Tensor:
-    """`pack_cpu` through PyTorch's own conversion (the reference its layout is checked on)."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
 
 def pack_cuda(q: torch.Tensor) -> torch.Tensor:

@@ -219,19 +219,24 @@ class Transformer(nn.Module):
             return head.logits(x)
         return F.linear(x, head.weight)
 
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        """The hidden states (B, T, dim) after the last block, before the final norm: the flat
+        decode loop for decode rows where it applies (kvrun/decode_loop.py), else the blocks."""
+        x = self.model.embed_tokens(tokens)  # (B, T, dim)
+        if self._loop is False:
+            self._loop = decode_loop.bind(self)
+        if self._loop and self.use_decode_loop and decode_loop.takes(x):
+            return decode_loop.blocks(self, self._loop, x, positions, kv)
+        for block in self.model.layers:
+            x = block(x, positions, kv)
+        return x
+
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T) at positions (T,), or (B, T) when each row is its
         own sequence (kv is then a kvrun.kv.batch.BatchKV); only the last row if asked."""
-        x = self.model.embed_tokens(tokens)  # (B, T, dim)
-        if self._loop is False:
-            self._loop = decode_loop.bind(self)
-        if self._loop and self.use_decode_loop and decode_loop.takes(x):
-            x = decode_loop.blocks(self, self._loop, x, positions, kv)
-        else:
-            for block in self.model.layers:
-                x = block(x, positions, kv)
+        x = self.hidden(tokens, positions, kv)
         if last_only:
             x = x[:, -1:]
         return self.head(self.model.norm(x)).float()  # (B, T, V)

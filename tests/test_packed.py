@@ -18,6 +18,12 @@ from kvrun.quant import from_gguf, pack_nibbles, quantize, quantize_rows, requan
 from kvrun.weights import read_gguf_tensor
 from kvrun.wformat import GROUP, nearest_bits, plan_nbytes
 
+
+def pack_cpu_op(q: torch.Tensor) -> torch.Tensor:
+    """Codes packed by PyTorch's own conversion: the reference for the CPU layout."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
 EXACT = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 MAPPED = ["Q5_0", "Q5_1", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"]
 
@@ -111,7 +117,7 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
     packing (whole tensor, whole-block slices, gathered rows), and a layer moved to the int4
     planes dequantizes to exactly the weights it had (q8 as two 4-bit planes)."""
     q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(5))
-    w = int4mm.pack_cpu_op(q)  # PyTorch's own packing
+    w = pack_cpu_op(q)  # PyTorch's own packing
     assert torch.equal(int4mm.pack_cpu(q), w)  # kvrun's byte-op packing makes the same bytes
     assert torch.equal(int4mm.unpack_cpu(w), q.to(torch.uint8))
     assert torch.equal(int4mm.unpack_cpu(w, slice(64, 192)), q[64:].to(torch.uint8))
@@ -442,7 +448,7 @@ def test_byte_packing_matches_the_ops_own(shape):
     """`pack_cpu` (byte ops) gives the bytes of PyTorch's int4 conversion for CPU, and a
     product through the op on them equals the product on the op's own packing."""
     q = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(shape[0]))
-    ours, ref = int4mm.pack_cpu(q), int4mm.pack_cpu_op(q)
+    ours, ref = int4mm.pack_cpu(q), pack_cpu_op(q)
     assert ours.dtype == torch.uint8 and torch.equal(ours, ref)
     for group in (32, 64):  # straight from a Packed's canonical bytes (Q4_0's nibble order)
         if shape[1] % group == 0:
