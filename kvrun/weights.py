@@ -112,8 +112,9 @@ def load_gguf(
 ) -> LoadedWeights:
     """Load a GGUF model: metadata, canonical tensors (packed or dense per --wtype), tokenizer.
 
-    Tensors are read one at a time from the memory map, so a packed load never holds more
-    than the packed model plus one tensor's scratch.
+    Tensors are read one at a time from the memory map, and each one's file pages are
+    unmapped once it is read, so a packed load never holds more than the packed model plus
+    one tensor's pages and scratch.
     """
     from .tokenizer import Tokenizer
 
@@ -141,6 +142,7 @@ def load_gguf(
         if bits is not None and wtype != "packed":
             check_group(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), bits, path)
         w = read_gguf_tensor(t, hf, dtype, bits)
+        reader.release(t)  # w is a copy: the file's pages of it leave the process's memory
         if hf.endswith("q_proj.weight"):
             w = unpermute_qk(w, config.n_heads)
         elif hf.endswith("k_proj.weight"):
