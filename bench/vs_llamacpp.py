@@ -8,7 +8,7 @@
 llama.cpp runs through llama-cpp-python, which is not a kvrun dependency: on first use the
 script creates the virtual environment bench/.venv-llamacpp and pip-installs
 llama-cpp-python into it (a source build with cmake; it takes several minutes). The build
-targets this CPU's AVX-512/VNNI/BF16 explicitly with AMX off (CMAKE_ARGS below): a native
+targets the x86 extensions this CPU lists in /proc/cpuinfo, with AMX off (`llamacpp_cmake`): a native
 build turns AMX on where the CPU lists it, and on the development VM its first matmul then
 dies with a general protection fault in libggml-cpu. Set CMAKE_ARGS to build otherwise. The llama.cpp side runs as a worker subprocess in that venv and
 answers JSON on stdout. The kvrun side runs `kvrun bench ... --json` as a subprocess.
@@ -68,11 +68,31 @@ SAME_FILE_LABEL = "llama3-8b-shape Q4_0 (same file)"
 SECTION_TITLE = "## kvrun vs llama.cpp (CPU)"
 BEGIN, END = "<!-- vs-llamacpp:begin -->", "<!-- vs-llamacpp:end -->"
 MiB = 1024 * 1024
-LLAMACPP_CMAKE = " ".join(
-    ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
-    + [f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512",
-                                  "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")]
-)  # fmt: skip
+# ggml's x86 options and the /proc/cpuinfo flag each needs: ON only where this CPU lists it (a
+# fixed set crashed with SIGILL on an AMD EPYC without AVX-VNNI); AMX stays off (see above)
+GGML_X86 = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
+            "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+            "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}  # fmt: skip
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    m = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+def llamacpp_cmake() -> str:
+    """CMAKE_ARGS for llama.cpp on this CPU: a native build, but AMX off; where the flags
+    cannot be read (not Linux), ggml's own native detection."""
+    flags = cpu_flags()
+    off = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    if not flags:
+        return " ".join(["-DGGML_NATIVE=ON", *off])
+    on = [f"-DGGML_{k}={'ON' if f in flags else 'OFF'}" for k, f in GGML_X86.items()]
+    return " ".join(["-DGGML_NATIVE=OFF", *off, *on])
 
 WORKER = r"""
 import json, random, resource, sys, time
@@ -244,10 +264,14 @@ def pip(args: list[str], env: dict | None = None) -> None:
 
 
 def ensure_llamacpp() -> tuple[str, float | None]:
-    """llama-cpp-python's version in the venv, installing it first if missing; and the
-    install's wall seconds (None when it was already there)."""
+    """llama-cpp-python's version in the venv, installing it first if missing or built for
+    other CMAKE_ARGS (the venv records them: a venv carried to another CPU is rebuilt); and
+    the install's wall seconds (None when it was already there)."""
+    cmake_args = os.environ.get("CMAKE_ARGS", llamacpp_cmake())
+    stamp = VENV_DIR / "kvrun-cmake-args"
     version = llamacpp_version()
-    if version:
+    built_for = stamp.read_text() if stamp.exists() else None
+    if version and built_for in (None, cmake_args):  # None: built before the stamp existed
         return version, None
     t0 = time.perf_counter()
     if not venv_python().exists():
@@ -256,14 +280,16 @@ def ensure_llamacpp() -> tuple[str, float | None]:
     if shutil.which("cmake") is None:
         pip(["cmake"])
     env = dict(os.environ)
-    env.setdefault("CMAKE_ARGS", LLAMACPP_CMAKE)
+    env["CMAKE_ARGS"] = cmake_args
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
     env["PATH"] = f"{VENV_DIR / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     log(
         "building llama-cpp-python from source (CMAKE_ARGS="
         f"{env['CMAKE_ARGS']}); this takes several minutes..."
     )
-    pip(["--no-cache-dir", "llama-cpp-python"], env=env)
+    force = ["--force-reinstall", "--no-deps"] if version else []
+    pip(["--no-cache-dir", *force, "llama-cpp-python"], env=env)
+    stamp.write_text(cmake_args)
     seconds = time.perf_counter() - t0
     version = llamacpp_version()
     if not version:
