@@ -1,6 +1,6 @@
 """Whether `torch.compile` makes a decode step faster here: eager against compiled, side by side.
 
-    python bench/compile_step.py [-m smollm2] [--prompt 16] [--steps 100] [--threads 2]
+    python bench/compile_step.py [-m smollm2] [--prompt 16] [--steps 100] [--threads 2] [--cpp-wrapper]
 
 kvrun decodes eagerly: on CPU a step is the flat loop of kvrun/decode_loop.py over the
 dynamic full cache; on CUDA the static step replays from a CUDA graph (`--cuda-graph`).
@@ -10,7 +10,8 @@ CUDA graph captures: buffers with room, positions as tensors, no number read bac
 - eager: `Session.decode`, what kvrun runs (CPU: the dynamic step);
 - static: the same step in its static form, uncaptured;
 - static body, compiled: embeddings -> blocks -> final norm of the static step through
-  `torch.compile(dynamic=False)` (inductor; a C++ compiler on CPU), the head eager: the
+  `torch.compile(dynamic=False)` (inductor; a C++ compiler on CPU; with --cpp-wrapper also
+  a row whose wrapper is C++, so no Python runs between the kernels), the head eager: the
   part compilation can fuse (norms, RoPE, casts, SiLU). The head stays eager: its refine
   gathers a data-dependent number of rows, and compiled with it the step recompiles until
   dynamo's limit and runs at ~65 ms (measured).
@@ -42,6 +43,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the steps")
+    ap.add_argument(
+        "--cpp-wrapper",
+        action="store_true",
+        help="also compile with inductor's C++ wrapper (no Python between the kernels)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rt = load_runtime(args.model, "auto", args.device, log=lambda m: None)
@@ -55,17 +61,24 @@ def main() -> None:
             s.prepare_decode(args.steps + 8)
         return s
 
-    def body_compiled(s: Session) -> None:
-        g = s.graph
+    def compiled(cpp_wrapper: bool):
+        def prep(s: Session) -> None:
+            g = s.graph
 
-        def body(tok, pos):
-            return model.model.norm(model.hidden(tok, pos, g.kv))
+            def body(tok, pos):
+                return model.model.norm(model.hidden(tok, pos, g.kv))
 
-        fn = torch.compile(body, dynamic=False)
-        g._forward = lambda: model.head(fn(g.tok, g.pos)).float()[0, -1]
+            torch._dynamo.reset()
+            opts = {"cpp_wrapper": True} if cpp_wrapper else None
+            fn = torch.compile(body, dynamic=False, options=opts)
+            g._forward = lambda: model.head(fn(g.tok, g.pos)).float()[0, -1]
+
+        return prep
 
     rows = [("eager", "off", None), ("static", "static", None)]
-    rows += [("static body, compiled", "static", body_compiled)]
+    rows += [("static body, compiled", "static", compiled(False))]
+    if args.cpp_wrapper:
+        rows += [("static body, compiled, C++ wrapper", "static", compiled(True))]
     ref = None
     print(
         f"{rt.path.name}, {rt.model.device}, {args.threads} threads, --kv full, greedy, "
