@@ -227,3 +227,28 @@ def test_parallel_rows_report_the_batch(tiny_gguf):
     assert out["settings"]["parallel"] == 3
     assert row["decode_tok_s"] > 0 and row["kv_bytes"] == one["kv_bytes"]
     assert row["kv_bytes_full"] == one["kv_bytes_full"]
+
+
+def _vs_llamacpp():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "vs_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llamacpp_build_takes_only_the_cpus_own_extensions(monkeypatch):
+    """bench/vs_llamacpp.py builds llama.cpp with each x86 option on only where the CPU lists
+    its flag (a fixed set died with SIGILL on a CPU without AVX-VNNI), AMX always off."""
+    v = _vs_llamacpp()
+    zen4 = {"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "avx512_bf16"}
+    monkeypatch.setattr(v, "cpu_flags", lambda: zen4)
+    args = v.llamacpp_cmake().split()
+    assert "-DGGML_AVX_VNNI=OFF" in args and "-DGGML_AVX512_VNNI=ON" in args
+    assert "-DGGML_AVX512_VBMI=OFF" in args and "-DGGML_NATIVE=OFF" in args
+    assert "-DGGML_AMX_INT8=OFF" in args
+    monkeypatch.setattr(v, "cpu_flags", lambda: set())  # flags unknown: ggml detects them
+    assert v.llamacpp_cmake().split()[0] == "-DGGML_NATIVE=ON"
