@@ -528,7 +528,10 @@ def test_gqa_duplicated_heads_select_as_mha(spec, budget, G):
     out1 = feed(kv1, q, k, v, n_prompt, 16)
     outG = feed(kvG, q.repeat_interleave(G, dim=1), k, v, n_prompt, 16)
     assert len(ev1) == 1 and evG == ev1 and ev1[0][3][0] != ev1[0][3][1]
-    torch.testing.assert_close(outG, out1.repeat_interleave(G, dim=1), rtol=0, atol=1e-6)
+    # the kept sets are equal (above); the outputs go through two SDPA call shapes (query
+    # heads stacked as rows for GQA, one per head for MHA) whose float32 sums round apart by
+    # a few ulps: 1.07e-6 at a value of 1.13 on an AMD EPYC (Zen 4), so a relative term too
+    torch.testing.assert_close(outG, out1.repeat_interleave(G, dim=1), rtol=1e-6, atol=1e-6)
 
 
 # --- 1 (0.8.5, 0.8.6), 11. bytes and kept counts ----------------------------------------------
