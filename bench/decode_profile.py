@@ -4,6 +4,7 @@
     python bench/decode_profile.py --wtype f32     # the dense reference path
     python bench/decode_profile.py --kv snapkv --budget 0.25 --prompt 2048
     python bench/decode_profile.py --modules       # without the flat decode loop
+    python bench/decode_profile.py --products      # the int4 products alone, back to back
 
 Decode steps follow a prompt of random ids; the first steps are a warm-up. The table's
 times are self CPU time per step under the profiler (which adds overhead of its own, so
@@ -37,6 +38,11 @@ def main() -> None:
         action="store_true",
         help="decode through the modules, not kvrun/decode_loop.py",
     )
+    ap.add_argument(
+        "--products",
+        action="store_true",
+        help="time the step's int4 products alone (body and head) on the model's weights",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # --wtype auto is passed as nothing, so the script also profiles checkouts from before it
@@ -48,6 +54,8 @@ def main() -> None:
         kv = rt.new_kv(check(args.kv, args.budget))
     except ImportError:  # checkouts before the KV registry: new_kv parsed the text itself
         kv = rt.new_kv(args.kv, args.budget)
+    if args.products:
+        return products(rt.model, args.steps)
     if args.modules:
         rt.model.use_decode_loop = False
     s = Session(rt.model, rt.tokenizer, kv)
@@ -73,6 +81,42 @@ def main() -> None:
     print("| op | calls/step | self ms/step |\n| --- | ---: | ---: |")
     for e in events[: args.top]:
         print(f"| {e.key} | {e.count / 16:.0f} | {e.self_cpu_time_total / 16 / 1e3:.2f} |")
+
+
+def products(model, reps: int) -> None:
+    """ms per step of the decode step's int4 products alone, one row, back to back in the
+    step's order on the model's own weights (what a step cannot go below on this path)."""
+    from kvrun import decode_loop, int4mm
+
+    layers = decode_loop.bind(model)
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    op = head.cpu_op() if hasattr(head, "cpu_op") else None
+    if not layers or op is None:
+        raise SystemExit("--products needs a packed model on the CPU int4 path (--wtype auto)")
+    c = model.config
+    x = torch.randn(1, c.dim, dtype=torch.bfloat16)
+    xf = torch.randn(1, c.ffn_dim, dtype=torch.bfloat16)
+    xo = torch.randn(1, c.n_heads * c.head_dim, dtype=torch.bfloat16)
+
+    def body():
+        for L in layers:
+            L.qkv(x), L.o(xo), L.gate_up(x), L.down(xf)
+
+    def logits():
+        int4mm.mm(x, op.planes, op.sz, head.group)
+
+    def ms(fn) -> float:
+        for _ in range(10):
+            fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    n = 4 * len(layers)
+    print(f"int4 products alone, {torch.get_num_threads()} threads, {reps} reps:")
+    print(f"body ({n} products) {ms(body):.2f} ms, head ({len(op.planes)} planes) "
+          f"{ms(logits):.2f} ms per step")  # fmt: skip
 
 
 if __name__ == "__main__":
