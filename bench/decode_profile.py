@@ -48,14 +48,14 @@ def main() -> None:
     # --wtype auto is passed as nothing, so the script also profiles checkouts from before it
     kw = {} if args.wtype == "auto" else {"wtype": args.wtype}
     rt = load_runtime(args.model, "auto", "cpu", log=lambda m: None, **kw)
+    if args.products:
+        return products(rt.model, args.steps)
     try:
         from kvrun.kv import check
 
         kv = rt.new_kv(check(args.kv, args.budget))
     except ImportError:  # checkouts before the KV registry: new_kv parsed the text itself
         kv = rt.new_kv(args.kv, args.budget)
-    if args.products:
-        return products(rt.model, args.steps)
     if args.modules:
         rt.model.use_decode_loop = False
     s = Session(rt.model, rt.tokenizer, kv)
@@ -86,7 +86,7 @@ def main() -> None:
 def products(model, reps: int) -> None:
     """ms per step of the decode step's int4 products alone, one row, back to back in the
     step's order on the model's own weights (what a step cannot go below on this path)."""
-    from kvrun import decode_loop, int4mm
+    from kvrun import decode_loop
 
     layers = decode_loop.bind(model)
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
@@ -102,8 +102,7 @@ def products(model, reps: int) -> None:
         for L in layers:
             L.qkv(x), L.o(xo), L.gate_up(x), L.down(xf)
 
-    def logits():
-        int4mm.mm(x, op.planes, op.sz, head.group)
+    logits = decode_loop.Product(op.planes, op.sz, head.group)  # the head's product, unrefined
 
     def ms(fn) -> float:
         for _ in range(10):
@@ -116,7 +115,7 @@ def products(model, reps: int) -> None:
     n = 4 * len(layers)
     print(f"int4 products alone, {torch.get_num_threads()} threads, {reps} reps:")
     print(f"body ({n} products) {ms(body):.2f} ms, head ({len(op.planes)} planes) "
-          f"{ms(logits):.2f} ms per step")  # fmt: skip
+          f"{ms(lambda: logits(x)):.2f} ms per step")  # fmt: skip
 
 
 if __name__ == "__main__":
