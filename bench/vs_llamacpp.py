@@ -94,6 +94,7 @@ def llamacpp_cmake() -> str:
     on = [f"-DGGML_{k}={'ON' if f in flags else 'OFF'}" for k, f in GGML_X86.items()]
     return " ".join(["-DGGML_NATIVE=OFF", *off, *on])
 
+
 WORKER = r"""
 import json, random, resource, sys, time
 
