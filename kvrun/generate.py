@@ -68,6 +68,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_pass(model, p, ubatch: int) -> None:
+    """A planning pass (kvrun/kv/protocol.py's Pass) through the model, in --ubatch chunks."""
+    kv = p.kv
+    kv.begin_prefill(len(p.ids))
+    for s in range(0, len(p.ids), ubatch):
+        chunk = p.ids[s : s + ubatch]
+        tok = torch.tensor([chunk], device=model.device)
+        pos = torch.arange(p.start + s, p.start + s + len(chunk), device=model.device)
+        model(tok, pos, kv, last_only=True)
+        kv.end_chunk(len(chunk))
+    kv.end_prefill()
+
+
 class Session:
     """One sequence on one model: owns the KV manager and the tokens it has seen."""
 
@@ -130,7 +143,7 @@ class Session:
         decode steps): yields (logits after the chunk, whether it was the last)."""
         self.check_fits(len(ids))
         with torch.inference_mode():
-            self.plan(ids)
+            self.plan(ids, "before")
             self.kv.begin_prefill(len(ids))
         if not ids:  # nothing to feed: the turn ends at once (no logits)
             with torch.inference_mode():
@@ -150,30 +163,19 @@ class Session:
                     progress(s + len(chunk), len(ids))
                 last = s + len(chunk) >= len(ids)
                 if last:
+                    self.plan(ids, "after")
                     self.kv.end_prefill()
             yield logits, last
 
     @torch.inference_mode()
-    def plan(self, ids: Sequence[int]) -> None:
-        """A planning pass for managers that ask for one (XKV's plan=two-pass).
-
-        `kv.scoring_pass(n)` returns a manager that stores no KV across layers (it attends
-        within the prompt, records scores and hands its plan to `kv` at its end_prefill), or
-        None. Only a prompt that fits one --ubatch chunk can be planned this way: a chunked
-        prefill must keep every layer exact until its last chunk (kvrun's rule for XKV).
-        """
-        if len(ids) > self.ubatch:
-            return
-        pre = self.kv.scoring_pass(len(ids))
-        if pre is None:
-            return
-        start = len(self.tokens)
-        tok = torch.tensor([list(ids)], device=self.device)
-        pos = torch.arange(start, start + len(ids), device=self.device)
-        pre.begin_prefill(len(ids))
-        self.model(tok, pos, pre, last_only=True)
-        pre.end_chunk(len(ids))
-        pre.end_prefill()
+    def plan(self, ids: Sequence[int], when: str) -> None:
+        """The planning passes the cache asks for "before" the prefill of `ids` (XKV's scoring
+        pass) or "after" it, before its end_prefill (KVzip's reconstruction): each runs through
+        the model with a manager of its own (kvrun/kv/protocol.py's planning_pass). A pass that
+        must be one chunk is skipped when longer than --ubatch."""
+        for p in self.kv.planning_pass(when, ids, self.tokenizer):
+            if not (p.whole and len(p.ids) > self.ubatch):
+                run_pass(self.model, p, self.ubatch)
 
     def prepare_decode(self, n_more: int) -> None:
         """Set up graph decoding for up to n_more more tokens (capture happens here, so

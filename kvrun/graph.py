@@ -252,9 +252,9 @@ class BatchGraph:
     def _pad(self):
         """A full cache at position 0 that every padding row writes to and attends over."""
         if self.pad is None:
-            from .kv.full import FullKV
+            from .kv import FULL, build
 
             m = self.model
-            self.pad = FullKV(m.config, m.rope, m.device, m.dtype)
+            self.pad = build(FULL, m.config, m.rope, m.device, m.dtype)
             self.pad.make_static(1)
         return self.pad

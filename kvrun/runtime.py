@@ -12,7 +12,7 @@ import torch
 from .config import ModelConfig
 from .errors import KvrunError
 from .kv import FULL, KVSpec, build
-from .kv.base import KVManager
+from .kv.protocol import KVManager
 from .models import resolve
 from .quant import DENSE_WTYPES
 from .weights import LoadedWeights, load

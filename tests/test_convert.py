@@ -13,7 +13,7 @@ import torch
 import tiny_models
 from kvrun.convert import convert
 from kvrun.errors import KvrunError, ModelNotFound
-from kvrun.kv.full import FullKV
+from kvrun.kv import FULL, build
 from kvrun.model import Transformer
 from kvrun.modelfile import gguf_metadata, open_gguf
 from kvrun.tokenizer import Tokenizer
@@ -29,7 +29,7 @@ def _logits(path_or_weights, ids) -> torch.Tensor:
     w = path_or_weights
     w = load(w, torch.float32) if isinstance(w, (str, Path)) else w
     model = Transformer.from_weights(w.config, w.tensors, "cpu")
-    kv = FullKV(w.config, model.rope, torch.device("cpu"), torch.float32)
+    kv = build(FULL, w.config, model.rope, torch.device("cpu"), torch.float32)
     return model(torch.tensor([ids]), torch.arange(len(ids)), kv)[0]
 
 

@@ -17,8 +17,8 @@ from kvrun import decode_loop
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.graph import ROUND
-from kvrun.kv.dense import DenseSeg
-from kvrun.kv.kivi import KiviLayer
+from kvrun.kv.stores.dense import DenseSeg
+from kvrun.kv.stores.kivi import KiviLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graphs need one")

@@ -24,7 +24,7 @@ from kvrun.kernels import colsum as cs
 from kvrun.kernels import dense_decode as dd
 from kvrun.kernels import kivi_decode as kd
 from kvrun.kernels import kivi_pack as kp
-from kvrun.kv.kivi import KiviLayer, dequantize, pack, quantize, unpack
+from kvrun.kv.stores.kivi import KiviLayer, dequantize, pack, quantize, unpack
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 NEG = float("-inf")
@@ -205,7 +205,7 @@ def test_kivi_pack_rejects_bad_layout():
 # --- KIVI decode ------------------------------------------------------------------------------
 def _body(H, Tb, D, bits, G, dtype, device, seed):
     """A packed body of Tb tokens as strided views, as KiviLayer.body() returns them: a longer
-    block packed by kvrun.kv.kivi, cut to its first Tb tokens (groups are independent)."""
+    block packed by kvrun.kv.stores.kivi, cut to its first Tb tokens (groups are independent)."""
     k, v = _kv_with_edge_cases(H, Tb + 2 * G, D, G, bits, dtype, device, seed)
     kc, ks, kz = quantize(k.transpose(1, 2), bits, -1, G, dtype)
     vc, vs, vz = quantize(v, bits, -1, G, dtype)
@@ -221,7 +221,7 @@ def _cut(body, Tb, bits, G):
 
 
 def naive_kivi(q, body, bits, G, causal_offset=None):
-    """Dequantize the body with kvrun.kv.kivi, then materialised fp64 attention."""
+    """Dequantize the body with kvrun.kv.stores.kivi, then materialised fp64 attention."""
     kq, ks, kz, vq, vs, vz = body
     k = dequantize(unpack(kq, bits), ks, kz, -1, G).transpose(1, 2)  # (Hkv, Tb, D)
     v = dequantize(unpack(vq, bits), vs, vz, -1, G)

@@ -15,13 +15,13 @@ import sys
 
 import pytest
 import torch
+from kv_helpers import unfused
 from test_kernels import F32, NEG, _dtypes, _tol, assert_partial
 from test_kv_methods import config, drive, new_kv, prompt, tiny
 
-import kvrun.kv.coded as coded
+import kvrun.kv.methods.spindlekv.store as coded
 from kvrun.kernels import codebook_decode as cb
-from kvrun.kv.codebook import Shelf
-from kvrun.kv.select_qhead import pack_bits
+from kvrun.kv.methods.spindlekv.store import Shelf, pack_bits
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 
@@ -316,7 +316,7 @@ def _decode_both(m, spec, budget, n_prompt, n_decode, monkeypatch, ubatch=32):
     new = drive(m, kv, ids, ubatch, n_decode=n_decode)
     toks = new[n_prompt - 1 : -1].argmax(-1).tolist()
     old_kv = new_kv(m, spec, budget)
-    old_kv._fused = False
+    unfused(old_kv)
     n_new = len(calls)
     old = drive(m, old_kv, ids, ubatch, n_decode=n_decode, tokens=toks)
     assert len(calls) == n_new  # the old path never calls the kernel
@@ -361,7 +361,8 @@ def test_second_turn_decodes_through_kernel_as_old_path(monkeypatch):
     runs = []
     for fused in (True, False):
         kv = new_kv(m, spec, "0.3")
-        kv._fused = fused
+        if not fused:
+            unfused(kv)
         first = drive(m, kv, prompt(80, seed=22), 32, n_decode=4, tokens=[1, 2, 3, 4])
         second = drive(m, kv, prompt(40, seed=23), 16, n_decode=6, tokens=[5, 6, 7, 8, 9, 10])
         runs.append(torch.cat([first, second]))

@@ -13,13 +13,13 @@ import math
 
 import pytest
 import torch
+from kv_helpers import restore, unfused
 from test_kernels import _dtypes, _tol, assert_partial
 from test_kv_methods import drive, new_kv, prompt, random_transformer
 
-import kvrun.kv.restore as restore_mod
+import kvrun.kv.methods.minicache.store as restore_mod
 from kvrun.config import ModelConfig
 from kvrun.kernels import merged_decode as md
-from kvrun.kv.merged import restore
 
 F16, F32 = torch.float16, torch.float32
 
@@ -206,7 +206,7 @@ def stretch_e(kv):
 def test_decode_logits_equal_the_restore_path(monkeypatch, spec):
     m, P, steps = model6(), 75, 6
     old = new_kv(m, spec)
-    old._fused = False
+    unfused(old)
     ref = drive(m, old, prompt(P, seed=3), 32, steps, after=stretch_e(old))
     toks = ref[P - 1 : -1].argmax(-1).tolist()
     calls = count_calls(monkeypatch)
@@ -228,7 +228,7 @@ def test_decode_with_triton_kernels(monkeypatch, spec):
     """KVRUN_KERNELS=triton: merged_decode and dense_decode in Triton (interpreted on CPU)."""
     m, P, steps = model6(), 40, 2
     old = new_kv(m, spec)
-    old._fused = False
+    unfused(old)
     ref = drive(m, old, prompt(P, seed=4), 64, steps, after=stretch_e(old))
     toks = ref[P - 1 : -1].argmax(-1).tolist()
     monkeypatch.setenv("KVRUN_KERNELS", "triton")
@@ -257,7 +257,7 @@ def feed_both(spec: str, window: int | None, P: int, steps: list[int], seed: int
     v = torch.randn(4, 1, HKV, n, D, generator=gen)
     rope = Rope(inverse_frequencies(c), torch.device("cpu"), F32)
     kvs = [build(check(spec), c, rope, torch.device("cpu"), F32) for _ in range(2)]
-    kvs[1]._fused = False
+    unfused(kvs[1])
     spans, a = [], P
     for s in steps:
         spans.append((a, a + s))

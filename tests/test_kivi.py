@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrun.kv.attention import combine, segment_attention
-from kvrun.kv.kivi import KiviLayer, dequantize, pack, quantize, unpack
+from kvrun.kv.stores.kivi import KiviLayer, dequantize, pack, quantize, unpack
 
 F16, F32 = torch.float16, torch.float32
 

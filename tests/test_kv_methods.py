@@ -16,7 +16,7 @@ import torch
 from test_kv_select import ref_pyramid, ref_snap_scores, ref_topk
 
 from kvrun.config import ModelConfig
-from kvrun.generate import Session
+from kvrun.generate import Session, run_pass
 from kvrun.kv import build, check
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
@@ -73,7 +73,9 @@ def new_kv(model, spec: str, budget=None, hook=None):
 def drive(model, kv, ids, ubatch, n_decode=0, tokens=None, after=None) -> torch.Tensor:
     """One turn: prefill `ids` in chunks (as Session does), then decode greedily (or `tokens`).
 
-    Returns the logits (T, V) of every token fed; `after(point)` runs after each point.
+    Returns the logits (T, V) of every token fed; `after(point)` runs after each point. The
+    passes a cache asks for after the prefill run as Session runs them; XKV's scoring pass
+    before it runs only through Session (here XKV plans at the end of the prefill).
     """
     out, n = [], kv.seen
     kv.begin_prefill(len(ids))
@@ -85,6 +87,8 @@ def drive(model, kv, ids, ubatch, n_decode=0, tokens=None, after=None) -> torch.
         n += len(chunk)
         if after:
             after("chunk")
+    for p in kv.planning_pass("after", ids, None):  # KVzip's reconstruction, as Session runs it
+        run_pass(model, p, ubatch)
     kv.end_prefill()
     if after:
         after("prefill")

@@ -12,10 +12,13 @@ from fractions import Fraction
 
 import pytest
 import torch
+from kv_helpers import pyramid_budgets_compat
 
 from kvrun.errors import KvrunError
-from kvrun.kv.budget import Budget, pyramid_budgets, pyramid_budgets_compat
-from kvrun.kv.select import attention_colsum, keep_indices, window_votes
+from kvrun.kv.attention import attention_colsum, group_sum, pool, window_scores
+from kvrun.kv.cache import keep_indices
+from kvrun.kv.methods.pyramidkv import budgets
+from kvrun.kv.spec import Budget
 
 NEG = float("-inf")
 
@@ -53,6 +56,16 @@ def ref_snap_scores(qw: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Ten
             s = s + pooled[hk * G + g]
         rows.append(s)
     return torch.stack(rows)
+
+
+def window_votes(qw, k, kernel: int, kind: str) -> torch.Tensor:
+    """SnapKV's votes as the driver's score computes them (Ctx.window_votes)."""
+    return group_sum(pool(window_scores(qw, k), kind, kernel), k.shape[0])
+
+
+def pyramid_budgets(B: int, n: int, window: int, n_layers: int, beta: int) -> list[int]:
+    """PyramidKV's allocator as declared (kvrun/kv/methods/pyramidkv.py)."""
+    return budgets({"window": window, "beta": beta}, B, n, n_layers)
 
 
 def ref_topk(scores: torch.Tensor, k: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """MiniCache (methods/minicache.md, "How to test it" 1-10), against naive references.
 
-The references here are independent of kvrun.kv.minicache: an fp64 arccos SLERP, a naive
+The references here are independent of kvrun.kv.methods.minicache: an fp64 arccos SLERP, a naive
 restore, per-group retention by sorting Python lists, and materialised fp64 attention over a
 shadow of every exact K/V row the model handed the manager.
 """
@@ -17,12 +17,13 @@ import pytest
 import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
+from kv_helpers import restore, restored
 from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 
 from kvrun.cli.main import cli
 from kvrun.config import ModelConfig
-from kvrun.kv import kivi
-from kvrun.kv.merged import merge, pairing, restore, retention
+from kvrun.kv.methods.minicache.store import merge, pairing, retention
+from kvrun.kv.stores import kivi
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches, passkey_prompt
@@ -376,7 +377,7 @@ def test_sliding_window_masks_by_position(one_thread):
 
     def after(layer, qr, kr, v, pos, out, _):
         if layer < 2 and not kv.in_prefill:
-            k, vv = kv.restored(layer)
+            k, vv = restored(kv, layer)
             ref = ref_attention(qr, k.double(), vv.double(), pos, 16)
             torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=1e-4)
             checked.append(layer)
@@ -512,7 +513,7 @@ def test_kivi_store_restores_the_stored_norms(one_thread):
     drive(m, kv, prompt(70, seed=11), 70, n_decode=2)
     for p in kv.pairs:
         for ly in (p.a, p.b):
-            k, v = kv.restored(ly)
+            k, v = restored(kv, ly)
             ek = torch.cat([r[0] for r in rows[ly]], 1).double()
             ev = torch.cat([r[1] for r in rows[ly]], 1).double()
             for got, ref in ((k, ek), (v, ev)):
@@ -571,7 +572,7 @@ def test_fp16_kv_dtype_restores_the_norms(spec):
     """2. in a 16-bit KV dtype: restored rows keep the exact rows' norms within 2e-3."""
     kv, k, v = feed(spec, "cpu", torch.float16)
     for ly in range(2 if "kivi" in spec else 0, 6):  # plain KIVI layers do not keep norms
-        rk, rv = kv.restored(ly)
+        rk, rv = restored(kv, ly)
         for got, ref in ((rk, k[ly]), (rv, v[ly])):
             norm = ref.norm(dim=-1)
             assert ((got.double().norm(dim=-1) - norm).abs() / norm).max() <= 2e-3
@@ -585,7 +586,7 @@ def test_cpu_and_cuda_agree():
         for ha, hb in ((a.k, b.k), (a.v, b.v)):
             assert torch.equal(ha.ridx, hb.ridx.cpu()) and torch.equal(ha.roff, hb.roff.cpu())
     for ly in range(6):
-        for x, y in zip(kvs[0].restored(ly), kvs[1].restored(ly), strict=True):
+        for x, y in zip(restored(kvs[0], ly), restored(kvs[1], ly), strict=True):
             torch.testing.assert_close(x, y.cpu(), rtol=1e-3, atol=1e-3)
 
 

@@ -20,9 +20,10 @@ from test_kv_methods import HKV, drive, full_logits, hooked, new_kv, prompt, tap
 
 from kvrun.cli.main import cli
 from kvrun.kernels.colsum import colsum_ref
-from kvrun.kv.budget import minikv_pyramid, minikv_pyramid_shares
-from kvrun.kv.kivi import KiviLayer, dequantize, pack, quantize, unpack
-from kvrun.kv.select import dense_colsum
+from kvrun.kv.methods.minikv.cache import dense_colsum
+from kvrun.kv.methods.minikv.cache import pyramid as minikv_pyramid
+from kvrun.kv.methods.minikv.cache import pyramid_shares as minikv_pyramid_shares
+from kvrun.kv.stores.kivi import KiviLayer, dequantize, pack, quantize, unpack
 from kvrun.tasks.passkey import answer_matches, passkey_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,15 +101,14 @@ def staged(spec, t, acc, budget=None):
     by `acc` (Hkv or Hq rows) just before selection; returns the kept positions per layer."""
     m = tiny()
     kv, ev = hooked(m, spec, budget)
-    part = kv.recipe.selection  # the manager's own HeavyRecent part
-    orig = part.run
+    orig = kv.select  # the cache's own selection (heavy hitters + recent)
 
-    def select(kv_, point):
-        for st in kv_.layers:
+    def select(point):
+        for st in kv.layers:
             st.dense.acc = acc.clone().float()
-        orig(kv_, point)
+        orig(point)
 
-    part.run = select
+    kv.select = select
     drive(m, kv, prompt(t), 64)
     return [rows for layer, point, _, rows in ev if point == "prefill"]
 

@@ -7,7 +7,7 @@ import torch
 
 import tiny_models
 from kvrun.generate import Session
-from kvrun.kv.full import FullKV
+from kvrun.kv import FULL, build
 from kvrun.model import Transformer
 from kvrun.weights import load
 
@@ -44,7 +44,7 @@ def _ours(path):
 
 
 def _session(model, w, ubatch=512) -> Session:
-    kv = FullKV(w.config, model.rope, torch.device("cpu"), torch.float32)
+    kv = build(FULL, w.config, model.rope, torch.device("cpu"), torch.float32)
     return Session(model, w.tokenizer, kv, ubatch=ubatch)
 
 
@@ -68,7 +68,7 @@ def loaded(tiny):
 @torch.inference_mode()
 def _prefill_all(model, w, ids, ubatch):
     """Logits (T, V) for every prompt position, prefilling in chunks of ubatch."""
-    kv = FullKV(w.config, model.rope, torch.device("cpu"), torch.float32)
+    kv = build(FULL, w.config, model.rope, torch.device("cpu"), torch.float32)
     kv.begin_prefill(len(ids))
     out = []
     for s in range(0, len(ids), ubatch):

@@ -1,7 +1,7 @@
 """SpindleKV (methods/spindlekv.md, "How to test it" 1-10) against naive references.
 
-Every reference here is written out densely and independently of kvrun.kv.spindle and
-kvrun.kv.codebook: exact-fraction schedules, materialised fp64 window attention, explicit
+Every reference here is written out densely and independently of kvrun.kv.methods.spindlekv:
+exact-fraction schedules, materialised fp64 window attention, explicit
 sorting for top-k, an N x N greedy codebook, masked fp64 attention over per-query-head sets,
 and the byte formula of the spec. Kept sets are decoded from the manager's raw tensors
 (positions, mask bytes); its reconstructions (materialise) are compared with the vectors
@@ -17,16 +17,17 @@ from fractions import Fraction
 import pytest
 import torch
 from click.testing import CliRunner
+from kv_helpers import codebook_sizes
 from test_kv_methods import config, drive, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
 from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.kv import build, check
-from kvrun.kv.alloc.spindle import endpoints, layer_ratios, spindle_keep
-from kvrun.kv.codebook import assign, build_codebook
-from kvrun.kv.scores import pool_scores, qhead_scores
-from kvrun.kv.select_qhead import union_slots
+from kvrun.kv.attention import pool_scores
+from kvrun.kv.methods.spindlekv import endpoints, layer_ratios, spindle_keep
+from kvrun.kv.methods.spindlekv.cache import qhead_scores, union_slots
+from kvrun.kv.methods.spindlekv.store import assign, build_codebook
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches, passkey_prompt
@@ -143,7 +144,7 @@ def ref_bytes(kv, e=E) -> int:
     c, o = kv.config, kv.opt
     nb = -(-(c.n_heads // c.n_kv_heads) // 8)
     total = 0
-    for i, (ck, cv) in enumerate(kv.codebook_sizes()):
+    for i, (ck, cv) in enumerate(codebook_sizes(kv)):
         S_c, S_d = slot_counts(kv, i)
         wide = o["index"] == "int32"
         i_k = 4 if wide or ck_max(kv, i, "k") > 32767 else 2
@@ -372,7 +373,7 @@ def test_decode_growth_bounded_and_covering():
     sizes = []
 
     def after(point):
-        sizes.append(kv.codebook_sizes())
+        sizes.append(codebook_sizes(kv))
 
     drive(m, kv, prompt(90, 4), 32, n_decode=15, after=after)
     steps = sizes[-16:]  # after prefill, then each decode step
@@ -411,7 +412,7 @@ def test_codebook_covering_after_prefill():
     kv = new_kv(m, "spindlekv:window=8,theta_k=0.5,theta_v=0.3", "0.5")
     get = capture(kv)
     drive(m, kv, prompt(120, 5), 40, n_decode=3)
-    sizes = kv.codebook_sizes()
+    sizes = codebook_sizes(kv)
     slots = [kv.layers[i].pos_c.shape[1] * HKV for i in range(L)]
     assert all(ck < s and cv < s for (ck, cv), s in zip(sizes, slots, strict=True))  # merged
     check_covering(kv, get, {"k": 0.5, "v": 0.3})
@@ -427,7 +428,7 @@ def test_no_merging_reconstructs_every_vector(scope):
     for layer, st in enumerate(kv.layers):
         kr, vr, pos, mask = st.materialise()
         valid = mask.ne(0).any(-1)  # (Hkv, S) real slots
-        assert kv.codebook_sizes()[layer] == (int(valid.sum()), int(valid.sum()))
+        assert codebook_sizes(kv)[layer] == (int(valid.sum()), int(valid.sum()))
         for h in range(HKV):
             p = pos[h][valid[h]].tolist()
             for which, rec in (("k", kr[0, h]), ("v", vr[0, h])):
@@ -596,7 +597,7 @@ def test_gqa_duplicated_heads_select_as_mha(G, opts):
     assert sG == [s for s in s1 for _ in range(G)]
     assert s1[0] != s1[1] and len(s1[0]) < n
     assert kvG.layers[0].all_bits and slot_counts(kvG, 0) == slot_counts(kv1, 0)
-    assert kvG.codebook_sizes() == kv1.codebook_sizes()
+    assert codebook_sizes(kvG) == codebook_sizes(kv1)
     torch.testing.assert_close(outG, out1.repeat_interleave(G, dim=1), rtol=0, atol=1e-6)
 
 
@@ -627,7 +628,7 @@ def test_slot_permutation_invariance(opts):
 
         toks = None if not runs else runs[0][0][99:].argmax(-1).tolist()
         out = drive(m, kv, ids, 32, n_decode=10, tokens=toks, after=after)
-        runs.append((out, kv.codebook_sizes(), [store_sets(kv, i) for i in range(L)]))
+        runs.append((out, codebook_sizes(kv), [store_sets(kv, i) for i in range(L)]))
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=1e-5)
     assert runs[1][1:] == runs[0][1:]
 
@@ -772,7 +773,7 @@ def test_describe_and_paper_report():
     assert set(d) >= {"beta", "schedule", "pool", "gqa", "codebook", "index", "cb_block"}
     ks = ref_keep_counts(100, budget_tokens("0.2", 100, 8), 8, L)
     r = []
-    for layer, (ck, cv) in enumerate(kv.codebook_sizes()):
+    for layer, (ck, cv) in enumerate(codebook_sizes(kv)):
         r1 = (ks[layer] + 8) / 100
         r2 = (ck + cv) / (2 * 4 * (ks[layer] + 8))
         assert d["paper"]["r1"][layer] == pytest.approx(r1, abs=1e-6)

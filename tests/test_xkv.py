@@ -2,7 +2,7 @@
 
 References are naive and written out here: materialised fp64 attention, loops for pooling,
 sorting python lists for the allocation, brute force over every composition of small
-budgets. They never call kvrun.kv.xkv's helpers. The tiny model of test_kv_methods (3 layers,
+budgets. They never call kvrun.kv.methods.xkv's helpers. The tiny model of test_kv_methods (3 layers,
 2 KV heads, D 32) runs most tests; the default model runs the CLI ones.
 """
 
@@ -40,9 +40,9 @@ from kvrun.cli.main import KvrunGroup, cli
 from kvrun.cli.profile import profile
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
-from kvrun.kv import xkv
-from kvrun.kv.scores import pool_scores
-from kvrun.kv.xkv import (
+from kvrun.kv.attention import pool_scores
+from kvrun.kv.methods.xkv import cache as xkv
+from kvrun.kv.methods.xkv.cache import (
     Profile,
     allocate_budget,
     allocate_target,
@@ -629,7 +629,7 @@ def test_peak_cuda_memory_two_pass_vs_deferred():
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         if scoring_only:
-            pre = kv.scoring_pass(n)
+            (pre,) = [p.kv for p in kv.planning_pass("before", ids, None)]
             with torch.inference_mode():
                 pre.begin_prefill(n)
                 m(torch.tensor([ids], device=dev), torch.arange(n, device=dev), pre, True)

@@ -33,11 +33,11 @@ def list_methods(as_json):
                 "name": p.name,
                 "kind": p.kind,
                 "summary": p.summary,
-                "scorer": p.scorer,
-                "selector": p.selector,
-                "allocator": p.allocator,
-                "store": p.store,
-                "runs_at": p.when,
+                "scorer": p.axes[0],
+                "selector": p.axes[1],
+                "allocator": p.axes[2],
+                "store": p.axes[3],
+                "runs_at": p.runs_at,
                 "options": {
                     o.name: {
                         "default": o.default,

@@ -11,7 +11,13 @@ from rich.table import Table
 
 from ..errors import ContextOverflow, KvrunError
 from ..kv import check
-from ..kv.alloc.xkv_profile import Profile, check_profile, fold_profile, load_profile, save_profile
+from ..kv.methods.xkv.profile import (
+    Profile,
+    check_profile,
+    fold_profile,
+    load_profile,
+    save_profile,
+)
 from .common import (
     dump_json,
     load_with_progress,
@@ -84,7 +90,7 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     if old is not None:  # shape checks that need no model; n_layers and model come after loading
         check_profile(old, out, old.n_layers, "", o["window"], o["pool"], units)
     from ..generate import Session  # torch, once the input is known to be good
-    from ..kv.xkv import XKV
+    from ..kv import build
 
     rt = load_with_progress(kw)
     if old is not None:
@@ -93,7 +99,7 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     plain = dataclasses.replace(
         spec, select_opts={**o, "profile": "", "profile_update": False}, store=None, store_opts={}
     )
-    kv_mgr = XKV(plain, rt.config, rt.model.rope, rt.model.device, rt.model.dtype)
+    kv_mgr = build(plain, rt.config, rt.model.rope, rt.model.device, rt.model.dtype)
     session = Session(rt.model, rt.tokenizer, kv_mgr, ubatch=kw["ubatch"], context=kw["ctx_size"])
     samples = []
     for f, text in zip(files, texts, strict=True):
@@ -146,7 +152,7 @@ def _plan(session, kv, ids: list[int]):
 
     with torch.inference_mode():
         session.reset()
-        session.plan(ids)
+        session.plan(ids, "before")
         if kv.allocation is None:
             session.prefill(ids)
         a = kv.allocation

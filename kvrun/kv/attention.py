@@ -1,8 +1,14 @@
-"""Attention over segments of keys, each returning its output and log-sum-exp (fp32).
+"""Attention over segments of keys, each returning its output and log-sum-exp (fp32), and the
+attention-derived scores several methods share.
 
 A layer's keys may live in several segments (a quantized body, a dense tail, the chunk
 being prefilled); each segment attends on its own and `combine` merges them exactly:
-lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) * out_s.
+lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) * out_s (baselines.md 0.10).
+
+Scores (fp32, GQA-native: query head q reads KV head q // G): `window_scores`, the attention
+of the newest queries to the older keys (SnapKV's observation window, PyramidKV, SpindleKV,
+TOVA), `pool` over it, and `attention_colsum`, attention that also sums each key's
+probabilities (H2O's cumulative attention).
 """
 
 from __future__ import annotations
@@ -119,3 +125,88 @@ def combine(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
     w = torch.exp(lse - total).nan_to_num(0.0)  # (S, B, Hq, Tq)
     out = sum(w[i].unsqueeze(-1) * p.out for i, p in enumerate(parts))
     return out.to(dtype)
+
+
+# --- scores shared by several methods -------------------------------------------------------
+KEY_BLOCK = 2048  # keys per block when scoring
+QUERY_BLOCK = 64  # queries per block for attention with column sums
+
+
+def window_scores(
+    qw: torch.Tensor,  # (Hq, w, D) post-RoPE queries of the last w slots
+    k: torch.Tensor,  # (Hkv, T, D) post-RoPE keys, the last w of them the window's own
+    sliding: int | None = None,  # the model's sliding window: keys it cannot see score 0
+    pos: torch.Tensor | None = None,  # (1 or Hkv, T) slot positions (else slot = position)
+) -> torch.Tensor:  # (Hq, T - w) fp32
+    """sum over the window rows of each query head's softmax over every key it sees (causal,
+    the model's sliding window), for the T - w older keys. Two passes over key blocks (row
+    log-sum-exp, then probabilities) keep the scratch at O(Hq * T), never (Hq, w, T)."""
+    Hq, w, D = qw.shape
+    Hkv, T, _ = k.shape
+    g = Hq // Hkv
+    n_ctx = T - w
+    q = qw.float().view(Hkv, g, w, D) / math.sqrt(D)
+    at = torch.arange(T, device=k.device)[None] if pos is None else pos.long()  # (R, T)
+
+    def block(s: int, e: int) -> torch.Tensor:  # (Hkv, g, w, e - s) masked logits
+        sc = torch.einsum("hgwd,htd->hgwt", q, k[:, s:e].float())
+        diff = (at[:, T - w :, None] - at[:, None, s:e])[:, None]  # (R, 1, w, e - s)
+        vis = diff >= 0
+        if sliding:
+            vis &= diff < sliding
+        return sc.masked_fill(~vis, float("-inf"))
+
+    lse = torch.full((Hkv, g, w), float("-inf"), device=k.device)
+    for s in range(0, T, KEY_BLOCK):
+        lse = torch.logaddexp(lse, torch.logsumexp(block(s, min(s + KEY_BLOCK, T)), -1))
+    vote = torch.empty(Hkv, g, n_ctx, device=k.device)
+    for s in range(0, n_ctx, KEY_BLOCK):
+        e = min(s + KEY_BLOCK, n_ctx)
+        vote[..., s:e] = torch.exp(block(s, e) - lse[..., None]).sum(2)
+    return vote.view(Hq, n_ctx)
+
+
+def group_sum(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """(Hq, ...) -> (Hkv, ...): sum the query heads of each KV head."""
+    return x.view(n_kv_heads, x.shape[0] // n_kv_heads, *x.shape[1:]).sum(1)
+
+
+def pool(x: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:
+    """Pool each row of x (R, C) along C with stride 1 and same padding: 'max', 'avg' (the
+    zero pads count, torch's default, so index j still means token j) or 'none'."""
+    if kind == "none" or x.shape[-1] == 0:
+        return x
+    fn = F.max_pool1d if kind == "max" else F.avg_pool1d
+    return fn(x.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+
+
+def pool_scores(x: torch.Tensor, text: str) -> torch.Tensor:
+    """`pool` from its option text: none, avg:K or max:K (validated by options.pooling)."""
+    kind, _, k = text.partition(":")
+    return pool(x, kind, int(k) if k else 1)
+
+
+def attention_colsum(
+    q: torch.Tensor,  # (1, Hq, Tq, D) post-RoPE
+    k: torch.Tensor,  # (1, Hkv, T, D)
+    v: torch.Tensor,  # (1, Hkv, T, D)
+    mask: torch.Tensor | None,  # (Tq, T) or (Hkv, Tq, T) bool, True = visible
+) -> tuple[torch.Tensor, torch.Tensor]:  # out (1, Hq, Tq, D) fp32, colsum (Hkv, T) fp32
+    """Attention that also sums each key's probabilities over all query heads and rows (H2O)."""
+    _, Hq, Tq, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    kf, vf = k[0].float(), v[0].float()
+    out = torch.empty(Hkv, g, Tq, D, device=q.device)
+    col = torch.zeros(Hkv, T, device=q.device)
+    qg = q[0].float().view(Hkv, g, Tq, D) / math.sqrt(D)
+    for s in range(0, Tq, QUERY_BLOCK):
+        e = min(s + QUERY_BLOCK, Tq)
+        sc = torch.einsum("hgqd,htd->hgqt", qg[:, :, s:e], kf)  # (Hkv, G, b, T)
+        if mask is not None:
+            m = mask[s:e] if mask.dim() == 2 else mask[:, None, s:e]
+            sc = sc.masked_fill(~m, float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        out[:, :, s:e] = torch.einsum("hgqt,htd->hgqd", p, vf)
+        col += p.sum(dim=(1, 2))
+    return out.view(1, Hq, Tq, D), col

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import KVCache
+from .protocol import KVManager
 
 
 class BatchKV:
-    """The KV contract (kvrun/kv/base.py) for B sequences, each with its own manager."""
+    """The KV contract (kvrun/kv/protocol.py) for B sequences, each with its own manager."""
 
     def __init__(self, kvs: Sequence):
         if not kvs:
@@ -58,9 +58,9 @@ class BatchKV:
         return torch.cat(outs, dim=0)
 
     def _decoding(self) -> bool:
-        """Every sequence is a KVCache in an eager decode step (RoPE can be batched)."""
+        """Every sequence is a KVManager in an eager decode step (RoPE can be batched)."""
         return all(
-            isinstance(kv, KVCache) and not kv.in_prefill and not kv.static for kv in self.kvs
+            isinstance(kv, KVManager) and not kv.in_prefill and not kv.static for kv in self.kvs
         )
 
     def _decode(self, layer, q, k, v, positions) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The byte formulas of the methods' specs, computed from what a cache holds (token, slot,
 entry and retained-row counts), never from its tensors.
 
-A manager's `nbytes()` sums `numel * element_size` over its stored tensors; each method
+A cache's `nbytes()` sums `numel * element_size` over its stored tensors; each method
 declares `Method.nbytes(spec, kv)`, its formula, built from the helpers here, and
 tests/test_kv_contract.py checks that the two agree for every registered method at its
 compression points (after a prefill, after decode steps). A buffer counted twice, a
@@ -41,18 +41,16 @@ def kivi_of(c, e: int, layout: dict, store) -> int:
     return kivi(c, e, layout, store.body_len, store.tail_len)
 
 
-def composed(per_slot=lambda c: 0):
-    """The formula of a method run by the composed manager, per layer: dense slots at
-    2 * Hkv * D * e plus `per_slot(config)` bytes of per-slot bookkeeping (positions, scores),
-    MiniKV's held turns (dense K and V), and a stacked KIVI store by `kivi`."""
+def composed(per_slot=lambda c, o: 0):
+    """The formula of a method the driver (kvrun/kv/cache.py) runs, per layer: dense slots at
+    2 * Hkv * D * e plus `per_slot(config, options)` bytes of per-slot bookkeeping (positions,
+    scores), and a KIVI store by `kivi`."""
 
     def nbytes(spec, kv) -> int:
-        c, e = kv.config, elem(kv)
+        c, e, o = kv.config, elem(kv), spec.select_opts
         total = 0
         for st in kv.layers:
-            total += st.dense.length * (dense(c, 1, e) + per_slot(c))
-            if st.held is not None:
-                total += dense(c, st.held.length, e)
+            total += st.dense.length * (dense(c, 1, e) + per_slot(c, o))
             if st.kivi is not None:
                 total += kivi_of(c, e, kv.kivi_cfg, st.kivi)
         return total

@@ -1,81 +1,294 @@
-"""KVCache: the one driver every method's cache runs under.
+"""KVCache: the driver every method runs under, with a dense or KIVI store per (sequence, layer).
 
-The model calls `attend` and the sequence points of the contract (kvrun/kv/base.py); the
-driver applies RoPE once, routes the step to the method's `prefill` or `decode` path (or
-`decode_static`, the CUDA-graph form, with RoPE bounded by the static capacity) and calls
-the method's compression hooks at each point:
+It stores each layer's tokens in a DenseSeg (kvrun/kv/stores/dense.py), or, under a KIVI stack,
+stages a turn's tokens there and moves them into the layer's KiviLayer at the end of the
+prefill. It attends over both, merged by log-sum-exp, and at the method's points (after each
+prefill chunk, at the end of the prefill, after each decode step) it selects: B(n) from
+--kv-budget, per-layer budgets (uniform, or the method's allocator), the method's score(ctx)
+per KV head, the protected sinks and newest slots, the top-k (`keep_indices`), `store.keep`.
+Nothing here names a method: a method is what kvrun/kv/method.py declares. Methods with
+planning passes or more state (MiniKV, XKV, KVzip) subclass it; methods with stores of their
+own (MiniCache, SpindleKV) implement kvrun/kv/protocol.py's KVManager themselves.
 
-    end_chunk(n)   -> at_chunk(n)    after the base bookkeeping (tokens seen include the chunk)
-    end_prefill()  -> at_prefill()   while the turn is still the prefill, then the phase ends
-    end_step()     -> at_step()      after the base bookkeeping
-
-A method's cache (FullKV, CompressedKV and XKV, MiniCacheKV, SpindleKV) supplies those parts
-and its stores; it never re-derives the phase inside a step and never applies RoPE to the
-step's queries itself. A store that keeps keys before RoPE (SpindleKV's codebooks, which
-rotate at each slot's own position) declares `keys_pre_rope` and gets the keys unrotated.
+Static decode (CUDA graphs): where decode steps only append, the new token goes to slot
+position + (end - seen) of its layer's decode segment (the KIVI tail or the dense store), a
+Python constant between compressions, and the segment is attended up to that slot as a device
+tensor (the StaticSegment protocol). A KIVI body keeps its length until the next flush, so
+the graph is recaptured once per residual of R steps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .base import KVManager
+from ..errors import KvrunError
+from ..kernels.dense_decode import dense_decode
+from .attention import attention_colsum, combine, dense_attention, group_sum
+from .protocol import Ctx, KVManager, StaticSegment
+from .spec import KVSpec
+from .stores.dense import DenseSeg
+from .stores.kivi import KiviLayer
+
+
+def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Slots to keep (H, k), ascending: protected ones first, then the best scores, ties to the
+    lower slot (slots are held in position order, so a stable sort is baselines.md 0.7's rule).
+
+    scores (H, T) fp32; protected (H or 1, T) bool or None."""
+    if protected is not None:
+        scores = scores.masked_fill(protected, float("inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=-1).values
+
+
+@dataclass(slots=True, eq=False)
+class Layer:
+    """One layer of one sequence."""
+
+    dense: DenseSeg  # the dense store, or a KIVI stack's staging area
+    kivi: KiviLayer | None  # the KIVI store, or None
+    queries: torch.Tensor | None = None  # (Hq, <=w, D) the newest queries, for score()
 
 
 class KVCache(KVManager):
-    """The driver: RoPE once, prefill / decode routing, compression hooks."""
+    """The cache of a validated KVSpec (--kv and --kv-budget)."""
 
-    keys_pre_rope = False  # True: `prefill`/`decode` receive k before RoPE
+    def __init__(self, spec: KVSpec, config, rope, device, dtype, on_select=None):
+        super().__init__(config, rope, device, dtype, on_select)
+        m, o = spec.select, spec.select_opts
+        self.spec, self.name, self.method, self.opt = spec, spec.name, m, o
+        self.protected = spec.protected
+        self.budget = spec.budget_or_default()  # None: full, or a method's own default
+        kv = spec.kivi()
+        self.kivi_cfg = kv if kv is not None and kv["bits"] != 16 else None
+        self.selects = not spec.keeps_all
+        self.points = m.points(o)
+        self.n_queries = m.queries(o)
+        # full keeps every token at its position: a sliding window can mask by slot
+        self.slot_positions = spec.keeps_all and self.kivi_cfg is None
+        # positions are stored, and counted in nbytes, only where a later step needs them:
+        # decode-time eviction (one row when every KV head keeps the same slots)
+        self.pos_rows = self._position_rows()
+        self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
+        if on_select is not None and not self.pos_rows:
+            self.pos_rows = config.n_kv_heads
+        self._cap = 0
+        self.layers: list[Layer] = []
+        self.reset()
 
-    def attend(self, layer, q, k, v, positions):
-        if self.static and not self.in_prefill and k.shape[2] == 1:
-            cap = self.capacity  # no host sync: RoPE tables bounded by the static room
-            qr = self.rope.apply(q, positions, bound=cap)
-            kr = k if self.keys_pre_rope else self.rope.apply(k, positions, bound=cap)
-            return self.decode_static(layer, qr, kr, v, positions)
-        qr = self.rope.apply(q, positions)
-        kr = k if self.keys_pre_rope else self.rope.apply(k, positions)
-        if self.in_prefill:
-            return self.prefill(layer, qr, kr, v, positions)
-        return self.decode(layer, qr, kr, v, positions)
+    # ------------------------------------------------------------------ state
+    def _position_rows(self) -> int:
+        """Rows of int32 positions per slot: where a later step needs them, as decode-time
+        eviction does (one row when every KV head keeps the same slots)."""
+        m, o = self.method, self.opt
+        if not m.evicts_at_decode(o):
+            return 0
+        return 1 if m.per_layer(o) else self.config.n_kv_heads
 
-    # --- the method's paths (q, k post-RoPE unless keys_pre_rope; (1, H, T, D)) -----------
-    def prefill(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        """A prefill chunk of T tokens: store as the method says, attend causally."""
-        raise NotImplementedError
+    def reset(self) -> None:
+        super().reset()
+        old = self.layers  # dense buffers are rewound, not reallocated (a graph reads them)
+        self.layers = [Layer(old[i].dense if old else self._dense(), self._kivi())
+                       for i in range(self.config.n_layers)]  # fmt: skip
+        for st in old:
+            st.dense.rewind()
 
-    def decode(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        """A decode step (T new tokens, usually 1) in eager form."""
-        raise NotImplementedError
+    def _dense(self) -> DenseSeg:
+        c = self.config
+        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
+                        scores=self.method.cumulative, count_pos=self.count_pos)  # fmt: skip
 
-    def decode_static(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        """The static decode step (after make_static): no host sync, fixed shapes."""
-        raise NotImplementedError
+    def _kivi(self) -> KiviLayer | None:
+        if self.kivi_cfg is None:
+            return None
+        return KiviLayer.of(self.kivi_cfg, self.config, self.dtype, self.device, self.name)
 
-    def stores(self) -> list:
-        """The per-layer stores the cache holds (kvrun/kv/protocol.py's Store), for tests and
-        accounting."""
-        return []
+    def _layer(self, layer: int, T: int) -> Layer:
+        """The layer's state; a store that keeps no positions refuses a sliding window past its
+        length (the model would need to mask slots by position)."""
+        st, window = self.layers[layer], self.config.sliding_window
+        if window and self.seen + T > window and not self._window_ok(st):
+            raise KvrunError(
+                f"--kv {self.name} cannot run sliding-window attention past {window} tokens "
+                "(it keeps no positions); use --kv full, streaming or h2o, or a shorter input"
+            )
+        return st
 
-    # --- compression hooks --------------------------------------------------------------
+    def _window_ok(self, st: Layer) -> bool:
+        return st.dense.pos is not None or self.slot_positions
+
+    # ------------------------------------------------------------ prefill, decode
+    def prefill(self, layer, q, k, v, positions):
+        st = self._layer(layer, k.shape[2])
+        if st.kivi is not None and not self.selects:  # a store alone: nothing to select
+            return self._to_store(st, q, k, v)
+        if self.n_queries:  # the newest queries vote at selection (a window across chunks)
+            prev = st.queries if st.queries is not None else q.new_empty(q.shape[1], 0, q.shape[3])
+            st.queries = torch.cat([prev, q[0]], dim=1)[:, -self.n_queries :]
+        return self._attend(st, q, k, v, positions)
+
+    def decode(self, layer, q, k, v, positions):
+        st = self._layer(layer, k.shape[2])
+        if st.kivi is not None:  # decode tokens go straight into the store
+            return self._to_store(st, q, k, v)
+        if self.n_queries and "step" in self.points:
+            st.queries = q[0]  # (Hq, 1, D) the step's query scores the step's eviction
+        return self._attend(st, q, k, v, positions)
+
+    def _to_store(self, st: Layer, q, k, v) -> torch.Tensor:
+        """Append to the KIVI store and attend over it."""
+        st.kivi.append(k[0], v[0])
+        return combine(st.kivi.partials(q, None, k.shape[2], None), self.dtype)
+
+    def _attend(self, st: Layer, q, k, v, positions) -> torch.Tensor:
+        """Append to the dense segment and attend over it (and the KIVI store's earlier tokens,
+        merged by log-sum-exp); with cumulative scores, attention that sums each key's
+        probabilities into the segment's scores (H2O §3)."""
+        T, window, d = k.shape[2], self.config.sliding_window, st.dense
+        d.append(k, v, positions)
+        if self.method.cumulative:
+            mask = d.mask(positions, T, window)
+            if T == 1 and mask is None and q.is_cuda:  # one kernel, probabilities out
+                out, _, p = dense_decode(q, d.k, d.v, return_probs=True)
+                d.acc += group_sum(p[0, :, 0], d.k.shape[1])
+                return out.to(self.dtype)
+            out, col = attention_colsum(q, d.k, d.v, mask)
+            d.acc += col
+            return out.to(self.dtype)
+        if st.kivi is not None and st.kivi.length:
+            parts = st.kivi.partials(q, positions, 0, window) + d.partials(q, positions, T, window)
+            return combine(parts, self.dtype)
+        if window and self.slot_positions:  # slot = position: mask the window by position
+            k_pos = torch.arange(d.length, device=positions.device)
+            return dense_attention(q, d.k, d.v, positions, k_pos, window)
+        return d.attend(q, positions, T, window)
+
+    # ------------------------------------------------------- compression points
+    def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
+        super().begin_prefill(n_tokens, select)
+        for st in self.layers:
+            st.queries = None
+
     def at_chunk(self, n_tokens: int) -> None:
-        """After every layer attended over a prefill chunk of n_tokens."""
+        if "chunk" in self.points and self.select_turn:
+            self.select("chunk")
+        if self.kivi_cfg is not None and not self.selects:
+            for st in self.layers:
+                st.kivi.flush(self.kivi_cfg["residual"])
 
     def at_prefill(self) -> None:
-        """The prefill of a turn is complete (prefill-time selection, merging, coding)."""
+        if "prefill" in self.points and self.select_turn:
+            self.select("prefill")
+        for st in self.layers:  # the turn's kept tokens enter the store in position order
+            st.queries = None
+            if st.kivi is not None and st.dense.length:
+                k, v = st.dense.take()
+                st.kivi.append(k[0], v[0])
+                st.kivi.flush(self._flush_unit())
+
+    def _flush_unit(self) -> int:
+        """Tokens quantized at a time at the end of a prefill: whole residuals (the newest
+        tokens stay dense)."""
+        return self.kivi_cfg["residual"]
 
     def at_step(self) -> None:
-        """After every layer attended over one decode token (decode-time eviction, flushes)."""
+        if "step" in self.points:
+            self.select("step")
+            for st in self.layers:
+                st.queries = None
+        if self.kivi_cfg is not None:
+            r = self.kivi_cfg["residual"]
+            for st in self.layers:
+                if st.kivi.tail_len >= r:
+                    st.kivi.flush(r)
 
-    # --- the contract's sequence points, routed to the hooks -----------------------------
-    def end_chunk(self, n_tokens: int) -> None:
-        super().end_chunk(n_tokens)
-        self.at_chunk(n_tokens)
+    def select(self, point: str) -> None:
+        """Keep each layer's top B_l slots by the method's score, per KV head. A dense store
+        selects over every slot with B from every token seen; a KIVI stack over the turn's
+        tokens in staging, by the same rule (kvrun's rule for later chat turns)."""
+        m, o, L = self.method, self.opt, self.config.n_layers
+        T = self.layers[0].dense.length
+        B = self.budget.tokens(T if self.kivi_cfg else self.seen, self.protected)
+        budgets = m.budgets(o, B, T, L) if m.budgets else [B] * L
+        for i, st in enumerate(self.layers):
+            d, Bl = st.dense, budgets[i]
+            if d.length > Bl and (st.queries is not None or not self.n_queries):
+                ctx = Ctx(i, o, self.config, d.k[0], d.v[0], st.queries, d.pos, d.acc,
+                          self.seen, Bl)  # fmt: skip
+                d.keep(self.top(m.score(ctx), d.length, Bl))
+            if d.pos is not None:
+                self.report(i, point, d.pos)
 
-    def end_prefill(self) -> None:
-        self.at_prefill()
-        super().end_prefill()
+    def top(self, scores: torch.Tensor, T: int, k: int) -> torch.Tensor:
+        """The kept slots (H, k) from scores (H, C) of the C oldest slots: the T - C newest (a
+        window), the method's sinks and recent slots are always kept."""
+        if scores.shape[1] < T:
+            pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
+            scores = torch.cat([scores, pad], dim=1)
+        first, last = self.method.sinks(self.opt), self.method.recent(self.opt, k)
+        protected = None
+        if first or last:
+            j = torch.arange(T, device=scores.device)
+            protected = ((j < first) | (j >= T - last))[None]
+        return keep_indices(scores, protected, k)
 
-    def end_step(self) -> None:
-        super().end_step()
-        self.at_step()
+    # ----------------------------------------------------------------- static decode
+    def _decode_seg(self, i: int) -> StaticSegment:
+        """The segment a decode token of layer i goes to."""
+        st = self.layers[i]
+        return st.kivi if st.kivi is not None else st.dense
+
+    def static_unsupported(self) -> str | None:
+        if "step" in self.points:
+            return f"{self.name} evicts at every decode step"
+        seg = self._decode_seg(0)
+        if isinstance(seg, DenseSeg) and (seg.pos is not None or seg.acc is not None):
+            return f"{self.name} keeps positions or scores per slot"
+        return None
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def make_static(self, capacity: int) -> None:
+        self._cap = max(self._cap, capacity)
+        for i in range(len(self.layers)):
+            self._decode_seg(i).room(self._cap - self.seen)  # positions up to cap - 1
+        self.rope.reserve(self._cap)
+        self.static = True
+
+    def static_buffers(self) -> tuple:
+        segs = (self._decode_seg(i) for i in range(len(self.layers)))
+        return (self._cap, *(seg.static_key() + (seg.end - self.seen,) for seg in segs))
+
+    def after_static_step(self) -> None:
+        for i in range(len(self.layers)):  # the step wrote its token at the segment's end
+            self._decode_seg(i).advance()
+
+    def decode_static(self, layer, q, k, v, positions) -> torch.Tensor:
+        seg = self._decode_seg(layer)
+        slot = positions + (seg.end - self.seen)  # (1,) this token's slot in the segment
+        return combine(seg.attend_static(q, k, v, slot), self.dtype)
+
+    # ------------------------------------------------------------- accounting
+    def stores(self) -> list:
+        return [s for st in self.layers for s in (st.dense, st.kivi) if s is not None]
+
+    def nbytes(self) -> int:
+        total = sum(s.nbytes() for s in self.stores())
+        for st in self.layers:  # saved queries count while held across calls (0.6)
+            if st.queries is not None:
+                total += st.queries.numel() * st.queries.element_size()
+        return total
+
+    def kept_counts(self) -> list[int]:
+        """Slots held per layer (every store), for tests and `kvrun bench`."""
+        return [st.dense.length + (st.kivi.length if st.kivi else 0) for st in self.layers]
+
+    def describe(self) -> dict:
+        d = self.spec.describe()
+        if (b := self.budget) is not None:
+            d["budget"] = float(b.value) if b.is_fraction else int(b.value)
+        return d

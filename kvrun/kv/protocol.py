@@ -1,40 +1,234 @@
-"""The per-layer store protocol: what a method's cache asks of the stores that hold its tokens.
+"""The contract between the model and a KV cache, the per-layer Store protocol, and what the
+driver hands a method.
 
-A store holds one layer's kept K and V of one sequence, in its own representation, and
-attends in that representation:
+The model calls, for one sequence (kvrun/kv/batch.py runs B sequences, a cache each):
 
-- DenseSeg (kvrun.kv.dense): post-RoPE K and V in the KV dtype, with optional positions
-  and accumulated scores (full, StreamingLLM, H2O, SnapKV, PyramidKV, XKV, MiniKV's staging);
-- KiviLayer (kvrun.kv.kivi): a 2/4-bit quantized body and a dense residual tail (KIVI,
-  MiniKV, and the store of any `+kivi` stack);
-- CodedLayer (kvrun.kv.coded): SpindleKV's codebook indices and magnitudes over pre-RoPE
-  vectors, rotated at each slot's own position inside the attention;
-- PairLayer (kvrun.kv.merged): one layer's view of a MiniCache pair, the merged directions,
-  magnitudes and retained rows that both layers of the pair share, restored inside the
-  attention.
+    kv.begin_prefill(n)                       # a prompt (or a new chat turn) of n tokens
+    for each chunk of at most --ubatch tokens:
+        out = kv.attend(layer, q, k, v, pos)  # every layer, in order
+        kv.end_chunk(n_chunk)
+    kv.end_prefill()
+    for each generated token:
+        out = kv.attend(layer, q, k, v, pos)  # every layer, one token
+        kv.end_step()
 
-Every store answers `partials`: the attention of post-RoPE queries as log-sum-exp partials
-(kvrun.kv.attention.Partial), so a cache merges the segments it holds exactly with
-`combine`, and `nbytes`: every byte it holds. Stores whose decode step can run with no host
-sync (a CUDA graph replays it) also follow StaticSegment.
+`q, k, v` arrive before RoPE; `KVManager.attend` applies RoPE once and routes the step to the
+cache's `prefill` or `decode` (or `decode_static`, the CUDA-graph form). The sequence points
+call the method's hooks: `at_chunk(n)`, `at_prefill()` (while the turn is still the prefill)
+and `at_step()`. A cache whose store keeps keys before RoPE (SpindleKV) sets `keys_pre_rope`.
 
-Batches: a store belongs to one sequence. A batch of sequences is a batch of caches
-(kvrun.kv.batch.BatchKV routes each row of a step to its own cache), so each sequence keeps
-its own length, selections and bytes.
+Planning passes: before a turn's prefill (XKV's scoring pass) or after it (KVzip's
+reconstruction pass), `planning_pass(when, ids, tokenizer)` may return passes: token ids and a
+manager of their own that the Session runs through the model like a prefill; they store nothing
+the cache keeps and hand their result to the cache at their `end_prefill`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from . import attention
 from .attention import Partial
+
+
+@dataclass(slots=True)
+class Pass:
+    """A planning pass: `ids` run through the model at positions start, start + 1, ... with
+    `kv` as the cache, in --ubatch chunks (begin_prefill, end_chunk, end_prefill); a `whole`
+    pass runs only when the ids fit one chunk."""
+
+    ids: list[int]
+    kv: KVManager
+    start: int
+    whole: bool = False
+
+
+class KVManager:
+    """The contract and its bookkeeping; subclasses store, compress and attend."""
+
+    name = "base"
+    keys_pre_rope = False  # True: `prefill`/`decode` receive k before RoPE
+    static = False  # decoding statically (after make_static): positions only as a tensor
+
+    def __init__(self, config, rope, device, dtype, on_select=None):
+        self.config, self.rope, self.device, self.dtype = config, rope, device, dtype
+        # on_select(layer, point, positions (Hkv, T)): a debug hook reporting the positions kept
+        # at each compression point (the report lives outside the cache, never in nbytes)
+        self.on_select = on_select
+        self.seen = 0  # tokens seen so far in this sequence (all turns)
+        self.in_prefill = False
+        self.select_turn = True  # False: this turn's prefill compresses nothing (question-after)
+
+    # --- sequence points -------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the sequence; the next call starts at position 0."""
+        self.seen = 0
+        self.in_prefill = False
+
+    def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
+        """A prefill of `n_tokens` (a prompt or a later chat turn) is about to start; with
+        select=False its tokens are stored as the method stores them but nothing is selected
+        (a question arriving on an already compressed document)."""
+        self.in_prefill = True
+        self.select_turn = select
+
+    def end_chunk(self, n_tokens: int) -> None:
+        """All layers have attended over the last prefill chunk of `n_tokens`."""
+        self.seen += n_tokens
+        self.at_chunk(n_tokens)
+
+    def end_prefill(self) -> None:
+        """The prefill is complete: prefill-time methods compress here."""
+        self.at_prefill()
+        self.in_prefill = False
+        self.select_turn = True
+
+    def end_step(self) -> None:
+        """All layers have attended over one decode token."""
+        self.seen += 1
+        self.at_step()
+
+    def planning_pass(self, when: str, ids: Sequence[int], tokenizer) -> list[Pass]:
+        """Passes to run "before" the prefill of the turn `ids` or "after" it (before its
+        end_prefill); tokenizer: the model's (kvrun.tokenizer.Tokenizer), or None."""
+        return []
+
+    # --- compression hooks -----------------------------------------------------------
+    def at_chunk(self, n_tokens: int) -> None:
+        """After every layer attended over a prefill chunk (tokens seen include it)."""
+
+    def at_prefill(self) -> None:
+        """The prefill of a turn is complete (prefill-time selection, merging, coding)."""
+
+    def at_step(self) -> None:
+        """After every layer attended over one decode token (decode-time eviction, flushes)."""
+
+    def report(self, layer: int, point: str, positions: torch.Tensor) -> None:
+        """The debug hook: the positions (1 or Hkv, T) a layer keeps after a point."""
+        if self.on_select is not None:
+            self.on_select(layer, point, positions.expand(self.config.n_kv_heads, -1).clone())
+
+    # --- the model's one call ----------------------------------------------------------
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (1, Hq, T, D) pre-RoPE
+        k: torch.Tensor,  # (1, Hkv, T, D) pre-RoPE
+        v: torch.Tensor,  # (1, Hkv, T, D)
+        positions: torch.Tensor,  # (T,) int64
+    ) -> torch.Tensor:  # (1, Hq, T, D)
+        """Store the new k, v as the method says and attend over everything the layer keeps."""
+        if self.static and not self.in_prefill and k.shape[2] == 1:
+            cap = self.capacity  # no host sync: RoPE tables bounded by the static room
+            qr = self.rope.apply(q, positions, bound=cap)
+            kr = k if self.keys_pre_rope else self.rope.apply(k, positions, bound=cap)
+            return self.decode_static(layer, qr, kr, v, positions)
+        qr = self.rope.apply(q, positions)
+        kr = k if self.keys_pre_rope else self.rope.apply(k, positions)
+        if self.in_prefill:
+            return self.prefill(layer, qr, kr, v, positions)
+        return self.decode(layer, qr, kr, v, positions)
+
+    # q, k post-RoPE unless keys_pre_rope; (1, H, T, D)
+    def prefill(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk of T tokens: store as the method says, attend causally."""
+        raise NotImplementedError
+
+    def decode(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
+        """A decode step (T new tokens, usually 1) in eager form."""
+        raise NotImplementedError
+
+    # --- static decode (CUDA graphs, kvrun/graph.py) ------------------------------------
+    def static_unsupported(self) -> str | None:
+        """Why decode steps cannot be static (captured in a graph), or None when they can."""
+        return f"the {self.name} cache has no static decode form"
+
+    def make_static(self, capacity: int) -> None:
+        """Decode statically from now on, with room for positions below `capacity`."""
+        raise NotImplementedError
+
+    @property
+    def capacity(self) -> int:
+        """Positions below this fit a static step without growing anything."""
+        return 0
+
+    def decode_static(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
+        """The static decode step: no host sync, fixed shapes."""
+        raise NotImplementedError
+
+    def static_buffers(self) -> tuple:
+        """What a captured step depends on (addresses, lengths): it is recaptured on change."""
+        raise NotImplementedError
+
+    def static_step_ok(self) -> bool:
+        """Whether the next decode step can be the static one (else it runs eagerly)."""
+        return True
+
+    def after_static_step(self) -> None:
+        """Python-side bookkeeping of a static step (its tensors were written in the graph)."""
+
+    # --- accounting ---------------------------------------------------------------------
+    def stores(self) -> list:
+        """The per-layer stores the cache holds (Store below), for tests and accounting."""
+        return []
+
+    def nbytes(self) -> int:
+        """Exact bytes held: every stored tensor (values, scales, positions, indices...)."""
+        raise NotImplementedError
+
+    def nbytes_full(self) -> int:
+        """Bytes an uncompressed cache in the same dtype would hold for the tokens seen."""
+        return self.seen * self.config.kv_bytes_per_token(self.dtype.itemsize)
+
+    def describe(self) -> dict:
+        """The method and its settings, as --json reports them."""
+        return {"method": self.name}
+
+
+@dataclass(slots=True)
+class Ctx:
+    """What the driver hands a method's score(): one layer at one compression point."""
+
+    layer: int
+    opt: Mapping[str, Any]
+    config: Any  # the model's ModelConfig
+    keys: torch.Tensor  # (Hkv, T, D) post-RoPE keys of the held slots, in position order
+    values: torch.Tensor  # (Hkv, T, D)
+    queries: torch.Tensor | None  # (Hq, w, D) post-RoPE newest queries (Method.queries)
+    positions: torch.Tensor | None  # (1 or Hkv, T) int32, where the store keeps them
+    attention: torch.Tensor | None  # (Hkv, T) fp32 column sums (Method.cumulative)
+    n: int  # tokens seen
+    budget: int  # B_l, the slots this layer keeps
+
+    def window_scores(self) -> torch.Tensor:  # (Hq, T - w) fp32
+        """Each query head's attention from the saved queries (the newest w slots) to the
+        T - w older slots, summed over the w rows (attention.window_scores)."""
+        sw = self.config.sliding_window
+        return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
+
+    def window_votes(self, kind: str, kernel: int) -> torch.Tensor:  # (Hkv, T - w) fp32
+        """SnapKV's votes (§4.2): window_scores pooled per query head, then summed per KV head
+        (pool first: the order matters for max-pooling)."""
+        return self.by_kv_head(self.pool(self.window_scores(), kind, kernel))
+
+    def by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
+        """(Hq, C) -> (Hkv, C): the query heads of each KV head summed (baselines.md 0.3)."""
+        return attention.group_sum(x, self.keys.shape[0])
+
+    @staticmethod
+    def pool(x: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:
+        """Max or avg pooling along the slots (stride 1, same padding); 'none' is identity."""
+        return attention.pool(x, kind, kernel)
 
 
 @runtime_checkable
 class Store(Protocol):
-    """One layer's stored K and V of one sequence."""
+    """One layer's stored K and V of one sequence, attending in its own representation:
+    DenseSeg and KiviLayer (kvrun/kv/stores/), SpindleKV's CodedLayer, MiniCache's PairLayer."""
 
     @property
     def length(self) -> int:
@@ -57,8 +251,7 @@ class Store(Protocol):
 @runtime_checkable
 class StaticSegment(Store, Protocol):
     """A store whose decode step runs with no host sync, so the step can be captured in a CUDA
-    graph (kvrun/graph.py): DenseSeg and KiviLayer (its dense tail behind the quantized body).
-    CompressedKV's static step (kvrun.kv.static) drives either through this alone."""
+    graph (kvrun/graph.py): DenseSeg and KiviLayer (its dense tail behind the quantized body)."""
 
     @property
     def end(self) -> int:

@@ -1,24 +1,79 @@
-"""--kv and --kv-budget, parsed and validated once into a frozen KVSpec.
+"""--kv and --kv-budget, parsed and validated once into a frozen KVSpec, and the budget rules.
 
 Grammar: NAME[:key=value,...][+NAME[:key=value,...]...]. Each name is a method of the
 registry (kvrun/kv/methods/): at most one selection and one store, options attached to
-the part they follow (`snapkv:window=64+kivi2:group=16`). The CLI calls `check` before it
-loads a model; commands, tasks and managers receive the spec and never parse again.
-Nothing here knows a method by name: the rules are the methods' declarations.
+the part they follow (`snapkv:window=64+kivi2:group=16`). The CLI calls `kvrun.kv.check`
+before it loads a model; commands, tasks and caches receive the spec and never parse again.
+Nothing here knows a method by name: the rules are the methods' declarations. Torch-free.
+
+Budgets (baselines.md 0.2): b < 1 is a fraction of the tokens seen, b >= 1 a token count
+per layer; ceil(b * n) is computed exactly from the decimal b, never in floats.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
 from ..errors import KvrunError
-from .budget import Budget
 from .method import Method
-from .methods import REGISTRY
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A parsed --kv-budget: an exact fraction (< 1) or an absolute count (>= 1)."""
+
+    value: Fraction
+    text: str
+
+    @classmethod
+    def parse(cls, text: str | float) -> Budget:
+        s = str(text).strip()
+        try:
+            v = Fraction(s)
+        except (ValueError, ZeroDivisionError):
+            raise KvrunError(
+                f"--kv-budget {s!r} is not a number (use a fraction like 0.25 or a token count like 1024)"
+            ) from None
+        if v <= 0:
+            raise KvrunError(f"--kv-budget must be > 0 (got {s})")
+        return cls(v, s)
+
+    @property
+    def is_fraction(self) -> bool:
+        return self.value < 1
+
+    def tokens(self, n: int, protected: int = 0) -> int:
+        """B(n) = min(n, max(P, ceil(b n))) for a fraction, min(n, floor(b)) for a count."""
+        if self.is_fraction:
+            return min(n, max(protected, math.ceil(self.value * n)))
+        return min(n, math.floor(self.value))
+
+    def check(self, protected: int, method: str) -> None:
+        """An absolute budget below the method's protected minimum is an error."""
+        if not self.is_fraction and math.floor(self.value) < protected:
+            raise KvrunError(
+                f"--kv-budget {self.text} is below {method}'s protected minimum of {protected} tokens "
+                f"(sinks + window); use at least {protected} or a fraction"
+            )
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def largest_remainder(shares: list[Fraction], total: int) -> list[int]:
+    """Integers with floor(shares) plus one for the largest remainders (ties: lower index)."""
+    base = [math.floor(s) for s in shares]
+    left = total - sum(base)
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - base[i]), i))
+    for i in order[:left]:
+        base[i] += 1
+    return base
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +92,18 @@ class KVSpec:
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     @property
+    def keeps_all(self) -> bool:
+        """The selection keeps every token as the driver stores it (full)."""
+        return self.select.score is None and self.select.cache is None
+
+    @property
     def name(self) -> str:
-        plain = self.select is REGISTRY["full"]  # `kivi2` is full+kivi2
-        names = [] if plain and self.store else [self.select.name]
+        names = [] if self.keeps_all and self.store else [self.select.name]  # kivi2 = full+kivi2
         return "+".join(names + ([self.store.name] if self.store else []))
 
     @property
     def is_full(self) -> bool:
-        return self.select is REGISTRY["full"] and self.store is None
+        return self.keeps_all and self.store is None
 
     @property
     def takes_budget(self) -> bool:
@@ -90,21 +149,19 @@ class KVSpec:
         return out
 
 
-FULL = KVSpec(REGISTRY["full"])  # the uncompressed cache (references, baselines)
-
-
-def check(text: str, budget: str | float | Budget | None = None) -> KVSpec:
-    """Parse and validate --kv (and --kv-budget): unknown names or options, values out of
-    range, incompatible stacks and budgets below a method's floor raise one-line KvrunErrors."""
+def parse(text: str, registry: Mapping[str, Method], budget=None) -> KVSpec:
+    """Parse and validate --kv (and --kv-budget) against the registry: unknown names or
+    options, values out of range, incompatible stacks and budgets below a method's floor
+    raise one-line KvrunErrors. A spec naming no selection runs the registry's first (full)."""
     select: tuple[Method, dict] | None = None
     store: tuple[Method, dict] | None = None
     for raw in str(text).split("+"):
         name, _, opts_text = raw.strip().partition(":")
         name = name.strip().lower()
-        part = REGISTRY.get(name)
+        part = registry.get(name)
         if part is None:
             raise KvrunError(
-                f"unknown KV method {name!r} (available: {', '.join(REGISTRY)}; see `kvrun kv list`)"
+                f"unknown KV method {name!r} (available: {', '.join(registry)}; see `kvrun kv list`)"
             )
         opts = part.defaults()
         known = {o.name: o for o in part.options}
@@ -119,23 +176,24 @@ def check(text: str, budget: str | float | Budget | None = None) -> KVSpec:
             opts[key] = known[key].parse(name, value.strip())
         if part.kind == "select":
             if select is not None:
+                names = lambda kind: [m.name for m in registry.values() if m.kind == kind]  # noqa: E731
                 raise KvrunError(
                     f"cannot stack two selection methods ({select[0].name} and {name}); stack "
-                    f"one selection ({', '.join(_names('select'))}) with one store "
-                    f"({'/'.join(_names('store'))})"
+                    f"one selection ({', '.join(names('select'))}) with one store "
+                    f"({'/'.join(names('store'))})"
                 )
             select = (part, opts)
         else:
             if store is not None:
                 raise KvrunError(f"cannot stack two stores ({store[0].name} and {name})")
             store = (part, opts)
-    sel, sel_opts = select or (REGISTRY["full"], {})
-    if store and sel.own_store:
+    sel, sel_opts = select or (next(iter(registry.values())), {})
+    own = sel.own_store(sel_opts) if callable(sel.own_store) else sel.own_store
+    if store and own:
         raise KvrunError(
-            f"{sel.name} cannot be stacked with {store[0].name}: it has its own store "
-            f"({sel.own_store})"
+            f"{sel.name} cannot be stacked with {store[0].name}: it has its own store ({own})"
         )
-    if store and sel.evicts_at_decode and store[0].kivi(store[1])["bits"] != 16:
+    if store and sel.evicts_at_decode(sel_opts) and store[0].kivi(store[1])["bits"] != 16:
         raise KvrunError(
             f"{sel.name}+{store[0].name} is not supported: decode-time eviction cannot remove "
             "single tokens from a quantized body; use snapkv or pyramidkv with a KIVI store"
@@ -143,10 +201,6 @@ def check(text: str, budget: str | float | Budget | None = None) -> KVSpec:
     spec = KVSpec(sel, sel_opts, *(store or (None, {})))
     _check_layout(spec)
     return spec.with_budget(budget)
-
-
-def _names(kind: str) -> list[str]:
-    return [m.name for m in REGISTRY.values() if m.kind == kind]
 
 
 def _check_layout(spec: KVSpec) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import ContextOverflow, KvrunError
 from ..kv import KVSpec
-from ..kv.budget import Budget
+from ..kv.spec import Budget
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,28 @@
-"""The registry of KV methods: one file per method, listed here in `kvrun kv list` order.
+"""The registry of KV methods, in `kvrun kv list` order: one module (or package) per method.
 
-A new method is one file declaring a `Method` (kvrun/kv/method.py) and one line below; the
+A new method is one module declaring a `Method` (kvrun/kv/method.py) and one line below; the
 grammar, `kvrun kv list`, budget checks and the contract tests (tests/test_kv_contract.py)
-pick it up from here.
+pick it up from here. "Writing a KV method" in docs/ walks through one.
 """
 
 from __future__ import annotations
 
 from ..method import Method
-from . import full, h2o, kivi, minicache, minikv, pyramidkv, snapkv, spindlekv, streaming, xkv
+from . import (
+    full,
+    h2o,
+    kivi,
+    knorm,
+    kvzip,
+    minicache,
+    minikv,
+    pyramidkv,
+    snapkv,
+    spindlekv,
+    streaming,
+    tova,
+    xkv,
+)
 
 REGISTRY: dict[str, Method] = {
     m.name: m
@@ -18,6 +32,9 @@ REGISTRY: dict[str, Method] = {
         h2o.METHOD,
         snapkv.METHOD,
         pyramidkv.METHOD,
+        tova.METHOD,
+        knorm.METHOD,
+        kvzip.METHOD,
         *minikv.METHODS,
         xkv.METHOD,
         minicache.METHOD,

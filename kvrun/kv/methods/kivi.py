@@ -16,8 +16,8 @@ def _kivi(bits: int) -> Method:
         f"kivi{bits}",
         "store",
         f"KIVI {bits}-bit: keys per channel, values per token, fp tail",
-        store="kivi",
-        when="tail flush",
+        axes=("none", "all", "uniform", "kivi"),
+        runs_at="tail flush",
         options=(Option("bits", bits, "code width (16 = no quantization)", choices=(2, 4, 16)),)
         + KIVI,
         kivi=_layout,

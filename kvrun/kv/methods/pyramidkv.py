@@ -3,19 +3,45 @@ linearly from the first layer to the last (arithmetic schedule, same mean)."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..bytes import composed
-from ..method import Allocator, Method, Scorer, Selector
+from ..method import Method
 from ..options import SNAP, Option
+from ..spec import largest_remainder
+
+
+def score(ctx):
+    """SnapKV's votes (baselines.md 3): window attention, pooled, summed per KV head."""
+    return ctx.window_votes(ctx.opt["pool"], ctx.opt["kernel"])
+
+
+def budgets(o, B: int, n: int, n_layers: int) -> list[int]:
+    """Per-layer budgets, window included, for a mean B over n slots (kvrun's rule: the public
+    schedule in exact fractions, rounded by largest remainder so they sum to exactly L * B)."""
+    L, w = n_layers, o["window"]
+    if n <= B:
+        return [n] * L
+    if n < 2 * (B - w) or L == 1:
+        return [B] * L
+    mean = Fraction(B - w)
+    hi = min(2 * mean - mean / o["beta"], Fraction(n - w))
+    lo = 2 * mean - hi
+    ks = [hi - Fraction(layer) * (hi - lo) / (L - 1) for layer in range(L)]
+    return [k + w for k in largest_remainder(ks, L * (B - w))]
+
 
 METHOD = Method(
     "pyramidkv",
     "select",
     "PyramidKV: SnapKV with linearly decreasing layer budgets",
-    scorer=Scorer.WINDOW,
-    selector=Selector.TOPK_WINDOW,
-    allocator=Allocator.PYRAMID,
-    when="prefill-end",
+    axes=("window", "top-k + window", "pyramid", "dense"),
+    runs_at="prefill-end",
     options=SNAP + (Option("beta", 20, "last layer gets 1/beta of the mean", lo=1),),
     protected=lambda o: o["window"],
+    score=score,
+    points=lambda o: frozenset({"prefill", "chunk"} if o["chunked"] else {"prefill"}),
+    queries=lambda o: o["window"],
+    budgets=budgets,
     nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
 )

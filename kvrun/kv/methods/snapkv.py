@@ -4,17 +4,26 @@ votes are pooled, and each KV head keeps its top-k plus the window at the end of
 from __future__ import annotations
 
 from ..bytes import composed
-from ..method import Method, Scorer, Selector
+from ..method import Method
 from ..options import SNAP
+
+
+def score(ctx):
+    """The window's attention to the older slots, pooled per query head, then summed per KV
+    head (pool first: the order matters for max-pooling); the window itself is kept."""
+    return ctx.window_votes(ctx.opt["pool"], ctx.opt["kernel"])
+
 
 METHOD = Method(
     "snapkv",
     "select",
     "SnapKV: observation-window votes, max-pooled, top-k per KV head",
-    scorer=Scorer.WINDOW,
-    selector=Selector.TOPK_WINDOW,
-    when="prefill-end",
+    axes=("window", "top-k + window", "uniform", "dense"),
+    runs_at="prefill-end",
     options=SNAP,
     protected=lambda o: o["window"],
+    score=score,
+    points=lambda o: frozenset({"prefill", "chunk"} if o["chunked"] else {"prefill"}),
+    queries=lambda o: o["window"],
     nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
 )

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from ...errors import KvrunError
-from ..budget import largest_remainder
+from ....errors import KvrunError
+from ...spec import largest_remainder
 
 
 @dataclass(slots=True)

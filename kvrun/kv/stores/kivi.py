@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import KvrunError
-from ..kernels.dense_decode import dense_decode
-from ..kernels.kivi_decode import kivi_decode
-from ..kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
-from .attention import Partial, segment_attention
+from ...errors import KvrunError
+from ...kernels.dense_decode import dense_decode
+from ...kernels.kivi_decode import kivi_decode
+from ...kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
+from ..attention import Partial, segment_attention
 from .buffer import Buffer
 
 

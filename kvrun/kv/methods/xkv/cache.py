@@ -9,12 +9,16 @@ the peak is the compressed earlier layers plus one full layer. Nothing is evicte
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-from .alloc.xkv import Allocation, allocate_budget, allocate_target, context_budget, normalise
-from .alloc.xkv_profile import (
+from ...attention import group_sum, pool_scores
+from ...cache import KVCache, keep_indices
+from ...protocol import KVManager, Pass
+from .alloc import Allocation, allocate_budget, allocate_target, context_budget, normalise
+from .profile import (
     Profile,
     check_profile,
     fold_profile,
@@ -22,14 +26,33 @@ from .alloc.xkv_profile import (
     profile_budgets,
     save_profile,
 )
-from .base import KVManager
-from .cache import KVCache
-from .manager import CompressedKV
-from .scores import pool_scores, window_attention
-from .select import group_sum, keep_indices
 
 
 # --------------------------------------------------------------------------------- scores
+def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """XKV's window attention (§3.1): a_q[j] (Hq, T - w) fp32, the softmax of the w window
+    rows over all T keys (causal inside the window), averaged over the rows, for the T - w
+    context keys. One unblocked softmax, not `window_scores`' two passes: XKV's scoring pass
+    and its prefill must give bit-identical scores, and its kept sets are pinned to this
+    computation.
+
+    qw (Hq, w, D) post-RoPE queries of the last w tokens; k (Hkv, T, D) post-RoPE keys, the
+    last w of them the window's own. Query head q reads KV head q // G.
+    """
+    Hq, w, D = qw.shape
+    Hkv, T, _ = k.shape
+    G = Hq // Hkv
+    # contiguous fp32 copies: the scoring pass and the prefill feed equal values in different
+    # layouts, and the scores must come out bit-identical (plan equivalence)
+    q = qw.float().contiguous().view(Hkv, G * w, D)
+    kf = k.float().contiguous()
+    logits = torch.bmm(q, kf.transpose(1, 2)).view(Hkv, G, w, T) / math.sqrt(D)
+    rows = torch.arange(T - w, T, device=k.device)  # slot of each window row
+    future = torch.arange(T, device=k.device)[None, :] > rows[:, None]  # (w, T)
+    p = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+    return p[..., : T - w].mean(dim=2).reshape(Hq, T - w)  # (1/ows) sum over rows
+
+
 def layer_scores(
     qw: torch.Tensor, k: torch.Tensor, pool: str
 ) -> tuple[torch.Tensor, torch.Tensor]:  # w (C,), s (Hkv, C) fp32
@@ -42,9 +65,9 @@ def layer_scores(
 
 
 # --------------------------------------------------------------------------------- manager
-class XKV(CompressedKV):
-    """XKV on the composed manager: its own allocator, scores and planning; the dense or KIVI
-    store and the window-query buffer of CompressedKV."""
+class XKV(KVCache):
+    """XKV on the driver: its own allocator, scores and planning; the driver's dense or KIVI
+    store and its window of queries."""
 
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
         o = spec.select_opts  # target mode and a --kv-budget were refused by the spec
@@ -69,11 +92,14 @@ class XKV(CompressedKV):
         self.layer_budgets: list[int] | None = None  # n_i + ows after the last prefill
 
     # ------------------------------------------------------------------- planning
-    def scoring_pass(self, n_tokens: int) -> KVManager | None:
-        """Session hook: a manager for pass 1 of plan=two-pass, or None when no pass is needed
-        (plan=deferred, a later turn, a usable profile, nothing to evict, a sliding window)."""
+    def planning_pass(self, when, ids, tokenizer) -> list[Pass]:
+        """Pass 1 of plan=two-pass before the first prefill, one chunk (a chunked prefill must
+        keep every layer exact until its last chunk, kvrun's rule), or none: plan=deferred, a
+        later turn, a usable profile, nothing to evict, a sliding window."""
+        if when != "before":
+            return []
         self._plan = None
-        sw = self.config.sliding_window
+        n_tokens, sw = len(ids), self.config.sliding_window
         if (
             self.opt["plan"] != "two-pass"
             or self.seen > 0
@@ -81,8 +107,8 @@ class XKV(CompressedKV):
             or (sw and n_tokens > sw)
             or self._usable_profile() is not None
         ):
-            return None
-        return _ScoringPass(self)
+            return []
+        return [Pass(list(ids), _ScoringPass(self), self.seen, whole=True)]
 
     def _usable_profile(self) -> Profile | None:
         """The profile to load instead of planning: FILE exists and profile_update is off."""
@@ -140,8 +166,8 @@ class XKV(CompressedKV):
         save_profile(self.profile_path, prof)
 
     # --------------------------------------------------------------- sequence points
-    def begin_prefill(self, n_tokens: int) -> None:
-        super().begin_prefill(n_tokens)
+    def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
+        super().begin_prefill(n_tokens, select)
         L = self.config.n_layers
         self._prefill_n, self._first = n_tokens, self.seen == 0
         self._done, self._held, self._evict_now = [False] * L, [None] * L, False
@@ -175,14 +201,14 @@ class XKV(CompressedKV):
             if score is None:
                 score = self._selection_score(st)
             self._keep(st, score, self.allocation.n[layer])
-            self._held[layer], st.qwin = None, None
+            self._held[layer], st.queries = None, None
             self._done[layer] = True
         return out
 
     def _selection_score(self, st) -> torch.Tensor:
         """s_{i,h} (Hkv, C) of a layer from its window queries and keys; (1, C) w_i for
         select=layer (one kept set for all KV heads)."""
-        w, s = layer_scores(st.qwin, st.dense.k[0], self.pool)
+        w, s = layer_scores(st.queries, st.dense.k[0], self.pool)
         return w[None] if self.opt["select"] == "layer" else s
 
     def _keep(self, st, score: torch.Tensor, n_ctx: int) -> None:
@@ -195,9 +221,9 @@ class XKV(CompressedKV):
         full = torch.cat([score, score.new_full((score.shape[0], rows), float("inf"))], dim=1)
         d.keep(keep_indices(full, None, n_ctx + rows))
 
-    def plan_and_select(self, point: str) -> None:
-        """The selection part's point (recipe.Planned) at end_prefill: deferred scoring,
-        allocation and eviction for the layers not yet done."""
+    def select(self, point: str) -> None:
+        """At end_prefill: deferred scoring, allocation and eviction for the layers not yet
+        done."""
         todo = [i for i, done in enumerate(self._done) if not done]
         if todo:
             kivi = self.layers[0].kivi is not None
@@ -206,9 +232,9 @@ class XKV(CompressedKV):
             scores = {}
             for i in todo:
                 st = self.layers[i]
-                if st.qwin is not None and st.dense.length > st.qwin.shape[1]:
-                    scores[i] = layer_scores(st.qwin, st.dense.k[0], self.pool)
-            qwin = self.layers[todo[0]].qwin
+                if st.queries is not None and st.dense.length > st.queries.shape[1]:
+                    scores[i] = layer_scores(st.queries, st.dense.k[0], self.pool)
+            qwin = self.layers[todo[0]].queries
             rows = qwin.shape[1] if qwin is not None else 0
             if self.allocation is None and scores:
                 w = [
@@ -228,8 +254,9 @@ class XKV(CompressedKV):
         self.layer_budgets = [n + a.window for n in a.n]
         self._held = [None] * len(self._done)
         self._evict_now = False
-        for i in range(len(self.layers)):
-            self.report(i, point)
+        for i, st in enumerate(self.layers):
+            if st.dense.pos is not None:
+                self.report(i, point, st.dense.pos)
 
     # --------------------------------------------------------------------- accounting
     def nbytes(self) -> int:
@@ -249,7 +276,7 @@ class XKV(CompressedKV):
         return d
 
 
-class _ScoringPass(KVCache):
+class _ScoringPass(KVManager):
     """Pass 1 of plan=two-pass: exact causal attention within the one-chunk prompt, nothing
     kept across layers; records w_i and the selection scores, and hands the plan to its XKV
     at end_prefill. (The model still runs the last MLP and head row: one row, negligible.)"""

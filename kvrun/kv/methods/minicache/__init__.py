@@ -4,10 +4,10 @@ tokens are retained unmerged. It keeps every token, so it takes no token budget.
 
 from __future__ import annotations
 
-from ...errors import KvrunError
-from ..bytes import dense, elem, kivi_of
-from ..method import Method, Selector, manager
-from ..options import Option
+from ....errors import KvrunError
+from ...bytes import dense, elem, kivi_of
+from ...method import Method
+from ...options import Option
 
 
 def retain(where: str, r: str) -> None:
@@ -69,13 +69,18 @@ def nbytes(spec, kv) -> int:
     return total
 
 
+def make_cache(spec, config, rope, device, dtype, **kw):
+    from .cache import MiniCacheKV
+
+    return MiniCacheKV(spec, config, rope, device, dtype, **kw)
+
+
 METHOD = Method(
     "minicache",
     "select",
     "MiniCache: cross-layer SLERP merge of layer pairs from the middle up, norms per layer",
-    selector=Selector.MERGE_PAIRS,
-    store="merged",
-    when="prefill-end; decode pairs merged",
+    axes=("none", "merge layer pairs, retain distinct rows", "uniform", "merged"),
+    runs_at="prefill-end; decode pairs merged",
     options=OPTIONS,
     takes_budget=False,
     budget_refused=(
@@ -85,6 +90,6 @@ METHOD = Method(
     default_budget=None,
     kivi=_layout,
     lossless="retain=topk:1.0,decode_retain=true",  # every token retained unmerged
-    build=manager("minicache", "MiniCacheKV"),
     nbytes=nbytes,
+    cache=make_cache,
 )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..budget import Budget
+from ...spec import Budget
 
 
 def _ranked(p: list[torch.Tensor], floor: int) -> tuple[list[torch.Tensor], list[int]]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dense_decode import dense_decode
-from .attention import Partial, position_mask, sdpa, segment_attention
+from ...kernels import use_triton
+from ...kernels.dense_decode import dense_decode
+from ..attention import Partial, position_mask, sdpa, segment_attention
 from .buffer import Buffer
 
 
@@ -151,8 +152,11 @@ class DenseSeg:
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> torch.Tensor:
-        """Fast path when this is the only segment: SDPA, output in the KV dtype."""
+        """Fast path when this is the only segment: SDPA (one unmasked query on CUDA: the
+        GQA-native split-K decode kernel, where SDPA has no fast path), output in the KV dtype."""
         m = self.mask(q_pos, n_new, window)
+        if m is None and q.shape[2] == 1 and use_triton(q):
+            return dense_decode(q, self.k, self.v)[0].to(q.dtype)
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head
             m = m.repeat_interleave(q.shape[1] // self.k.shape[1], dim=0)
         return sdpa(q, self.k, self.v, m)

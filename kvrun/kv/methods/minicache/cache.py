@@ -12,43 +12,31 @@ kvrun's decisions beyond the paper: norm, angle and retention per (token, KV hea
 token: per token over all heads); decode tokens are merged with both norms appended and never
 retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
 after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
-This file routes the steps; the merge math and pair store are merged.py, the restore and each
-layer's Store view of its pair (PairLayer) restore.py, the merge and retention at each point
-the recipe part kvrun.kv.selection.MergePairs.
+This file routes the steps and merges at each point; the merge math, the pair store, the
+restore and each layer's Store view of its pair (PairLayer) are store.py.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..config import ModelConfig
-from ..rope import Rope
-from .attention import combine, dense_attention
-from .cache import KVCache
-from .dense import DenseSeg
-from .kivi import KiviLayer
-from .merged import Pair, pairing
-from .recipe import recipe_of
-from .restore import Layout, PairLayer, Scratch
-from .spec import KVSpec
+from ...attention import combine, dense_attention
+from ...protocol import KVManager
+from ...stores.dense import DenseSeg
+from ...stores.kivi import KiviLayer
+from .store import Layout, Pair, PairLayer, Scratch, merge, pairing, retention
 
 # --- the manager ---------------------------------------------------------------------------------
 
 
-class MiniCacheKV(KVCache):
+class MiniCacheKV(KVManager):
     """Cross-layer merged KV cache (MiniCache §4), optionally on a KIVI store."""
 
-    def __init__(
-        self,
-        spec: KVSpec,  # takes no budget (the spec refuses one)
-        config: ModelConfig,
-        rope: Rope,
-        device: torch.device,
-        dtype: torch.dtype,
-        on_select=None,  # the selection debug hook: MiniCache selects no tokens, unused
-    ):
-        super().__init__(config, rope, device, dtype)
-        self.spec, self.name = spec, spec.name
+    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+        super().__init__(config, rope, device, dtype, on_select)  # it selects no tokens
+        self.spec, self.name = spec, spec.name  # the spec refuses a budget
         o = spec.select_opts
         self.t, self.gamma, self.sin_eps = float(o["slerp_t"]), float(o["gamma"]), o["sin_eps"]
         self.rule, self.retain = o["retain_rule"], o["retain"]
@@ -62,8 +50,6 @@ class MiniCacheKV(KVCache):
         self.role = {}  # layer -> (pair number, is the later layer l)
         for i, (a, b) in enumerate(self.pair_list):
             self.role[a], self.role[b] = (i, False), (i, True)
-        self._fused = True  # decode via merged_decode where it applies (False: tests, the check)
-        self.recipe = recipe_of(spec.select, o)  # no scorer; pairs merged, distinct rows retained
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -86,8 +72,8 @@ class MiniCacheKV(KVCache):
             for layer, (i, second) in self.role.items()
         }  # the pair as each of its layers' Store
 
-    def begin_prefill(self, n_tokens: int) -> None:
-        super().begin_prefill(n_tokens)
+    def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
+        super().begin_prefill(n_tokens, select)
         for p in self.pairs:
             p.begin_prefill(n_tokens, self.H, self.D, self.dtype, self.device)
 
@@ -130,7 +116,7 @@ class MiniCacheKV(KVCache):
         if pair.pending is None:
             raise RuntimeError(f"minicache: layer {pair.b} ran without layer {pair.a}")
         (ka, va), pair.pending = pair.pending, None
-        self.recipe.selection.merge(self, pair, ka[0], va[0], k[0], v[0], prefill=False)
+        self.merge(pair, ka[0], va[0], k[0], v[0], prefill=False)
         return out
 
     def _fuse(self, pair: Pair, T: int) -> bool:
@@ -140,7 +126,7 @@ class MiniCacheKV(KVCache):
         to restore: with every row retained (retain=topk:1.0) SDPA over the exact rows keeps
         kvrun's bit-exact first decode step (retain=topk:1.0, store=fp16: equal to full)."""
         window = self.config.sliding_window
-        if not self._fused or pair.kivi is not None or (window and self.seen + T > window):
+        if pair.kivi is not None or (window and self.seen + T > window):
             return False
         g = self.layout.g
         return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length
@@ -164,17 +150,6 @@ class MiniCacheKV(KVCache):
         k_pos = torch.arange(st.length, device=self.device)
         return dense_attention(qr, st.k, st.v, positions, k_pos, window)
 
-    # --------------------------------------------------------------- restore
-    def restored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's cache as attention sees it, (Hkv, T, D) fp32 K and V (tests, debugging)."""
-        role = self.role.get(layer)
-        if role is None:
-            st = self.plain[layer]
-            if isinstance(st, KiviLayer):
-                return st.dequantized()
-            return st.k[0].float(), st.v[0].float()
-        return self.views[layer].restored()
-
     # ------------------------------------------------------- compression points
     def at_chunk(self, n_tokens: int) -> None:
         if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
@@ -182,7 +157,48 @@ class MiniCacheKV(KVCache):
                 st.flush(self.kivi_layout["group"])
 
     def at_prefill(self) -> None:
-        self.recipe.selection.run(self, "prefill")
+        """A turn's tokens are merged at the end of its prefill (a decode token once layer l
+        has attended, in `decode`)."""
+        for p in self.pairs:
+            if p.exact is not None:
+                (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
+                self.merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
+                p.exact = None  # free the exact buffers
+            p.release()
+
+    def merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
+        """Merge tokens of layers a and b, (Hkv, n, D) each, and append them to the pair: the
+        retention (which rows stay exact) is chosen here, over the turn's tokens at a prefill
+        and beyond the prefill threshold at decode (decode_retain)."""
+        n, start = ka.shape[1], pair.length
+        if n == 0:
+            return
+        lay = self.layout
+        if pair.k is None:
+            never = -math.inf if self.rule == "paper" else math.inf
+            thr = never if self.decode_retain else None
+            args = (pair.kivi is None, thr, self.dtype, self.device)
+            pair.k, pair.v = lay.half(*args), lay.half(*args)
+        dirs = []
+        for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
+            ga, gb = lay.groups(xa), lay.groups(xb)  # (g, n, m)
+            e, na, nb, d = merge(ga, gb, self.t, self.sin_eps)
+            keep = None
+            if prefill:  # retention over this turn's tokens
+                keep, thr = retention(d, self.gamma, self.rule, self.retain)
+                if half.thr is not None:
+                    half.thr = thr
+            elif half.thr is not None:  # decode_retain: beyond the prefill threshold
+                thr = half.thr.unsqueeze(-1)
+                keep = d < thr if self.rule == "paper" else d > thr
+            e = lay.heads(e)  # (Hkv, n, D) fp32
+            half.append(e, na, nb, keep, ga, gb, start)
+            dirs.append(e)
+        if pair.kivi is not None:
+            pair.kivi.append(dirs[0].to(self.dtype), dirs[1].to(self.dtype))
+            if prefill:
+                pair.kivi.flush(self.kivi_layout["group"])  # prefill flush unit U = G
+        pair.length += n
 
     def at_step(self) -> None:
         if self.kivi_layout is not None:

@@ -4,9 +4,9 @@ KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hi
 
 from __future__ import annotations
 
-from ..bytes import composed
-from ..method import Allocator, Method, Scorer, Selector
-from ..options import Option
+from ...bytes import composed, dense, elem
+from ...method import Method
+from ...options import Option
 
 OPTIONS = (
     Option("heavy", 0.25, "heavy-hitter fraction x of the prompt (a --kv-budget overrides)", lo=0.0, hi=1.0),
@@ -33,24 +33,38 @@ def _layout(o) -> dict | None:
     return {"bits": 2, "group": o["group"], "residual": o["residual"]}
 
 
-def _minikv(name: str, summary: str, alloc: str, allocator: str, own: str) -> Method:
+def nbytes(spec, kv) -> int:
+    """sum_l Hkv * d * (n_q * (1/2 + e/4) + 2e * n_r) (§I of the paper's appendix, exact: the
+    2-bit KIVI store by its formula); quant=none: 2 * Hkv * T_l * d * e, held turns included."""
+    held = sum(dense(kv.config, h.length, elem(kv)) for h in kv.held if h is not None)
+    return composed()(spec, kv) + held
+
+
+def make_cache(spec, config, rope, device, dtype, **kw):
+    from .cache import MiniKV
+
+    return MiniKV(spec, config, rope, device, dtype, **kw)
+
+
+def _minikv(name: str, summary: str, alloc: str, own: str) -> Method:
     return Method(
         name,
         "select",
         summary,
-        scorer=Scorer.PROMPT,
-        selector=Selector.TOPK_RECENT,
-        allocator=allocator,
-        store="kivi 2-bit",
-        when="prefill-end; then tail flushes",
+        axes=(
+            "cumulative (prompt)",
+            "top-k + recent",
+            "uniform" if alloc == "uniform" else "pyramid (MiniKV)",
+            "kivi 2-bit",
+        ),  # fmt: skip
+        runs_at="prefill-end; then tail flushes",
         options=tuple(o.with_default(alloc) if o.name == "alloc" else o for o in OPTIONS),
         default_budget=None,  # heavy + recent fractions of the prompt unless --kv-budget
         own_store=own,
         kivi=_layout,
         lossless="quant=none,recent=1.0",  # with no --kv-budget: the window is the prompt
-        # sum_l Hkv * d * (n_q * (1/2 + e/4) + 2e * n_r) (§I of the paper's appendix, exact);
-        # quant=none: 2 * Hkv * T_l * d * e
-        nbytes=composed(),
+        nbytes=nbytes,
+        cache=make_cache,
     )
 
 
@@ -59,14 +73,12 @@ METHODS = (
         "minikv",
         "MiniKV: H2O heavy hitters over the prompt + recent window, 2-bit KIVI (G 16, R 128)",
         "uniform",
-        Allocator.UNIFORM,
         "2-bit KIVI; minikv:quant=none for dense, minikv:group=,residual= for its layout",
     ),
     _minikv(
         "minikv-pyramid",
         "MiniKV with pyramid heavy-hitter budgets, more to lower layers (= minikv:alloc=pyramid)",
         "pyramid",
-        Allocator.MINIKV_PYRAMID,
         "2-bit KIVI; minikv-pyramid:quant=none for dense",
     ),
 )

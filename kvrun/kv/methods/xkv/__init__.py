@@ -4,10 +4,10 @@ the attention mass (target mode), planned by a scoring pass or at the end of the
 
 from __future__ import annotations
 
-from ...errors import KvrunError
-from ..bytes import composed
-from ..method import Allocator, Method, Scorer, Selector, manager
-from ..options import Option, pooling
+from ....errors import KvrunError
+from ...bytes import composed
+from ...method import Method
+from ...options import Option, pooling
 
 OPTIONS = (
     Option("window", 8, "observation-window queries, always kept", lo=1),
@@ -42,17 +42,23 @@ def rule(o, budget) -> None:
         )
 
 
+def make_cache(spec, config, rope, device, dtype, **kw):
+    from .cache import XKV
+
+    return XKV(spec, config, rope, device, dtype, **kw)
+
+
 METHOD = Method(
     "xkv",
     "select",
     "XKV: observation-window scores, per-layer budgets by global greedy allocation",
-    scorer=Scorer.WINDOW,
-    selector=Selector.TOPK_WINDOW,
-    allocator=Allocator.XKV,
-    when="prefill-end",
+    axes=("window", "top-k + window", "xkv", "dense"),
+    runs_at="prefill-end",
     options=OPTIONS,
     protected=protected,
     rule=rule,
-    build=manager("xkv", "XKV"),
+    points=lambda o: frozenset({"prefill"}),
+    queries=lambda o: o["window"],
     nbytes=composed(),  # sum_i 2 * Hkv * D * e * (n_i + ows + n_gen) (a KIVI store by its formula)
+    cache=make_cache,
 )

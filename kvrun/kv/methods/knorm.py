@@ -1,0 +1,30 @@
+"""KNorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+Compression"): each KV head keeps the keys with the lowest L2 norm at the end of the prefill
+(spec: docs/methods/knorm.md)."""
+
+from __future__ import annotations
+
+from ..bytes import composed
+from ..method import Method
+from ..options import Option
+
+
+def score(ctx):
+    """Low-norm keys draw high attention: the negated L2 norm of each held key (RoPE rotates
+    pairs of dimensions, so the post-RoPE norm is the key's own)."""
+    return -ctx.keys.float().norm(dim=-1)  # (Hkv, T)
+
+
+METHOD = Method(
+    "knorm",
+    "select",
+    "KNorm: the keys with the lowest L2 norm, per KV head, at the end of the prefill",
+    axes=("key norm", "top-k + window", "uniform", "dense"),
+    runs_at="prefill-end",
+    options=(Option("window", 0, "newest tokens always kept", lo=0),),
+    protected=lambda o: o["window"],
+    score=score,
+    points=lambda o: frozenset({"prefill"}),
+    recent=lambda o, B: o["window"],
+    nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
+)

@@ -1,0 +1,170 @@
+"""KVzip's cache: the driver's dense (or KIVI-staged) store, a reconstruction pass after each
+turn's prefill (a planning pass the Session runs), and the selection its scores give.
+
+The pass (Reconstruct) runs "Repeat the previous context" plus a chunk of the turn through the
+model at the positions after it: every layer attends exactly to what the cache holds and to the
+pass's own tokens, and scores each held slot of the chunk by the largest probability any pass
+query of the KV head's group gives it, in a softmax over the sinks, the chunk's slots and the
+pass's own tokens (KVzip §3; kvpress's chunked scoring). At the end of the prefill each KV head
+keeps its top B (heads=uniform), or the layer's Hkv * B best (head, slot) pairs go to whichever
+heads hold them (heads=layer: the heads are padded to the layer's largest count with slots at a
+position no query can see, counted in nbytes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ....errors import KvrunError
+from ...attention import combine
+from ...cache import KVCache, keep_indices
+from ...protocol import KVManager, Pass
+from ...stores.dense import DenseSeg
+
+FIRST = "\n\nRepeat the previous context exactly."
+NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP = 8  # tokens of the previous chunk repeated after NEXT
+PAD = 2**31 - 1  # the position of a padding slot (heads=layer): after every query
+QUERY_BLOCK = 64  # pass queries scored at a time
+
+
+class KVzip(KVCache):
+    """KVzip on the driver: reconstruction scores, then top-k per KV head (or per layer)."""
+
+    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+        self.heads = spec.select_opts["heads"]
+        super().__init__(spec, config, rope, device, dtype, on_select)
+        self.turn = 0
+        self.scores: list[torch.Tensor | None] = [None] * config.n_layers  # (Hkv, t) fp32
+
+    def _position_rows(self) -> int:
+        return self.config.n_kv_heads if self.heads == "layer" else 0  # padding is masked
+
+    def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
+        super().begin_prefill(n_tokens, select)
+        self.turn = n_tokens
+
+    def planning_pass(self, when, ids, tokenizer) -> list[Pass]:
+        """After the turn's prefill: one pass per chunk of the turn (a leading BOS is not
+        repeated); none for a turn that selects nothing."""
+        if when != "after" or not self.select_turn or not ids:
+            return []
+        sw = self.config.sliding_window
+        if sw and self.seen > sw:
+            raise KvrunError(
+                f"--kv {self.name} cannot reconstruct past the model's sliding window of {sw} "
+                "tokens; use a shorter input or another method"
+            )
+        enc = (lambda s: tokenizer.encode(s, add_bos=False, special=False)) if tokenizer else None
+        ids = list(ids)
+        lo = 1 if tokenizer is not None and ids[0] == tokenizer.bos_id and len(ids) > 1 else 0
+        L, Hkv = self.config.n_layers, self.config.n_kv_heads
+        self.scores = [torch.zeros(Hkv, len(ids), device=self.device) for _ in range(L)]
+        passes, size = [], self.opt["chunk"]
+        for a in range(lo, len(ids), size):
+            b = min(a + size, len(ids))
+            prompt = (
+                [] if enc is None else enc(FIRST) if a == lo else enc(NEXT) + ids[a - OVERLAP : a]
+            )
+            passes.append(Pass(prompt + ids[a:b], Reconstruct(self, a, b), self.seen))
+        return passes
+
+    def select(self, point: str) -> None:
+        """Each layer keeps its B best slots per KV head by the pass's scores (the turn's first
+        slots at positions below `sinks` and every earlier turn's slot kept)."""
+        T = self.layers[0].dense.length
+        B = self.budget.tokens(T if self.kivi_cfg else self.seen, self.protected)
+        start = self.seen - self.turn  # the turn's first position
+        for i, st in enumerate(self.layers):
+            d, z = st.dense, self.scores[i]
+            if d.length > B and z is not None:
+                s = torch.full((d.k.shape[1], d.length), float("inf"), device=z.device)
+                base = d.length - self.turn  # the turn's slots are the newest
+                s[:, base:] = z
+                s[:, base : base + max(0, self.opt["sinks"] - start)] = float("inf")
+                if self.heads == "layer":
+                    self._keep_layer(d, s, B)
+                else:
+                    d.keep(keep_indices(s, None, B))
+            if d.pos is not None:
+                self.report(i, point, torch.where(d.pos == PAD, -1, d.pos))
+        self.scores = [None] * len(self.layers)
+
+    def _keep_layer(self, d: DenseSeg, s: torch.Tensor, B: int) -> None:
+        """The layer's Hkv * B best (head, slot) pairs; heads padded to the largest count with
+        zero keys and values at position PAD."""
+        Hkv, T = s.shape
+        flat = s.t().reshape(-1)  # slot-major: ties go to the lower position, then head
+        order = torch.sort(flat, descending=True, stable=True).indices[: Hkv * B]
+        keep = torch.zeros(T * Hkv, dtype=torch.bool, device=s.device)
+        keep[order] = True
+        keep = keep.view(T, Hkv).t()
+        count = keep.sum(1)  # (Hkv,)
+        S = int(count.max())
+        idx = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :S]  # kept first
+        pad = torch.arange(S, device=s.device)[None, :] >= count[:, None]  # (Hkv, S)
+        d.keep(idx)
+        d.pos.masked_fill_(pad, PAD)
+        d.k[0].masked_fill_(pad[..., None], 0)
+        d.v[0].masked_fill_(pad[..., None], 0)
+
+    def nbytes(self) -> int:
+        held = sum(z.numel() * z.element_size() for z in self.scores if z is not None)
+        return super().nbytes() + held
+
+
+class Reconstruct(KVManager):
+    """One reconstruction pass over the turn's tokens [a, b): attends exactly to the owner's
+    store and its own tokens, and writes the owner's scores of those tokens' slots."""
+
+    name = "kvzip-reconstruction"
+
+    def __init__(self, owner: KVzip, a: int, b: int):
+        super().__init__(owner.config, owner.rope, owner.device, owner.dtype)
+        self.owner, self.a, self.b = owner, a, b
+        c = owner.config
+        self.own = [DenseSeg(c.n_kv_heads, c.head_dim, owner.dtype, owner.device)
+                    for _ in range(c.n_layers)]  # fmt: skip
+
+    def prefill(self, layer, q, k, v, positions):
+        st, own, T = self.owner.layers[layer], self.own[layer], k.shape[2]
+        own.append(k, v, positions)
+        parts = (
+            st.kivi.partials(q, positions, 0, None)
+            if st.kivi is not None and st.kivi.length
+            else []
+        )
+        parts += st.dense.partials(q, positions, 0, None) + own.partials(q, positions, T, None)
+        self._score(layer, q, st.dense, own, T)
+        return combine(parts, self.dtype)
+
+    def _score(self, layer: int, q, d: DenseSeg, own: DenseSeg, T: int) -> None:
+        """The max over the group's query heads and the pass rows of the softmax over the
+        sinks, the chunk's slots and the pass's own tokens (causal)."""
+        o = self.owner
+        base = d.length - o.turn  # the turn's first slot
+        a, b = base + self.a, base + self.b  # the chunk's slots
+        s0 = min(o.opt["sinks"], self.a)  # the turn's sinks before the chunk
+        keys = torch.cat([d.k[0, :, base : base + s0], d.k[0, :, a:b], own.k[0]], dim=1).float()
+        Hkv, K, D = keys.shape
+        Hq, n_own = q.shape[1], own.length
+        qg = q[0].float().view(Hkv, Hq // Hkv, T, D) / math.sqrt(D)
+        best = torch.zeros(Hkv, b - a, device=keys.device)
+        col = torch.arange(K, device=keys.device) - (K - n_own)  # own index; < 0 for the store
+        for r in range(0, T, QUERY_BLOCK):
+            e = min(r + QUERY_BLOCK, T)
+            rows = torch.arange(r, e, device=keys.device) + (n_own - T)  # own index of each row
+            logits = torch.einsum("hgqd,hkd->hgqk", qg[:, :, r:e], keys)
+            logits = logits.masked_fill(col[None, :] > rows[:, None], float("-inf"))
+            p = torch.softmax(logits, dim=-1)[..., s0 : s0 + b - a]  # (Hkv, G, rows, b - a)
+            best = torch.maximum(best, p.amax(dim=(1, 2)))
+        z = o.scores[layer][:, self.a : self.b]
+        torch.maximum(z, best, out=z)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.own)
+
+    def at_prefill(self) -> None:
+        self.own = []  # the pass keeps nothing

@@ -1,0 +1,372 @@
+"""MiniCache's merged pair store (§3.2-3.3, §4.2): the SLERP merge math (pure functions, fp32);
+the storage of one merged pair of layers (the shared direction E, each layer's norms and the
+retained exact rows); the Layout of a pair's groups over the KV heads with the restore
+X_hat = E * n / ||E|| and merged_decode's arguments; and PairLayer, one layer's view of a pair
+as a Store, attending over the merged tokens inside merged_decode or over a scratch shared by
+every pair (layer a's work is kept on the pair for layer b). The cache that drives it is
+kvrun/kv/methods/minicache/cache.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+from ....kernels import use_triton
+from ....kernels.dense_decode import dense_decode
+from ....kernels.merged_decode import merged_decode
+from ...attention import Partial, dense_attention, segment_attention
+from ...stores.buffer import Buffer
+from ...stores.kivi import KiviLayer
+
+# --- the merge math (pure functions, fp32) ------------------------------------------------------
+
+
+def pairing(n_layers: int, start: int = -1) -> list[tuple[int, int]]:
+    """Merged pairs (l-1, l) for every odd l with S <= l <= L-1; S = L // 2 when start < 0."""
+    s = n_layers // 2 if start < 0 else start
+    return [(ly - 1, ly) for ly in range(max(s | 1, 1), n_layers, 2)]
+
+
+def merge(
+    xa: torch.Tensor,  # (..., m) x^{l-1}
+    xb: torch.Tensor,  # (..., m) x^l
+    t: float = 0.6,
+    sin_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MERGE of the spec per row: (E (..., m), n_a (...), n_b (...), d (...)), all fp32.
+
+    Omega = 2 atan2(||u_b - u_a||, ||u_b + u_a||) (stable near 0 and pi); SLERP with weight t
+    on the later layer (Eq. 3) where sin(Omega) >= sin_eps, else normalised LERP (u_b when that
+    is shorter than 1e-6); d = Omega / pi. Zero rows get u = 0, so nothing is NaN.
+    kvrun's decisions where the paper is unclear: t weights layer l as in Eq. 3 (Alg. 2 swaps the weights; t=0.4
+    reproduces it), and the paper has no rule for sin(Omega) ~ 0, hence the LERP fallback.
+    """
+    xa, xb = xa.float(), xb.float()
+    na = torch.linalg.vector_norm(xa, dim=-1)  # (...)
+    nb = torch.linalg.vector_norm(xb, dim=-1)
+    ua = xa / torch.where(na > 0, na, 1.0).unsqueeze(-1)  # (..., m); 0 for a zero row
+    ub = xb / torch.where(nb > 0, nb, 1.0).unsqueeze(-1)
+    omega = 2 * torch.atan2(
+        torch.linalg.vector_norm(ub - ua, dim=-1), torch.linalg.vector_norm(ub + ua, dim=-1)
+    )  # (...) in [0, pi]
+    s = torch.sin(omega)
+    slerp = (s >= sin_eps) & (s > 0)  # s > 0 too: sin_eps=0 must not divide by zero
+    s = torch.where(slerp, s, 1.0)
+    wa = (torch.sin((1 - t) * omega) / s).unsqueeze(-1)
+    wb = (torch.sin(t * omega) / s).unsqueeze(-1)
+    lerp = (1 - t) * ua + t * ub  # (..., m)
+    ln = torch.linalg.vector_norm(lerp, dim=-1, keepdim=True)
+    lerp = torch.where(ln >= 1e-6, lerp / torch.where(ln > 0, ln, 1.0), ub)
+    e = torch.where(slerp.unsqueeze(-1), wa * ua + wb * ub, lerp)
+    return e, na, nb, omega / math.pi
+
+
+def direction(e: torch.Tensor) -> torch.Tensor:
+    """e / ||e|| per row in fp32, with ||e|| recomputed (a dequantized row too); 0 where ||e|| = 0."""
+    e = e.float()
+    n = torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+    return e / torch.where(n > 0, n, 1.0)
+
+
+def retention(
+    d: torch.Tensor,  # (G, T) angular distances of one turn's tokens, per group
+    gamma: float = 0.05,
+    rule: str = "distinct",
+    retain: str = "range",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens stay unmerged: (mask (G, T) bool, threshold (G,) fp32).
+
+    range: distinct keeps d > d_max - (d_max - d_min) gamma, paper keeps d < d_min + (...) gamma
+    (Eq. 4 as printed); both are empty when d_max = d_min. topk:F keeps the ceil(F T) largest d
+    (paper: smallest), ties to the lower index. The threshold is what a decode token must exceed
+    (distinct) or stay under (paper) to be retained with decode_retain=1.
+    kvrun's decision: Eq. 4 and Alg. 2 print `d < ...`, which keeps the most *similar* pairs
+    while the text keeps the distinct ones; kvrun keeps the distinct (rule=paper: as printed).
+    And gamma is a fraction of the distance range, not of the tokens (topk:F is that).
+    """
+    d = d.float()
+    G, T = d.shape
+    paper = rule == "paper"
+    if retain == "range":
+        if T == 0:
+            never = d.new_full((G,), -math.inf if paper else math.inf)
+            return d.new_zeros(G, 0, dtype=torch.bool), never
+        lo, hi = d.amin(-1), d.amax(-1)  # (G,)
+        if paper:
+            thr = lo + (hi - lo) * gamma
+            return d < thr.unsqueeze(-1), thr
+        thr = hi - (hi - lo) * gamma
+        return d > thr.unsqueeze(-1), thr
+    k = min(T, math.ceil(Fraction(retain.partition(":")[2]) * T))  # exact from the decimal
+    order = torch.sort(d, dim=-1, descending=not paper, stable=True).indices  # (G, T)
+    mask = torch.zeros_like(d, dtype=torch.bool).scatter_(1, order[:, :k], True)
+    if k == 0:
+        return mask, d.new_full((G,), -math.inf if paper else math.inf)
+    return mask, d.gather(1, order[:, k - 1 : k]).squeeze(1)
+
+
+# --- storage -------------------------------------------------------------------------------------
+
+
+class Half:
+    """The merged K (or V) of one pair: E, both norms and the ragged retention data.
+
+    Groups g are the KV heads (granularity=head) or one group over all heads (token); m is the
+    length of one group's vector (D or Hkv*D). Retained rows are sorted by (group, index).
+    """
+
+    def __init__(
+        self, g: int, m: int, hkv: int, d: int, dense_e: bool, thr: float | None, dtype, device
+    ):
+        self.e = Buffer((hkv, 0, d), 1, dtype, device) if dense_e else None  # (Hkv, T, D)
+        self.na = Buffer((g, 0), 1, dtype, device)  # (g, T) norms of layer l-1
+        self.nb = Buffer((g, 0), 1, dtype, device)  # (g, T) norms of layer l
+        self.ridx = torch.empty(0, dtype=torch.int32, device=device)  # (N_r,) token indices
+        self.ra = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l-1
+        self.rb = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l
+        self.roff = torch.zeros(g + 1, dtype=torch.int64, device=device)  # (g+1,) group starts
+        # decode_retain: the latest prefill threshold per group (fp32, counted); starts at a
+        # value no decode token passes
+        self.thr = torch.full((g,), thr, device=device) if thr is not None else None
+
+    def groups(self) -> torch.Tensor:
+        """(N_r,) int64 group of each retained row, from the offsets (a search: CPU
+        repeat_interleave wakes the thread pool, milliseconds on a busy machine)."""
+        r = torch.arange(self.ridx.numel(), device=self.roff.device)
+        return torch.searchsorted(self.roff[1:], r, right=True)
+
+    def add(self, gid: torch.Tensor, idx: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor) -> None:
+        """Insert retained rows (group gid, token idx, exact rows ra, rb), keeping the order."""
+        g = self.roff.numel() - 1
+        allg = torch.cat([self.groups(), gid])
+        alli = torch.cat([self.ridx.long(), idx])
+        order = torch.argsort(allg * (1 << 32) + alli)  # (group, index) pairs are unique
+        self.ridx = alli[order].to(torch.int32)
+        self.ra = torch.cat([self.ra, ra.to(self.ra.dtype)])[order]
+        self.rb = torch.cat([self.rb, rb.to(self.rb.dtype)])[order]
+        counts = torch.bincount(allg, minlength=g)
+        self.roff = torch.cat([self.roff[:1], counts.cumsum(0)])
+
+    def append(self, e, na, nb, keep, ra, rb, start: int) -> None:
+        """Append n merged tokens: E (Hkv, n, D) where it is dense, both norms (g, n), and the
+        rows of `keep` (g, n) bool (None: none) retained exactly from ra, rb (g, n, m)."""
+        if self.e is not None:
+            self.e.append(e)
+        self.na.append(na)
+        self.nb.append(nb)
+        if keep is not None and bool(keep.any()):
+            gid, j = keep.nonzero(as_tuple=True)
+            self.add(gid, j + start, ra[gid, j], rb[gid, j])
+
+    def nbytes(self) -> int:
+        ts = [self.ridx, self.ra, self.rb, self.roff] + ([self.thr] if self.thr is not None else [])
+        total = sum(t.numel() * t.element_size() for t in ts)
+        return total + self.na.nbytes() + self.nb.nbytes() + (self.e.nbytes() if self.e else 0)
+
+
+class Pair:
+    """Layers (a, b) = (l-1, l): merged halves, exact buffers during a prefill, pending slot."""
+
+    def __init__(self, a: int, b: int, kivi: KiviLayer | None):
+        self.a, self.b = a, b
+        self.k: Half | None = None  # created at the first merge
+        self.v: Half | None = None
+        self.kivi = kivi  # holds E_K as keys and E_V as values (KIVI store)
+        self.exact: dict[int, tuple[Buffer, Buffer]] | None = None  # this turn's K, V per layer
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
+        self.length = 0  # merged tokens (slot index = position)
+        # what layer a computes for a step and layer b reuses, then releases (scratch, not in
+        # nbytes): unit directions (uK, uV) of the dense restore, merged_decode's override maps
+        self.work: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fwork: list | None = None
+
+    def release(self) -> None:
+        """Drop the step's shared scratch (after layer b, and at the end of a prefill)."""
+        self.work = self.fwork = None
+
+    def begin_prefill(self, n_tokens: int, hkv: int, d: int, dtype, device) -> None:
+        """A new turn: no pending tokens, empty exact K, V buffers (1, Hkv, T, D) per layer."""
+        self.pending = None
+        new = lambda: Buffer((1, hkv, 0, d), 2, dtype, device, n_tokens)  # noqa: E731
+        self.exact = {ly: (new(), new()) for ly in (self.a, self.b)}
+
+    def nbytes(self) -> int:
+        """Held bytes: the halves, the KIVI store of E and the exact buffers of a prefill."""
+        total = self.kivi.nbytes() if self.kivi is not None else 0
+        if self.exact is not None:
+            total += sum(b.nbytes() for kv in self.exact.values() for b in kv)
+        if self.k is not None:
+            total += self.k.nbytes() + self.v.nbytes()
+        return total
+
+
+# --- the restore and each layer's view of a pair -------------------------------------------
+@dataclass
+class Layout:
+    """Groups g of a pair: the KV heads (granularity=head, m = D) or one group over all heads
+    of a token (granularity=token, m = Hkv*D); H = n_kv_heads, D = head_dim."""
+
+    token: bool
+    H: int
+    D: int
+    g: int = field(init=False)  # groups per token
+    m: int = field(init=False)  # length of one group's vector
+
+    def __post_init__(self):
+        self.g, self.m = (1, self.H * self.D) if self.token else (self.H, self.D)
+
+    def half(self, dense_e: bool, thr: float | None, dtype, device) -> Half:
+        """An empty merged K or V of this layout (E dense unless a KIVI store holds it)."""
+        return Half(self.g, self.m, self.H, self.D, dense_e, thr, dtype, device)
+
+    def groups(self, x: torch.Tensor) -> torch.Tensor:
+        """(Hkv, T, D) -> (g, T, m): per head, or all heads of a token in one row."""
+        return x.transpose(0, 1).reshape(1, x.shape[1], -1) if self.token else x
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(g, T, m) -> (Hkv, T, D), the inverse of groups."""
+        return x.reshape(x.shape[1], self.H, self.D).transpose(0, 1) if self.token else x
+
+    # --------------------------------------------------------------- restore
+    def directions(self, pair: Pair) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit directions (g, T, m) fp32 of the pair's merged K and V (dequantized for KIVI)."""
+        if pair.kivi is not None:
+            ek, ev = pair.kivi.dequantized()  # (Hkv, T, D) fp32 each
+        else:
+            ek, ev = pair.k.e.data, pair.v.e.data
+        return direction(self.groups(ek)), direction(self.groups(ev))
+
+    def restore_into(self, pair: Pair, second: bool, dirs, out_k, out_v) -> None:
+        """Write X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D): direction times
+        the layer's own norm, then the retained rows put back exactly."""
+        for half, u, out in ((pair.k, dirs[0], out_k), (pair.v, dirs[1], out_v)):
+            n = (half.nb if second else half.na).data.unsqueeze(-1)  # (g, T, 1)
+            if self.token:
+                out.copy_(self.heads(u * n))
+            else:
+                torch.mul(u, n, out=out)
+            rows = half.rb if second else half.ra  # (N_r, m)
+            if rows.shape[0]:
+                idx = half.ridx.long()
+                if self.token:
+                    out[:, idx] = rows.view(-1, self.H, self.D).transpose(0, 1).to(out.dtype)
+                else:
+                    out[half.groups(), idx] = rows.to(out.dtype)
+
+    # ------------------------------------------------------- merged_decode
+    def own(self, qr, kr, v) -> Partial:
+        """Attention of the step's queries over their own exact tokens, causal: a single token
+        is its own softmax (out = v, lse = the score), several go through dense_decode."""
+        if kr.shape[2] > 1:
+            return Partial(*dense_decode(qr, kr, v, causal_offset=0))
+        g = qr.shape[1] // self.H
+        qg = qr.float().reshape(1, self.H, g, self.D)  # (1, Hkv, g, D)
+        s = (qg * kr.float().reshape(1, self.H, 1, self.D)).sum(-1) / math.sqrt(self.D)
+        out = v.float().repeat_interleave(g, dim=1)  # (1, Hq, 1, D)
+        return Partial(out, s.reshape(1, self.H * g, 1))
+
+    def override(self, half: Half, T: int):
+        """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, for layers a and b:
+        the map gives each retained (head, token) its row (-1: restore); 1/||E|| per token
+        (T,) for granularity=token, per (head, token) (Hkv, T) where the torch reference runs
+        (computed once here instead of in both layers). Scratch for a step, not in nbytes."""
+        e, inv = half.e.data, None  # (Hkv, T, D)
+        if self.token or not use_triton(e):
+            n = torch.linalg.vector_norm(e.float(), dim=(0, 2) if self.token else -1)
+            inv = 1 / torch.where(n > 0, n, 1.0)
+        N = half.ridx.numel()
+        if N == 0:
+            return None, inv
+        ov = torch.full((self.H, T), -1, dtype=torch.int32, device=e.device)
+        r = torch.arange(N, dtype=torch.int32, device=e.device)
+        idx = half.ridx.long()
+        if self.token:  # row r of head h is r * Hkv + h
+            h = torch.arange(self.H, dtype=torch.int32, device=e.device)
+            ov[:, idx] = r[None, :] * self.H + h[:, None]
+        else:
+            ov[half.groups(), idx] = r
+        return ov, inv
+
+    def fused_args(self, half: Half, work, second: bool):
+        """(scale (Hkv, T), map, rows (N, D), unit) of one half of layer b (second) or a, for
+        merged_decode; work = (map, 1/||E|| or None) from override."""
+        ov, inv = work
+        norms = (half.nb if second else half.na).data  # (g, T)
+        rows = (half.rb if second else half.ra) if ov is not None else None  # (N_r, m)
+        if self.token:  # rows (N_r, Hkv*D) read as (N_r*Hkv, D)
+            rows = rows.reshape(-1, self.D) if rows is not None else None
+            return (norms[0].float() * inv).expand(self.H, -1), ov, rows, False
+        if inv is None:  # the Triton kernel divides by ||E|| in registers
+            return norms, ov, rows, True
+        return norms.float() * inv, ov, rows, False  # (Hkv, T): n / ||E||
+
+
+class Scratch:
+    """The restore scratch K, V (1, Hkv, cap, D) in the KV dtype, reused by every pair."""
+
+    def __init__(self, H: int, D: int, dtype, device):
+        self.H, self.D, self.dtype, self.device = H, D, dtype, device
+        self.k = self.v = None
+
+    def views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None or self.k.shape[2] < n:
+            cap = max(n, 2 * (self.k.shape[2] if self.k is not None else 0), 256)
+            self.k = torch.empty(1, self.H, cap, self.D, dtype=self.dtype, device=self.device)
+            self.v = torch.empty_like(self.k)
+        return self.k[:, :, :n], self.v[:, :, :n]
+
+
+class PairLayer:
+    """Layer a (second=False) or b of a MiniCache pair, as a Store: the pair's merged tokens
+    restored with this layer's norms and retained rows. Both views share the pair, whose
+    bytes count once, at layer a."""
+
+    def __init__(self, pair: Pair, second: bool, layout: Layout, scratch: Scratch):
+        self.pair, self.second, self.layout, self.scratch = pair, second, layout, scratch
+
+    @property
+    def length(self) -> int:
+        return self.pair.length
+
+    def nbytes(self) -> int:
+        return 0 if self.second else self.pair.nbytes()
+
+    def partials(self, q, q_pos, n_new: int, window: int | None) -> list[Partial]:
+        """Attention of q (1, Hq, Tq, D) over the merged tokens, all visible (n_new = 0: the
+        step's own tokens are not merged yet): restored inside merged_decode over a dense E,
+        else over the dense restore."""
+        pair, lay = self.pair, self.layout
+        if pair.length == 0:
+            return []
+        if pair.kivi is not None:  # E dequantized into the scratch
+            ks, vs = self.restore(0)
+            return [segment_attention(q, ks, vs, None)]
+        if pair.fwork is None:  # layer a builds, b reuses
+            pair.fwork = [lay.override(h, pair.length) for h in (pair.k, pair.v)]
+        wk, wv = pair.fwork
+        sk, ok, rk, unit = lay.fused_args(pair.k, wk, self.second)
+        sv, ov, rv, _ = lay.fused_args(pair.v, wv, self.second)
+        return [
+            Partial(*merged_decode(q, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv))
+        ]
+
+    def restore(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
+        n, pair = self.pair.length, self.pair
+        ks, vs = self.scratch.views(n + extra)
+        if n:
+            if pair.work is None:  # layer a computes, b reuses
+                pair.work = self.layout.directions(pair)
+            self.layout.restore_into(pair, self.second, pair.work, ks[0, :, :n], vs[0, :, :n])
+        return ks, vs
+
+    def attend(self, q, k_new, v_new, positions, window: int | None) -> torch.Tensor:
+        """SDPA of q over the restored merged tokens and the exact k_new, v_new (1, Hkv, n, D)
+        after them (slot index = position)."""
+        ks, vs = self.restore(k_new.shape[2])
+        ks[:, :, self.pair.length :], vs[:, :, self.pair.length :] = k_new, v_new
+        k_pos = torch.arange(ks.shape[2], device=ks.device)
+        return dense_attention(q, ks, vs, positions, k_pos, window)

@@ -1,0 +1,207 @@
+"""MiniKV's cache (§3-4 of the paper): the driver's dense staging and 2-bit KIVI store, with
+column sums over the turn's prompt queries (§3.1.1), heavy hitters plus a recent window per KV
+head once per turn at the end of its prefill (uniform or MiniKV's pyramid per layer, §3.1.2-3),
+whole groups quantized at the prefill end, and decode tokens flushed before they are attended
+(Alg. 1). With quant=none the selected turns are held dense instead.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from ....errors import KvrunError
+from ....kernels.colsum import colsum, colsum_ref, colsum_triton
+from ...attention import Partial, combine, group_sum
+from ...cache import KVCache, Layer, keep_indices
+from ...spec import largest_remainder
+from ...stores.dense import DenseSeg
+
+
+def pyramid_shares(n_layers: int, depth: int, direction: str = "down") -> list[Fraction]:
+    """x_lambda / x of MiniKV's pyramid (§3.1.3, App. H): linear from 2 - 1/delta at layer
+    0 to 1/delta at layer L-1, mean 1; `up` reverses it (the paper's App. H reading)."""
+    L, top, bottom = n_layers, 2 - Fraction(1, depth), Fraction(1, depth)
+    if L == 1:
+        return [Fraction(1)]
+    shares = [top + (bottom - top) * Fraction(layer, L - 1) for layer in range(L)]
+    return shares if direction == "down" else shares[::-1]
+
+
+def pyramid(n_hh: int, n_layers: int, depth: int, direction: str = "down") -> list[int]:
+    """Heavy-hitter counts per layer summing to exactly L * n_hh (largest remainder, ties to
+    the lower layer)."""
+    shares = pyramid_shares(n_layers, depth, direction)
+    return largest_remainder([n_hh * s for s in shares], n_layers * n_hh)
+
+
+def budgets(o, budget, t: int, n_layers: int) -> tuple[list[int], int]:
+    """(heavy hitters per layer, recent window) for a turn of t tokens: B(t) split evenly
+    under a --kv-budget (protected minimum 0), else the heavy and recent fractions."""
+    if budget is not None:
+        B = budget.tokens(t, 0)
+        n_rw = B // 2
+        n_hh = B - n_rw
+    else:
+        n_rw = math.floor(Fraction(str(o["recent"])) * t)
+        n_hh = math.floor(Fraction(str(o["heavy"])) * t)
+    if o["alloc"] == "pyramid":
+        hh = pyramid(n_hh, n_layers, o["depth"], o["pyramid_dir"])
+    else:
+        hh = [n_hh] * n_layers
+    if o["align"]:  # round heavy hitters down so the kept count fills whole groups
+        hh = [max(0, h - (h + n_rw) % o["align"]) for h in hh]
+    return hh, n_rw
+
+
+def heavy_recent(acc: torch.Tensor, heavy: int, recent: int, n_kv: int, length_norm: bool):
+    """The `recent` newest tokens plus the `heavy` best by column sums acc (Hkv or Hq, t), per
+    KV head (Hq rows: gqa_agg=max, the best query head of each group); length_norm divides
+    A[j] by the t - j queries that could see token j."""
+    t = acc.shape[1]
+    j = torch.arange(t, device=acc.device)
+    if len(acc) != n_kv:
+        acc = acc.view(n_kv, -1, t).amax(1)
+    if length_norm:
+        acc = acc / (t - j).float()
+    protected = (j >= t - recent)[None].expand(n_kv, t)
+    return keep_indices(acc, protected, heavy + recent)
+
+
+def prompt_colsum(q, k, v, older: list[Partial], per_head: bool, mode: str):
+    """The prompt chunk's attention (q (1, Hq, Tq, D) over the turn's keys k, v (1, Hkv, T, D),
+    causal) and A[j] summed over its queries, each row normalised over everything it sees
+    (earlier turns' partials `older` included): (Partial, colsum (Hkv or Hq, T))."""
+    if mode == "dense" and not older:
+        return dense_colsum(q, k, v, per_head)
+    # two launches on CUDA (Triton), blocks of 256 query rows in torch elsewhere
+    fn = {"triton": colsum_triton, "chunked": colsum_ref}.get(mode, colsum)
+    other = torch.logsumexp(torch.stack([p.lse for p in older]), 0) if older else None
+    out, lse, col = fn(q, k, v, per_head, other)
+    return Partial(out, lse[None]), col
+
+
+def dense_colsum(q, k, v, per_head: bool = False):
+    """The materialised reference of kernels.colsum (colsum=dense; small prompts)."""
+    _, Hq, Tq, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    kf = k[0].float().repeat_interleave(Hq // Hkv, dim=0)  # (Hq, T, D)
+    vf = v[0].float().repeat_interleave(Hq // Hkv, dim=0)
+    s = torch.einsum("hqd,htd->hqt", q[0].float(), kf) / math.sqrt(D)  # (Hq, Tq, T)
+    rows = torch.arange(T - Tq, T, device=q.device)
+    s = s.masked_fill(torch.arange(T, device=q.device)[None, :] > rows[:, None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("hqt,htd->hqd", p, vf)
+    col = p.sum(1)  # (Hq, T)
+    return Partial(out[None], lse[None]), (col if per_head else group_sum(col, Hkv))
+
+
+class MiniKV(KVCache):
+    """MiniKV on the driver: its own attention with column sums, selection and flushes."""
+
+    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+        if spec.select_opts["colsum"] == "triton" and torch.device(device).type != "cuda":
+            raise KvrunError(
+                f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
+            )
+        self.held: list[DenseSeg | None] = []
+        super().__init__(spec, config, rope, device, dtype, on_select)
+
+    def reset(self) -> None:
+        super().reset()
+        c, dense = self.config, self.kivi_cfg is None  # quant=none: turns held dense
+        self.held = [DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense
+                     else None for _ in range(c.n_layers)]  # fmt: skip
+
+    def _dense(self) -> DenseSeg:
+        """Staging with column sums, one row per query head with gqa_agg=max."""
+        c = self.config
+        rows = c.n_heads if self.opt["gqa_agg"] == "max" else None
+        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
+                        scores=True, score_rows=rows, count_pos=self.count_pos)  # fmt: skip
+
+    def _window_ok(self, st: Layer) -> bool:
+        return False  # the store keeps no positions
+
+    # ------------------------------------------------------------ prefill, decode
+    def prefill(self, layer, q, k, v, positions):
+        st, held = self._layer(layer, k.shape[2]), self.held[layer]
+        st.dense.append(k, v, positions)
+        if st.kivi is not None and st.kivi.length:
+            older = st.kivi.partials(q, positions, 0, None)
+        elif held is not None and held.length:
+            older = held.partials(q, positions, 0, None)
+        else:
+            older = []
+        d = st.dense
+        part, col = prompt_colsum(q, d.k, d.v, older, self.opt["gqa_agg"] == "max",
+                                  self.opt["colsum"])  # fmt: skip
+        d.acc += col
+        return combine(older + [part], self.dtype)
+
+    def decode(self, layer, q, k, v, positions):
+        st, held = self._layer(layer, k.shape[2]), self.held[layer]
+        if st.kivi is None:
+            held.append(k, v, positions)
+            return combine(held.partials(q, positions, k.shape[2], None), self.dtype)
+        st.kivi.append(k[0], v[0])
+        r = self.kivi_cfg["residual"]
+        if st.kivi.tail_len >= r:  # a full residual is flushed before it is attended
+            st.kivi.flush(r)
+        return combine(st.kivi.partials(q, positions, k.shape[2], None), self.dtype)
+
+    # ------------------------------------------------------- compression points
+    def at_prefill(self) -> None:
+        if self.select_turn:
+            self.select("prefill")
+        for st, held in zip(self.layers, self.held, strict=True):
+            if st.kivi is not None and st.dense.length:
+                k, v = st.dense.take()  # selected tokens enter the store in position order
+                st.kivi.append(k[0], v[0])
+                st.kivi.flush(self.kivi_cfg["group"])  # whole groups (flush unit G)
+            elif held is not None and st.dense.length:
+                held.append(*st.dense.take(), torch.empty(0))
+
+    def select(self, point: str) -> None:
+        """Heavy hitters and the recent window of the turn, per layer and KV head."""
+        t = self.layers[0].dense.length
+        hh, n_rw = budgets(self.opt, self.spec.budget, t, self.config.n_layers)
+        norm = self.opt["score_norm"] == "length"
+        for i, st in enumerate(self.layers):
+            d = st.dense
+            if hh[i] + n_rw < t:
+                d.keep(heavy_recent(d.acc, hh[i], n_rw, self.config.n_kv_heads, norm))
+            if d.pos is not None:
+                self.report(i, point, d.pos)
+
+    # ----------------------------------------------------------------- static decode
+    def _decode_seg(self, i: int):
+        st = self.layers[i]
+        return st.kivi if st.kivi is not None else self.held[i]
+
+    def static_step_ok(self) -> bool:
+        """A step that flushes a full residual before it attends (Alg. 1) runs eagerly."""
+        if self.kivi_cfg is None:
+            return True
+        r = self.kivi_cfg["residual"]
+        return all(st.kivi.tail_len + 1 < r for st in self.layers)
+
+    # ------------------------------------------------------------- accounting
+    def stores(self) -> list:
+        return super().stores() + [h for h in self.held if h is not None]
+
+    def kept_counts(self) -> list[int]:
+        held = [h.length if h is not None else 0 for h in self.held]
+        return [a + b for a, b in zip(super().kept_counts(), held, strict=True)]
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self.opt["report"] == "paper":
+            # MiniKV App. I: (layers x hidden) bytes per kept or generated token, MHA, 2-bit,
+            # residual ignored; logged beside the measured bytes for comparison only
+            c = self.config
+            d["bytes_paper"] = sum(self.kept_counts()) * c.n_heads * c.head_dim
+        return d

@@ -1,0 +1,251 @@
+"""SpindleKV (§3.3-3.4 of the paper): linearly falling per-layer eviction budgets, per-query-head
+selection stored once per KV head with a keep mask per query head, and per-layer codebooks
+of pre-RoPE K and V (unit entries, one index and one magnitude per slot).
+
+Per layer the store holds a *coded* segment (codebook indices and magnitudes) and a *dense*
+segment (pre-RoPE K and V: codebook=off, or decode tokens with decode_codebook=off), each
+with int32 positions and uint8 keep masks, slots padded so every KV head has the same count.
+Attention sees K = RoPE(C_K[idx_K] * mag_K, pos) and V = C_V[idx_V] * mag_V and masks query
+head j of group h to the slots of head h with bit j set. A decode step attends through
+kernels.codebook_decode, which gathers and rotates inside the kernel (Triton on CUDA, a
+torch reference elsewhere), one partial per segment merged by log-sum-exp; prefill, and
+decode under a sliding window that may mask, rebuild the slots densely for SDPA.
+The store, which attends in this representation, and the codebooks are store.py; the
+schedule is in __init__.py; this file routes the steps and selects (Eq. 2-7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from ....kernels import use_triton
+from ...attention import combine, pool_scores, window_scores
+from ...cache import keep_indices
+from ...protocol import KVManager
+from . import spindle_keep
+from .store import CodedLayer, pack_bits, unpack_bits
+
+
+# --- per-query-head selection stored once per KV head (§3.3, Eq. 7) ----------------------------
+def qhead_scores(qw, k, sliding: int | None = None, length_norm: bool = True) -> torch.Tensor:
+    """Eq. 2: ac_q[a] = sum_b A_q[b, a] / (t - a) over the window rows b, per query head
+    (Hq, t - w): the observation-window scores with the length normalisation. qw (Hq, w, D)
+    post-RoPE queries of the turn's last w tokens; k (Hkv, t, D) post-RoPE keys of the turn."""
+    vote = window_scores(qw, k, sliding)
+    if length_norm:
+        t, n_ctx = k.shape[1], vote.shape[1]
+        vote = vote / (t - torch.arange(n_ctx, device=k.device)).float()
+    return vote
+
+
+def select_keep(scores: torch.Tensor, k: int, t: int, n_kv: int, gqa: str) -> torch.Tensor:
+    """Keep bits (Hkv, g, t): per query head the top k of scores (Hq, t - w), ties to the lower
+    position, plus the window; gqa=mean picks once per KV head on the group-mean score."""
+    Hq, n_ctx = scores.shape
+    g = Hq // n_kv
+    if gqa == "mean":
+        top = keep_indices(scores.view(n_kv, g, n_ctx).mean(1), None, k).repeat_interleave(g, 0)
+    else:
+        top = keep_indices(scores, None, k)  # (Hq, k)
+    keep = torch.zeros(Hq, t, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, top, True)
+    keep[:, n_ctx:] = True
+    return keep.view(n_kv, g, t)
+
+
+@dataclass
+class Slots:
+    """A KV-head-major slot layout: each head's union in position order, padded to S."""
+
+    rel: torch.Tensor  # (Hkv, S) int64 token index within the turn; 0 on padding
+    valid: torch.Tensor  # (Hkv, S) bool; False on padding
+    mask: torch.Tensor  # (Hkv, S, ceil(g/8)) uint8 keep bits; 0 on padding
+
+
+def union_slots(keep: torch.Tensor) -> Slots:
+    """Union over the group of keep bits (Hkv, g, t): each kept token once, with its g bits."""
+    Hkv, g, t = keep.shape
+    union = keep.any(1)  # (Hkv, t)
+    count = union.sum(1)  # (Hkv,)
+    S = int(count.max()) if t else 0
+    # a stable sort puts each head's kept tokens first, in position order
+    order = torch.sort((~union).to(torch.int8), dim=1, stable=True).indices[:, :S]  # (Hkv, S)
+    valid = torch.arange(S, device=keep.device)[None, :] < count[:, None]
+    rel = torch.where(valid, order, 0)
+    bits = keep.gather(2, rel[:, None, :].expand(Hkv, g, S)) & valid[:, None, :]  # (Hkv, g, S)
+    return Slots(rel, valid, pack_bits(bits.transpose(1, 2)))
+
+
+# --- the cache ---------------------------------------------------------------------------------
+class SpindleKV(KVManager):
+    """SpindleKV on kvrun's cache contract; options are declared in __init__.py. It reports no
+    kept positions to the debug hook: per-query-head unions are ragged."""
+
+    # the model's keys arrive before RoPE: the store rotates at each slot's own position
+    keys_pre_rope = True
+
+    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+        super().__init__(config, rope, device, dtype, on_select)
+        self.spec, self.name = spec, spec.name
+        self.opt = dict(spec.select_opts)
+        self.window = self.opt["window"]
+        self.budget = spec.budget_or_default()  # checked against the window by the spec
+        self.beta = Fraction(str(self.opt["beta"]))
+        self.group = config.n_heads // config.n_kv_heads
+        self.ones_mask = pack_bits(
+            torch.ones(config.n_kv_heads, 1, self.group, dtype=torch.bool, device=device)
+        )  # (Hkv, 1, ceil(g/8)) a decode slot: every query head sees it
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        super().reset()
+        c = self.config
+        n_books = c.n_kv_heads if self.opt["codebook_scope"] == "head" else 1
+        idx = torch.int32 if self.opt["index"] == "int32" else torch.int16
+        self.layers = [
+            CodedLayer(n_books, c.head_dim, self.dtype, self.device, idx, self.rope, self.group)
+            for _ in range(c.n_layers)
+        ]
+        self.turn_start, self.turn_len = 0, 0
+        self.plan: tuple[int, list[int] | None] | None = None  # kept counts, per turn length
+
+    def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
+        super().begin_prefill(n_tokens, select)
+        self.turn_start, self.turn_len = self.seen, n_tokens
+        for st in self.layers:
+            st.drop_turn()
+
+    # ------------------------------------------------------------- selection
+    def keep_counts(self, t: int) -> list[int] | None:
+        """k_lambda per layer for a turn of t tokens (B from the turn's own length, later turns
+        too), None when every token stays; cached per turn length."""
+        if not self.select_turn:
+            return None
+        if self.plan is None or self.plan[0] != t:
+            B = self.budget.tokens(t, self.window)
+            L = self.config.n_layers
+            self.plan = (t, spindle_keep(t, B, self.window, L, self.beta, self.opt["schedule"]))
+        return self.plan[1]
+
+    def at_prefill(self) -> None:
+        """The turn's layers still held (a chunked prefill) are compressed here."""
+        for i, st in enumerate(self.layers):
+            if st.held_n:
+                self.compress(i, st.held_k.data, st.held_v.data, st.qwin)
+            st.drop_turn()
+
+    def compress(self, layer: int, kp: torch.Tensor, vp: torch.Tensor, qwin) -> None:
+        """Steps 2-7 for one layer over the turn's pre-RoPE K, V (Hkv, t, D): each query head
+        keeps its top tokens by its own window attention (pooled); a KV head stores the union
+        of its group's picks once, with a keep mask per query head; the store codes them.
+
+        Later chat turns (kvrun's rule for stores that cannot re-select): only the new turn's
+        tokens are compressed, with the same rule and fractions (B from the turn's length) and
+        a softmax over the turn's own keys, as SnapKV does over a KIVI staging area; earlier
+        turns stay as stored.
+        """
+        st, o = self.layers[layer], self.opt
+        Hkv, t, _ = kp.shape
+        plan = self.keep_counts(t)
+        if plan is None:
+            keep = torch.ones(Hkv, self.group, t, dtype=torch.bool, device=kp.device)
+        else:
+            tpos = torch.arange(self.turn_start, self.turn_start + t, device=kp.device)
+            kr = self.rope.apply(kp[None], tpos)[0]  # (Hkv, t, D) post-RoPE, transient
+            sc = qhead_scores(qwin, kr, self.config.sliding_window, o["score_norm"] == "length")
+            sc = pool_scores(sc, o["pool"])
+            keep = select_keep(sc, plan[layer], t, Hkv, o["gqa"])
+        sl = union_slots(keep)
+        st.all_bits &= bool(sl.valid.all()) and bool(keep.all(1).eq(keep.any(1)).all())
+        pos = torch.where(sl.valid, sl.rel + self.turn_start, 0).to(torch.int32)  # (Hkv, S)
+        gather = sl.rel[..., None].expand(-1, -1, kp.shape[2])
+        ks, vs = kp.gather(1, gather), vp.gather(1, gather)  # (Hkv, S, D) kept, in slot order
+        st.store_turn(layer, ks, vs, sl.valid, pos, sl.mask, o)
+
+    # ---------------------------------------------------------------- attend
+    def decode(self, layer, qr, k, v, positions):
+        st = self.layers[layer]
+        for i in range(k.shape[2]):  # each token coded, then attended over
+            pos = positions[i : i + 1].to(torch.int32).expand(k.shape[1], 1)
+            st.store_token(layer, k[0, :, i], v[0, :, i], pos, self.ones_mask, self.opt)
+        if self._fuse(st, qr):  # the store's partials: gathered and rotated in the kernel
+            return combine(st.partials(qr, positions, k.shape[2], None), qr.dtype)
+        return st.attend(qr, positions, self.config.sliding_window)
+
+    def prefill(self, layer, qr, k, v, positions):
+        st, T = self.layers[layer], k.shape[2]
+        if st.held_n == 0 and T == self.turn_len:  # the whole turn in one chunk (step 7)
+            kp, vp = k[0], v[0]
+        else:
+            st.hold(k[0], v[0], self.turn_len)
+            kp, vp = st.held_k.data, st.held_v.data
+        n = kp.shape[1]
+        tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
+        kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
+        out = st.attend(qr, positions, self.config.sliding_window, kr, vp[None], tpos)
+        prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
+        st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]  # the window's queries
+        if st.held_n == 0:  # compress now, so the peak is one layer of full KV
+            self.compress(layer, kp, vp, st.qwin)
+            st.drop_turn()
+        return out
+
+    def _fuse(self, st: CodedLayer, qr: torch.Tensor) -> bool:
+        """Whether a decode step attends through kernels.codebook_decode: one new token (more
+        would need causal masks among themselves); not when the model's sliding window may
+        hide a slot (all positions up to the query's must fit in it); not for a layer of dense
+        slots only (codebook=off) on the torch path, whose SDPA over the rotated slots equals
+        `full` bit for bit (as kvrun's full-budget test checks)."""
+        window = self.config.sliding_window
+        if qr.shape[2] != 1:
+            return False
+        if window is not None and self.seen + 1 > window:
+            return False
+        return st.pos_c is not None or use_triton(qr)
+
+    # ------------------------------------------------------------- accounting
+    def nbytes(self) -> int:
+        return sum(st.nbytes() for st in self.layers)
+
+    def stores(self) -> list:
+        return list(self.layers)
+
+    def describe(self) -> dict:
+        b = self.budget
+        d = {"method": self.name, **self.opt}
+        d["budget"] = float(b.value) if b.is_fraction else int(b.value)
+        if self.opt["report"] == "paper":
+            d["paper"] = paper_ratios(self)
+        return d
+
+
+# --- the paper's size report (Eq. 15; report=paper) --------------------------------------------
+def paper_ratios(kv: SpindleKV) -> dict:
+    """The paper's Eq. 15 size r = r1 * r2 * r3 per layer (report=paper).
+
+    r1: tokens kept per query head over tokens seen; r2: codebook entries (K and V) over
+    the per-query-head vectors they stand for; r3 = (d + int_bits / (elem_bits + 1)) / d.
+    It prices indices and magnitudes at the codebook fraction, so it understates bytes.
+    """
+    c, g = kv.config, kv.group
+    elem_bits = 8 * torch.empty(0, dtype=kv.dtype).element_size()
+    r1s, r2s, r3s, rs = [], [], [], []
+    for st in kv.layers:
+        masks = [m for m in (st.mask_c, st.mask_d) if m is not None]
+        kept = sum(int(unpack_bits(m, g).sum()) for m in masks)
+        r1 = kept / (c.n_heads * kv.seen) if kv.seen else 1.0
+        entries = sum(b.n for b in st.books_k + st.books_v)
+        r2 = entries / (2 * kept) if kv.opt["codebook"] and kept else 1.0
+        r3 = 1.0
+        if kv.opt["codebook"]:
+            int_bits = 8 * max(torch.empty(0, dtype=t).element_size() for t in st.idx_dtype)
+            r3 = (c.head_dim + int_bits / (elem_bits + 1)) / c.head_dim
+        r1s.append(round(r1, 6))
+        r2s.append(round(r2, 6))
+        r3s.append(round(r3, 6))
+        rs.append(r1 * r2 * r3)
+    return {"ratio": round(sum(rs) / len(rs), 6), "r1": r1s, "r2": r2s, "r3": r3s}

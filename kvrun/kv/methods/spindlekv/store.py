@@ -1,0 +1,524 @@
+"""SpindleKV's store (§3.4, kvrun's layout): the codebooks and CodedLayer, one layer's store.
+
+Codebooks: a greedy cover of unit vectors by medoids on the cosine graph (Alg. 1, corrected).
+Nodes are unit vectors u; a and b are adjacent when u_a . u_b > theta (every node is its own
+neighbour). While nodes are alive, the node with the most alive neighbours (lowest index on
+ties) becomes an entry and takes its alive neighbours with it. The N x N graph is never built:
+degrees come from tiles of cb_block x cb_block cosines, a pick's neighbours from one matvec and
+the degree updates from tiles of u_alive . u_removed^T, about two all-pairs passes and
+O(cb_block^2 + N) memory. The paper's Alg. 1 sums S (never changing) instead of the alive
+degree; the spec's correction is used. Decode-time assignment ("merge, else rebuild", read one
+token at a time) joins the best entry above theta, else appends the vector as a new entry,
+heads in order so a later head can join an entry made earlier in the same step.
+
+CodedLayer holds one layer's K and V codebooks (Shelf, Book), the coded segment (indices and
+magnitudes), the dense segment (pre-RoPE K and V), each with int32 positions and uint8 keep
+masks, and the current turn's prefill state; every tensor is counted by nbytes. It attends in
+its own representation (the Store protocol), widens a layer's indices to int32 past 32767
+entries (kvrun's rule: the paper gives no index width) and rebuilds its slots before RoPE.
+kvrun/kv/methods/spindlekv/cache.py is the cache that fills it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ....errors import KvrunError
+from ....kernels.codebook_decode import codebook_decode
+from ...attention import Partial, dense_attention, position_mask, sdpa
+from ...stores.buffer import Buffer
+
+ROUND = 32  # candidates examined per round of the greedy loop
+CPU_TILE = 1024  # on CPU a cb_block tile is split so it stays in cache (same counts, ~3x faster)
+
+
+@contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Cosines are fp32 on every path: TF32 matmuls (CUDA) are switched off inside."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def unit_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x (N, d) as fp32 unit vectors u (N, d) and magnitudes m (N,); u = 0 where m = 0."""
+    xf = x.float()
+    m = torch.linalg.vector_norm(xf, dim=-1)  # (N,)
+    u = xf / torch.where(m > 0, m, 1.0)[:, None]  # (N, d)
+    return u, m
+
+
+def _count_above(a: torch.Tensor, b: torch.Tensor, theta: float, block: int) -> torch.Tensor:
+    """For each row of a (n, d): how many rows of b (m, d) have cosine > theta -> (n,) int32."""
+    out = torch.zeros(a.shape[0], dtype=torch.int32, device=a.device)
+    for j in range(0, b.shape[0], block):
+        bt = b[j : j + block].T  # (d, <=block)
+        for i in range(0, a.shape[0], block):
+            out[i : i + block] += (a[i : i + block] @ bt > theta).sum(1, dtype=torch.int32)
+    return out
+
+
+def initial_degrees(u: torch.Tensor, theta: float, block: int) -> torch.Tensor:
+    """deg[a] = #{b : u_a . u_b > theta} with G[a, a] = 1 -> (N,) int32, by square tiles.
+
+    Only tiles on and above the diagonal are computed; a tile's column counts give the mirror
+    tile's row counts, so the graph the degrees describe is exactly symmetric.
+    """
+    N = u.shape[0]
+    deg = torch.zeros(N, dtype=torch.int32, device=u.device)
+    for i in range(0, N, block):
+        ui = u[i : i + block]  # (bi, d)
+        for j in range(i, N, block):
+            tile = ui @ u[j : j + block].T > theta  # (bi, bj)
+            if j == i:
+                tile.fill_diagonal_(True)
+            deg[i : i + block] += tile.sum(1, dtype=torch.int32)
+            if j != i:
+                deg[j : j + block] += tile.sum(0, dtype=torch.int32)
+    return deg
+
+
+def build_codebook(
+    u: torch.Tensor,  # (N, d) fp32 unit (or zero) vectors, in candidate order
+    theta: float,
+    block: int = 4096,
+    dtype: torch.dtype = torch.float16,
+) -> tuple[torch.Tensor, torch.Tensor]:  # entries (C, d) in dtype, idx (N,) int64
+    """The greedy medoid cover of SpindleKV's Alg. 1 (corrected), blocked; see the module doc."""
+    N, d = u.shape
+    idx = torch.empty(N, dtype=torch.int64, device=u.device)
+    if N == 0:
+        return u.new_empty(0, d, dtype=dtype), idx
+    if u.device.type == "cpu":
+        block = min(block, CPU_TILE)
+    with exact_fp32():
+        u = u.float().contiguous()
+        deg = initial_degrees(u, theta, block)  # (n,) alive degrees; dead rows hold <= 0
+        ids = torch.arange(N, device=u.device)  # original index of each row, ascending
+        alive = torch.ones(N, dtype=torch.bool, device=u.device)
+        ua, n_alive, c = u, N, 0
+        picks: list[torch.Tensor] = []  # medoid indices in entry order
+        while n_alive:
+            n = ua.shape[0]
+            # candidates in pick order: degree descending, then index ascending (unique keys)
+            key = deg.long() * n - torch.arange(n, device=u.device)
+            cand = key.topk(min(ROUND, n)).indices  # (k,)
+            cdeg = deg[cand].tolist()
+            if cdeg[0] <= 1:  # nothing merges any more: the rest are their own entries
+                rest = ids[alive]
+                idx[rest] = torch.arange(c, c + rest.numel(), device=u.device)
+                picks.append(rest)
+                break
+            k = next((i for i, dg in enumerate(cdeg) if dg <= 1), len(cdeg))
+            cand = cand[:k]
+            hit = (ua @ ua[cand].T > theta) & alive[:, None]  # (n, k) alive neighbourhoods
+            hit[cand, torch.arange(k, device=u.device)] = True
+            # a leading run of candidates whose neighbourhoods are pairwise disjoint are the
+            # next picks of the one-at-a-time greedy: removing one leaves the others' degrees
+            # unchanged, and every other node's degree can only fall
+            hf = hit.float()
+            overlap = (hf.T @ hf).tril(-1)  # (k, k) shared neighbours with earlier candidates
+            clash = (overlap > 0).any(1).tolist()
+            p = clash.index(True) if True in clash else k
+            rows, col = hit[:, :p].nonzero(as_tuple=True)  # each row in exactly one column
+            idx[ids[rows]] = c + col
+            picks.append(ids[cand[:p]])
+            c += p
+            alive[rows] = False
+            deg[rows] = 0
+            n_alive -= rows.numel()
+            deg -= _count_above(ua, ua[rows], theta, block)
+            if n_alive and n_alive * 2 < n:  # compact: dead rows cost matmul time
+                ua, ids, deg = ua[alive], ids[alive], deg[alive]
+                alive = torch.ones(n_alive, dtype=torch.bool, device=u.device)
+        entries = u[torch.cat(picks)].to(dtype)  # (C, d)
+    return entries, idx
+
+
+def assign(
+    entries: torch.Tensor,  # (C, d) unit vectors of one codebook
+    x: torch.Tensor,  # (H, d) new vectors, one per KV head, in head order
+    theta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Code new vectors against a codebook (SpindleKV §3.4, decode-time merging).
+
+    Returns idx (H,) int64 into the codebook after `new` is appended, new entries (M, d) in
+    the entries' dtype, and magnitudes (H,) fp32. A vector joins argmax_c cos(u, C_c) (lowest
+    index on ties) when that cosine exceeds theta, else becomes a new entry; entries made by
+    earlier heads of the same call count for later heads.
+    """
+    u, m = unit_vectors(x)  # (H, d), (H,)
+    H, C = u.shape[0], entries.shape[0]
+    stored = u.to(entries.dtype)  # what a new entry holds
+    with exact_fp32():
+        if C:
+            best, arg = (u @ entries.float().T).max(dim=1)  # (H,) first maximum on ties
+            best_l, arg_l = best.tolist(), arg.tolist()
+        else:
+            best_l, arg_l = [float("-inf")] * H, [0] * H
+        cross = (u @ stored.float().T).tolist()  # cross[h][h'] = u_h . entry made from head h'
+    made: list[int] = []  # heads whose vector became a new entry, in order
+    out = []
+    for h in range(H):
+        b, a = best_l[h], arg_l[h]
+        for j, src in enumerate(made):  # strictly greater: ties keep the lower index
+            if cross[h][src] > b:
+                b, a = cross[h][src], C + j
+        if b > theta:
+            out.append(a)
+        else:
+            out.append(C + len(made))
+            made.append(h)
+    new = stored[made] if made else stored[:0]
+    return torch.tensor(out, dtype=torch.int64, device=x.device), new, m
+
+
+# --- SpindleKV's growable codebooks (the per-layer store is kvrun.kv.coded) --------------------
+class Shelf:
+    """One layer's K (or V) codebooks, one shared or one per KV head, in one buffer
+    (n_books, capacity, d): book h starts at row h * capacity of its flat view, so the decode
+    kernel reads per-head books through offsets, with no concatenation (nothing copied per
+    step; all books grow together, by doubling, when one is full)."""
+
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device):
+        self.data = torch.empty(n_books, 0, d, dtype=dtype, device=device)  # (n_books, cap, d)
+        self.books = [Book(self, h) for h in range(n_books)]
+        self._off: torch.Tensor | None = None  # (n_books,) int32 h * capacity, per capacity
+
+    def reserve(self, n: int) -> None:
+        """Room for n rows in every book."""
+        cap = self.data.shape[1]
+        if n <= cap:
+            return
+        grown = self.data.new_empty(self.data.shape[0], max(2 * cap, n, 64), self.data.shape[2])
+        for b in self.books:
+            grown[b.h, : b.n] = self.data[b.h, : b.n]
+        self.data, self._off = grown, None
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every book as rows of one table (n_books * capacity, d) and the first row of each
+        book (n_books,) int32 (None for one book): kernels.codebook_decode's book and off."""
+        n_books, cap, d = self.data.shape
+        if n_books == 1:
+            return self.data[0], None
+        if self._off is None:
+            self._off = torch.arange(n_books, device=self.data.device, dtype=torch.int32) * cap
+        return self.data.view(n_books * cap, d), self._off
+
+
+class Book:
+    """A growable codebook (rows of unit vectors) on its shelf; only the n used rows count."""
+
+    def __init__(self, shelf: Shelf, h: int):
+        self.shelf, self.h = shelf, h
+        self.n = 0
+
+    def rows(self) -> torch.Tensor:  # (n, d)
+        return self.shelf.data[self.h, : self.n]
+
+    def append(self, rows: torch.Tensor) -> None:
+        m = rows.shape[0]
+        self.shelf.reserve(self.n + m)
+        self.shelf.data[self.h, self.n : self.n + m] = rows
+        self.n += m
+
+    def nbytes(self) -> int:
+        return self.n * self.shelf.data.shape[2] * self.shelf.data.element_size()
+
+
+# --- coding a layer's slots against its books (steps 6-7; Decode 1) ----------------------------
+def build_books(
+    books: list[Book],
+    x: torch.Tensor,  # (Hkv, S, D) kept vectors in slot order
+    valid: torch.Tensor,  # (Hkv, S) bool, False on padding slots
+    theta: float,
+    cb_block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code the valid slots of x (Hkv, S, D): idx (Hkv, S) int64 and magnitudes (Hkv, S)
+    in dtype (the KV dtype), 0 on padding; new entries appended to the books."""
+    idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
+    mag = torch.zeros(valid.shape, dtype=dtype, device=x.device)
+    groups = [(books[0], valid)] if len(books) == 1 else []
+    for h, b in enumerate(books if len(books) > 1 else []):
+        sel = torch.zeros_like(valid)
+        sel[h] = valid[h]
+        groups.append((b, sel))
+    for book, sel in groups:  # candidates ordered by head, then position
+        u, m = unit_vectors(x[sel])
+        entries, ix = build_codebook(u, theta, cb_block, dtype)
+        idx[sel] = ix + book.n
+        mag[sel] = m.to(dtype)
+        book.append(entries)
+    return idx, mag
+
+
+def assign_books(
+    books: list[Book], x: torch.Tensor, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32."""
+    if len(books) == 1:
+        idx, new, m = assign(books[0].rows(), x, theta)
+        books[0].append(new)
+        return idx, m
+    out = [assign(b.rows(), x[h : h + 1], theta) for h, b in enumerate(books)]
+    for b, (_, new, _) in zip(books, out, strict=True):
+        b.append(new)
+    return torch.cat([i for i, _, _ in out]), torch.cat([m for _, _, m in out])
+
+
+# --- the per-layer store ------------------------------------------------------------------
+INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
+
+
+# keep masks: one bit per query head of a KV head's group, per slot (SpindleKV Eq. 7)
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(..., g) bool -> (..., ceil(g/8)) uint8, bit j of byte j // 8 = query head j."""
+    g = bits.shape[-1]
+    out = torch.zeros(*bits.shape[:-1], -(-g // 8), dtype=torch.uint8, device=bits.device)
+    for j in range(g):
+        out[..., j // 8] |= bits[..., j].to(torch.uint8) << (j % 8)
+    return out
+
+
+def unpack_bits(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """(..., ceil(g/8)) uint8 -> (..., g) bool."""
+    j = torch.arange(g, device=mask.device)
+    return ((mask[..., j // 8] >> (j % 8).to(torch.uint8)) & 1).bool()
+
+
+class _Seg:
+    """A stored field of CodedLayer: the occupied slots of its Buffer (slots along dim 1), or
+    None before the first append."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layer: CodedLayer | None, owner=None):
+        b = layer.bufs.get(self.name) if layer is not None else None
+        return None if b is None else b.data
+
+    def __set__(self, layer: CodedLayer, x: torch.Tensor) -> None:
+        """The field's slots become x (a rewrite of every slot, as a permutation)."""
+        layer.bufs.pop(self.name, None)
+        layer._append(**{self.name: x})
+
+
+def nbytes_of(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class CodedLayer:
+    """One layer's SpindleKV state (every tensor counted by nbytes), attending in its own
+    representation (the Store protocol, kvrun/kv/protocol.py): `partials` through
+    kernels.codebook_decode, `attend` over the slots rebuilt for SDPA.
+
+    rope: the model's kvrun.rope.Rope (slots are rotated at their own positions inside the
+    attention); group: query heads per KV head (the keep masks hold one bit per query head).
+    """
+
+    # coded segment (Hkv, S_c[, nb]): codebook indices, magnitudes, int32 positions, keep masks
+    idx_k, idx_v, mag_k, mag_v, pos_c, mask_c = _Seg(), _Seg(), _Seg(), _Seg(), _Seg(), _Seg()
+    # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
+    k_d, v_d, pos_d, mask_d = _Seg(), _Seg(), _Seg(), _Seg()
+
+    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype, rope, group):
+        self.rope, self.group, self.dtype = rope, group, dtype
+        self.shelf_k = Shelf(n_books, d, dtype, device)
+        self.shelf_v = Shelf(n_books, d, dtype, device)
+        self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
+        self.idx_dtype = [idx_dtype, idx_dtype]  # K, V
+        self.bufs: dict[str, Buffer] = {}  # the _Seg fields' buffers, made at their first append
+        self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
+        # prefill state of the current turn (held state counts in nbytes until freed)
+        self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
+        self.held_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
+        self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
+
+    @property
+    def n_slots(self) -> int:
+        return sum(0 if p is None else p.shape[1] for p in (self.pos_c, self.pos_d))
+
+    length = n_slots  # the Store protocol's name (slots per KV head, padding included)
+
+    def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
+        """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
+        if self.held_k is None:  # room for the whole turn at once
+            shape = (k.shape[0], 0, k.shape[2])
+            self.held_k = Buffer(shape, 1, k.dtype, k.device, capacity)
+            self.held_v = Buffer(shape, 1, v.dtype, v.device, capacity)
+        self.held_k.append(k)
+        self.held_v.append(v)
+
+    @property
+    def held_n(self) -> int:
+        return 0 if self.held_k is None else self.held_k.n
+
+    def drop_turn(self) -> None:
+        self.held_k = self.held_v = self.qwin = None
+
+    def _append(self, **rows: torch.Tensor) -> None:
+        """Slots (Hkv, n[, ...]) after the occupied ones of each named field (a decode token
+        writes into the buffers' room instead of copying the layer's slots)."""
+        for name, x in rows.items():
+            b = self.bufs.get(name)
+            if b is None:
+                b = self.bufs[name] = Buffer((x.shape[0], 0, *x.shape[2:]), 1, x.dtype, x.device)
+            b.append(x)
+
+    def append_coded(self, idx_k, idx_v, mag_k, mag_v, pos, mask) -> None:
+        self._append(idx_k=idx_k, idx_v=idx_v, mag_k=mag_k, mag_v=mag_v, pos_c=pos, mask_c=mask)
+
+    def append_dense(self, k, v, pos, mask) -> None:
+        self._append(k_d=k, v_d=v, pos_d=pos, mask_d=mask)
+
+    def store_turn(self, layer: int, ks, vs, valid, pos, mask, o) -> None:
+        """A turn's kept vectors (Hkv, S, D) pre-RoPE, in slot order (valid: real slots, the
+        rest padding): coded with a greedy build whose entries are appended to the layer's
+        codebooks (earlier entries and indices unchanged, as at decode), or stored dense with
+        codebook=off (padding slots hold zeros)."""
+        if not o["codebook"]:
+            z = valid[..., None]
+            self.append_dense(ks * z, vs * z, pos, mask)
+            return
+        ik, mk = build_books(self.books_k, ks, valid, o["theta_k"], o["cb_block"], self.dtype)
+        iv, mv = build_books(self.books_v, vs, valid, o["theta_v"], o["cb_block"], self.dtype)
+        self.widen(layer, o["index"] == "int16-strict")
+        self.append_coded(ik.to(self.idx_dtype[0]), iv.to(self.idx_dtype[1]), mk, mv, pos, mask)
+
+    def store_token(self, layer: int, k, v, pos, mask, o) -> None:
+        """One decode token, k and v (Hkv, D) pre-RoPE at pos (Hkv, 1): assigned to the
+        codebooks (new entries where none is within theta), or dense (decode_codebook=off)."""
+        if not (o["codebook"] and o["decode_codebook"]):
+            self.append_dense(k[:, None], v[:, None], pos, mask)
+            return
+        ik, mk = assign_books(self.books_k, k, o["theta_k"])
+        iv, mv = assign_books(self.books_v, v, o["theta_v"])
+        self.widen(layer, o["index"] == "int16-strict")
+        self.append_coded(
+            ik.to(self.idx_dtype[0])[:, None],
+            iv.to(self.idx_dtype[1])[:, None],
+            mk.to(self.dtype)[:, None],
+            mv.to(self.dtype)[:, None],
+            pos,
+            mask,
+        )
+
+    def widen(self, layer: int, strict: bool) -> None:
+        """Switch the layer's K or V indices to int32 once its codebook exceeds 32767 entries
+        (kvrun's rule; the paper gives no index width); strict (index=int16-strict) raises."""
+        for i, (books, name) in enumerate(((self.books_k, "key"), (self.books_v, "value"))):
+            size = max(b.n for b in books)
+            if size <= INT16_MAX or self.idx_dtype[i] == torch.int32:
+                continue
+            if strict:
+                raise KvrunError(
+                    f"spindlekv: layer {layer}'s {name} codebook has {size} entries, more than "
+                    "int16 indices address; use spindlekv:index=auto or index=int32"
+                )
+            self.idx_dtype[i] = torch.int32
+            b = self.bufs.get(("idx_k", "idx_v")[i])
+            if b is not None:
+                b.replace(b.data.to(torch.int32))
+
+    def slots(self):
+        """The layer's slots rebuilt before RoPE: K (Hkv, S, D), V (Hkv, S, D) in the KV dtype,
+        positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
+        kp, vp, pos, mask = [], [], [], []
+        if self.pos_c is not None:
+            kp.append(gather_books(self.books_k, self.idx_k) * self.mag_k[..., None])
+            vp.append(gather_books(self.books_v, self.idx_v) * self.mag_v[..., None])
+            pos.append(self.pos_c)
+            mask.append(self.mask_c)
+        if self.pos_d is not None:
+            kp.append(self.k_d), vp.append(self.v_d)
+            pos.append(self.pos_d), mask.append(self.mask_d)
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+        return cat(kp), cat(vp), cat(pos).long(), cat(mask)
+
+    # ------------------------------------------------------------ attention
+    def partials(
+        self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
+    ) -> list[Partial]:
+        """Decode attention of q (1, Hq, 1, D), post-RoPE, over the stored slots: one partial
+        per segment (coded, dense), each gathered and rotated inside codebook_decode.
+
+        For one query token that sees every slot (the manager's `_fuse` decides): its own
+        token is already stored, so n_new needs no causal mask, and window must not hide a
+        slot. q_pos is not read: the driver rotated q at its positions, so the RoPE tables
+        already cover them and every slot before them.
+        """
+        cos, sin = self.rope.tables(0)
+        parts = []
+        if self.pos_c is not None:
+            (bk, ok), (bv, ov) = self.shelf_k.table(), self.shelf_v.table()
+            mask = None if self.all_bits else self.mask_c
+            out, lse = codebook_decode(q, bk, self.idx_k, self.mag_k, bv, self.idx_v, self.mag_v,
+                                       self.pos_c, cos, sin, mask, ok, ov)  # fmt: skip
+            parts.append(Partial(out, lse))
+        if self.pos_d is not None:
+            mask = None if self.all_bits else self.mask_d
+            out, lse = codebook_decode(q, self.k_d, None, None, self.v_d, None, None, self.pos_d,
+                                       cos, sin, mask)  # fmt: skip
+            parts.append(Partial(out, lse))
+        return parts
+
+    def attend(self, q, q_pos, window, k_new=None, v_new=None, k_pos_new=None) -> torch.Tensor:
+        """Attention of q (1, Hq, T, D) at q_pos (T,) over the stored slots (masked per query
+        head) and the turn's exact keys k_new (1, Hkv, n, D) post-RoPE at k_pos_new, if any:
+        SDPA over the slots rebuilt (prefill, and decode steps `partials` does not take)."""
+        if self.n_slots == 0:
+            return dense_attention(q, k_new, v_new, q_pos, k_pos_new, window)
+        ks, vs, pos, mask = self.materialise()
+        Hq, Tq = q.shape[1], q.shape[2]
+        vis = position_mask(q_pos, pos, window)  # (Hkv, Tq, S) or None
+        m = None
+        if not self.all_bits:
+            m = unpack_bits(mask, self.group).transpose(1, 2).reshape(Hq, 1, -1)  # (Hq, 1, S)
+        if vis is not None:
+            vis = vis.repeat_interleave(self.group, dim=0)  # (Hq, Tq, S)
+            m = vis if m is None else m & vis
+        if k_new is not None:
+            ks, vs = torch.cat([ks, k_new], dim=2), torch.cat([vs, v_new], dim=2)
+            mn = position_mask(q_pos, k_pos_new, window)  # (Tq, n) or None
+            if m is not None or mn is not None:
+                S, n = pos.shape[1], k_pos_new.numel()
+                ms = torch.ones(1, 1, 1, dtype=torch.bool, device=q.device) if m is None else m
+                mn = torch.ones(1, 1, dtype=torch.bool, device=q.device) if mn is None else mn
+                m = torch.cat([ms.expand(Hq, Tq, S), mn.expand(Hq, Tq, n)], dim=-1)
+        if m is not None:
+            m = m.expand(Hq, Tq, ks.shape[2])[None]
+        return sdpa(q, ks, vs, m)
+
+    def materialise(self):
+        """The slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV dtype,
+        positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
+        k, v, pos, mask = self.slots()
+        return self.rope.apply(k[None], pos), v[None], pos, mask  # RoPE at each slot's position
+
+    def nbytes(self) -> int:
+        books = sum(b.nbytes() for b in self.books_k + self.books_v)
+        stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
+                  self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
+        held = 0 if self.held_k is None else self.held_k.nbytes() + self.held_v.nbytes()
+        return books + sum(nbytes_of(t) for t in stored) + held
+
+
+def gather_books(books: list[Book], idx: torch.Tensor) -> torch.Tensor:
+    """Codebook rows of idx (Hkv, S) -> (Hkv, S, d); one book per layer or one per KV head."""
+    if len(books) == 1:
+        return books[0].rows()[idx.long()]
+    rows = []
+    for h, b in enumerate(books):
+        r = b.rows()
+        rows.append(r[idx[h].long()] if b.n else r.new_zeros(idx.shape[1], r.shape[1]))
+    return torch.stack(rows)
