@@ -7,8 +7,8 @@ the codes computed from the rounded values with round-half-to-even; a flat group
 gets code 0. Code i of an int32 word sits at bits [b*i, b*i + b). The Triton kernels are
 bit-identical to the reference: both divide with IEEE rounding (div_rn) and round exactly.
 
-The torch half mirrors kvrun.kv.stores.kivi.quantize + pack (tests hold them equal); it lives here
-so that kvrun.kv.stores.kivi can import this module without an import cycle.
+The torch half mirrors KIVI's public quantize + pack (tests/kv_helpers.py; the tests hold
+them equal); it lives here so that kvrun.kv.stores.kivi imports it without an import cycle.
 """
 
 from __future__ import annotations

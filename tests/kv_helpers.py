@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvrun.kernels.kivi_pack import pack_codes, quantize_groups
 from kvrun.kv.methods.minicache.store import direction
 from kvrun.kv.stores.kivi import KiviLayer
 
@@ -55,3 +56,31 @@ def pyramid_budgets_compat(B: int, n: int, window: int, n_layers: int, beta: int
         return [B] * L
     step = (max_num - min_num) // (L - 1)
     return [max_num - layer * step + w for layer in range(L)]
+
+
+# --- KIVI's quantization as the public code writes it (kernels.kivi_pack is its mirror) ---
+def quantize(
+    x: torch.Tensor, bits: int, dim: int, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of groups of `group` consecutive elements along `dim`.
+
+    Returns uint8 codes (x's shape) and scale, zero (x's shape with `dim` cut to n/group) in
+    `dtype`. Scale and zero are rounded to `dtype` first and the codes computed from the
+    rounded values (fp32, round half-to-even); a flat group gets code 0, so x_hat = z exactly.
+    The arithmetic is kernels.kivi_pack's reference, which the Triton kernel matches bit
+    for bit.
+    """
+    xt = x.movedim(dim, -1)
+    if xt.shape[-1] % group:
+        raise ValueError(
+            f"kivi: length {xt.shape[-1]} along dim {dim} is not a multiple of group {group}"
+        )
+    codes, scale, zero = quantize_groups(xt, bits, group, dtype)
+    return codes.to(torch.uint8).movedim(-1, dim), scale.movedim(-1, dim), zero.movedim(-1, dim)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes along the last dim into int32 words, 32/bits per word, first code lowest."""
+    if codes.shape[-1] % (32 // bits):
+        raise ValueError(f"kivi: cannot pack {codes.shape[-1]} codes into words of {32 // bits}")
+    return pack_codes(codes, bits)

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from kv_helpers import pack, quantize
 
 import kvrun.kernels as K
 from kvrun.errors import KvrunError
@@ -24,7 +25,7 @@ from kvrun.kernels import colsum as cs
 from kvrun.kernels import dense_decode as dd
 from kvrun.kernels import kivi_decode as kd
 from kvrun.kernels import kivi_pack as kp
-from kvrun.kv.stores.kivi import KiviLayer, dequantize, pack, quantize, unpack
+from kvrun.kv.stores.kivi import KiviLayer, dequantize, unpack
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 NEG = float("-inf")

@@ -6,9 +6,10 @@ from fractions import Fraction
 
 import pytest
 import torch
+from kv_helpers import pack, quantize
 
 from kvrun.kv.attention import combine, segment_attention
-from kvrun.kv.stores.kivi import KiviLayer, dequantize, pack, quantize, unpack
+from kvrun.kv.stores.kivi import KiviLayer, dequantize, unpack
 
 F16, F32 = torch.float16, torch.float32
 

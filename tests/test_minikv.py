@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from cli_checks import one_error_line
 from click.testing import CliRunner
+from kv_helpers import pack, quantize
 from test_kv_methods import HKV, drive, full_logits, hooked, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
@@ -23,7 +24,7 @@ from kvrun.kernels.colsum import colsum_ref
 from kvrun.kv.methods.minikv.cache import dense_colsum
 from kvrun.kv.methods.minikv.cache import pyramid as minikv_pyramid
 from kvrun.kv.methods.minikv.cache import pyramid_shares as minikv_pyramid_shares
-from kvrun.kv.stores.kivi import KiviLayer, dequantize, pack, quantize, unpack
+from kvrun.kv.stores.kivi import KiviLayer, dequantize, unpack
 from kvrun.tasks.passkey import answer_matches, passkey_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

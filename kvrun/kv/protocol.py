@@ -133,43 +133,13 @@ class KVManager:
             return self.prefill(layer, qr, kr, v, positions)
         return self.decode(layer, qr, kr, v, positions)
 
-    # q, k post-RoPE unless keys_pre_rope; (1, H, T, D)
-    def prefill(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        """A prefill chunk of T tokens: store as the method says, attend causally."""
-        raise NotImplementedError
-
-    def decode(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        """A decode step (T new tokens, usually 1) in eager form."""
-        raise NotImplementedError
-
-    # --- static decode (CUDA graphs, kvrun/graph.py) ------------------------------------
+    # A cache implements prefill(layer, q, k, v, positions) (a chunk of T tokens: store as the
+    # method says, attend causally) and decode(...) (a decode step), q and k post-RoPE unless
+    # keys_pre_rope, (1, H, T, D). One with a static decode form (kvrun/kv/cache.py) also has
+    # make_static, capacity, decode_static, static_buffers, static_step_ok, after_static_step.
     def static_unsupported(self) -> str | None:
-        """Why decode steps cannot be static (captured in a graph), or None when they can."""
+        """Why decode steps cannot be static (captured in a CUDA graph), or None when they can."""
         return f"the {self.name} cache has no static decode form"
-
-    def make_static(self, capacity: int) -> None:
-        """Decode statically from now on, with room for positions below `capacity`."""
-        raise NotImplementedError
-
-    @property
-    def capacity(self) -> int:
-        """Positions below this fit a static step without growing anything."""
-        return 0
-
-    def decode_static(self, layer: int, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        """The static decode step: no host sync, fixed shapes."""
-        raise NotImplementedError
-
-    def static_buffers(self) -> tuple:
-        """What a captured step depends on (addresses, lengths): it is recaptured on change."""
-        raise NotImplementedError
-
-    def static_step_ok(self) -> bool:
-        """Whether the next decode step can be the static one (else it runs eagerly)."""
-        return True
-
-    def after_static_step(self) -> None:
-        """Python-side bookkeeping of a static step (its tensors were written in the graph)."""
 
     # --- accounting ---------------------------------------------------------------------
     def stores(self) -> list:

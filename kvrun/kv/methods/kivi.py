@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..method import Method
 from ..options import KIVI, Option
 
@@ -11,18 +13,20 @@ def _layout(o) -> dict:
     return {"bits": o["bits"], "group": o["group"], "residual": o["residual"]}
 
 
-def _kivi(bits: int) -> Method:
-    return Method(
-        f"kivi{bits}",
-        "store",
-        f"KIVI {bits}-bit: keys per channel, values per token, fp tail",
-        axes=("none", "all", "uniform", "kivi"),
-        runs_at="tail flush",
-        options=(Option("bits", bits, "code width (16 = no quantization)", choices=(2, 4, 16)),)
-        + KIVI,
-        kivi=_layout,
-        lossless="bits=16",
-    )
-
-
-METHODS = (_kivi(2), _kivi(4))
+KIVI2 = Method(
+    "kivi2",
+    "store",
+    "KIVI 2-bit: keys per channel, values per token, fp tail",
+    axes=("none", "all", "uniform", "kivi"),
+    runs_at="tail flush",
+    options=(Option("bits", 2, "code width (16 = no quantization)", choices=(2, 4, 16)),) + KIVI,
+    kivi=_layout,
+    lossless="bits=16",
+)
+KIVI4 = replace(
+    KIVI2,
+    name="kivi4",
+    summary="KIVI 4-bit: keys per channel, values per token, fp tail",
+    options=(KIVI2.options[0].with_default(4),) + KIVI,
+)
+METHODS = (KIVI2, KIVI4)

@@ -12,29 +12,9 @@ import torch
 from ...errors import KvrunError
 from ...kernels.dense_decode import dense_decode
 from ...kernels.kivi_decode import kivi_decode
-from ...kernels.kivi_pack import kivi_pack, pack_codes, quantize_groups, unpack_codes
+from ...kernels.kivi_pack import kivi_pack, unpack_codes
 from ..attention import Partial, segment_attention
 from .buffer import Buffer
-
-
-def quantize(
-    x: torch.Tensor, bits: int, dim: int, group: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of groups of `group` consecutive elements along `dim`.
-
-    Returns uint8 codes (x's shape) and scale, zero (x's shape with `dim` cut to n/group) in
-    `dtype`. Scale and zero are rounded to `dtype` first and the codes computed from the
-    rounded values (fp32, round half-to-even); a flat group gets code 0, so x_hat = z exactly.
-    The arithmetic is kernels.kivi_pack's reference, which the Triton kernel matches bit
-    for bit.
-    """
-    xt = x.movedim(dim, -1)
-    if xt.shape[-1] % group:
-        raise ValueError(
-            f"kivi: length {xt.shape[-1]} along dim {dim} is not a multiple of group {group}"
-        )
-    codes, scale, zero = quantize_groups(xt, bits, group, dtype)
-    return codes.to(torch.uint8).movedim(-1, dim), scale.movedim(-1, dim), zero.movedim(-1, dim)
 
 
 def dequantize(
@@ -44,13 +24,6 @@ def dequantize(
     s = scale.float().repeat_interleave(group, dim=dim)
     z = zero.float().repeat_interleave(group, dim=dim)
     return codes.float() * s + z
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack codes along the last dim into int32 words, 32/bits per word, first code lowest."""
-    if codes.shape[-1] % (32 // bits):
-        raise ValueError(f"kivi: cannot pack {codes.shape[-1]} codes into words of {32 // bits}")
-    return pack_codes(codes, bits)
 
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:

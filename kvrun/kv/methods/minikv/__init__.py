@@ -4,6 +4,8 @@ KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...bytes import composed, dense, elem
 from ...method import Method
 from ...options import Option
@@ -46,39 +48,26 @@ def make_cache(spec, config, rope, device, dtype, **kw):
     return MiniKV(spec, config, rope, device, dtype, **kw)
 
 
-def _minikv(name: str, summary: str, alloc: str, own: str) -> Method:
-    return Method(
-        name,
-        "select",
-        summary,
-        axes=(
-            "cumulative (prompt)",
-            "top-k + recent",
-            "uniform" if alloc == "uniform" else "pyramid (MiniKV)",
-            "kivi 2-bit",
-        ),  # fmt: skip
-        runs_at="prefill-end; then tail flushes",
-        options=tuple(o.with_default(alloc) if o.name == "alloc" else o for o in OPTIONS),
-        default_budget=None,  # heavy + recent fractions of the prompt unless --kv-budget
-        own_store=own,
-        kivi=_layout,
-        lossless="quant=none,recent=1.0",  # with no --kv-budget: the window is the prompt
-        nbytes=nbytes,
-        cache=make_cache,
-    )
-
-
-METHODS = (
-    _minikv(
-        "minikv",
-        "MiniKV: H2O heavy hitters over the prompt + recent window, 2-bit KIVI (G 16, R 128)",
-        "uniform",
-        "2-bit KIVI; minikv:quant=none for dense, minikv:group=,residual= for its layout",
-    ),
-    _minikv(
-        "minikv-pyramid",
-        "MiniKV with pyramid heavy-hitter budgets, more to lower layers (= minikv:alloc=pyramid)",
-        "pyramid",
-        "2-bit KIVI; minikv-pyramid:quant=none for dense",
-    ),
+METHOD = Method(
+    "minikv",
+    "select",
+    "MiniKV: H2O heavy hitters over the prompt + recent window, 2-bit KIVI (G 16, R 128)",
+    axes=("cumulative (prompt)", "top-k + recent", "uniform", "kivi 2-bit"),
+    runs_at="prefill-end; then tail flushes",
+    options=OPTIONS,
+    default_budget=None,  # heavy + recent fractions of the prompt unless --kv-budget
+    own_store="2-bit KIVI; minikv:quant=none for dense, minikv:group=,residual= for its layout",
+    kivi=_layout,
+    lossless="quant=none,recent=1.0",  # with no --kv-budget: the window is the prompt
+    nbytes=nbytes,
+    cache=make_cache,
 )
+PYRAMID = replace(
+    METHOD,
+    name="minikv-pyramid",
+    summary="MiniKV with pyramid heavy-hitter budgets, more to lower layers (= minikv:alloc=pyramid)",
+    axes=("cumulative (prompt)", "top-k + recent", "pyramid (MiniKV)", "kivi 2-bit"),
+    options=tuple(o.with_default("pyramid") if o.name == "alloc" else o for o in OPTIONS),
+    own_store="2-bit KIVI; minikv-pyramid:quant=none for dense",
+)
+METHODS = (METHOD, PYRAMID)
