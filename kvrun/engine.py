@@ -55,6 +55,13 @@ class Request:
     # a fresh KV cache for this request (None: the slot's own cache, reset); lets one batch
     # mix --kv methods, as a needle grid does
     new_kv: Callable[[], Any] | None = None
+    # a question prefilled as a turn of its own after `ids` were compressed (--question-after)
+    question: list[int] | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        """Every prompt token, the question's included."""
+        return list(self.ids) + list(self.question or [])
 
 
 @dataclass
@@ -127,7 +134,7 @@ class Engine:
         """Bytes a sequence may still come to hold (module docstring)."""
         n = req.n_predict if req.n_predict >= 0 else self.sessions[0].context
         if seq is None or seq.chunks is not None:  # waiting or prefilling: the full cache
-            return self.per_token * (len(req.ids) + n)
+            return self.per_token * (len(req.prompt) + n)
         return seq.session.kv.nbytes() + self.per_token * max(seq.limit - len(seq.out), 0)
 
     def _fits(self, req: Request, active: list[_Seq]) -> bool:
@@ -207,7 +214,7 @@ class Engine:
     def _too_big(self, req: Request) -> str:
         need, lim = self.reserve(None, req), self.kv_mem
         return (
-            f"its KV cache may need {need / 2**20:.1f} MiB ({len(req.ids)} prompt + "
+            f"its KV cache may need {need / 2**20:.1f} MiB ({len(req.prompt)} prompt + "
             f"{req.n_predict} tokens at full size) but --kv-mem is {lim / 2**20:.1f} MiB; "
             "raise --kv-mem or shorten the input"
         )
@@ -218,9 +225,9 @@ class Engine:
         session.reset()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(req.seed if req.seed is not None else torch.seed())
-        stream = session.tokenizer.stream(after=req.ids[-1] if req.ids else None)
-        seq = _Seq(req, session, session.prefill_chunks(req.ids), gen, stream)
-        seq.stats.prompt_tokens, seq.t0 = len(req.ids), time.perf_counter()
+        stream = session.tokenizer.stream(after=req.prompt[-1] if req.prompt else None)
+        seq = _Seq(req, session, session.prefill_turns(req.ids, req.question), gen, stream)
+        seq.stats.prompt_tokens, seq.t0 = len(req.prompt), time.perf_counter()
         return seq
 
     def _prefill_chunk(self, seq: _Seq, end) -> None:
@@ -307,7 +314,7 @@ class Engine:
         stats.kv_bytes_full = s.kv.nbytes_full()
         stats.peak_mem_bytes = peak_memory_bytes(s.device)
         s.pending = []
-        return Result("".join(seq.text), list(seq.out), stats, list(seq.req.ids))
+        return Result("".join(seq.text), list(seq.out), stats, seq.req.prompt)
 
 
 class _Lookahead:

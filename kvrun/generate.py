@@ -128,23 +128,50 @@ class Session:
             )
 
     def prefill(
-        self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None
+        self,
+        ids: Sequence[int],
+        progress: Callable[[int, int], None] | None = None,
+        question: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Feed ids in chunks of --ubatch; return the logits (V,) after the last one."""
+        """Feed ids in chunks of --ubatch; return the logits (V,) after the last one. With
+        `question`, ids are a document turn, compressed at its end, and the question follows
+        as a turn of its own that selects nothing (--question-after)."""
         logits = None
-        for out in self.prefill_chunks(ids, progress):
+        for out in self.prefill_turns(ids, question, progress):
             logits = out[0]
         return logits
 
-    def prefill_chunks(
-        self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None
+    def prefill_turns(
+        self,
+        ids: Sequence[int],
+        question: Sequence[int] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[tuple[torch.Tensor, bool]]:
-        """`prefill` one --ubatch chunk per step (the batch engine interleaves them with
-        decode steps): yields (logits after the chunk, whether it was the last)."""
+        """`prefill` one --ubatch chunk per step: yields (logits after the chunk, whether it
+        was the last of the prompt)."""
+        if not question:
+            yield from self.prefill_chunks(ids, progress)
+            return
+        self.check_fits(len(ids) + len(question))
+        n = len(ids) + len(question)
+        done = lambda k, _: progress(k, n) if progress else None  # noqa: E731
+        yield from ((out, False) for out, _ in self.prefill_chunks(ids, done))
+        more = lambda k, _: progress(len(ids) + k, n) if progress else None  # noqa: E731
+        yield from self.prefill_chunks(question, more, select=False)
+
+    def prefill_chunks(
+        self,
+        ids: Sequence[int],
+        progress: Callable[[int, int], None] | None = None,
+        select: bool = True,
+    ) -> Iterator[tuple[torch.Tensor, bool]]:
+        """One turn's prefill, one --ubatch chunk per step (the batch engine interleaves them
+        with decode steps): yields (logits after the chunk, whether it was the last). With
+        select=False the cache stores the turn and compresses nothing (kvrun/kv/protocol.py)."""
         self.check_fits(len(ids))
         with torch.inference_mode():
             self.plan(ids, "before")
-            self.kv.begin_prefill(len(ids))
+            self.kv.begin_prefill(len(ids), select)
         if not ids:  # nothing to feed: the turn ends at once (no logits)
             with torch.inference_mode():
                 self.kv.end_prefill()
@@ -242,22 +269,25 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        question: Sequence[int] | None = None,
     ) -> Result:
         """Prefill prompt_ids (appended to what the cache holds), then sample up to n_predict.
 
-        n_predict < 0 generates until a stop token or the end of the context.
+        n_predict < 0 generates until a stop token or the end of the context. With `question`
+        the prompt is a document turn and a question turn (`prefill`).
         """
         stats = Stats()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else torch.seed())
-        stream = self.tokenizer.stream(after=prompt_ids[-1] if prompt_ids else None)
+        last = (list(question or []) or list(prompt_ids))[-1:]
+        stream = self.tokenizer.stream(after=last[0] if last else None)
         out: list[int] = []
         fed = 0
         prompt_ids = self.pending + list(prompt_ids)
-        stats.prompt_tokens = len(prompt_ids)
+        stats.prompt_tokens = len(prompt_ids) + len(question or [])
         _sync(self.device)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, progress)
+        logits = self.prefill(prompt_ids, progress, question)
         self.pending = []
         _sync(self.device)
         t1 = time.perf_counter()
@@ -304,4 +334,4 @@ class Session:
         stats.kv_bytes = self.kv.nbytes()
         stats.kv_bytes_full = self.kv.nbytes_full()
         stats.peak_mem_bytes = peak_memory_bytes(self.device)
-        return Result("".join(text_parts), out, stats, list(prompt_ids))
+        return Result("".join(text_parts), out, stats, list(prompt_ids) + list(question or []))

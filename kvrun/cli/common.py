@@ -14,7 +14,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from ..config import SamplingConfig
 from ..errors import KvrunError
-from ..kv import KVSpec
+from ..kv import REGISTRY, KVSpec
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs a model
     from ..generate import Session, Stats
@@ -166,9 +166,8 @@ def free_memory(device) -> int:
 def kv_options(multiple: bool = False):
     """--kv and --kv-budget; with multiple=True both may be given several times (grids)."""
     kv_help = (
-        "KV cache method: full, minikv, minikv-pyramid, xkv, minicache, spindlekv, streaming, h2o, "
-        "snapkv, pyramidkv, kivi2, kivi4; stack with + (snapkv+kivi2, minicache+kivi4), options "
-        "with : (snapkv:window=64). See `kvrun kv list`."
+        f"KV cache method: {', '.join(REGISTRY)}; stack with + (snapkv+kivi2, minicache+kivi4), "
+        "options with : (snapkv:window=64). See `kvrun kv list`."
     )
     budget_help = (
         "Tokens kept per layer: a fraction of the tokens seen (< 1) or a count (>= 1). "
@@ -191,6 +190,17 @@ def kv_options(multiple: bool = False):
         )(f)
 
     return deco
+
+
+def question_after_option(f):
+    """--question-after: the document is compressed before the question is seen."""
+    return click.option(
+        "--question-after",
+        is_flag=True,
+        help="Prefill and compress the document first; the question (the prompt's part after "
+        "the document) then arrives as a turn of its own on the compressed cache, as a reused "
+        "document meets new questions (kvpress's 'question not in context').",
+    )(f)
 
 
 def sampling_options(f=None, *, temp: float = 0.8):

@@ -21,6 +21,7 @@ from .common import (
     parallel_options,
     parse_mem,
     progress_bar,
+    question_after_option,
     sampling_from,
     sampling_options,
     set_debug,
@@ -84,9 +85,10 @@ from .common import (
     metavar="FILE",
     help="Own prompt template with a {document} slot and an optional {question} slot.",
 )
+@question_after_option
 @click.pass_context
 def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_predict, chat,
-            template, **kw):  # fmt: skip
+            template, question_after, **kw):  # fmt: skip
     """Answer a question about long documents, or summarize them, on a fresh KV cache each.
 
     Documents longer than the context (minus the prompt and -n) are cut on tokens by
@@ -106,6 +108,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --summarize --truncate left
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --parallel 8 --kv-mem 2G
+    kvrun longdoc report.txt -q "Who signed?" --kv kvzip --question-after
     cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
     """
     set_debug(ctx, kw.pop("debug"))
@@ -140,6 +143,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
         "truncate": truncate,
         "chat": chat if chat is not None else tok.chat_template is not None,
         "template": template or "builtin",
+        "question_after": question_after,
         "ctx_size": session.context,
         "ubatch": session.ubatch,
         "dtype": str(rt.model.dtype).removeprefix("torch."),
@@ -150,6 +154,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     job = task.Job(
         templates, question, summarize, settings["chat"], n_predict, truncate, sampling, seed,
         session.kv.describe(), settings, debug=bool((ctx.find_root().obj or {}).get("debug")),
+        question_after=question_after,
     )  # fmt: skip
     if note:
         click.echo(note, err=True)

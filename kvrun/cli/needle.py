@@ -18,6 +18,7 @@ from .common import (
     model_options,
     parallel_option,
     progress_bar,
+    question_after_option,
     set_debug,
 )
 
@@ -153,14 +154,16 @@ def summary_table(summary: list[dict], trials: int) -> Table:
 @click.option(
     "--plot", default=None, metavar="FILE.png", help="Heat maps as an image (needs matplotlib)."
 )
+@question_after_option
 @click.pass_context
-def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, needle_text, question, answer, json_path, plot, **kw):  # fmt: skip
+def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, needle_text, question, answer, json_path, plot, question_after, **kw):  # fmt: skip
     """Needle retrieval accuracy over prompt lengths x depths x KV methods.
 
     \b
     kvrun needle --lengths 1k,2k,4k --kv full --kv snapkv --kv-budget 0.1,0.25
     kvrun needle --kv full --kv snapkv+kivi2 --trials 3 --json needle.json --plot needle.png
     kvrun needle --kv full --kv snapkv --parallel 8   (trials decoded 8 at once, same results)
+    kvrun needle --kv snapkv --kv kvzip --question-after   (the haystack compressed first)
     kvrun needle --mode niah --haystack essay.txt --needle "The secret code is tulip." \\
         --question "What is the secret code?" --answer tulip --lengths 2k,4k
     """
@@ -190,7 +193,8 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
             text = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
         return tok.encode(text)
 
-    task = nd.NeedleTask(mode, units, encode, seed, needle_text or "", question or "", answer or "")
+    task = nd.NeedleTask(mode, units, encode, seed, needle_text or "", question or "", answer or "",
+                         question_after)  # fmt: skip
     task.check_fits(min(length_list))
     cells = nd.grid(length_list, depth_list, trials)
     niah = {"needle": needle_text, "question": question, "answer": answer}
@@ -206,6 +210,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
             n_predict=n_predict,
             decoding="greedy",
             chat=chat,
+            question_after=question_after,
             kv=[{"method": c.method, "budget": c.budget} for c in configs],
             ctx_size=context,
             ubatch=kw["ubatch"],

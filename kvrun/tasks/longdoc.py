@@ -48,6 +48,9 @@ class Job:
     kv: dict  # the KV manager's describe()
     settings: dict
     debug: bool = False
+    # the document's turn is compressed before the question (the template's part after the
+    # document) arrives as a turn of its own (kvpress's "question not in context")
+    question_after: bool = False
 
 
 def load_template(task: str, path: str | None = None) -> str:
@@ -164,19 +167,23 @@ def empty_record(doc: Doc, job: Job, question: str | None = None) -> dict:
     return rec
 
 
-def prepare(session, doc: Doc, job: Job) -> tuple[dict, list[int], int]:
-    """The record to fill, the prompt ids and the document tokens dropped; a KvrunError when
-    the document cannot be asked (no question, unreadable, no room in the context)."""
+def prepare(session, doc: Doc, job: Job) -> tuple[dict, list[int], list[int] | None, int]:
+    """The record to fill, the prompt ids, the question turn's ids (--question-after: the
+    template's part after the document; else None) and the document tokens dropped; a
+    KvrunError when the document cannot be asked (no question, unreadable, no room)."""
     question = doc.question or job.default_question
     if not question and not job.summarize:
         raise KvrunError('no question: the line has no "question" and no --question/--summarize')
     rec = empty_record(doc, job, question)
-    text = read_document(doc)
+    text, template = read_document(doc), job.templates[rec["task"]]
     ids, dropped = build_prompt(
-        session.tokenizer, job.templates[rec["task"]], question, text,
+        session.tokenizer, template, question, text,
         job.chat, session.context, job.n_predict, job.truncate,
     )  # fmt: skip
-    return rec, ids, dropped
+    if not job.question_after:
+        return rec, ids, None, dropped
+    _, after = prompt_frame(session.tokenizer, template, question, job.chat)
+    return rec, ids[: len(ids) - len(after)], ids[len(ids) - len(after) :], dropped
 
 
 def complete(rec: dict, result, dropped: int) -> dict:
@@ -190,13 +197,14 @@ def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) ->
     """Answer one document on a fresh cache; its record, or a KvrunError."""
     import torch
 
-    rec, ids, dropped = prepare(session, doc, job)
+    rec, ids, question, dropped = prepare(session, doc, job)
     session.reset()
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     result = session.generate(
-        ids, job.n_predict, job.sampling, seed=job.seed, on_text=on_text, progress=progress
-    )
+        ids, job.n_predict, job.sampling, seed=job.seed, on_text=on_text, progress=progress,
+        question=question,
+    )  # fmt: skip
     return complete(rec, result, dropped)
 
 
@@ -320,11 +328,12 @@ def run_parallel(
                 fail(doc, doc.error)
                 continue
             try:
-                rec, ids, dropped = prepare(sessions[0], doc, job)
+                rec, ids, question, dropped = prepare(sessions[0], doc, job)
             except KvrunError as e:
                 fail(doc, str(e))
                 continue
-            yield Request(ids, job.n_predict, job.sampling, job.seed, (doc, rec, dropped))
+            tag = (doc, rec, dropped)
+            yield Request(ids, job.n_predict, job.sampling, job.seed, tag, question=question)
 
     def ended(req, result, error) -> None:
         nonlocal failed

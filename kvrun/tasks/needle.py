@@ -131,6 +131,7 @@ class NeedleTask:
     needle: str = ""
     question: str = ""
     answer: str = ""
+    question_after: bool = False  # the haystack is compressed before the question arrives
     _prefix: str = field(init=False, default="")
     _suffix: str = field(init=False, default="")
 
@@ -174,6 +175,18 @@ class NeedleTask:
         except ValueError as e:
             raise KvrunError(f"--lengths {cell.length} is too short: {e}") from None
 
+    def turns(self, p: passkey.NeedlePrompt) -> tuple[list[int], list[int] | None]:
+        """The prompt's ids, or with question_after the haystack's turn and the question's:
+        the same ids, cut where the text after the haystack starts (the longest common prefix
+        with the prompt's encoding without it, so the cut follows the tokenizer)."""
+        if not self.question_after:
+            return p.ids, None
+        head = self.encode(p.text[: len(p.text) - len(self._suffix)])
+        k = 0
+        while k < min(len(head), len(p.ids)) and head[k] == p.ids[k]:
+            k += 1
+        return p.ids[:k], p.ids[k:]
+
     def correct(self, reply: str, expected: dict) -> bool:
         if self.mode == "passkey":
             return passkey.answer_matches(reply, expected["key"])
@@ -202,7 +215,8 @@ def run_grid(
     for cell, cfg, expected, p in _trials(task, configs, cells, on_start):
         kv = rt.new_kv(cfg.spec)
         session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
-        r = session.generate(p.ids, n_predict, GREEDY, seed=task.seed)
+        ids, question = task.turns(p)
+        r = session.generate(ids, n_predict, GREEDY, seed=task.seed, question=question)
         yield _record(task, cell, cfg, expected, p, r)
 
 
@@ -225,6 +239,7 @@ def _record(task: NeedleTask, cell: Cell, cfg: KvConfig, expected: dict, p, r) -
         "depth": cell.depth,
         "needle_depth": round(p.needle_depth * 100, 2),
         "trial": cell.trial,
+        "question_after": task.question_after,
         **expected,
         "reply": r.text,
         "correct": task.correct(r.text, expected),
@@ -240,7 +255,8 @@ def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start
 
     def requests():
         for tag in _trials(task, configs, cells, on_start):
-            yield Request(tag[3].ids, n_predict, GREEDY, task.seed, tag,
+            ids, question = task.turns(tag[3])
+            yield Request(ids, n_predict, GREEDY, task.seed, tag, question=question,
                           new_kv=lambda spec=tag[1].spec: rt.new_kv(spec))  # fmt: skip
 
     sessions = [
