@@ -10,7 +10,8 @@ Next to each budget: the KV bytes measured after the --depth fill (compare metho
 memory by this column, not by the budget), and for SpindleKV, whose budget is its
 per-query-head eviction ratio, the paper's reported "Ratio" (Eq. 15, r1 * r2 * r3) as well:
   - pass key: accuracy over lengths 1k, 2k, 4k x depths 0, 50, 100 % (kvrun needle's grid,
-    our own filler from prompts/passkey_filler.txt, greedy, raw prompts);
+    our own filler from prompts/passkey_filler.txt, greedy, raw prompts), with the question
+    in the prompt and with --question-after (the haystack compressed before the question);
   - KL vs full: mean KL(P_full || P_method) over 64 teacher-forced tokens after a 4000-token
     prefix of --text (kvrun perplexity's scoring; supply any long English text yourself);
   - KV bytes / full: measured nbytes() / nbytes_full() after a --depth-token fill + decode;
@@ -72,15 +73,19 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def passkey_accuracy(rt, configs, a) -> dict:
+def passkey_accuracy(rt, configs, a, question_after: bool = False) -> dict:
     """(method, budget) -> (correct, trials) over the length x depth grid."""
-    task = nd.NeedleTask("passkey", filler_units(), rt.tokenizer.encode, a.seed)
+    task = nd.NeedleTask("passkey", filler_units(), rt.tokenizer.encode, a.seed,
+                         question_after=question_after)  # fmt: skip
     cells = nd.grid(nd.parse_lengths(a.lengths), nd.parse_depths(a.depths), 1)
     records = []
     for i, rec in enumerate(nd.run_grid(rt, task, configs, cells, n_predict=12)):
         records.append(rec)
         if (i + 1) % len(configs) == 0:
-            log(f"pass key: {(i + 1) // len(configs)}/{len(cells)} prompts")
+            log(
+                f"pass key{' (question after)' * question_after}: "
+                f"{(i + 1) // len(configs)}/{len(cells)} prompts"
+            )
     return {
         (s["method"], s["budget"]): (s["correct"], s["trials"])
         for s in nd.summarize(records, configs)
@@ -152,31 +157,30 @@ def mib(n: int) -> str:
 
 
 def settings(spec) -> str:
-    """The recipe's axes: scorer / allocator / store (stacked store parts named)."""
-    p = spec.select
-    store = (
-        f"{p.store}+{spec.store.name}"
-        if spec.store and p.store != "dense"
-        else (spec.store.name if spec.store else p.store)
-    )
-    return f"{p.scorer} / {p.allocator} / {store}" if p.name != "full" else f"- / - / {store}"
+    """The method's axes: scorer / allocator / store (stacked store parts named)."""
+    scorer, _, allocator, store = spec.select.axes
+    if spec.store:
+        store = f"{store}+{spec.store.name}" if store != "dense" else spec.store.name
+    return f"- / - / {store}" if spec.keeps_all else f"{scorer} / {allocator} / {store}"
 
 
-def table(configs, acc, kl, rows) -> list[str]:
+def table(configs, acc, after, kl, rows) -> list[str]:
     lines = [
         "| method | settings (scorer / allocator / store) | budget | KV bytes | pass key "
-        "| KL vs full (nats) | KV bytes / full | decode tok/s | vs full |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| pass key, question after | KL vs full (nats) | KV bytes / full | decode tok/s "
+        "| vs full |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full = rows[("full", None)]["decode_tok_s"]
     for cfg in configs:
         key = (cfg.method, cfg.budget)
         c, n = acc[key]
+        ca, na = after[key]
         r = rows[key]
         k = f"{kl[key]:.4f}" if key in kl else "-"
         lines.append(
             f"| {cfg.method} | {settings(cfg.spec)} | {budget_label(cfg, r)} | {mib(r['kv_bytes'])} "
-            f"| {c}/{n} ({c / n:.0%}) | {k} | "
+            f"| {c}/{n} ({c / n:.0%}) | {ca}/{na} ({ca / na:.0%}) | {k} | "
             f"{r['kv_ratio']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x |"
         )
     return lines
@@ -201,9 +205,10 @@ def main() -> None:
     configs = configs_of(methods, a.budget)
     t0 = time.time()
     acc = passkey_accuracy(rt, configs, a)
+    after = passkey_accuracy(rt, configs, a, question_after=True)
     kl, kl_note = kl_vs_full(rt, configs, a)
     rows = speed(rt, configs, a)
-    lines = table(configs, acc, kl, rows)
+    lines = table(configs, acc, after, kl, rows)
     m = machine(rt.model.device)
     dt = str(rt.model.dtype).removeprefix("torch.")
     body = "\n".join(
@@ -216,7 +221,9 @@ def main() -> None:
             f"torch {m['torch']}, {m['platform']}",
             f"- model: {rt.config.name or rt.path.name} ({rt.path.name})",
             f"- command: `python bench/headline.py {shlex.join(sys.argv[1:])}`",
-            f"- pass key: lengths {a.lengths} x depths {a.depths} %, greedy, 12 tokens",
+            f"- pass key: lengths {a.lengths} x depths {a.depths} %, greedy, 12 tokens; "
+            "question after: the haystack prefilled and compressed before the question "
+            "arrives as its own turn (`kvrun needle --question-after`)",
             f"- KL: {kl_note}",
             f"- budgets: token fraction {a.budget} for the methods that take one; MiniKV at its "
             "paper's own 25 % heavy + 25 % recent of the prompt; SpindleKV's budget is its "
