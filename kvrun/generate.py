@@ -197,7 +197,7 @@ class Session:
     @torch.inference_mode()
     def plan(self, ids: Sequence[int], when: str) -> None:
         """The planning passes the cache asks for "before" the prefill of `ids` (XKV's scoring
-        pass) or "after" it, before its end_prefill (KVzip's reconstruction): each runs through
+        pass) or "after" it, before its end_prefill (a reconstruction pass): each runs through
         the model with a manager of its own (kvrun/kv/protocol.py's planning_pass). A pass that
         must be one chunk is skipped when longer than --ubatch."""
         for p in self.kv.planning_pass(when, ids, self.tokenizer):

@@ -108,7 +108,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --summarize --truncate left
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --parallel 8 --kv-mem 2G
-    kvrun longdoc report.txt -q "Who signed?" --kv kvzip --question-after
+    kvrun longdoc report.txt -q "Who signed?" --kv snapkv --question-after
     cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
     """
     set_debug(ctx, kw.pop("debug"))

@@ -163,7 +163,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     kvrun needle --lengths 1k,2k,4k --kv full --kv snapkv --kv-budget 0.1,0.25
     kvrun needle --kv full --kv snapkv+kivi2 --trials 3 --json needle.json --plot needle.png
     kvrun needle --kv full --kv snapkv --parallel 8   (trials decoded 8 at once, same results)
-    kvrun needle --kv snapkv --kv kvzip --question-after   (the haystack compressed first)
+    kvrun needle --kv snapkv --kv-budget 0.25 --question-after   (haystack compressed first)
     kvrun needle --mode niah --haystack essay.txt --needle "The secret code is tulip." \\
         --question "What is the secret code?" --answer tulip --lengths 2k,4k
     """
