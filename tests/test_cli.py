@@ -248,7 +248,8 @@ def test_kv_list_names_every_method():
     assert r.exit_code == 0
     names = {m["name"] for m in json.loads(r.stdout)}
     assert names == {"full", "streaming", "h2o", "snapkv", "pyramidkv", "kivi2", "kivi4",
-                     "minikv", "minikv-pyramid", "xkv", "minicache", "spindlekv"}  # fmt: skip
+                     "minikv", "minikv-pyramid", "xkv", "minicache", "spindlekv", "tova",
+                     "knorm", "kvzip"}  # fmt: skip
     assert "window" in run("kv", "list").stdout
 
 
