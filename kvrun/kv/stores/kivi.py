@@ -29,7 +29,7 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class KiviLayer:
-    """One layer's KIVI store: a packed body (the oldest Tq tokens), a dense tail (the newest Tr)."""
+    """One layer's KIVI store: a packed body (oldest Tq tokens), a dense tail (newest Tr)."""
 
     def __init__(
         self,
