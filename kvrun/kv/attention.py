@@ -1,7 +1,5 @@
-"""Attention over segments of keys (a quantized body, a dense tail, the chunk being prefilled),
-each giving its output and log-sum-exp (fp32) for `combine`, and the scores several methods
-share. GQA-native throughout: query head q reads KV head q // G.
-"""
+"""Attention over key segments, each giving output and log-sum-exp (fp32) for `combine`, and the
+scores several methods share. GQA-native throughout: query head q reads KV head q // G."""
 
 from __future__ import annotations
 
@@ -101,8 +99,7 @@ def segment_attention(
 
 
 def combine(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
-    """Exact merge (baselines.md 0.10): lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse)
-    out_s, cast once to dtype."""
+    """Exact (baselines.md 0.10): out = sum_s exp(lse_s - lse) out_s, lse = logsumexp(lse_s)."""
     if len(parts) == 1:
         return parts[0].out.to(dtype)
     lse = torch.stack([p.lse for p in parts])  # (S, B, Hq, Tq)

@@ -2,8 +2,7 @@
 linear layers run once over every row, attention per sequence, so B sequences give what B single
 runs give (up to float reordering; tests/test_kv_contract.py). Not B > 1 inside a store: sequences
 differ in length, in what they kept and when they compress, and several methods are ragged per
-KV head; padding would need masks everywhere for no gain on the CPU.
-"""
+KV head; padding would need masks everywhere for no gain on the CPU."""
 
 from __future__ import annotations
 

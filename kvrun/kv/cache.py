@@ -1,10 +1,7 @@
-"""KVCache: the driver every method runs under, with a dense or KIVI store per (sequence, layer).
-
-A KIVI stack stages a turn's tokens in the DenseSeg and moves them to the KiviLayer at the end of
-the prefill. Nothing here names a method. Static decode (CUDA graphs): a token goes to slot
-position + (end - seen) of its decode segment, a Python constant between compressions (a KIVI
-body's length changes only at a flush, so a graph is recaptured once per R steps).
-"""
+"""KVCache: the driver every method runs under, naming none, with a dense or KIVI store per
+(sequence, layer). Static decode (CUDA graphs): a token goes to slot position + (end - seen) of
+its decode segment, a Python constant between compressions (a KIVI body's length changes only at
+a flush, so a graph is recaptured once per R steps)."""
 
 from __future__ import annotations
 
@@ -123,8 +120,7 @@ class KVCache(KVManager):
         return combine(st.kivi.partials(q, None, k.shape[2], None), self.dtype)
 
     def _attend(self, st: Layer, q, k, v, positions) -> torch.Tensor:
-        """Append to the dense segment, attend over it and the KIVI store; cumulative methods
-        also sum each key's probabilities into the segment's scores (H2O §3)."""
+        """Dense (and KIVI) attention; cumulative: each key's probabilities summed (H2O §3)."""
         T, window, d = k.shape[2], self.config.sliding_window, st.dense
         d.append(k, v, positions)
         if self.method.cumulative:
@@ -198,8 +194,7 @@ class KVCache(KVManager):
                 self.report(i, point, d.pos)
 
     def top(self, scores: torch.Tensor, T: int, k: int) -> torch.Tensor:
-        """The kept slots (H, k) from scores (H, C) of the C oldest slots: the T - C newest (a
-        window), the method's sinks and recent slots are always kept."""
+        """Kept (H, k) by scores (H, C) of the C oldest; T - C newest, sinks, recent kept."""
         if scores.shape[1] < T:
             pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
             scores = torch.cat([scores, pad], dim=1)

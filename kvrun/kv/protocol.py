@@ -9,9 +9,6 @@ driver hands a method. The model calls, for one sequence (kvrun/kv/batch.py runs
     for each generated token:
         out = kv.attend(layer, q, k, v, pos)  # every layer, one token
         kv.end_step()
-
-Planning passes (XKV's scoring pass, KVzip's reconstruction) run through the model like a
-prefill with a manager of their own; they keep nothing and hand the cache their result.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class KVManager:
 
     def __init__(self, config, rope, device, dtype, on_select=None):
         self.config, self.rope, self.device, self.dtype = config, rope, device, dtype
-        # on_select(layer, point, positions (Hkv, T)): a debug hook reporting the positions kept
-        # at each compression point (the report lives outside the cache, never in nbytes)
+        # on_select(layer, point, positions (Hkv, T)): a debug hook outside the cache, not in nbytes
         self.on_select = on_select
         self.seen = 0  # tokens seen so far in this sequence (all turns)
         self.in_prefill = False
@@ -81,7 +77,8 @@ class KVManager:
         self.at_step()
 
     def planning_pass(self, when: str, ids: Sequence[int], tokenizer) -> list[Pass]:
-        """Passes to run "before" the turn `ids`' prefill or "after" it (before its end_prefill)."""
+        """Passes to run "before" the turn `ids`' prefill or "after" it (XKV's scoring, KVzip's
+        reconstruction): prefills with a manager of their own that keep nothing."""
         return []
 
     def at_chunk(self, n_tokens: int) -> None:
@@ -179,8 +176,7 @@ class Ctx:
 
 @runtime_checkable
 class Store(Protocol):
-    """One layer's stored K and V of one sequence, attending in its own representation:
-    DenseSeg and KiviLayer (kvrun/kv/stores/), SpindleKV's CodedLayer, MiniCache's PairLayer."""
+    """One layer's K, V, attending in its own form: DenseSeg, KiviLayer, CodedLayer, PairLayer."""
 
     @property
     def length(self) -> int:

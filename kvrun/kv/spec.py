@@ -1,9 +1,6 @@
 """--kv and --kv-budget, parsed and validated once into a frozen KVSpec, and the budget rules.
-
 Grammar: NAME[:key=value,...][+NAME[:key=value,...]...], at most one selection and one store
-(`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. Torch-free.
-Budgets (baselines.md 0.2): b < 1 a fraction of the tokens seen, b >= 1 a count per layer.
-"""
+(`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. Torch-free."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from .method import Method
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """A parsed --kv-budget: an exact fraction (< 1) or an absolute count (>= 1), never a float."""
+    """--kv-budget (baselines.md 0.2): an exact fraction of the tokens seen (< 1) or a count."""
 
     value: Fraction
     text: str
@@ -117,8 +114,7 @@ class KVSpec:
         return Budget.parse(d) if d is not None else None
 
     def kivi(self) -> dict | None:
-        """The KIVI layout {bits, group, residual}, or None; a stacked store wins over the
-        selection's own (minikv 2-bit, minicache store=kivi4)."""
+        """KIVI layout {bits, group, residual} or None; a stacked store's beats the selection's."""
         if self.store is not None:
             return self.store.kivi(self.store_opts)
         return self.select.kivi(self.select_opts)

@@ -66,8 +66,7 @@ class KiviLayer:
 
     @classmethod
     def of(cls, layout: dict, config, dtype, device, where: str) -> KiviLayer:
-        """A layer's store in a spec's KIVI layout {bits, group, residual}; a layout that does
-        not fit the model (head_dim not whole groups) is a one-line error naming `where`."""
+        """A layer's store in a spec's KIVI layout; a misfit is a one-line error naming `where`."""
         try:
             return cls(config.n_kv_heads, config.head_dim, layout["bits"], layout["group"],
                        layout["residual"], dtype, device)  # fmt: skip

@@ -105,8 +105,7 @@ class KVzip(KVCache):
 
 
 class Reconstruct(KVManager):
-    """A reconstruction pass over the turn's tokens [a, b): attends exactly to the owner's store
-    and its own tokens and writes the owner's scores of those slots."""
+    """A reconstruction pass over the turn's tokens [a, b), scoring their slots for its owner."""
 
     name = "kvzip-reconstruction"
 

@@ -1,11 +1,9 @@
 """MiniCache (§4 of the paper): pairs (l-1, l), odd l >= S, keep per token and KV head one
 SLERP-merged direction E for K and for V, each layer's norms, and the most distinct rows exact;
-other layers keep a plain cache. E and those may sit in a KIVI store (minicache+kivi4).
-
-kvrun's decisions beyond the paper: norm, angle and retention per (token, KV head) (granularity=
-token: per token); decode tokens are merged, never retained (decode_retain=1: beyond the prefill
-threshold); merging is fp32, E quantized after it. Slot index = position (nothing is evicted).
-"""
+other layers a plain cache; E and those may sit in KIVI (minicache+kivi4). kvrun's decisions
+beyond the paper: norm, angle and retention per (token, KV head) (granularity=token: per token);
+decode tokens merged, never retained (decode_retain=1: beyond the prefill threshold); merging in
+fp32, E quantized after it. Slot index = position (nothing is evicted)."""
 
 from __future__ import annotations
 
@@ -146,8 +144,7 @@ class MiniCacheKV(KVManager):
             p.release()
 
     def merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
-        """Merge tokens (Hkv, n, D) of layers a and b into the pair, retaining rows over the turn
-        at a prefill, beyond the prefill threshold at decode (decode_retain)."""
+        """Merge layers a's and b's tokens (Hkv, n, D) into the pair, choosing retained rows."""
         n, start = ka.shape[1], pair.length
         if n == 0:
             return

@@ -213,8 +213,7 @@ class Layout:
         return direction(self.groups(ek)), direction(self.groups(ev))
 
     def restore_into(self, pair: Pair, second: bool, dirs, out_k, out_v) -> None:
-        """X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D): direction times the
-        layer's norm, retained rows put back exactly."""
+        """X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D), retained rows exact."""
         for half, u, out in ((pair.k, dirs[0], out_k), (pair.v, dirs[1], out_v)):
             n = (half.nb if second else half.na).data.unsqueeze(-1)  # (g, T, 1)
             if self.token:

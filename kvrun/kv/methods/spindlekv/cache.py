@@ -1,8 +1,7 @@
 """SpindleKV (§3.3-3.4 of the paper): linearly falling per-layer eviction budgets, per-query-head
 selection stored once per KV head with a keep mask per query head, and per-layer codebooks of
 pre-RoPE K and V. Attention sees K = RoPE(C_K[idx_K] * mag_K, pos), V = C_V[idx_V] * mag_V, query
-head j of group h masked to head h's slots with bit j set. This file routes and selects (Eq. 2-7).
-"""
+head j of group h masked to head h's slots with bit j set. Here: routing, selection (Eq. 2-7)."""
 
 from __future__ import annotations
 

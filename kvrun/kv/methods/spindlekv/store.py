@@ -368,8 +368,7 @@ class CodedLayer:
         )
 
     def widen(self, layer: int, strict: bool) -> None:
-        """K or V indices become int32 past 32767 entries (kvrun's rule: the paper gives no index
-        width); strict (index=int16-strict) raises instead."""
+        """Indices int32 past 32767 entries (kvrun's rule: no width in the paper); strict raises."""
         for i, (books, name) in enumerate(((self.books_k, "key"), (self.books_v, "value"))):
             size = max(b.n for b in books)
             if size <= INT16_MAX or self.idx_dtype[i] == torch.int32:

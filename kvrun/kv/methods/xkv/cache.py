@@ -45,8 +45,7 @@ def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def layer_scores(
     qw: torch.Tensor, k: torch.Tensor, pool: str
 ) -> tuple[torch.Tensor, torch.Tensor]:  # w (C,), s (Hkv, C) fp32
-    """Allocation score w_i = pool(mean of a_q over query heads), selection score s_{i,h} =
-    pool(sum of a_q over KV head h's group)."""
+    """w_i = pool(mean of a_q over query heads), s_{i,h} = pool(sum over KV head h's group)."""
     a = window_attention(qw, k)  # (Hq, C)
     w = pool_scores(a.mean(dim=0, keepdim=True), pool)[0]
     s = pool_scores(group_sum(a, k.shape[0]), pool)
@@ -257,8 +256,7 @@ class XKV(KVCache):
 
 
 class _ScoringPass(KVManager):
-    """Pass 1 of plan=two-pass: exact attention over the one-chunk prompt, nothing kept; records
-    w_i and the selection scores and hands the plan to its XKV at end_prefill."""
+    """Pass 1 of plan=two-pass: exact attention, nothing kept; w_i and s_{i,h} go to its XKV."""
 
     name = "xkv-scoring-pass"
 
