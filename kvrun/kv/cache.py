@@ -194,7 +194,7 @@ class KVCache(KVManager):
                 self.report(i, point, d.pos)
 
     def top(self, scores: torch.Tensor, T: int, k: int) -> torch.Tensor:
-        """Kept (H, k) by scores (H, C) of the C oldest; T - C newest, sinks, recent kept."""
+        """Kept slots (H, k) by scores (H, C) of the C oldest; newer ones, sinks, recent kept."""
         if scores.shape[1] < T:
             pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
             scores = torch.cat([scores, pad], dim=1)

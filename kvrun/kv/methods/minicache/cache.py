@@ -1,6 +1,6 @@
 """MiniCache (§4 of the paper): pairs (l-1, l), odd l >= S, keep per token and KV head one
 SLERP-merged direction E for K and for V, each layer's norms, and the most distinct rows exact;
-other layers a plain cache; E and those may sit in KIVI (minicache+kivi4). kvrun's decisions
+other layers keep a plain cache; E and they may sit in KIVI (minicache+kivi4). kvrun's decisions
 beyond the paper: norm, angle and retention per (token, KV head) (granularity=token: per token);
 decode tokens merged, never retained (decode_retain=1: beyond the prefill threshold); merging in
 fp32, E quantized after it. Slot index = position (nothing is evicted)."""
@@ -103,8 +103,8 @@ class MiniCacheKV(KVManager):
         return out
 
     def _fuse(self, pair: Pair, T: int) -> bool:
-        """merged_decode for a dense E (KIVI's E restores into the scratch), no masking window, and
-        something to restore: with every row retained SDPA keeps the first step equal to full."""
+        """Whether a step runs merged_decode: a dense E (KIVI's E restores into the scratch), no
+        masking window, something to restore (all retained: SDPA keeps step 1 equal to full)."""
         window = self.config.sliding_window
         if pair.kivi is not None or (window and self.seen + T > window):
             return False

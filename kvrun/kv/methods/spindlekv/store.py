@@ -213,7 +213,7 @@ def build_books(
     cb_block: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 6-7: idx (Hkv, S) int64 and magnitudes (Hkv, S) in dtype of x, 0 on padding."""
+    """Steps 6-7, new entries into the books: idx (Hkv, S) int64, magnitudes (Hkv, S) in dtype."""
     idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
     mag = torch.zeros(valid.shape, dtype=dtype, device=x.device)
     groups = [(books[0], valid)] if len(books) == 1 else []

@@ -91,7 +91,7 @@ def load_profile(path: str | Path) -> Profile:
 def check_profile(
     prof: Profile, path, n_layers: int, model: str, window: int, pool: str, units: str | None = None
 ) -> None:
-    """A profile for another model, window, pooling (or units, when folding) means other things."""
+    """A profile made for another model, window or pooling (or units, when folding) is an error."""
     where = f"profile {path}"
     if prof.n_layers != n_layers:
         raise KvrunError(
