@@ -121,6 +121,7 @@ class KiviLayer:
         return n
 
     def _mask(self, start: int, stop: int, Tq: int, n_new: int) -> torch.Tensor | None:
+        """(Tq, stop - start) visibility of slots [start, stop): own token j seen by query i >= j."""
         own0 = self.length - n_new  # first own token's slot
         if n_new == 0 or stop <= own0:
             return None
