@@ -1,10 +1,5 @@
-"""The KV layer: `check` turns --kv / --kv-budget into a validated KVSpec (once, before a model
-loads); `build` makes the cache a spec names for a model. The methods are listed in
-kvrun/kv/methods/; the contract between the model and a cache is kvrun/kv/protocol.py and the
-driver every method runs under is kvrun/kv/cache.py.
-
-Importing this package does not import torch (the CLI validates --kv before loading one).
-"""
+"""The KV layer: `check` turns --kv / --kv-budget into a KVSpec (once, before a model loads),
+`build` makes its cache. Importing it does not import torch."""
 
 from __future__ import annotations
 

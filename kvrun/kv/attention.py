@@ -1,15 +1,5 @@
-"""Attention over segments of keys, each returning its output and log-sum-exp (fp32), and the
-attention-derived scores several methods share.
-
-A layer's keys may live in several segments (a quantized body, a dense tail, the chunk
-being prefilled); each segment attends on its own and `combine` merges them exactly:
-lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) * out_s (baselines.md 0.10).
-
-Scores (fp32, GQA-native: query head q reads KV head q // G): `window_scores`, the attention
-of the newest queries to the older keys (SnapKV's observation window, PyramidKV, SpindleKV,
-TOVA), `pool` over it, and `attention_colsum`, attention that also sums each key's
-probabilities (H2O's cumulative attention).
-"""
+"""Attention over key segments, each giving output and log-sum-exp (fp32) for `combine`, and the
+scores several methods share. GQA-native throughout: query head q reads KV head q // G."""
 
 from __future__ import annotations
 
@@ -31,11 +21,8 @@ class Partial:
 def position_mask(
     q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None
 ) -> torch.Tensor | None:
-    """Boolean mask, key visible when not in the future (and within a sliding window).
-
-    q_pos (Tq,); k_pos (Tk,) gives (Tq, Tk), k_pos (Hkv, Tk) gives (Hkv, Tq, Tk).
-    None when every key is visible to every query (the common decode case).
-    """
+    """Keys visible when not in the future (and in the window): (Tq, Tk), or (Hkv, Tq, Tk) for k_pos
+    (Hkv, Tk); None when every query sees every key (the common decode case)."""
     if k_pos.numel() == 0:
         return None
     lo, hi = int(k_pos.min()), int(k_pos.max())
@@ -49,7 +36,6 @@ def position_mask(
 
 
 def _expand_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
-    """A per-KV-head mask (Hkv, Tq, Tk) repeated for the query heads of each group."""
     if mask is None or mask.dim() == 2:
         return mask
     return mask.repeat_interleave(group, dim=0)
@@ -63,7 +49,7 @@ def dense_attention(
     k_pos: torch.Tensor,  # (Tk,) or (Hkv, Tk)
     window: int | None = None,
 ) -> torch.Tensor:  # (B, Hq, Tq, D)
-    """Softmax attention with GQA (query head h reads KV head h // G), one segment, fast path."""
+    """Softmax attention over one segment, the fast path."""
     group = q.shape[1] // k.shape[1]
     mask = _expand_mask(position_mask(q_pos, k_pos, window), group)
     return sdpa(q, k, v, mask)
@@ -75,13 +61,9 @@ def sdpa(
     v: torch.Tensor,  # (B, Hkv, Tk, D)
     mask: torch.Tensor | None = None,  # broadcastable to (B, Hq, Tq, Tk), True = visible
 ) -> torch.Tensor:  # (B, Hq, Tq, D)
-    """F.scaled_dot_product_attention with GQA.
-
-    One unmasked query row (a decode step over every key) goes as the query heads of each KV
-    head stacked into rows of one call: each K/V head is then read once for its group, where
-    `enable_gqa` reads it once per query head. Measured on CPU (bench/attention_decode.py,
-    30 layers, the default model's heads): 0.81x the time of SDPA with enable_gqa at 4,000
-    keys and 0.71x at 8,000; two grouped matmuls (kvrun's form before) take 1.2x at 1,000."""
+    """SDPA with GQA. One unmasked query row stacks each KV head's query heads into rows of one
+    call, reading each K/V head once per group, not once per query head (enable_gqa): 0.81x the
+    time at 4,000 keys, 0.71x at 8,000 on CPU (bench/attention_decode.py)."""
     B, Hq, Tq, D = q.shape
     Hkv = k.shape[1]
     if Tq == 1 and mask is None and Hq != Hkv:
@@ -96,7 +78,7 @@ def segment_attention(
     v: torch.Tensor,  # (B, Hkv, Tk, D)
     mask: torch.Tensor | None = None,  # (Tq, Tk) or (Hkv, Tq, Tk) bool, True = visible
 ) -> Partial:
-    """Attention over one segment with its log-sum-exp (torch reference, fp32)."""
+    """One segment's attention with its log-sum-exp (torch reference, fp32)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tk == 0:
@@ -117,7 +99,7 @@ def segment_attention(
 
 
 def combine(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
-    """Merge segment partials into the exact attention output, cast once to dtype."""
+    """Partials merged exactly (baselines.md 0.10): out = sum_s exp(lse_s - lse) out_s, one cast."""
     if len(parts) == 1:
         return parts[0].out.to(dtype)
     lse = torch.stack([p.lse for p in parts])  # (S, B, Hq, Tq)
@@ -127,7 +109,6 @@ def combine(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
-# --- scores shared by several methods -------------------------------------------------------
 KEY_BLOCK = 2048  # keys per block when scoring
 QUERY_BLOCK = 64  # queries per block for attention with column sums
 
@@ -138,9 +119,8 @@ def window_scores(
     sliding: int | None = None,  # the model's sliding window: keys it cannot see score 0
     pos: torch.Tensor | None = None,  # (1 or Hkv, T) slot positions (else slot = position)
 ) -> torch.Tensor:  # (Hq, T - w) fp32
-    """sum over the window rows of each query head's softmax over every key it sees (causal,
-    the model's sliding window), for the T - w older keys. Two passes over key blocks (row
-    log-sum-exp, then probabilities) keep the scratch at O(Hq * T), never (Hq, w, T)."""
+    """Each query head's softmax over the keys it sees, summed over the window rows, for the T - w
+    older keys; two passes over key blocks keep the scratch O(Hq * T), never (Hq, w, T)."""
     Hq, w, D = qw.shape
     Hkv, T, _ = k.shape
     g = Hq // Hkv
@@ -167,13 +147,13 @@ def window_scores(
 
 
 def group_sum(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """(Hq, ...) -> (Hkv, ...): sum the query heads of each KV head."""
+    """(Hq, ...) -> (Hkv, ...), each KV head's query heads summed."""
     return x.view(n_kv_heads, x.shape[0] // n_kv_heads, *x.shape[1:]).sum(1)
 
 
 def pool(x: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:
-    """Pool each row of x (R, C) along C with stride 1 and same padding: 'max', 'avg' (the
-    zero pads count, torch's default, so index j still means token j) or 'none'."""
+    """'max', 'avg' or 'none' pooling of x (R, C) along C, stride 1, same padding (zero pads count
+    for avg, torch's default, so index j still means token j)."""
     if kind == "none" or x.shape[-1] == 0:
         return x
     fn = F.max_pool1d if kind == "max" else F.avg_pool1d
@@ -192,7 +172,7 @@ def attention_colsum(
     v: torch.Tensor,  # (1, Hkv, T, D)
     mask: torch.Tensor | None,  # (Tq, T) or (Hkv, Tq, T) bool, True = visible
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out (1, Hq, Tq, D) fp32, colsum (Hkv, T) fp32
-    """Attention that also sums each key's probabilities over all query heads and rows (H2O)."""
+    """Attention that also sums each key's probabilities over query heads and rows (H2O §3)."""
     _, Hq, Tq, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     g = Hq // Hkv

@@ -1,21 +1,8 @@
-"""A batch of independent sequences through one forward pass.
-
-The batch contract, decided: a store per (sequence, layer). Each sequence keeps its own KV
-manager (any --kv method, with its own length, positions, selections, compression points
-and bytes), and `BatchKV` routes the batch's rows to them: the model's linear layers run
-once over every row of the step (one read of the weights for B tokens, the point of
-batching), while attention runs per sequence through that sequence's cache. Nothing about
-a method changes with B, so B sequences give exactly what B single runs give (up to the
-float reordering of a B-row product), which tests/test_kv_contract.py checks for every
-registered method.
-
-Why not B > 1 inside every store: sequences of a batch differ in length, in what their
-selections kept and in when they compress (one is prefilling while another decodes), and
-several methods are ragged per KV head already; padding them into one tensor would need
-masks everywhere for no gain on the CPU, where attention is a small share of a step.
-Dense stores of equal layout could later share a batched attention kernel behind the same
-contract.
-"""
+"""A batch of independent sequences through one forward pass, a KV manager per sequence: the
+linear layers run once over every row, attention per sequence, so B sequences give what B single
+runs give (up to float reordering; tests/test_kv_contract.py). Not B > 1 inside a store: sequences
+differ in length, in what they kept and when they compress, and several methods are ragged per
+KV head; padding would need masks everywhere for no gain on the CPU."""
 
 from __future__ import annotations
 
@@ -64,8 +51,7 @@ class BatchKV:
         )
 
     def _decode(self, layer, q, k, v, positions) -> torch.Tensor:
-        """A decode step of every sequence with RoPE applied once for the whole batch (the
-        per-sequence work left is each cache's own store and attention)."""
+        """A decode step of every sequence, RoPE applied once for the whole batch."""
         if self._flat is None or self._flat[0] is not positions:  # once per forward pass
             self._flat = (positions, positions.reshape(-1), list(positions))
         rope, flat, rows = self.kvs[0].rope, self._flat[1], self._flat[2]
@@ -77,7 +63,6 @@ class BatchKV:
             outs.append(kv.decode(layer, qr[s], k[s] if kv.keys_pre_rope else kr[s], v[s], rows[b]))
         return torch.cat(outs, dim=0)
 
-    # the sequence points, for every sequence of the batch
     def begin_prefill(self, n_tokens: int) -> None:
         for kv in self.kvs:
             kv.begin_prefill(n_tokens)

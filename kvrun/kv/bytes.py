@@ -1,14 +1,6 @@
-"""The byte formulas of the methods' specs, computed from what a cache holds (token, slot,
-entry and retained-row counts), never from its tensors.
-
-A cache's `nbytes()` sums `numel * element_size` over its stored tensors; each method
-declares `Method.nbytes(spec, kv)`, its formula, built from the helpers here, and
-tests/test_kv_contract.py checks that the two agree for every registered method at its
-compression points (after a prefill, after decode steps). A buffer counted twice, a
-capacity counted instead of the occupied slots, a wrong dtype or an unlisted tensor makes
-them differ. `e` is the KV element size in bytes (2 for fp16/bf16, 4 on the fp32 CPU path).
-Torch-free: the registry imports it.
-"""
+"""The byte formulas of the methods' specs, from what a cache holds (token, slot, entry and row
+counts), never its tensors: tests/test_kv_contract.py holds each cache's nbytes() to its method's
+formula. `e` is the KV element size in bytes. Torch-free: the registry imports it."""
 
 from __future__ import annotations
 
@@ -26,9 +18,8 @@ def dense(c, tokens: int, e: int) -> int:
 
 
 def kivi(c, e: int, layout: dict, tq: int, tr: int) -> int:
-    """A KIVI store of one layer (KIVI §3, as counted in kvrun's KIVI spec):
-    Hkv * D * (Tq * (b/4 + 4e/G) + 2e * Tr), Tq quantized tokens (whole groups of G: codes
-    of b bits for K and V, a scale and a zero per group of G for each), Tr in the fp tail."""
+    """One layer's KIVI store (KIVI §3): Hkv * D * (Tq * (b/4 + 4e/G) + 2e * Tr), Tq quantized
+    tokens (whole groups of G), Tr in the fp tail."""
     b, g = layout["bits"], layout["group"]
     n = c.n_kv_heads * c.head_dim * (tq * (Fraction(b, 4) + Fraction(4 * e, g)) + 2 * e * tr)
     if n.denominator != 1:
@@ -42,9 +33,8 @@ def kivi_of(c, e: int, layout: dict, store) -> int:
 
 
 def composed(per_slot=lambda c, o: 0):
-    """The formula of a method the driver (kvrun/kv/cache.py) runs, per layer: dense slots at
-    2 * Hkv * D * e plus `per_slot(config, options)` bytes of per-slot bookkeeping (positions,
-    scores), and a KIVI store by `kivi`."""
+    """A driver-run method's formula: per layer, dense slots at 2 * Hkv * D * e plus per_slot(c, o)
+    bytes (positions, scores), and a KIVI store by `kivi`."""
 
     def nbytes(spec, kv) -> int:
         c, e, o = kv.config, elem(kv), spec.select_opts

@@ -1,21 +1,7 @@
-"""KVCache: the driver every method runs under, with a dense or KIVI store per (sequence, layer).
-
-It stores each layer's tokens in a DenseSeg (kvrun/kv/stores/dense.py), or, under a KIVI stack,
-stages a turn's tokens there and moves them into the layer's KiviLayer at the end of the
-prefill. It attends over both, merged by log-sum-exp, and at the method's points (after each
-prefill chunk, at the end of the prefill, after each decode step) it selects: B(n) from
---kv-budget, per-layer budgets (uniform, or the method's allocator), the method's score(ctx)
-per KV head, the protected sinks and newest slots, the top-k (`keep_indices`), `store.keep`.
-Nothing here names a method: a method is what kvrun/kv/method.py declares. Methods with
-planning passes or more state (MiniKV, XKV, KVzip) subclass it; methods with stores of their
-own (MiniCache, SpindleKV) implement kvrun/kv/protocol.py's KVManager themselves.
-
-Static decode (CUDA graphs): where decode steps only append, the new token goes to slot
-position + (end - seen) of its layer's decode segment (the KIVI tail or the dense store), a
-Python constant between compressions, and the segment is attended up to that slot as a device
-tensor (the StaticSegment protocol). A KIVI body keeps its length until the next flush, so
-the graph is recaptured once per residual of R steps.
-"""
+"""KVCache: the driver every method runs under, naming none, with a dense or KIVI store per
+(sequence, layer). Static decode (CUDA graphs): a token goes to slot position + (end - seen) of
+its decode segment, a Python constant between compressions (a KIVI body's length changes only at
+a flush, so a graph is recaptured once per R steps)."""
 
 from __future__ import annotations
 
@@ -33,10 +19,8 @@ from .stores.kivi import KiviLayer
 
 
 def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -> torch.Tensor:
-    """Slots to keep (H, k), ascending: protected ones first, then the best scores, ties to the
-    lower slot (slots are held in position order, so a stable sort is baselines.md 0.7's rule).
-
-    scores (H, T) fp32; protected (H or 1, T) bool or None."""
+    """Kept slots (H, k), ascending, of scores (H, T) fp32: protected (H or 1, T) first, then the
+    best, ties to the lower slot (position order: a stable sort is baselines.md 0.7's rule)."""
     if protected is not None:
         scores = scores.masked_fill(protected, float("inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
@@ -68,8 +52,6 @@ class KVCache(KVManager):
         self.n_queries = m.queries(o)
         # full keeps every token at its position: a sliding window can mask by slot
         self.slot_positions = spec.keeps_all and self.kivi_cfg is None
-        # positions are stored, and counted in nbytes, only where a later step needs them:
-        # decode-time eviction (one row when every KV head keeps the same slots)
         self.pos_rows = self._position_rows()
         self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
         if on_select is not None and not self.pos_rows:
@@ -78,10 +60,8 @@ class KVCache(KVManager):
         self.layers: list[Layer] = []
         self.reset()
 
-    # ------------------------------------------------------------------ state
     def _position_rows(self) -> int:
-        """Rows of int32 positions per slot: where a later step needs them, as decode-time
-        eviction does (one row when every KV head keeps the same slots)."""
+        """Rows of int32 positions per slot, held (and counted) only for decode-time eviction."""
         m, o = self.method, self.opt
         if not m.evicts_at_decode(o):
             return 0
@@ -106,8 +86,7 @@ class KVCache(KVManager):
         return KiviLayer.of(self.kivi_cfg, self.config, self.dtype, self.device, self.name)
 
     def _layer(self, layer: int, T: int) -> Layer:
-        """The layer's state; a store that keeps no positions refuses a sliding window past its
-        length (the model would need to mask slots by position)."""
+        """The layer's state; a sliding window past the length needs positions to mask by."""
         st, window = self.layers[layer], self.config.sliding_window
         if window and self.seen + T > window and not self._window_ok(st):
             raise KvrunError(
@@ -119,7 +98,6 @@ class KVCache(KVManager):
     def _window_ok(self, st: Layer) -> bool:
         return st.dense.pos is not None or self.slot_positions
 
-    # ------------------------------------------------------------ prefill, decode
     def prefill(self, layer, q, k, v, positions):
         st = self._layer(layer, k.shape[2])
         if st.kivi is not None and not self.selects:  # a store alone: nothing to select
@@ -138,14 +116,11 @@ class KVCache(KVManager):
         return self._attend(st, q, k, v, positions)
 
     def _to_store(self, st: Layer, q, k, v) -> torch.Tensor:
-        """Append to the KIVI store and attend over it."""
         st.kivi.append(k[0], v[0])
         return combine(st.kivi.partials(q, None, k.shape[2], None), self.dtype)
 
     def _attend(self, st: Layer, q, k, v, positions) -> torch.Tensor:
-        """Append to the dense segment and attend over it (and the KIVI store's earlier tokens,
-        merged by log-sum-exp); with cumulative scores, attention that sums each key's
-        probabilities into the segment's scores (H2O §3)."""
+        """Dense (and KIVI) attention; cumulative: each key's probabilities summed (H2O §3)."""
         T, window, d = k.shape[2], self.config.sliding_window, st.dense
         d.append(k, v, positions)
         if self.method.cumulative:
@@ -165,7 +140,6 @@ class KVCache(KVManager):
             return dense_attention(q, d.k, d.v, positions, k_pos, window)
         return d.attend(q, positions, T, window)
 
-    # ------------------------------------------------------- compression points
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
         for st in self.layers:
@@ -189,8 +163,7 @@ class KVCache(KVManager):
                 st.kivi.flush(self._flush_unit())
 
     def _flush_unit(self) -> int:
-        """Tokens quantized at a time at the end of a prefill: whole residuals (the newest
-        tokens stay dense)."""
+        """Tokens quantized at once at a prefill's end: whole residuals (the newest stay dense)."""
         return self.kivi_cfg["residual"]
 
     def at_step(self) -> None:
@@ -205,9 +178,8 @@ class KVCache(KVManager):
                     st.kivi.flush(r)
 
     def select(self, point: str) -> None:
-        """Keep each layer's top B_l slots by the method's score, per KV head. A dense store
-        selects over every slot with B from every token seen; a KIVI stack over the turn's
-        tokens in staging, by the same rule (kvrun's rule for later chat turns)."""
+        """Each layer's top B_l slots by score, per KV head; under KIVI over the turn's staged
+        tokens with B from the turn (kvrun's rule for later chat turns)."""
         m, o, L = self.method, self.opt, self.config.n_layers
         T = self.layers[0].dense.length
         B = self.budget.tokens(T if self.kivi_cfg else self.seen, self.protected)
@@ -222,8 +194,7 @@ class KVCache(KVManager):
                 self.report(i, point, d.pos)
 
     def top(self, scores: torch.Tensor, T: int, k: int) -> torch.Tensor:
-        """The kept slots (H, k) from scores (H, C) of the C oldest slots: the T - C newest (a
-        window), the method's sinks and recent slots are always kept."""
+        """Kept slots (H, k) by scores (H, C) of the C oldest; newer ones, sinks, recent kept."""
         if scores.shape[1] < T:
             pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
             scores = torch.cat([scores, pad], dim=1)
@@ -234,9 +205,7 @@ class KVCache(KVManager):
             protected = ((j < first) | (j >= T - last))[None]
         return keep_indices(scores, protected, k)
 
-    # ----------------------------------------------------------------- static decode
     def _decode_seg(self, i: int) -> StaticSegment:
-        """The segment a decode token of layer i goes to."""
         st = self.layers[i]
         return st.kivi if st.kivi is not None else st.dense
 
@@ -272,7 +241,6 @@ class KVCache(KVManager):
         slot = positions + (seg.end - self.seen)  # (1,) this token's slot in the segment
         return combine(seg.attend_static(q, k, v, slot), self.dtype)
 
-    # ------------------------------------------------------------- accounting
     def stores(self) -> list:
         return [s for st in self.layers for s in (st.dense, st.kivi) if s is not None]
 

@@ -1,15 +1,7 @@
-"""A KV method as one declaration: what it is, its options and budget rules, and the callables
-that run it.
-
-Each module in kvrun/kv/methods/ declares one `Method` (two where a preset shares the code) and
-the registry (kvrun/kv/methods/__init__.py) lists them. A scoring method is a declaration plus
-one `score(ctx)` function (kvpress's shape): the driver (kvrun/kv/cache.py) keeps the tokens,
-computes per-layer budgets, protects sinks and recent tokens, keeps the top-k per KV head and
-prices the bytes. A method that needs more (a planning pass, a store of its own) gives `cache`,
-a factory for its own subclass of the driver, using the hooks of kvrun/kv/protocol.py.
-
-Torch-free: `--kv` is checked and `kvrun kv list` written before torch is imported, so a
-method module keeps torch out of its top level (its cache factory imports it when built).
+"""A KV method as one declaration: its options, budget rules and the callables that run it. A
+scoring method is a declaration plus one `score(ctx)` (kvpress's shape) that the driver runs; one
+that needs more gives `cache`. Torch-free: `--kv` is checked before torch is imported, so a method
+module keeps torch out of its top level (its cache factory imports it).
 """
 
 from __future__ import annotations
@@ -45,32 +37,25 @@ class Method:
     options: tuple[Option, ...] = ()
     # P: tokens the selection always keeps (sinks + window), the floor of any budget
     protected: Callable[[Opts], int] = _zero
-    # whether --kv-budget means anything (grids run the others once); `budget_refused` is the
-    # error when one is given to a method that takes none (empty: the budget is ignored)
+    # whether --kv-budget means anything; `budget_refused`: the error if given one (empty: ignored)
     takes_budget: bool = True
     budget_refused: str = ""
     default_budget: str | None = "0.2"  # B when --kv-budget is not given (None: the method's own)
     # cross-option and budget rules beyond each option's own (raises KvrunError)
     rule: Callable[[Opts, Any], None] = lambda o, budget: None
-    # a selection that brings its own store: stacking a store part is refused with this text
-    # (or a function of the options giving it; empty: stacks)
+    # a selection with its own store: stacking a store is refused with this text (or f(opts))
     own_store: str | Callable[[Opts], str] = ""
     # the KIVI layout {bits, group, residual} this part stores in, or None
     kivi: Callable[[Opts], dict | None] = _none
-    # options under which a budget covering every token (or, with no default budget, the
-    # options alone) reproduce the full cache: what tests/test_kv_contract.py checks
+    # options reproducing full with a budget of every token (or alone, with no default budget)
     lossless: str = ""
-    # (spec, cache) -> the bytes of the method's spec formula from what the cache holds
-    # (kvrun/kv/bytes.py); tests/test_kv_contract.py holds nbytes() to it (stores: None)
+    # (spec, cache) -> bytes by the spec's formula (kvrun/kv/bytes.py); stores: None
     nbytes: Callable[[Any, Any], int] | None = None
 
-    # --- what the driver runs (kvrun/kv/cache.py) ------------------------------------------
-    # score(ctx) -> (Hkv or 1, C) fp32, higher kept, for the C <= T oldest held slots (the
-    # newer T - C, a window, are always kept); one row: the same slots for every KV head.
-    # None: nothing is selected.
+    # score(ctx) -> (Hkv or 1, C) fp32, higher kept, for the C <= T oldest held slots (the newer
+    # T - C are kept); one row: the same slots for every KV head. None: nothing is selected
     score: Callable[[Any], Any] | None = None
-    # the points where score() selects: "chunk" (after each prefill chunk), "prefill" (the
-    # turn's end), "step" (after each decode step, which also keeps positions per slot)
+    # where score() selects: "chunk", "prefill" (turn's end), "step" (positions kept per slot)
     points: Callable[[Opts], frozenset[str]] = lambda o: NEVER
     queries: Callable[[Opts], int] = _zero  # the newest queries of the turn kept for score()
     cumulative: bool = False  # accumulate attention column sums over every query (ctx.attention)

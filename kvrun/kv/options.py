@@ -1,9 +1,5 @@
-"""Declared options of a KV method: typed, validated values with a default and a help text.
-
-The same declarations parse `--kv name:key=value`, write `kvrun kv list` and give the
-defaults a manager reads, so an option is described once. Torch-free (the CLI validates
---kv before it imports the model).
-"""
+"""Declared options of a KV method, described once: they parse `--kv name:key=value`, write
+`kvrun kv list` and give a manager its defaults. Torch-free."""
 
 from __future__ import annotations
 
@@ -16,6 +12,8 @@ from ..errors import KvrunError
 
 @dataclass(frozen=True, slots=True)
 class Option:
+    """One typed option: a default, a help text and the checks a value must pass."""
+
     name: str
     default: Any
     help: str
@@ -23,8 +21,7 @@ class Option:
     hi: float | None = None
     choices: tuple = ()
     odd: bool = False
-    # a rule on the value that the fields above cannot say (raises KvrunError); gets
-    # ("method:option", value)
+    # a rule the fields above cannot say, given ("method:option", value); raises KvrunError
     valid: Callable[[str, Any], None] | None = None
 
     def parse(self, part: str, text: str) -> Any:

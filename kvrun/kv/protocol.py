@@ -1,7 +1,5 @@
 """The contract between the model and a KV cache, the per-layer Store protocol, and what the
-driver hands a method.
-
-The model calls, for one sequence (kvrun/kv/batch.py runs B sequences, a cache each):
+driver hands a method. The model calls, for one sequence (kvrun/kv/batch.py runs B):
 
     kv.begin_prefill(n)                       # a prompt (or a new chat turn) of n tokens
     for each chunk of at most --ubatch tokens:
@@ -11,16 +9,6 @@ The model calls, for one sequence (kvrun/kv/batch.py runs B sequences, a cache e
     for each generated token:
         out = kv.attend(layer, q, k, v, pos)  # every layer, one token
         kv.end_step()
-
-`q, k, v` arrive before RoPE; `KVManager.attend` applies RoPE once and routes the step to the
-cache's `prefill` or `decode` (or `decode_static`, the CUDA-graph form). The sequence points
-call the method's hooks: `at_chunk(n)`, `at_prefill()` (while the turn is still the prefill)
-and `at_step()`. A cache whose store keeps keys before RoPE (SpindleKV) sets `keys_pre_rope`.
-
-Planning passes: before a turn's prefill (XKV's scoring pass) or after it (KVzip's
-reconstruction pass), `planning_pass(when, ids, tokenizer)` may return passes: token ids and a
-manager of their own that the Session runs through the model like a prefill; they store nothing
-the cache keeps and hand their result to the cache at their `end_prefill`.
 """
 
 from __future__ import annotations
@@ -37,9 +25,8 @@ from .attention import Partial
 
 @dataclass(slots=True)
 class Pass:
-    """A planning pass: `ids` run through the model at positions start, start + 1, ... with
-    `kv` as the cache, in --ubatch chunks (begin_prefill, end_chunk, end_prefill); a `whole`
-    pass runs only when the ids fit one chunk."""
+    """A planning pass: `ids` at positions start, start + 1, ... with `kv` as the cache, in
+    --ubatch chunks; a `whole` pass runs only when the ids fit one chunk."""
 
     ids: list[int]
     kv: KVManager
@@ -56,23 +43,20 @@ class KVManager:
 
     def __init__(self, config, rope, device, dtype, on_select=None):
         self.config, self.rope, self.device, self.dtype = config, rope, device, dtype
-        # on_select(layer, point, positions (Hkv, T)): a debug hook reporting the positions kept
-        # at each compression point (the report lives outside the cache, never in nbytes)
+        # on_select(layer, point, positions (Hkv, T)): a debug hook outside the cache, not in nbytes
         self.on_select = on_select
         self.seen = 0  # tokens seen so far in this sequence (all turns)
         self.in_prefill = False
         self.select_turn = True  # False: this turn's prefill compresses nothing (question-after)
 
-    # --- sequence points -------------------------------------------------------------
     def reset(self) -> None:
         """Forget the sequence; the next call starts at position 0."""
         self.seen = 0
         self.in_prefill = False
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
-        """A prefill of `n_tokens` (a prompt or a later chat turn) is about to start; with
-        select=False its tokens are stored as the method stores them but nothing is selected
-        (a question arriving on an already compressed document)."""
+        """A prefill of n_tokens starts; select=False stores its tokens but selects nothing (a
+        question arriving on an already compressed document)."""
         self.in_prefill = True
         self.select_turn = select
 
@@ -93,11 +77,10 @@ class KVManager:
         self.at_step()
 
     def planning_pass(self, when: str, ids: Sequence[int], tokenizer) -> list[Pass]:
-        """Passes to run "before" the prefill of the turn `ids` or "after" it (before its
-        end_prefill); tokenizer: the model's (kvrun.tokenizer.Tokenizer), or None."""
+        """Passes to run "before" the turn `ids`' prefill or "after" it (XKV's scoring, KVzip's
+        reconstruction): prefills with a manager of their own that keep nothing."""
         return []
 
-    # --- compression hooks -----------------------------------------------------------
     def at_chunk(self, n_tokens: int) -> None:
         """After every layer attended over a prefill chunk (tokens seen include it)."""
 
@@ -112,7 +95,6 @@ class KVManager:
         if self.on_select is not None:
             self.on_select(layer, point, positions.expand(self.config.n_kv_heads, -1).clone())
 
-    # --- the model's one call ----------------------------------------------------------
     def attend(
         self,
         layer: int,
@@ -133,17 +115,15 @@ class KVManager:
             return self.prefill(layer, qr, kr, v, positions)
         return self.decode(layer, qr, kr, v, positions)
 
-    # A cache implements prefill(layer, q, k, v, positions) (a chunk of T tokens: store as the
-    # method says, attend causally) and decode(...) (a decode step), q and k post-RoPE unless
-    # keys_pre_rope, (1, H, T, D). One with a static decode form (kvrun/kv/cache.py) also has
-    # make_static, capacity, decode_static, static_buffers, static_step_ok, after_static_step.
+    # A cache implements prefill and decode(layer, q, k, v, positions), q and k post-RoPE unless
+    # keys_pre_rope; a static form adds make_static, capacity, decode_static, static_buffers,
+    # static_step_ok and after_static_step (kvrun/kv/cache.py).
     def static_unsupported(self) -> str | None:
         """Why decode steps cannot be static (captured in a CUDA graph), or None when they can."""
         return f"the {self.name} cache has no static decode form"
 
-    # --- accounting ---------------------------------------------------------------------
     def stores(self) -> list:
-        """The per-layer stores the cache holds (Store below), for tests and accounting."""
+        """The per-layer stores the cache holds (Store below)."""
         return []
 
     def nbytes(self) -> int:
@@ -175,14 +155,13 @@ class Ctx:
     budget: int  # B_l, the slots this layer keeps
 
     def window_scores(self) -> torch.Tensor:  # (Hq, T - w) fp32
-        """Each query head's attention from the saved queries (the newest w slots) to the
-        T - w older slots, summed over the w rows (attention.window_scores)."""
+        """The saved queries' attention to the T - w older slots (attention.window_scores)."""
         sw = self.config.sliding_window
         return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
 
     def window_votes(self, kind: str, kernel: int) -> torch.Tensor:  # (Hkv, T - w) fp32
-        """SnapKV's votes (§4.2): window_scores pooled per query head, then summed per KV head
-        (pool first: the order matters for max-pooling)."""
+        """SnapKV's votes (§4.2): pooled per query head, then summed per KV head (max-pooling
+        does not commute with the sum)."""
         return self.by_kv_head(self.pool(self.window_scores(), kind, kernel))
 
     def by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,8 +176,7 @@ class Ctx:
 
 @runtime_checkable
 class Store(Protocol):
-    """One layer's stored K and V of one sequence, attending in its own representation:
-    DenseSeg and KiviLayer (kvrun/kv/stores/), SpindleKV's CodedLayer, MiniCache's PairLayer."""
+    """One layer's K, V, attending in its own form: DenseSeg, KiviLayer, CodedLayer, PairLayer."""
 
     @property
     def length(self) -> int:
@@ -208,9 +186,8 @@ class Store(Protocol):
     def partials(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> list[Partial]:
-        """Attention of q (1, Hq, Tq, D), post-RoPE, at positions q_pos (Tq,) over the stored
-        slots, the last n_new of which are the queries' own tokens (causal among themselves);
-        window: the model's sliding window, or None. One Partial per segment the store keeps."""
+        """q (1, Hq, Tq, D) post-RoPE at q_pos (Tq,) over the slots, the last n_new the queries'
+        own (causal); window: the model's sliding window. One Partial per segment."""
         ...
 
     def nbytes(self) -> int:
@@ -220,8 +197,7 @@ class Store(Protocol):
 
 @runtime_checkable
 class StaticSegment(Store, Protocol):
-    """A store whose decode step runs with no host sync, so the step can be captured in a CUDA
-    graph (kvrun/graph.py): DenseSeg and KiviLayer (its dense tail behind the quantized body)."""
+    """A store whose decode step runs with no host sync, so a CUDA graph can capture it."""
 
     @property
     def end(self) -> int:
@@ -235,8 +211,7 @@ class StaticSegment(Store, Protocol):
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
     ) -> list[Partial]:
-        """Write k, v (1, Hkv, 1, D) at `slot` (a (1,) device tensor inside the room) and
-        attend q (1, Hq, 1, D) over every slot up to it: partials merged by log-sum-exp."""
+        """Write k, v (1, Hkv, 1, D) at `slot` ((1,), on device, in the room); attend up to it."""
         ...
 
     def advance(self) -> None:

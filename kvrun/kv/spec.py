@@ -1,14 +1,6 @@
 """--kv and --kv-budget, parsed and validated once into a frozen KVSpec, and the budget rules.
-
-Grammar: NAME[:key=value,...][+NAME[:key=value,...]...]. Each name is a method of the
-registry (kvrun/kv/methods/): at most one selection and one store, options attached to
-the part they follow (`snapkv:window=64+kivi2:group=16`). The CLI calls `kvrun.kv.check`
-before it loads a model; commands, tasks and caches receive the spec and never parse again.
-Nothing here knows a method by name: the rules are the methods' declarations. Torch-free.
-
-Budgets (baselines.md 0.2): b < 1 is a fraction of the tokens seen, b >= 1 a token count
-per layer; ceil(b * n) is computed exactly from the decimal b, never in floats.
-"""
+Grammar: NAME[:key=value,...][+NAME[:key=value,...]...], at most one selection and one store
+(`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. Torch-free."""
 
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ from .method import Method
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """A parsed --kv-budget: an exact fraction (< 1) or an absolute count (>= 1)."""
+    """--kv-budget (baselines.md 0.2): an exact fraction of the tokens seen (< 1) or a count."""
 
     value: Fraction
     text: str
@@ -78,8 +70,7 @@ def largest_remainder(shares: list[Fraction], total: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:
-    """A validated --kv: one selection and at most one store, each with its options, and the
-    --kv-budget (None: the method's default, see `budget_or_default`)."""
+    """A validated --kv: one selection and at most one store, with options, and the --kv-budget."""
 
     select: Method
     select_opts: Mapping[str, Any] = field(default_factory=dict)
@@ -123,8 +114,7 @@ class KVSpec:
         return Budget.parse(d) if d is not None else None
 
     def kivi(self) -> dict | None:
-        """The KIVI layout {bits, group, residual} the tokens are stored in, or None: a stacked
-        store part wins over the selection's own (minikv 2-bit, minicache store=kivi4)."""
+        """KIVI layout {bits, group, residual} or None; a stacked store's beats the selection's."""
         if self.store is not None:
             return self.store.kivi(self.store_opts)
         return self.select.kivi(self.select_opts)
@@ -150,9 +140,8 @@ class KVSpec:
 
 
 def parse(text: str, registry: Mapping[str, Method], budget=None) -> KVSpec:
-    """Parse and validate --kv (and --kv-budget) against the registry: unknown names or
-    options, values out of range, incompatible stacks and budgets below a method's floor
-    raise one-line KvrunErrors. A spec naming no selection runs the registry's first (full)."""
+    """--kv (and --kv-budget) validated against the registry, errors as one-line KvrunErrors; a
+    spec naming no selection runs the registry's first (full)."""
     select: tuple[Method, dict] | None = None
     store: tuple[Method, dict] | None = None
     for raw in str(text).split("+"):

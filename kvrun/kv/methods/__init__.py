@@ -1,9 +1,5 @@
-"""The registry of KV methods, in `kvrun kv list` order: one module (or package) per method.
-
-A new method is one module declaring a `Method` (kvrun/kv/method.py) and one line below; the
-grammar, `kvrun kv list`, budget checks and the contract tests (tests/test_kv_contract.py)
-pick it up from here. "Writing a KV method" in docs/ walks through one.
-"""
+"""The registry of KV methods, in `kvrun kv list` order; a new method is one module declaring a
+`Method` and one line below ("Writing a KV method" in docs/)."""
 
 from __future__ import annotations
 

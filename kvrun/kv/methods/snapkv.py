@@ -9,8 +9,7 @@ from ..options import SNAP
 
 
 def score(ctx):
-    """The window's attention to the older slots, pooled per query head, then summed per KV
-    head (pool first: the order matters for max-pooling); the window itself is kept."""
+    """Ctx.window_votes (§4.2); the window itself is kept."""
     return ctx.window_votes(ctx.opt["pool"], ctx.opt["kernel"])
 
 

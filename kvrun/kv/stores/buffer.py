@@ -1,11 +1,4 @@
-"""The one growable buffer every KV store keeps its tensors in (mlx-lm's caches grow the same
-way): a tensor with spare room along one dim, of which the first `n` slots are occupied.
-
-Appends write into the room (doubling when full, so a decode step copies one slot, not the
-whole history); `keep`-style rewrites replace the contents with a tensor of their own;
-static decode steps write at a slot given as a device tensor. Only occupied slots count as
-held bytes.
-"""
+"""The growable buffer every KV store keeps its tensors in (mlx-lm's caches grow the same way)."""
 
 from __future__ import annotations
 
@@ -15,6 +8,8 @@ MIN_ROOM = 64  # slots allocated at least, once anything is appended
 
 
 class Buffer:
+    """A tensor with room along `dim`, its first `n` slots occupied (only they count as bytes)."""
+
     __slots__ = ("buf", "dim", "n")
 
     def __init__(self, shape: tuple[int, ...], dim: int, dtype, device, reserve: int = 0):
@@ -33,8 +28,7 @@ class Buffer:
         return self.buf.shape[self.dim]
 
     def reserve(self, n: int) -> None:
-        """Room for n slots, contents kept (capacity at least doubles, so appends cost O(1)
-        copies per slot amortised)."""
+        """Room for n slots; capacity at least doubles, so appends copy O(1) per slot amortised."""
         cap = self.capacity
         if n <= cap:
             return
@@ -66,15 +60,13 @@ class Buffer:
         self.n = 0
 
     def drop_front(self, n: int) -> None:
-        """Remove the first n occupied slots; the rest move to the front (KIVI's tail after a
-        flush: the unflushed newest tokens)."""
+        """Drop the first n occupied slots, moving the rest to the front (KIVI's tail, flushed)."""
         rest = self.n - n
         self.buf.narrow(self.dim, 0, rest).copy_(self.buf.narrow(self.dim, n, rest).clone())
         self.n = rest
 
     def write_at(self, slot: torch.Tensor, x: torch.Tensor) -> None:
-        """x (one slot along `dim`) at the slot a (1,) device tensor names, inside the room:
-        a static decode step's write, with no host sync (the caller then calls `advance`)."""
+        """x (one slot) at the slot a (1,) device tensor names, in the room: no host sync."""
         self.buf.index_copy_(self.dim, slot, x)
 
     def advance(self, n: int = 1) -> None:

@@ -11,11 +11,8 @@ from .buffer import Buffer
 
 
 class DenseSeg:
-    """K/V slots per KV head, with optional positions (int32) and accumulated scores (fp32).
-
-    pos_rows: 0 = no positions held, 1 = one row shared by all heads (streaming),
-    Hkv = one row per head (per-head eviction).
-    """
+    """K/V slots per KV head, with optional int32 positions (pos_rows: 0 none, 1 shared by every
+    head, Hkv one per head) and accumulated fp32 scores."""
 
     def __init__(
         self,
@@ -28,15 +25,13 @@ class DenseSeg:
         score_rows: int | None = None,
         count_pos: bool = True,
     ):
-        # K and V live in buffers with spare room (1, Hkv, cap, D); `k`, `v` are the occupied
-        # slots, so a decode step writes one slot instead of copying the whole segment
+        # (1, Hkv, cap, D) with room: a decode step writes one slot, copying nothing
         self._k = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self._v = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self.pos = torch.empty(pos_rows, 0, dtype=torch.int32, device=device) if pos_rows else None
         # False: positions held only for a debug hook outside the cache (not counted in nbytes)
         self.count_pos = count_pos
-        # (Hkv or score_rows, T) fp32 accumulated attention (H2O, MiniKV; MiniKV's gqa_agg=max
-        # keeps one row per query head)
+        # (Hkv or score_rows, T) fp32 accumulated attention (H2O, MiniKV; gqa_agg=max: Hq rows)
         self.acc = torch.empty(score_rows or n_kv, 0, device=device) if scores else None
 
     @property
@@ -53,7 +48,7 @@ class DenseSeg:
 
     @property
     def capacity(self) -> int:
-        """Slots the buffers hold room for."""
+        """Slots the buffers have room for."""
         return self._k.capacity
 
     def reserve(self, n: int) -> None:
@@ -62,14 +57,12 @@ class DenseSeg:
         self._v.reserve(n)
 
     def rewind(self) -> None:
-        """Empty, keeping the room: a new sequence writes into the same buffers (a captured
-        CUDA graph that reads them stays valid)."""
+        """Empty, keeping the room (a captured CUDA graph reading the buffers stays valid)."""
         self._k.rewind()
         self._v.rewind()
         self._empty_rows()
 
     def _empty_rows(self) -> None:
-        """No positions or scores held (their rows kept)."""
         if self.pos is not None:
             self.pos = self.pos[:, :0]
         if self.acc is not None:
@@ -108,7 +101,6 @@ class DenseSeg:
         self._empty_rows()
         return k, v
 
-    # --- static decode (CUDA graphs), the protocol of KiviLayer's ---------------------------
     @property
     def end(self) -> int:
         """The slot the next decode token goes to."""
@@ -121,9 +113,7 @@ class DenseSeg:
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
     ) -> list[Partial]:
-        """One decode token with no host sync: k, v (1, Hkv, 1, D) written at `slot` (a (1,)
-        device tensor, inside the room), then attention over the slots up to it; the caller
-        then calls `advance`. Only for segments without positions or scores (their rows grow)."""
+        """StaticSegment's; only without positions or scores (their rows grow)."""
         self._k.write_at(slot, k)
         self._v.write_at(slot, v)
         lengths = (slot + 1).to(torch.int32)  # (B=1,)
@@ -134,7 +124,7 @@ class DenseSeg:
         self._v.advance()
 
     def static_key(self) -> tuple:
-        """What a captured static step depends on: the buffers' addresses."""
+        """The buffers' addresses."""
         return (self._k.buf.data_ptr(), self._v.buf.data_ptr())
 
     def mask(self, q_pos: torch.Tensor, n_new: int, window: int | None) -> torch.Tensor | None:
@@ -152,8 +142,8 @@ class DenseSeg:
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> torch.Tensor:
-        """Fast path when this is the only segment: SDPA (one unmasked query on CUDA: the
-        GQA-native split-K decode kernel, where SDPA has no fast path), output in the KV dtype."""
+        """The fast path for a lone segment, in the KV dtype: SDPA, or for one unmasked query on
+        CUDA the split-K decode kernel (SDPA has no fast path there)."""
         m = self.mask(q_pos, n_new, window)
         if m is None and q.shape[2] == 1 and use_triton(q):
             return dense_decode(q, self.k, self.v)[0].to(q.dtype)
@@ -164,7 +154,7 @@ class DenseSeg:
     def partials(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> list[Partial]:
-        """Output and log-sum-exp, for combining with other segments (the Store protocol)."""
+        """The Store protocol's: one partial."""
         return [segment_attention(q, self.k, self.v, self.mask(q_pos, n_new, window))]
 
     def nbytes(self) -> int:

@@ -1,9 +1,6 @@
-"""KIVI store (KIVI §3): a packed 2/4-bit body plus a dense tail, per layer.
-
-Keys are quantized per channel (groups of G consecutive tokens), values per token (groups
-of G consecutive channels), asymmetric min/max; codes are packed into int32 words in the
-public KIVI layout. The manager decides when to flush; this file is the mechanism.
-"""
+"""KIVI store (KIVI §3): per layer a packed 2/4-bit body and a dense tail. Keys are quantized per
+channel (groups of G tokens), values per token (groups of G channels), asymmetric min/max, codes
+packed into int32 words in the public KIVI layout; the manager decides when to flush."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class KiviLayer:
-    """One layer's KIVI store: a packed quantized body (oldest Tq tokens) + a dense tail (newest Tr)."""
+    """One layer's KIVI store: a packed body (oldest Tq tokens), a dense tail (newest Tr)."""
 
     def __init__(
         self,
@@ -69,8 +66,7 @@ class KiviLayer:
 
     @classmethod
     def of(cls, layout: dict, config, dtype, device, where: str) -> KiviLayer:
-        """A layer's store in a spec's KIVI layout {bits, group, residual}; a layout that does
-        not fit the model (head_dim not whole groups) is a one-line error naming `where`."""
+        """A layer's store in a spec's KIVI layout; a misfit is a one-line error naming `where`."""
         try:
             return cls(config.n_kv_heads, config.head_dim, layout["bits"], layout["group"],
                        layout["residual"], dtype, device)  # fmt: skip
@@ -92,7 +88,6 @@ class KiviLayer:
         """Tokens held: body plus tail."""
         return self.body_len + self.tail_len
 
-    # --- occupied views (public KIVI's bit-packing layout) -------------------------------
     def body(self) -> tuple[torch.Tensor, ...]:
         """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of the occupied body."""
         return tuple(b.data for b in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))
@@ -101,14 +96,13 @@ class KiviLayer:
         """Dense tail K, V, (Hkv, Tr, D) each, newest last."""
         return self._tk.data, self._tv.data
 
-    # --- mechanism --------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append (Hkv, T, D) post-RoPE keys and values, newest last, to the dense tail."""
         self._tk.append(k)
         self._tv.append(v)
 
     def flush(self, unit: int) -> int:
-        """Quantize the oldest largest-multiple-of-`unit` tail tokens into the body; returns the count."""
+        """Quantize the oldest tail tokens, the largest multiple of `unit`, into the body; count."""
         if unit <= 0 or unit % self.G:
             raise ValueError(
                 f"kivi: flush unit {unit} must be a positive multiple of group {self.G}"
@@ -127,7 +121,7 @@ class KiviLayer:
         return n
 
     def _mask(self, start: int, stop: int, Tq: int, n_new: int) -> torch.Tensor | None:
-        """(Tq, stop-start) visibility of slots [start, stop): own token j seen by query i >= j."""
+        """(Tq, stop - start) visibility of slots [start, stop): own token j seen by query i >= j."""
         own0 = self.length - n_new  # first own token's slot
         if n_new == 0 or stop <= own0:
             return None
@@ -136,13 +130,8 @@ class KiviLayer:
         return j[None, :] <= i[:, None]
 
     def partials(self, q: torch.Tensor, q_pos, n_new: int, window: int | None) -> list[Partial]:
-        """[body partial, tail partial] (body omitted when empty) for q (1, Hq, Tq, D) post-RoPE
-        (the Store protocol).
-
-        The last `n_new` slots are the queries' own tokens (causal among themselves, n_new is
-        0 or Tq); every older slot is visible to all queries. KIVI holds no positions: q_pos
-        and window are not read (its callers mask a sliding window over `dequantized()`).
-        """
+        """[body partial (if any), tail partial]; n_new is 0 or Tq. KIVI holds no positions: q_pos
+        and window are not read (callers mask a sliding window over `dequantized()`)."""
         Tq = q.shape[2]
         if n_new not in (0, Tq) or n_new > self.length:
             raise ValueError(f"kivi: n_new {n_new} must be 0 or Tq={Tq}, at most {self.length}")
@@ -154,12 +143,9 @@ class KiviLayer:
         parts.append(segment_attention(q, tk[None], tv[None], mask))
         return parts
 
-    # --- static decode (CUDA graphs, kvrun/graph.py) ------------------------------------
-    # The static-segment protocol, shared with DenseSeg: `end` (the next slot), `room`,
-    # `attend_static`, `advance`, `static_key`.
     @property
     def end(self) -> int:
-        """The slot the next decode token goes to: the tail's end."""
+        """The tail's end."""
         return self.tail_len
 
     def room(self, n_more: int) -> None:
@@ -170,12 +156,8 @@ class KiviLayer:
     def attend_static(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
     ) -> list[Partial]:
-        """One decode token with no host sync: k, v (1, Hkv, 1, D) written at tail slot `slot`
-        (a (1,) device tensor), then [body partial, tail partial] over the tail up to it.
-
-        The body is read at its Python-known length (constant until the next flush); the
-        caller then calls `advance`, the Python side of the write.
-        """
+        """StaticSegment's, `slot` in the tail; the body is read at its Python-known length
+        (constant until the next flush)."""
         self._tk.write_at(slot, k[0])
         self._tv.write_at(slot, v[0])
         parts = [self._attend_body(q, 0)] if self.body_len else []
@@ -188,20 +170,18 @@ class KiviLayer:
         self._tv.advance()
 
     def static_key(self) -> tuple:
-        """What a captured static step depends on: buffer addresses and the body length."""
+        """Buffer addresses and the body length."""
         bufs = (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz, self._tk, self._tv)
         return (*(t.buf.data_ptr() for t in bufs), self.body_len)
 
     def _attend_body(self, q: torch.Tensor, n_new: int) -> Partial:
-        """Body attention with the dequantization inside the dot products (kernels.kivi_decode:
-        Triton on CUDA, its torch reference elsewhere); the own tokens are causal."""
+        """Body attention, dequantized inside the dot products (kernels.kivi_decode)."""
         own0 = self.length - n_new  # first own token's slot
         off = None if n_new == 0 or self.body_len <= own0 else own0
         return Partial(*kivi_decode(q, *self.body(), self.bits, self.G, off))
 
-    # --- accounting and reference -----------------------------------------------------
     def nbytes(self) -> int:
-        """Exact bytes of the occupied slots: packed codes, scales, zeros and the dense tail."""
+        """Occupied slots: packed codes, scales, zeros and the dense tail."""
         return sum(t.numel() * t.element_size() for t in (*self.body(), *self.tail()))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,6 @@
 """KVzip (Kim et al., 2025, "Query-Agnostic KV Cache Compression with Context Reconstruction"):
-after a turn's prefill the model runs once more, teacher-forced, over "Repeat the previous
-context" and the turn itself, attending to the cache being compressed; each held pair's score
-is the most attention any reconstruction query gives it, and each KV head keeps its top-k
-(spec: docs/methods/kvzip.md). The pass is a planning pass (kvrun/kv/protocol.py)."""
+a slot scores the most attention a teacher-forced reconstruction of the turn gives it; each KV
+head keeps its top-k (spec: docs/methods/kvzip.md)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""KVzip's cache: the driver's dense (or KIVI-staged) store, a reconstruction pass after each
-turn's prefill (a planning pass the Session runs), and the selection its scores give.
-
-The pass (Reconstruct) runs "Repeat the previous context" plus a chunk of the turn through the
-model at the positions after it: every layer attends exactly to what the cache holds and to the
-pass's own tokens, and scores each held slot of the chunk by the largest probability any pass
-query of the KV head's group gives it, in a softmax over the sinks, the chunk's slots and the
-pass's own tokens (KVzip §3; kvpress's chunked scoring). At the end of the prefill each KV head
-keeps its top B (heads=uniform), or the layer's Hkv * B best (head, slot) pairs go to whichever
-heads hold them (heads=layer: the heads are padded to the layer's largest count with slots at a
-position no query can see, counted in nbytes).
-"""
+"""KVzip's cache (KVzip §3; kvpress's chunked scoring): the driver's store, a reconstruction pass
+per chunk of each turn ("Repeat the previous context" and the chunk, after the turn), and top-B
+per KV head (heads=uniform) or the layer's Hkv * B best (head, slot) pairs (heads=layer)."""
 
 from __future__ import annotations
 
@@ -47,8 +38,7 @@ class KVzip(KVCache):
         self.turn = n_tokens
 
     def planning_pass(self, when, ids, tokenizer) -> list[Pass]:
-        """After the turn's prefill: one pass per chunk of the turn (a leading BOS is not
-        repeated); none for a turn that selects nothing."""
+        """After the turn's prefill, one pass per chunk (a leading BOS is not repeated)."""
         if when != "after" or not self.select_turn or not ids:
             return []
         sw = self.config.sliding_window
@@ -72,8 +62,7 @@ class KVzip(KVCache):
         return passes
 
     def select(self, point: str) -> None:
-        """Each layer keeps its B best slots per KV head by the pass's scores (the turn's first
-        slots at positions below `sinks` and every earlier turn's slot kept)."""
+        """B best slots per KV head by the pass's scores; sinks and earlier turns' slots kept."""
         T = self.layers[0].dense.length
         B = self.budget.tokens(T if self.kivi_cfg else self.seen, self.protected)
         start = self.seen - self.turn  # the turn's first position
@@ -93,8 +82,8 @@ class KVzip(KVCache):
         self.scores = [None] * len(self.layers)
 
     def _keep_layer(self, d: DenseSeg, s: torch.Tensor, B: int) -> None:
-        """The layer's Hkv * B best (head, slot) pairs; heads padded to the largest count with
-        zero keys and values at position PAD."""
+        """Hkv * B best (head, slot) pairs, heads padded to the largest count with zeros at PAD
+        (a position no query sees, counted in nbytes)."""
         Hkv, T = s.shape
         flat = s.t().reshape(-1)  # slot-major: ties go to the lower position, then head
         order = torch.sort(flat, descending=True, stable=True).indices[: Hkv * B]
@@ -116,8 +105,7 @@ class KVzip(KVCache):
 
 
 class Reconstruct(KVManager):
-    """One reconstruction pass over the turn's tokens [a, b): attends exactly to the owner's
-    store and its own tokens, and writes the owner's scores of those tokens' slots."""
+    """A reconstruction pass over the turn's tokens [a, b), scoring their slots for its owner."""
 
     name = "kvzip-reconstruction"
 
@@ -141,8 +129,8 @@ class Reconstruct(KVManager):
         return combine(parts, self.dtype)
 
     def _score(self, layer: int, q, d: DenseSeg, own: DenseSeg, T: int) -> None:
-        """The max over the group's query heads and the pass rows of the softmax over the
-        sinks, the chunk's slots and the pass's own tokens (causal)."""
+        """Max over the group's query heads and pass rows of the softmax over the sinks, the
+        chunk's slots and the pass's own tokens (causal)."""
         o = self.owner
         base = d.length - o.turn  # the turn's first slot
         a, b = base + self.a, base + self.b  # the chunk's slots

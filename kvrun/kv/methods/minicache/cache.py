@@ -1,20 +1,9 @@
-"""MiniCache (§4 of the paper): adjacent upper layers share one merged KV direction.
-
-Pairs (l-1, l), odd l >= S, keep per token and KV head one SLERP-merged direction E (for K and
-for V), each layer's own norm, and the most distinct rows of both layers exactly (retention).
-Attention restores X_hat = E * n / ||E|| with the retained rows put back: at decode over a
-dense E inside kernels.merged_decode, else into a scratch before SDPA. Other layers keep a
-plain cache. Prefill attends exactly; each turn's tokens are merged at end_prefill; a decode
-token is merged as soon as layer l has attended. E and the unpaired layers may sit in a KIVI
-store (minicache+kivi4), norms and retained rows stay in the KV dtype.
-
-kvrun's decisions beyond the paper: norm, angle and retention per (token, KV head) (granularity=
-token: per token over all heads); decode tokens are merged with both norms appended and never
-retained (decode_retain=1: beyond the prefill threshold); merging is fp32 and E is quantized
-after it. Slot index = position (nothing is evicted), so a sliding window masks by position.
-This file routes the steps and merges at each point; the merge math, the pair store, the
-restore and each layer's Store view of its pair (PairLayer) are store.py.
-"""
+"""MiniCache (§4 of the paper): pairs (l-1, l), odd l >= S, keep per token and KV head one
+SLERP-merged direction E for K and for V, each layer's norms, and the most distinct rows exact;
+other layers keep a plain cache; E and they may sit in KIVI (minicache+kivi4). kvrun's decisions
+beyond the paper: norm, angle and retention per (token, KV head) (granularity=token: per token);
+decode tokens merged, never retained (decode_retain=1: beyond the prefill threshold); merging in
+fp32, E quantized after it. Slot index = position (nothing is evicted)."""
 
 from __future__ import annotations
 
@@ -27,8 +16,6 @@ from ...protocol import KVManager
 from ...stores.dense import DenseSeg
 from ...stores.kivi import KiviLayer
 from .store import Layout, Pair, PairLayer, Scratch, merge, pairing, retention
-
-# --- the manager ---------------------------------------------------------------------------------
 
 
 class MiniCacheKV(KVManager):
@@ -52,7 +39,6 @@ class MiniCacheKV(KVManager):
             self.role[a], self.role[b] = (i, False), (i, True)
         self.reset()
 
-    # ------------------------------------------------------------------ state
     def _kivi(self) -> KiviLayer | None:
         if self.kivi_layout is None:
             return None
@@ -77,10 +63,8 @@ class MiniCacheKV(KVManager):
         for p in self.pairs:
             p.begin_prefill(n_tokens, self.H, self.D, self.dtype, self.device)
 
-    # ---------------------------------------------------------------- attend
     def prefill(self, layer, q, k, v, positions):
-        """Exact attention; a paired layer keeps this turn's K, V exact until end_prefill
-        merges them, over the restored earlier turns."""
+        """Exact attention; a pair keeps the turn's K, V exact until end_prefill merges them."""
         role = self.role.get(layer)
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
@@ -98,8 +82,7 @@ class MiniCacheKV(KVManager):
         return out
 
     def decode(self, layer, q, k, v, positions):
-        """Over the restored pair (merged_decode, or SDPA over the scratch) plus the step's
-        exact tokens; layer l's step merges them with layer l-1's, pending since its step."""
+        """The restored pair plus the step's exact tokens, merged at layer l with l-1's."""
         role = self.role.get(layer)
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
@@ -120,11 +103,8 @@ class MiniCacheKV(KVManager):
         return out
 
     def _fuse(self, pair: Pair, T: int) -> bool:
-        """Whether a decode step of this pair runs merged_decode: a dense E (fusing the KIVI
-        dequantization with the restore is not done, minicache+kivi4 restores into the
-        scratch), no sliding window that masks (every merged token visible), and something
-        to restore: with every row retained (retain=topk:1.0) SDPA over the exact rows keeps
-        kvrun's bit-exact first decode step (retain=topk:1.0, store=fp16: equal to full)."""
+        """Whether a step runs merged_decode: a dense E (KIVI's E restores into the scratch), no
+        masking window, something to restore (all retained: SDPA keeps step 1 equal to full)."""
         window = self.config.sliding_window
         if pair.kivi is not None or (window and self.seen + T > window):
             return False
@@ -132,7 +112,6 @@ class MiniCacheKV(KVManager):
         return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length
 
     def _attend_plain(self, layer, qr, kr, v, positions) -> torch.Tensor:
-        """An unpaired layer: a plain cache (dense or KIVI), every token kept."""
         window = self.config.sliding_window
         st = self.plain[layer]
         if isinstance(st, KiviLayer):
@@ -150,15 +129,13 @@ class MiniCacheKV(KVManager):
         k_pos = torch.arange(st.length, device=self.device)
         return dense_attention(qr, st.k, st.v, positions, k_pos, window)
 
-    # ------------------------------------------------------- compression points
     def at_chunk(self, n_tokens: int) -> None:
         if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
             for st in self.plain.values():
                 st.flush(self.kivi_layout["group"])
 
     def at_prefill(self) -> None:
-        """A turn's tokens are merged at the end of its prefill (a decode token once layer l
-        has attended, in `decode`)."""
+        """A turn's tokens are merged at the end of its prefill."""
         for p in self.pairs:
             if p.exact is not None:
                 (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
@@ -167,9 +144,7 @@ class MiniCacheKV(KVManager):
             p.release()
 
     def merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
-        """Merge tokens of layers a and b, (Hkv, n, D) each, and append them to the pair: the
-        retention (which rows stay exact) is chosen here, over the turn's tokens at a prefill
-        and beyond the prefill threshold at decode (decode_retain)."""
+        """Merge layers a's and b's tokens (Hkv, n, D) into the pair, choosing retained rows."""
         n, start = ka.shape[1], pair.length
         if n == 0:
             return
@@ -208,7 +183,6 @@ class MiniCacheKV(KVManager):
                 if st.tail_len >= r:
                     st.flush(r)
 
-    # ------------------------------------------------------------- accounting
     def nbytes(self) -> int:
         total = 0
         for st in self.plain.values():

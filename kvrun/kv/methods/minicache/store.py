@@ -1,10 +1,5 @@
-"""MiniCache's merged pair store (§3.2-3.3, §4.2): the SLERP merge math (pure functions, fp32);
-the storage of one merged pair of layers (the shared direction E, each layer's norms and the
-retained exact rows); the Layout of a pair's groups over the KV heads with the restore
-X_hat = E * n / ||E|| and merged_decode's arguments; and PairLayer, one layer's view of a pair
-as a Store, attending over the merged tokens inside merged_decode or over a scratch shared by
-every pair (layer a's work is kept on the pair for layer b). The cache that drives it is
-kvrun/kv/methods/minicache/cache.py."""
+"""MiniCache's pair store (§3.2-3.3, §4.2): the SLERP merge math (fp32), a merged pair's storage,
+the Layout that restores X_hat = E * n / ||E||, and PairLayer, each layer's Store view of a pair."""
 
 from __future__ import annotations
 
@@ -21,8 +16,6 @@ from ...attention import Partial, dense_attention, segment_attention
 from ...stores.buffer import Buffer
 from ...stores.kivi import KiviLayer
 
-# --- the merge math (pure functions, fp32) ------------------------------------------------------
-
 
 def pairing(n_layers: int, start: int = -1) -> list[tuple[int, int]]:
     """Merged pairs (l-1, l) for every odd l with S <= l <= L-1; S = L // 2 when start < 0."""
@@ -36,14 +29,11 @@ def merge(
     t: float = 0.6,
     sin_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MERGE of the spec per row: (E (..., m), n_a (...), n_b (...), d (...)), all fp32.
-
-    Omega = 2 atan2(||u_b - u_a||, ||u_b + u_a||) (stable near 0 and pi); SLERP with weight t
-    on the later layer (Eq. 3) where sin(Omega) >= sin_eps, else normalised LERP (u_b when that
-    is shorter than 1e-6); d = Omega / pi. Zero rows get u = 0, so nothing is NaN.
-    kvrun's decisions where the paper is unclear: t weights layer l as in Eq. 3 (Alg. 2 swaps the weights; t=0.4
-    reproduces it), and the paper has no rule for sin(Omega) ~ 0, hence the LERP fallback.
-    """
+    """The spec's MERGE per row -> (E (..., m), n_a, n_b, d (...)) fp32, d = Omega / pi with Omega =
+    2 atan2(||u_b - u_a||, ||u_b + u_a||) (stable near 0 and pi); SLERP with weight t on layer l
+    (Eq. 3) where sin(Omega) >= sin_eps, else normalised LERP (u_b if shorter than 1e-6); zero rows
+    give u = 0, never NaN. kvrun's decisions: t weights layer l as in Eq. 3 (Alg. 2 swaps them;
+    t=0.4 reproduces it), and the LERP fallback (the paper has no rule for sin(Omega) ~ 0)."""
     xa, xb = xa.float(), xb.float()
     na = torch.linalg.vector_norm(xa, dim=-1)  # (...)
     nb = torch.linalg.vector_norm(xb, dim=-1)
@@ -65,7 +55,7 @@ def merge(
 
 
 def direction(e: torch.Tensor) -> torch.Tensor:
-    """e / ||e|| per row in fp32, with ||e|| recomputed (a dequantized row too); 0 where ||e|| = 0."""
+    """e / ||e|| per row in fp32, ||e|| recomputed (a dequantized row too); 0 where ||e|| = 0."""
     e = e.float()
     n = torch.linalg.vector_norm(e, dim=-1, keepdim=True)
     return e / torch.where(n > 0, n, 1.0)
@@ -77,16 +67,11 @@ def retention(
     rule: str = "distinct",
     retain: str = "range",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which tokens stay unmerged: (mask (G, T) bool, threshold (G,) fp32).
-
-    range: distinct keeps d > d_max - (d_max - d_min) gamma, paper keeps d < d_min + (...) gamma
-    (Eq. 4 as printed); both are empty when d_max = d_min. topk:F keeps the ceil(F T) largest d
-    (paper: smallest), ties to the lower index. The threshold is what a decode token must exceed
-    (distinct) or stay under (paper) to be retained with decode_retain=1.
-    kvrun's decision: Eq. 4 and Alg. 2 print `d < ...`, which keeps the most *similar* pairs
-    while the text keeps the distinct ones; kvrun keeps the distinct (rule=paper: as printed).
-    And gamma is a fraction of the distance range, not of the tokens (topk:F is that).
-    """
+    """Tokens kept unmerged: (mask (G, T) bool, threshold (G,) fp32, which decode_retain=1 applies).
+    range: d > d_max - (d_max - d_min) gamma, or d < d_min + (...) gamma with rule=paper (empty when
+    d_max = d_min); topk:F: the ceil(F T) largest d (paper: smallest), ties to the lower index.
+    kvrun's decision: Eq. 4 and Alg. 2 print `d < ...`, keeping the most *similar* pairs, while the
+    text keeps the distinct; kvrun keeps the distinct, gamma a fraction of the distance range."""
     d = d.float()
     G, T = d.shape
     paper = rule == "paper"
@@ -108,15 +93,8 @@ def retention(
     return mask, d.gather(1, order[:, k - 1 : k]).squeeze(1)
 
 
-# --- storage -------------------------------------------------------------------------------------
-
-
 class Half:
-    """The merged K (or V) of one pair: E, both norms and the ragged retention data.
-
-    Groups g are the KV heads (granularity=head) or one group over all heads (token); m is the
-    length of one group's vector (D or Hkv*D). Retained rows are sorted by (group, index).
-    """
+    """One pair's merged K (or V): E, both norms and the retained rows, sorted by (group, index)."""
 
     def __init__(
         self, g: int, m: int, hkv: int, d: int, dense_e: bool, thr: float | None, dtype, device
@@ -128,13 +106,12 @@ class Half:
         self.ra = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l-1
         self.rb = torch.empty(0, m, dtype=dtype, device=device)  # (N_r, m) exact rows, l
         self.roff = torch.zeros(g + 1, dtype=torch.int64, device=device)  # (g+1,) group starts
-        # decode_retain: the latest prefill threshold per group (fp32, counted); starts at a
-        # value no decode token passes
+        # decode_retain: the last prefill threshold per group (fp32, counted); at first none passes
         self.thr = torch.full((g,), thr, device=device) if thr is not None else None
 
     def groups(self) -> torch.Tensor:
-        """(N_r,) int64 group of each retained row, from the offsets (a search: CPU
-        repeat_interleave wakes the thread pool, milliseconds on a busy machine)."""
+        """(N_r,) int64 group of each retained row (a search: CPU repeat_interleave wakes the
+        thread pool, milliseconds on a busy machine)."""
         r = torch.arange(self.ridx.numel(), device=self.roff.device)
         return torch.searchsorted(self.roff[1:], r, right=True)
 
@@ -151,8 +128,7 @@ class Half:
         self.roff = torch.cat([self.roff[:1], counts.cumsum(0)])
 
     def append(self, e, na, nb, keep, ra, rb, start: int) -> None:
-        """Append n merged tokens: E (Hkv, n, D) where it is dense, both norms (g, n), and the
-        rows of `keep` (g, n) bool (None: none) retained exactly from ra, rb (g, n, m)."""
+        """n merged tokens: E (Hkv, n, D) if dense, norms (g, n), rows `keep` (g, n) of ra, rb."""
         if self.e is not None:
             self.e.append(e)
         self.na.append(na)
@@ -184,17 +160,17 @@ class Pair:
         self.fwork: list | None = None
 
     def release(self) -> None:
-        """Drop the step's shared scratch (after layer b, and at the end of a prefill)."""
+        """Drop the step's shared scratch."""
         self.work = self.fwork = None
 
     def begin_prefill(self, n_tokens: int, hkv: int, d: int, dtype, device) -> None:
-        """A new turn: no pending tokens, empty exact K, V buffers (1, Hkv, T, D) per layer."""
+        """A new turn: empty exact K, V buffers (1, Hkv, T, D) per layer."""
         self.pending = None
         new = lambda: Buffer((1, hkv, 0, d), 2, dtype, device, n_tokens)  # noqa: E731
         self.exact = {ly: (new(), new()) for ly in (self.a, self.b)}
 
     def nbytes(self) -> int:
-        """Held bytes: the halves, the KIVI store of E and the exact buffers of a prefill."""
+        """The halves, the KIVI store of E and a prefill's exact buffers."""
         total = self.kivi.nbytes() if self.kivi is not None else 0
         if self.exact is not None:
             total += sum(b.nbytes() for kv in self.exact.values() for b in kv)
@@ -203,11 +179,9 @@ class Pair:
         return total
 
 
-# --- the restore and each layer's view of a pair -------------------------------------------
 @dataclass
 class Layout:
-    """Groups g of a pair: the KV heads (granularity=head, m = D) or one group over all heads
-    of a token (granularity=token, m = Hkv*D); H = n_kv_heads, D = head_dim."""
+    """A pair's groups g: the KV heads (granularity=head, m = D) or one per token (m = Hkv*D)."""
 
     token: bool
     H: int
@@ -219,18 +193,17 @@ class Layout:
         self.g, self.m = (1, self.H * self.D) if self.token else (self.H, self.D)
 
     def half(self, dense_e: bool, thr: float | None, dtype, device) -> Half:
-        """An empty merged K or V of this layout (E dense unless a KIVI store holds it)."""
+        """An empty merged K or V (E dense unless a KIVI store holds it)."""
         return Half(self.g, self.m, self.H, self.D, dense_e, thr, dtype, device)
 
     def groups(self, x: torch.Tensor) -> torch.Tensor:
-        """(Hkv, T, D) -> (g, T, m): per head, or all heads of a token in one row."""
+        """(Hkv, T, D) -> (g, T, m)."""
         return x.transpose(0, 1).reshape(1, x.shape[1], -1) if self.token else x
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(g, T, m) -> (Hkv, T, D), the inverse of groups."""
+        """(g, T, m) -> (Hkv, T, D)."""
         return x.reshape(x.shape[1], self.H, self.D).transpose(0, 1) if self.token else x
 
-    # --------------------------------------------------------------- restore
     def directions(self, pair: Pair) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit directions (g, T, m) fp32 of the pair's merged K and V (dequantized for KIVI)."""
         if pair.kivi is not None:
@@ -240,8 +213,7 @@ class Layout:
         return direction(self.groups(ek)), direction(self.groups(ev))
 
     def restore_into(self, pair: Pair, second: bool, dirs, out_k, out_v) -> None:
-        """Write X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D): direction times
-        the layer's own norm, then the retained rows put back exactly."""
+        """X_hat of layer b (second) or a into out_k, out_v (Hkv, T, D), retained rows exact."""
         for half, u, out in ((pair.k, dirs[0], out_k), (pair.v, dirs[1], out_v)):
             n = (half.nb if second else half.na).data.unsqueeze(-1)  # (g, T, 1)
             if self.token:
@@ -256,10 +228,8 @@ class Layout:
                 else:
                     out[half.groups(), idx] = rows.to(out.dtype)
 
-    # ------------------------------------------------------- merged_decode
     def own(self, qr, kr, v) -> Partial:
-        """Attention of the step's queries over their own exact tokens, causal: a single token
-        is its own softmax (out = v, lse = the score), several go through dense_decode."""
+        """The step's queries over their own exact tokens, causal (one token: out = v, lse = s)."""
         if kr.shape[2] > 1:
             return Partial(*dense_decode(qr, kr, v, causal_offset=0))
         g = qr.shape[1] // self.H
@@ -269,10 +239,9 @@ class Layout:
         return Partial(out, s.reshape(1, self.H * g, 1))
 
     def override(self, half: Half, T: int):
-        """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, for layers a and b:
-        the map gives each retained (head, token) its row (-1: restore); 1/||E|| per token
-        (T,) for granularity=token, per (head, token) (Hkv, T) where the torch reference runs
-        (computed once here instead of in both layers). Scratch for a step, not in nbytes."""
+        """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, once for layers a and b:
+        each retained (head, token)'s row (-1: restore); 1/||E|| per token (granularity=token) or
+        (Hkv, T) where the torch reference runs. Step scratch, not in nbytes."""
         e, inv = half.e.data, None  # (Hkv, T, D)
         if self.token or not use_triton(e):
             n = torch.linalg.vector_norm(e.float(), dim=(0, 2) if self.token else -1)
@@ -291,8 +260,7 @@ class Layout:
         return ov, inv
 
     def fused_args(self, half: Half, work, second: bool):
-        """(scale (Hkv, T), map, rows (N, D), unit) of one half of layer b (second) or a, for
-        merged_decode; work = (map, 1/||E|| or None) from override."""
+        """merged_decode's (scale (Hkv, T), map, rows (N, D), unit) of a half; work: override's."""
         ov, inv = work
         norms = (half.nb if second else half.na).data  # (g, T)
         rows = (half.rb if second else half.ra) if ov is not None else None  # (N_r, m)
@@ -320,9 +288,7 @@ class Scratch:
 
 
 class PairLayer:
-    """Layer a (second=False) or b of a MiniCache pair, as a Store: the pair's merged tokens
-    restored with this layer's norms and retained rows. Both views share the pair, whose
-    bytes count once, at layer a."""
+    """Layer a (second=False) or b of a pair as a Store; the pair's bytes count once, at a."""
 
     def __init__(self, pair: Pair, second: bool, layout: Layout, scratch: Scratch):
         self.pair, self.second, self.layout, self.scratch = pair, second, layout, scratch
@@ -335,9 +301,8 @@ class PairLayer:
         return 0 if self.second else self.pair.nbytes()
 
     def partials(self, q, q_pos, n_new: int, window: int | None) -> list[Partial]:
-        """Attention of q (1, Hq, Tq, D) over the merged tokens, all visible (n_new = 0: the
-        step's own tokens are not merged yet): restored inside merged_decode over a dense E,
-        else over the dense restore."""
+        """q (1, Hq, Tq, D) over the merged tokens, all visible (the step's own are not merged
+        yet): in merged_decode over a dense E, else over the restore."""
         pair, lay = self.pair, self.layout
         if pair.length == 0:
             return []
@@ -354,7 +319,7 @@ class PairLayer:
         ]
 
     def restore(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scratch views (1, Hkv, T + extra, D): the restored merged tokens, room for `extra`."""
+        """Scratch views (1, Hkv, T + extra, D): the restored tokens, then room for `extra`."""
         n, pair = self.pair.length, self.pair
         ks, vs = self.scratch.views(n + extra)
         if n:
@@ -364,8 +329,7 @@ class PairLayer:
         return ks, vs
 
     def attend(self, q, k_new, v_new, positions, window: int | None) -> torch.Tensor:
-        """SDPA of q over the restored merged tokens and the exact k_new, v_new (1, Hkv, n, D)
-        after them (slot index = position)."""
+        """SDPA over the restored tokens and the exact k_new, v_new (1, Hkv, n, D) after them."""
         ks, vs = self.restore(k_new.shape[2])
         ks[:, :, self.pair.length :], vs[:, :, self.pair.length :] = k_new, v_new
         k_pos = torch.arange(ks.shape[2], device=ks.device)

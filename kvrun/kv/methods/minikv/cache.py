@@ -1,8 +1,6 @@
-"""MiniKV's cache (§3-4 of the paper): the driver's dense staging and 2-bit KIVI store, with
-column sums over the turn's prompt queries (§3.1.1), heavy hitters plus a recent window per KV
-head once per turn at the end of its prefill (uniform or MiniKV's pyramid per layer, §3.1.2-3),
-whole groups quantized at the prefill end, and decode tokens flushed before they are attended
-(Alg. 1). With quant=none the selected turns are held dense instead.
+"""MiniKV's cache (§3-4 of the paper): column sums over the turn's prompt queries (§3.1.1), heavy
+hitters plus a recent window per KV head at each prefill's end (§3.1.2-3), whole groups quantized
+to 2-bit KIVI (or held dense: quant=none), decode tokens flushed before they are attended (Alg. 1).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def pyramid_shares(n_layers: int, depth: int, direction: str = "down") -> list[F
 
 
 def pyramid(n_hh: int, n_layers: int, depth: int, direction: str = "down") -> list[int]:
-    """Heavy-hitter counts per layer summing to exactly L * n_hh (largest remainder, ties to
-    the lower layer)."""
+    """Heavy hitters per layer summing to L * n_hh (largest remainder, ties to the lower layer)."""
     shares = pyramid_shares(n_layers, depth, direction)
     return largest_remainder([n_hh * s for s in shares], n_layers * n_hh)
 
@@ -57,9 +54,8 @@ def budgets(o, budget, t: int, n_layers: int) -> tuple[list[int], int]:
 
 
 def heavy_recent(acc: torch.Tensor, heavy: int, recent: int, n_kv: int, length_norm: bool):
-    """The `recent` newest tokens plus the `heavy` best by column sums acc (Hkv or Hq, t), per
-    KV head (Hq rows: gqa_agg=max, the best query head of each group); length_norm divides
-    A[j] by the t - j queries that could see token j."""
+    """The `recent` newest plus the `heavy` best tokens per KV head by acc (Hkv or Hq, t); Hq rows
+    (gqa_agg=max): a group's best query head; length_norm divides A[j] by t - j."""
     t = acc.shape[1]
     j = torch.arange(t, device=acc.device)
     if len(acc) != n_kv:
@@ -71,9 +67,8 @@ def heavy_recent(acc: torch.Tensor, heavy: int, recent: int, n_kv: int, length_n
 
 
 def prompt_colsum(q, k, v, older: list[Partial], per_head: bool, mode: str):
-    """The prompt chunk's attention (q (1, Hq, Tq, D) over the turn's keys k, v (1, Hkv, T, D),
-    causal) and A[j] summed over its queries, each row normalised over everything it sees
-    (earlier turns' partials `older` included): (Partial, colsum (Hkv or Hq, T))."""
+    """(Partial, colsum (Hkv or Hq, T)): q (1, Hq, Tq, D) over the turn's k, v (1, Hkv, T, D),
+    causal, each row normalised over all it sees (earlier turns' partials `older` too)."""
     if mode == "dense" and not older:
         return dense_colsum(q, k, v, per_head)
     # two launches on CUDA (Triton), blocks of 256 query rows in torch elsewhere
@@ -117,7 +112,6 @@ class MiniKV(KVCache):
                      else None for _ in range(c.n_layers)]  # fmt: skip
 
     def _dense(self) -> DenseSeg:
-        """Staging with column sums, one row per query head with gqa_agg=max."""
         c = self.config
         rows = c.n_heads if self.opt["gqa_agg"] == "max" else None
         return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
@@ -126,7 +120,6 @@ class MiniKV(KVCache):
     def _window_ok(self, st: Layer) -> bool:
         return False  # the store keeps no positions
 
-    # ------------------------------------------------------------ prefill, decode
     def prefill(self, layer, q, k, v, positions):
         st, held = self._layer(layer, k.shape[2]), self.held[layer]
         st.dense.append(k, v, positions)
@@ -153,7 +146,6 @@ class MiniKV(KVCache):
             st.kivi.flush(r)
         return combine(st.kivi.partials(q, positions, k.shape[2], None), self.dtype)
 
-    # ------------------------------------------------------- compression points
     def at_prefill(self) -> None:
         if self.select_turn:
             self.select("prefill")
@@ -177,7 +169,6 @@ class MiniKV(KVCache):
             if d.pos is not None:
                 self.report(i, point, d.pos)
 
-    # ----------------------------------------------------------------- static decode
     def _decode_seg(self, i: int):
         st = self.layers[i]
         return st.kivi if st.kivi is not None else self.held[i]
@@ -189,7 +180,6 @@ class MiniKV(KVCache):
         r = self.kivi_cfg["residual"]
         return all(st.kivi.tail_len + 1 < r for st in self.layers)
 
-    # ------------------------------------------------------------- accounting
     def stores(self) -> list:
         return super().stores() + [h for h in self.held if h is not None]
 

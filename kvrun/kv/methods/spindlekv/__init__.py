@@ -48,13 +48,9 @@ def nbytes(spec, kv) -> int:
     return total
 
 
-# --- the schedule (§3.2, Eq. 5 as corrected by the spec) -------------------------------------
 def endpoints(r_c: Fraction, beta: Fraction) -> tuple[Fraction, Fraction]:
-    """(r_c(0), r_c(L-1)) of Eq. 5, corrected (kvrun's decision; SpindleKV §3.3).
-
-    The paper prints rL = 1 - 2 r_c and a hard-coded 0.05; 2 r_c - 1 and beta keep the mean of
-    the two endpoints at r_c. r_c <= beta is a flat schedule; r_c >= 1 keeps everything.
-    """
+    """(r_c(0), r_c(L-1)) of Eq. 5 (§3.2) as corrected by the spec (kvrun's decision; §3.3): the
+    paper prints rL = 1 - 2 r_c and a hard-coded 0.05; 2 r_c - 1 and beta keep their mean at r_c."""
     alpha = (1 + beta) / 2
     if r_c >= 1:
         return Fraction(1), Fraction(1)

@@ -1,18 +1,7 @@
 """SpindleKV (§3.3-3.4 of the paper): linearly falling per-layer eviction budgets, per-query-head
-selection stored once per KV head with a keep mask per query head, and per-layer codebooks
-of pre-RoPE K and V (unit entries, one index and one magnitude per slot).
-
-Per layer the store holds a *coded* segment (codebook indices and magnitudes) and a *dense*
-segment (pre-RoPE K and V: codebook=off, or decode tokens with decode_codebook=off), each
-with int32 positions and uint8 keep masks, slots padded so every KV head has the same count.
-Attention sees K = RoPE(C_K[idx_K] * mag_K, pos) and V = C_V[idx_V] * mag_V and masks query
-head j of group h to the slots of head h with bit j set. A decode step attends through
-kernels.codebook_decode, which gathers and rotates inside the kernel (Triton on CUDA, a
-torch reference elsewhere), one partial per segment merged by log-sum-exp; prefill, and
-decode under a sliding window that may mask, rebuild the slots densely for SDPA.
-The store, which attends in this representation, and the codebooks are store.py; the
-schedule is in __init__.py; this file routes the steps and selects (Eq. 2-7).
-"""
+selection stored once per KV head with a keep mask per query head, and per-layer codebooks of
+pre-RoPE K and V. Attention sees K = RoPE(C_K[idx_K] * mag_K, pos), V = C_V[idx_V] * mag_V, query
+head j of group h masked to head h's slots with bit j set. Here: routing, selection (Eq. 2-7)."""
 
 from __future__ import annotations
 
@@ -29,11 +18,9 @@ from . import spindle_keep
 from .store import CodedLayer, pack_bits, unpack_bits
 
 
-# --- per-query-head selection stored once per KV head (§3.3, Eq. 7) ----------------------------
 def qhead_scores(qw, k, sliding: int | None = None, length_norm: bool = True) -> torch.Tensor:
-    """Eq. 2: ac_q[a] = sum_b A_q[b, a] / (t - a) over the window rows b, per query head
-    (Hq, t - w): the observation-window scores with the length normalisation. qw (Hq, w, D)
-    post-RoPE queries of the turn's last w tokens; k (Hkv, t, D) post-RoPE keys of the turn."""
+    """Eq. 2: ac_q[a] = sum_b A_q[b, a] / (t - a) over window rows b -> (Hq, t - w); qw (Hq, w, D)
+    and k (Hkv, t, D) the turn's post-RoPE window queries and keys."""
     vote = window_scores(qw, k, sliding)
     if length_norm:
         t, n_ctx = k.shape[1], vote.shape[1]
@@ -66,7 +53,7 @@ class Slots:
 
 
 def union_slots(keep: torch.Tensor) -> Slots:
-    """Union over the group of keep bits (Hkv, g, t): each kept token once, with its g bits."""
+    """§3.3, Eq. 7: keep bits (Hkv, g, t) as each KV head's union, a token once with its g bits."""
     Hkv, g, t = keep.shape
     union = keep.any(1)  # (Hkv, t)
     count = union.sum(1)  # (Hkv,)
@@ -79,10 +66,8 @@ def union_slots(keep: torch.Tensor) -> Slots:
     return Slots(rel, valid, pack_bits(bits.transpose(1, 2)))
 
 
-# --- the cache ---------------------------------------------------------------------------------
 class SpindleKV(KVManager):
-    """SpindleKV on kvrun's cache contract; options are declared in __init__.py. It reports no
-    kept positions to the debug hook: per-query-head unions are ragged."""
+    """SpindleKV on the cache contract; no kept positions for the debug hook (ragged unions)."""
 
     # the model's keys arrive before RoPE: the store rotates at each slot's own position
     keys_pre_rope = True
@@ -100,7 +85,6 @@ class SpindleKV(KVManager):
         )  # (Hkv, 1, ceil(g/8)) a decode slot: every query head sees it
         self.reset()
 
-    # ------------------------------------------------------------------ state
     def reset(self) -> None:
         super().reset()
         c = self.config
@@ -119,10 +103,8 @@ class SpindleKV(KVManager):
         for st in self.layers:
             st.drop_turn()
 
-    # ------------------------------------------------------------- selection
     def keep_counts(self, t: int) -> list[int] | None:
-        """k_lambda per layer for a turn of t tokens (B from the turn's own length, later turns
-        too), None when every token stays; cached per turn length."""
+        """k_lambda per layer for a turn of t tokens, B from its length (None: all stay)."""
         if not self.select_turn:
             return None
         if self.plan is None or self.plan[0] != t:
@@ -132,22 +114,16 @@ class SpindleKV(KVManager):
         return self.plan[1]
 
     def at_prefill(self) -> None:
-        """The turn's layers still held (a chunked prefill) are compressed here."""
+        """Layers still held (a chunked prefill) are compressed here."""
         for i, st in enumerate(self.layers):
             if st.held_n:
                 self.compress(i, st.held_k.data, st.held_v.data, st.qwin)
             st.drop_turn()
 
     def compress(self, layer: int, kp: torch.Tensor, vp: torch.Tensor, qwin) -> None:
-        """Steps 2-7 for one layer over the turn's pre-RoPE K, V (Hkv, t, D): each query head
-        keeps its top tokens by its own window attention (pooled); a KV head stores the union
-        of its group's picks once, with a keep mask per query head; the store codes them.
-
-        Later chat turns (kvrun's rule for stores that cannot re-select): only the new turn's
-        tokens are compressed, with the same rule and fractions (B from the turn's length) and
-        a softmax over the turn's own keys, as SnapKV does over a KIVI staging area; earlier
-        turns stay as stored.
-        """
+        """Steps 2-7 for one layer over the turn's pre-RoPE K, V (Hkv, t, D). Later turns (kvrun's
+        rule for stores that cannot re-select): only the turn's tokens, B from its length, a
+        softmax over its own keys (as SnapKV over a KIVI staging area); earlier turns stay."""
         st, o = self.layers[layer], self.opt
         Hkv, t, _ = kp.shape
         plan = self.keep_counts(t)
@@ -166,7 +142,6 @@ class SpindleKV(KVManager):
         ks, vs = kp.gather(1, gather), vp.gather(1, gather)  # (Hkv, S, D) kept, in slot order
         st.store_turn(layer, ks, vs, sl.valid, pos, sl.mask, o)
 
-    # ---------------------------------------------------------------- attend
     def decode(self, layer, qr, k, v, positions):
         st = self.layers[layer]
         for i in range(k.shape[2]):  # each token coded, then attended over
@@ -195,11 +170,8 @@ class SpindleKV(KVManager):
         return out
 
     def _fuse(self, st: CodedLayer, qr: torch.Tensor) -> bool:
-        """Whether a decode step attends through kernels.codebook_decode: one new token (more
-        would need causal masks among themselves); not when the model's sliding window may
-        hide a slot (all positions up to the query's must fit in it); not for a layer of dense
-        slots only (codebook=off) on the torch path, whose SDPA over the rotated slots equals
-        `full` bit for bit (as kvrun's full-budget test checks)."""
+        """Whether a decode step uses codebook_decode: one token, no window hiding a slot, and not
+        dense slots only on the torch path (there SDPA equals `full` bit for bit, as tested)."""
         window = self.config.sliding_window
         if qr.shape[2] != 1:
             return False
@@ -207,7 +179,6 @@ class SpindleKV(KVManager):
             return False
         return st.pos_c is not None or use_triton(qr)
 
-    # ------------------------------------------------------------- accounting
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers)
 
@@ -223,14 +194,10 @@ class SpindleKV(KVManager):
         return d
 
 
-# --- the paper's size report (Eq. 15; report=paper) --------------------------------------------
 def paper_ratios(kv: SpindleKV) -> dict:
-    """The paper's Eq. 15 size r = r1 * r2 * r3 per layer (report=paper).
-
-    r1: tokens kept per query head over tokens seen; r2: codebook entries (K and V) over
-    the per-query-head vectors they stand for; r3 = (d + int_bits / (elem_bits + 1)) / d.
-    It prices indices and magnitudes at the codebook fraction, so it understates bytes.
-    """
+    """Eq. 15's r = r1 * r2 * r3 per layer: r1 tokens kept per query head / seen, r2 codebook
+    entries / vectors they stand for, r3 = (d + int_bits / (elem_bits + 1)) / d. It prices indices
+    and magnitudes at the codebook fraction, so it understates bytes."""
     c, g = kv.config, kv.group
     elem_bits = 8 * torch.empty(0, dtype=kv.dtype).element_size()
     r1s, r2s, r3s, rs = [], [], [], []

@@ -1,23 +1,5 @@
-"""SpindleKV's store (§3.4, kvrun's layout): the codebooks and CodedLayer, one layer's store.
-
-Codebooks: a greedy cover of unit vectors by medoids on the cosine graph (Alg. 1, corrected).
-Nodes are unit vectors u; a and b are adjacent when u_a . u_b > theta (every node is its own
-neighbour). While nodes are alive, the node with the most alive neighbours (lowest index on
-ties) becomes an entry and takes its alive neighbours with it. The N x N graph is never built:
-degrees come from tiles of cb_block x cb_block cosines, a pick's neighbours from one matvec and
-the degree updates from tiles of u_alive . u_removed^T, about two all-pairs passes and
-O(cb_block^2 + N) memory. The paper's Alg. 1 sums S (never changing) instead of the alive
-degree; the spec's correction is used. Decode-time assignment ("merge, else rebuild", read one
-token at a time) joins the best entry above theta, else appends the vector as a new entry,
-heads in order so a later head can join an entry made earlier in the same step.
-
-CodedLayer holds one layer's K and V codebooks (Shelf, Book), the coded segment (indices and
-magnitudes), the dense segment (pre-RoPE K and V), each with int32 positions and uint8 keep
-masks, and the current turn's prefill state; every tensor is counted by nbytes. It attends in
-its own representation (the Store protocol), widens a layer's indices to int32 past 32767
-entries (kvrun's rule: the paper gives no index width) and rebuilds its slots before RoPE.
-kvrun/kv/methods/spindlekv/cache.py is the cache that fills it.
-"""
+"""SpindleKV's store (§3.4, kvrun's layout): the codebooks and CodedLayer, one layer's store,
+which attends in its own representation (the Store protocol); spindlekv/cache.py fills it."""
 
 from __future__ import annotations
 
@@ -65,11 +47,8 @@ def _count_above(a: torch.Tensor, b: torch.Tensor, theta: float, block: int) -> 
 
 
 def initial_degrees(u: torch.Tensor, theta: float, block: int) -> torch.Tensor:
-    """deg[a] = #{b : u_a . u_b > theta} with G[a, a] = 1 -> (N,) int32, by square tiles.
-
-    Only tiles on and above the diagonal are computed; a tile's column counts give the mirror
-    tile's row counts, so the graph the degrees describe is exactly symmetric.
-    """
+    """deg[a] = #{b : u_a . u_b > theta}, G[a, a] = 1 -> (N,) int32; tiles on and above the
+    diagonal only, mirrored, so the graph the degrees describe is exactly symmetric."""
     N = u.shape[0]
     deg = torch.zeros(N, dtype=torch.int32, device=u.device)
     for i in range(0, N, block):
@@ -90,7 +69,10 @@ def build_codebook(
     block: int = 4096,
     dtype: torch.dtype = torch.float16,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # entries (C, d) in dtype, idx (N,) int64
-    """The greedy medoid cover of SpindleKV's Alg. 1 (corrected), blocked; see the module doc."""
+    """The greedy medoid cover of Alg. 1, with the spec's correction (alive degrees, where the paper
+    sums the fixed S): u_a, u_b adjacent when u_a . u_b > theta (each node its own neighbour); the
+    node with the most alive neighbours (lowest index on ties) becomes an entry and takes them.
+    Blocked, never the N x N graph: about two all-pairs passes, O(block^2 + N) memory."""
     N, d = u.shape
     idx = torch.empty(N, dtype=torch.int64, device=u.device)
     if N == 0:
@@ -119,9 +101,8 @@ def build_codebook(
             cand = cand[:k]
             hit = (ua @ ua[cand].T > theta) & alive[:, None]  # (n, k) alive neighbourhoods
             hit[cand, torch.arange(k, device=u.device)] = True
-            # a leading run of candidates whose neighbourhoods are pairwise disjoint are the
-            # next picks of the one-at-a-time greedy: removing one leaves the others' degrees
-            # unchanged, and every other node's degree can only fall
+            # leading candidates with pairwise disjoint neighbourhoods are the greedy's next picks:
+            # removing one leaves the others' degrees unchanged (any other degree only falls)
             hf = hit.float()
             overlap = (hf.T @ hf).tril(-1)  # (k, k) shared neighbours with earlier candidates
             clash = (overlap > 0).any(1).tolist()
@@ -146,13 +127,9 @@ def assign(
     x: torch.Tensor,  # (H, d) new vectors, one per KV head, in head order
     theta: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Code new vectors against a codebook (SpindleKV §3.4, decode-time merging).
-
-    Returns idx (H,) int64 into the codebook after `new` is appended, new entries (M, d) in
-    the entries' dtype, and magnitudes (H,) fp32. A vector joins argmax_c cos(u, C_c) (lowest
-    index on ties) when that cosine exceeds theta, else becomes a new entry; entries made by
-    earlier heads of the same call count for later heads.
-    """
+    """Decode-time merging (§3.4): idx (H,) int64 into the codebook with `new` (M, d) appended, and
+    magnitudes (H,) fp32. A vector joins its best entry (lowest index on ties) if above theta, else
+    becomes a new entry that later heads of the call can join ("merge, else rebuild", per token)."""
     u, m = unit_vectors(x)  # (H, d), (H,)
     H, C = u.shape[0], entries.shape[0]
     stored = u.to(entries.dtype)  # what a new entry holds
@@ -179,12 +156,9 @@ def assign(
     return torch.tensor(out, dtype=torch.int64, device=x.device), new, m
 
 
-# --- SpindleKV's growable codebooks (the per-layer store is kvrun.kv.coded) --------------------
 class Shelf:
-    """One layer's K (or V) codebooks, one shared or one per KV head, in one buffer
-    (n_books, capacity, d): book h starts at row h * capacity of its flat view, so the decode
-    kernel reads per-head books through offsets, with no concatenation (nothing copied per
-    step; all books grow together, by doubling, when one is full)."""
+    """One layer's K (or V) codebooks, shared or one per KV head, in one (n_books, cap, d) buffer:
+    the decode kernel reads book h at flat row h * cap, nothing copied per step."""
 
     def __init__(self, n_books: int, d: int, dtype: torch.dtype, device):
         self.data = torch.empty(n_books, 0, d, dtype=dtype, device=device)  # (n_books, cap, d)
@@ -202,8 +176,7 @@ class Shelf:
         self.data, self._off = grown, None
 
     def table(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every book as rows of one table (n_books * capacity, d) and the first row of each
-        book (n_books,) int32 (None for one book): kernels.codebook_decode's book and off."""
+        """codebook_decode's book (n_books * cap, d) and off (n_books,) int32 (None: one book)."""
         n_books, cap, d = self.data.shape
         if n_books == 1:
             return self.data[0], None
@@ -232,7 +205,6 @@ class Book:
         return self.n * self.shelf.data.shape[2] * self.shelf.data.element_size()
 
 
-# --- coding a layer's slots against its books (steps 6-7; Decode 1) ----------------------------
 def build_books(
     books: list[Book],
     x: torch.Tensor,  # (Hkv, S, D) kept vectors in slot order
@@ -241,8 +213,7 @@ def build_books(
     cb_block: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Code the valid slots of x (Hkv, S, D): idx (Hkv, S) int64 and magnitudes (Hkv, S)
-    in dtype (the KV dtype), 0 on padding; new entries appended to the books."""
+    """Steps 6-7, new entries into the books: idx (Hkv, S) int64, magnitudes (Hkv, S) in dtype."""
     idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
     mag = torch.zeros(valid.shape, dtype=dtype, device=x.device)
     groups = [(books[0], valid)] if len(books) == 1 else []
@@ -273,13 +244,11 @@ def assign_books(
     return torch.cat([i for i, _, _ in out]), torch.cat([m for _, _, m in out])
 
 
-# --- the per-layer store ------------------------------------------------------------------
 INT16_MAX = 32767  # a codebook with more entries than this switches its layer to int32 indices
 
 
-# keep masks: one bit per query head of a KV head's group, per slot (SpindleKV Eq. 7)
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """(..., g) bool -> (..., ceil(g/8)) uint8, bit j of byte j // 8 = query head j."""
+    """Keep masks (Eq. 7): (..., g) bool -> (..., ceil(g/8)) uint8, bit j % 8 of byte j // 8."""
     g = bits.shape[-1]
     out = torch.zeros(*bits.shape[:-1], -(-g // 8), dtype=torch.uint8, device=bits.device)
     for j in range(g):
@@ -294,8 +263,7 @@ def unpack_bits(mask: torch.Tensor, g: int) -> torch.Tensor:
 
 
 class _Seg:
-    """A stored field of CodedLayer: the occupied slots of its Buffer (slots along dim 1), or
-    None before the first append."""
+    """A CodedLayer field: its Buffer's occupied slots (dim 1), None before the first append."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -305,7 +273,6 @@ class _Seg:
         return None if b is None else b.data
 
     def __set__(self, layer: CodedLayer, x: torch.Tensor) -> None:
-        """The field's slots become x (a rewrite of every slot, as a permutation)."""
         layer.bufs.pop(self.name, None)
         layer._append(**{self.name: x})
 
@@ -315,13 +282,8 @@ def nbytes_of(t: torch.Tensor | None) -> int:
 
 
 class CodedLayer:
-    """One layer's SpindleKV state (every tensor counted by nbytes), attending in its own
-    representation (the Store protocol, kvrun/kv/protocol.py): `partials` through
-    kernels.codebook_decode, `attend` over the slots rebuilt for SDPA.
-
-    rope: the model's kvrun.rope.Rope (slots are rotated at their own positions inside the
-    attention); group: query heads per KV head (the keep masks hold one bit per query head).
-    """
+    """One layer's SpindleKV state, every tensor in nbytes; rope rotates slots at their own
+    positions inside attention; group: query heads per KV head (a mask bit each)."""
 
     # coded segment (Hkv, S_c[, nb]): codebook indices, magnitudes, int32 positions, keep masks
     idx_k, idx_v, mag_k, mag_v, pos_c, mask_c = _Seg(), _Seg(), _Seg(), _Seg(), _Seg(), _Seg()
@@ -364,8 +326,6 @@ class CodedLayer:
         self.held_k = self.held_v = self.qwin = None
 
     def _append(self, **rows: torch.Tensor) -> None:
-        """Slots (Hkv, n[, ...]) after the occupied ones of each named field (a decode token
-        writes into the buffers' room instead of copying the layer's slots)."""
         for name, x in rows.items():
             b = self.bufs.get(name)
             if b is None:
@@ -379,10 +339,8 @@ class CodedLayer:
         self._append(k_d=k, v_d=v, pos_d=pos, mask_d=mask)
 
     def store_turn(self, layer: int, ks, vs, valid, pos, mask, o) -> None:
-        """A turn's kept vectors (Hkv, S, D) pre-RoPE, in slot order (valid: real slots, the
-        rest padding): coded with a greedy build whose entries are appended to the layer's
-        codebooks (earlier entries and indices unchanged, as at decode), or stored dense with
-        codebook=off (padding slots hold zeros)."""
+        """A turn's kept pre-RoPE vectors (Hkv, S, D), coded into the books (earlier entries kept)
+        or dense with codebook=off (padding zeroed)."""
         if not o["codebook"]:
             z = valid[..., None]
             self.append_dense(ks * z, vs * z, pos, mask)
@@ -393,8 +351,7 @@ class CodedLayer:
         self.append_coded(ik.to(self.idx_dtype[0]), iv.to(self.idx_dtype[1]), mk, mv, pos, mask)
 
     def store_token(self, layer: int, k, v, pos, mask, o) -> None:
-        """One decode token, k and v (Hkv, D) pre-RoPE at pos (Hkv, 1): assigned to the
-        codebooks (new entries where none is within theta), or dense (decode_codebook=off)."""
+        """One decode token, k, v (Hkv, D) pre-RoPE at pos (Hkv, 1), coded or dense."""
         if not (o["codebook"] and o["decode_codebook"]):
             self.append_dense(k[:, None], v[:, None], pos, mask)
             return
@@ -411,8 +368,7 @@ class CodedLayer:
         )
 
     def widen(self, layer: int, strict: bool) -> None:
-        """Switch the layer's K or V indices to int32 once its codebook exceeds 32767 entries
-        (kvrun's rule; the paper gives no index width); strict (index=int16-strict) raises."""
+        """Indices int32 past 32767 entries (kvrun's rule: no width in the paper); strict raises."""
         for i, (books, name) in enumerate(((self.books_k, "key"), (self.books_v, "value"))):
             size = max(b.n for b in books)
             if size <= INT16_MAX or self.idx_dtype[i] == torch.int32:
@@ -428,8 +384,7 @@ class CodedLayer:
                 b.replace(b.data.to(torch.int32))
 
     def slots(self):
-        """The layer's slots rebuilt before RoPE: K (Hkv, S, D), V (Hkv, S, D) in the KV dtype,
-        positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
+        """Slots rebuilt pre-RoPE, coded first: K, V (Hkv, S, D), pos (Hkv, S) int64, masks."""
         kp, vp, pos, mask = [], [], [], []
         if self.pos_c is not None:
             kp.append(gather_books(self.books_k, self.idx_k) * self.mag_k[..., None])
@@ -445,18 +400,11 @@ class CodedLayer:
 
         return cat(kp), cat(vp), cat(pos).long(), cat(mask)
 
-    # ------------------------------------------------------------ attention
     def partials(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> list[Partial]:
-        """Decode attention of q (1, Hq, 1, D), post-RoPE, over the stored slots: one partial
-        per segment (coded, dense), each gathered and rotated inside codebook_decode.
-
-        For one query token that sees every slot (the manager's `_fuse` decides): its own
-        token is already stored, so n_new needs no causal mask, and window must not hide a
-        slot. q_pos is not read: the driver rotated q at its positions, so the RoPE tables
-        already cover them and every slot before them.
-        """
+        """Decode attention of q (1, Hq, 1, D) post-RoPE, a partial per segment, gathered and
+        rotated in codebook_decode; only where the query sees every slot (the cache's `_fuse`)."""
         cos, sin = self.rope.tables(0)
         parts = []
         if self.pos_c is not None:
@@ -473,9 +421,8 @@ class CodedLayer:
         return parts
 
     def attend(self, q, q_pos, window, k_new=None, v_new=None, k_pos_new=None) -> torch.Tensor:
-        """Attention of q (1, Hq, T, D) at q_pos (T,) over the stored slots (masked per query
-        head) and the turn's exact keys k_new (1, Hkv, n, D) post-RoPE at k_pos_new, if any:
-        SDPA over the slots rebuilt (prefill, and decode steps `partials` does not take)."""
+        """SDPA of q (1, Hq, T, D) over the rebuilt slots, masked per query head, and the turn's
+        exact post-RoPE k_new (1, Hkv, n, D) at k_pos_new, if any."""
         if self.n_slots == 0:
             return dense_attention(q, k_new, v_new, q_pos, k_pos_new, window)
         ks, vs, pos, mask = self.materialise()
@@ -500,8 +447,7 @@ class CodedLayer:
         return sdpa(q, ks, vs, m)
 
     def materialise(self):
-        """The slots rebuilt: K post-RoPE (1, Hkv, S, D), V (1, Hkv, S, D) in the KV dtype,
-        positions (Hkv, S) int64 and masks (Hkv, S, nb); coded slots first."""
+        """`slots` with K rotated and a batch dim: K, V (1, Hkv, S, D), positions, masks."""
         k, v, pos, mask = self.slots()
         return self.rope.apply(k[None], pos), v[None], pos, mask  # RoPE at each slot's position
 

@@ -57,12 +57,9 @@ def _greedy(vals, f, steps: int | None, target: float | None) -> list[int]:
 def allocate_budget(
     p: list[torch.Tensor], n_ctx: int, floor: int, alloc: str = "topk"
 ) -> list[int]:
-    """Budget mode (Eqs. 17-18): context tokens n_i per layer, summing to n_ctx clamped to
-    [sum f_i, sum C_i], that maximise the mean retained mass; f_i = min(floor, C_i).
-
-    p: per-layer normalised scores (C_i,). Exact global top-N over the non-floor entries;
-    alloc="loop" runs the literal greedy instead (the same result, the reference).
-    """
+    """Budget mode (Eqs. 17-18): n_i maximising the mean retained mass of p (C_i,), summing to n_ctx
+    clamped to [sum f_i, sum C_i], f_i = min(floor, C_i); an exact global top-N (alloc="loop":
+    the literal greedy, the reference)."""
     vals, f = _ranked(p, floor)
     C = [v.numel() for v in vals]
     extra = max(sum(f), min(n_ctx, sum(C))) - sum(f)

@@ -1,11 +1,7 @@
-"""XKV (§4 of the paper): SnapKV-style eviction at the end of prefill with its own budget n_i
-per layer, chosen by a global top-N over per-layer-normalised window scores.
-
-Budgets come from a scoring pass of the same model that keeps no KV (plan=two-pass), from the
-prefill itself (plan=deferred, chunked prefills, later chat turns) or from a saved profile.
-With a plan in hand and a one-chunk prefill, each layer evicts right after its attention, so
-the peak is the compressed earlier layers plus one full layer. Nothing is evicted in decode.
-"""
+"""XKV (§4 of the paper): SnapKV-style eviction at the end of prefill, n_i per layer from a
+global top-N over per-layer-normalised window scores, planned by a scoring pass that keeps no KV
+(plan=two-pass), the prefill itself (deferred) or a profile. With a plan and a one-chunk prefill
+each layer evicts right after its attention: the peak is one full layer plus compressed ones."""
 
 from __future__ import annotations
 
@@ -28,17 +24,10 @@ from .profile import (
 )
 
 
-# --------------------------------------------------------------------------------- scores
 def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """XKV's window attention (§3.1): a_q[j] (Hq, T - w) fp32, the softmax of the w window
-    rows over all T keys (causal inside the window), averaged over the rows, for the T - w
-    context keys. One unblocked softmax, not `window_scores`' two passes: XKV's scoring pass
-    and its prefill must give bit-identical scores, and its kept sets are pinned to this
-    computation.
-
-    qw (Hq, w, D) post-RoPE queries of the last w tokens; k (Hkv, T, D) post-RoPE keys, the
-    last w of them the window's own. Query head q reads KV head q // G.
-    """
+    """XKV's window attention (§3.1) a_q[j] (Hq, T - w) fp32: the softmax of the w window rows
+    (qw (Hq, w, D)) over all T keys (k (Hkv, T, D), causal in the window), averaged over the rows.
+    One unblocked softmax, not `window_scores`' two passes: the kept sets are pinned to it."""
     Hq, w, D = qw.shape
     Hkv, T, _ = k.shape
     G = Hq // Hkv
@@ -56,18 +45,15 @@ def window_attention(qw: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def layer_scores(
     qw: torch.Tensor, k: torch.Tensor, pool: str
 ) -> tuple[torch.Tensor, torch.Tensor]:  # w (C,), s (Hkv, C) fp32
-    """XKV's scores of one layer: w_i = pool(mean of a_q over all query heads), the allocation
-    score, and s_{i,h} = pool(sum of a_q over the group of KV head h), the selection score."""
+    """w_i = pool(mean of a_q over query heads), s_{i,h} = pool(sum over KV head h's group)."""
     a = window_attention(qw, k)  # (Hq, C)
     w = pool_scores(a.mean(dim=0, keepdim=True), pool)[0]
     s = pool_scores(group_sum(a, k.shape[0]), pool)
     return w, s
 
 
-# --------------------------------------------------------------------------------- manager
 class XKV(KVCache):
-    """XKV on the driver: its own allocator, scores and planning; the driver's dense or KIVI
-    store and its window of queries."""
+    """XKV on the driver: its own allocator, scores and planning over the driver's store."""
 
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
         o = spec.select_opts  # target mode and a --kv-budget were refused by the spec
@@ -91,11 +77,9 @@ class XKV(KVCache):
         self._first = True
         self.layer_budgets: list[int] | None = None  # n_i + ows after the last prefill
 
-    # ------------------------------------------------------------------- planning
     def planning_pass(self, when, ids, tokenizer) -> list[Pass]:
-        """Pass 1 of plan=two-pass before the first prefill, one chunk (a chunked prefill must
-        keep every layer exact until its last chunk, kvrun's rule), or none: plan=deferred, a
-        later turn, a usable profile, nothing to evict, a sliding window."""
+        """Pass 1 of plan=two-pass before a one-chunk first prefill (a chunked one keeps every
+        layer exact to its last chunk, kvrun's rule); none with a usable profile or a window."""
         if when != "before":
             return []
         self._plan = None
@@ -111,7 +95,7 @@ class XKV(KVCache):
         return [Pass(list(ids), _ScoringPass(self), self.seen, whole=True)]
 
     def _usable_profile(self) -> Profile | None:
-        """The profile to load instead of planning: FILE exists and profile_update is off."""
+        """The profile to load instead of planning (FILE exists, profile_update off)."""
         p = self.profile_path
         if p is None or self.opt["profile_update"] or not p.exists():
             return None
@@ -122,7 +106,6 @@ class XKV(KVCache):
     def _allocate(
         self, w: list[torch.Tensor], n: int, rows: int, source: str, t: int
     ) -> Allocation:
-        """Budgets from the allocation scores w_i of every layer (budget or target mode)."""
         p = [normalise(x) for x in w]
         alloc = self.opt["alloc"]
         if self.target > 0:
@@ -143,7 +126,7 @@ class XKV(KVCache):
         self._record_profile(a)
 
     def _record_profile(self, a: Allocation) -> None:
-        """Write (or fold into) profile=FILE after planning the first prefill normally."""
+        """Write (or fold into) profile=FILE after planning the first prefill."""
         if self.profile_path is None:
             return
         units = self.opt["profile_units"]
@@ -165,7 +148,6 @@ class XKV(KVCache):
         )
         save_profile(self.profile_path, prof)
 
-    # --------------------------------------------------------------- sequence points
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
         L = self.config.n_layers
@@ -206,13 +188,12 @@ class XKV(KVCache):
         return out
 
     def _selection_score(self, st) -> torch.Tensor:
-        """s_{i,h} (Hkv, C) of a layer from its window queries and keys; (1, C) w_i for
-        select=layer (one kept set for all KV heads)."""
+        """s_{i,h} (Hkv, C), or w_i (1, C) for select=layer."""
         w, s = layer_scores(st.queries, st.dense.k[0], self.pool)
         return w[None] if self.opt["select"] == "layer" else s
 
     def _keep(self, st, score: torch.Tensor, n_ctx: int) -> None:
-        """Keep the top-n_ctx context slots by score (ties: lower position) plus the window."""
+        """The top-n_ctx context slots by score (ties: lower position) plus the window."""
         d = st.dense
         C = score.shape[1]
         if n_ctx >= C:
@@ -222,8 +203,7 @@ class XKV(KVCache):
         d.keep(keep_indices(full, None, n_ctx + rows))
 
     def select(self, point: str) -> None:
-        """At end_prefill: deferred scoring, allocation and eviction for the layers not yet
-        done."""
+        """At end_prefill: deferred scoring, allocation and eviction of the layers not done."""
         todo = [i for i, done in enumerate(self._done) if not done]
         if todo:
             kivi = self.layers[0].kivi is not None
@@ -258,7 +238,6 @@ class XKV(KVCache):
             if st.dense.pos is not None:
                 self.report(i, point, st.dense.pos)
 
-    # --------------------------------------------------------------------- accounting
     def nbytes(self) -> int:
         """Cache bytes plus the plan's selection scores while held across calls (0.6)."""
         held = list(self._held)
@@ -277,9 +256,7 @@ class XKV(KVCache):
 
 
 class _ScoringPass(KVManager):
-    """Pass 1 of plan=two-pass: exact causal attention within the one-chunk prompt, nothing
-    kept across layers; records w_i and the selection scores, and hands the plan to its XKV
-    at end_prefill. (The model still runs the last MLP and head row: one row, negligible.)"""
+    """Pass 1 of plan=two-pass: exact attention, nothing kept; w_i and s_{i,h} go to its XKV."""
 
     name = "xkv-scoring-pass"
 

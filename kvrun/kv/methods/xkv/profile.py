@@ -17,8 +17,7 @@ from ...spec import largest_remainder
 
 @dataclass(slots=True)
 class Profile:
-    """A saved allocation: per-layer fractions of the prompt (or token counts), a running mean
-    over `count` prompts of one task type."""
+    """Per-layer fractions of the prompt (or token counts), a mean over `count` prompts."""
 
     model: str
     n_layers: int
@@ -92,8 +91,7 @@ def load_profile(path: str | Path) -> Profile:
 def check_profile(
     prof: Profile, path, n_layers: int, model: str, window: int, pool: str, units: str | None = None
 ) -> None:
-    """A profile made for another model shape, window, pooling (or units, when folding) is an
-    error: its fractions would not mean the same thing."""
+    """A profile made for another model, window or pooling (or units, when folding) is an error."""
     where = f"profile {path}"
     if prof.n_layers != n_layers:
         raise KvrunError(
@@ -142,16 +140,10 @@ def save_profile(path: str | Path, prof: Profile) -> None:
 def profile_budgets(
     values: list[float], units: str, t: int, n_ctx: int, floor: int, C: int, target: bool
 ) -> list[int]:
-    """Context tokens per layer for a prompt of t tokens (C = t - ows) from a profile.
-
-    Target mode: n_i = floor(phi_i * t + 1/2) clipped to [f, C]. Budget mode: f plus the
-    largest-remainder split of N - L*f (ties to the lower layer), layers above C cut to C and
-    the excess given to the others up to C in descending phi order, so sum n_i = N.
-
-    The split is in proportion to what each layer's profile share puts above the floor,
-    (phi_i * t - f)+, not to phi_i (kvrun's decision): with f > 0 a plain phi_i split would
-    not give back the saved n_i at the same length (a profile round trip), this one does.
-    """
+    """Context tokens per layer for t tokens (C = t - ows). Target mode: floor(phi_i * t + 1/2) in
+    [f, C]. Budget mode: f plus the largest-remainder split of N - L*f (ties to the lower layer),
+    excess over C given to others in descending phi, so sum n_i = N. kvrun's decision: the split
+    follows (phi_i * t - f)+, not phi_i, so the saved n_i come back at the same length."""
     L, f = len(values), min(floor, max(C, 0))
     if C <= 0:
         return [0] * L
