@@ -235,3 +235,24 @@ def test_stores_follow_the_store_protocol(m):
                 parts = store.partials(q, torch.tensor([kv.seen]), 0, None)
             out = combine(parts, torch.float32)
             assert out.shape == q.shape and torch.isfinite(out).all(), text
+
+
+@pytest.mark.parametrize("name", ["tova", "knorm", "kvzip"])
+def test_a_scoring_method_lives_in_its_own_files(name):
+    """TOVA, KNorm and KVzip were added as one module each plus the registry line: their names
+    appear nowhere else in kvrun/ (a method is one place to read)."""
+    from pathlib import Path
+
+    import kvrun
+
+    root = Path(kvrun.__file__).parent
+    own = [root / "kv" / "methods" / f"{name}.py", root / "kv" / "methods" / name]
+    registry = root / "kv" / "methods" / "__init__.py"
+    hits = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if name in p.read_text(encoding="utf-8").lower()
+        and p != registry
+        and not any(p == o or o in p.parents for o in own)
+    ]
+    assert not hits, hits

@@ -17,7 +17,7 @@ import pytest
 import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
-from kv_helpers import restore, restored
+from kv_helpers import quantize, restore, restored
 from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 
 from kvrun.cli.main import cli
@@ -155,7 +155,7 @@ def test_restored_norms_and_unit_directions():
         assert ((half - ref).abs() / ref).max() <= 2e-3
     # kivi4 on E: keys per channel over 32 tokens, values per token over 32 channels
     for dim in (0, 1):
-        codes, s, z = kivi.quantize(e[:384], 4, dim, 32, torch.float16)
+        codes, s, z = quantize(e[:384], 4, dim, 32, torch.float16)
         eq = kivi.dequantize(codes, s, z, dim, 32)
         got = restore(eq, na[:384].half()).double().norm(dim=-1)
         assert ((got - ref_na[:384]).abs() / ref_na[:384]).max() <= 2e-3

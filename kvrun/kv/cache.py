@@ -217,6 +217,10 @@ class KVCache(KVManager):
             return f"{self.name} keeps positions or scores per slot"
         return None
 
+    def static_step_ok(self) -> bool:
+        """Whether the next decode step can be the static one (else it runs eagerly)."""
+        return True
+
     @property
     def capacity(self) -> int:
         return self._cap
