@@ -2,36 +2,23 @@
 
 `-m llama3-8b-synthetic` builds a Llama-3-8B-shaped model straight on the target device in
 the compute dtype (never a float32 copy on the CPU first). Its output means nothing; every
-number measured on it is labelled synthetic.
+number measured on it is labelled synthetic. kvrun.runtime.preset_runtime assembles the
+Runtime from these parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from . import hardware
 from .config import ModelConfig
 from .errors import KvrunError
-from .quant import Packed, dense_name
-from .shapes import preset_config
+from .quant import Packed
 from .wformat import GROUP
 
 INIT_STD = 0.02  # small normal init: activations stay finite through 32 layers in bf16
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory on the device: CUDA free bytes, or MemAvailable from /proc/meminfo."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None  # unknown (not Linux): let the allocator decide
 
 
 def weight_bytes(
@@ -66,7 +53,7 @@ def check_fits(
     """Refuse, in one line, a preset whose weights exceed the memory free on the device."""
     elem = torch.empty(0, dtype=dtype).element_size()
     need = weight_bytes(config, dtype, bits)
-    free = available_bytes(device)
+    free = hardware.available_bytes(device)
     if free is None or need <= free:
         return
     dt = f"q{bits}" if bits else str(dtype).removeprefix("torch.")
@@ -166,32 +153,6 @@ def random_packed(shape: tuple[int, int], bits: int, device, gen) -> Packed:
         return Packed(4, codes, scale, scale * -7.5, source="random", exact=False)
     scale = torch.full(groups, INIT_STD / 73.9, dtype=torch.float16, device=device)  # -128..127
     return Packed(8, raw.view(torch.int8).view(n, k), scale, None, source="random", exact=False)
-
-
-def preset_runtime(
-    spec: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    progress: Callable[[int, int], None] | None = None,
-    wtype: str = "auto",
-):
-    """A Runtime for a shape preset: random weights (dense in dtype, or packed for --wtype
-    q4/q8, made as codes without a float copy), a SyntheticTokenizer, format 'synthetic'."""
-    from .model import Transformer
-    from .runtime import Runtime
-    from .weights import LoadedWeights
-
-    config = preset_config(spec)
-    bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured
-    check_fits(spec.lower(), config, dtype, device, bits)
-    tensors = random_weights(config, dtype, device, progress=progress, bits=bits)
-    model = Transformer.from_weights(config, tensors, device, consume=True)
-    tok = SyntheticTokenizer(config.vocab_size)
-    path = Path(spec.lower())
-    meta = {"synthetic": True, "preset": spec.lower(), "init_std": INIT_STD}
-    wt = f"q{bits}" if bits else dense_name(dtype)
-    w = LoadedWeights(config, {}, tok, path, "synthetic", meta=meta, wtype=wt)
-    return Runtime(model, tok, config, path, w)
 
 
 def is_synthetic(rt) -> bool:
