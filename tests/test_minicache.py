@@ -17,6 +17,7 @@ import pytest
 import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
+from passkey_helpers import passkey_prompt
 from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 
 from kvrun.cli.main import cli
@@ -25,7 +26,7 @@ from kvrun.kv import kivi
 from kvrun.kv.merged import merge, pairing, restore, retention
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 E = 4  # bytes per fp32 element (the CPU reference dtype)
 HKV, D = 2, 32

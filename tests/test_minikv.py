@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from cli_checks import one_error_line
 from click.testing import CliRunner
+from passkey_helpers import passkey_prompt
 from test_kv_methods import HKV, drive, full_logits, hooked, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
@@ -23,7 +24,7 @@ from kvrun.kernels.colsum import colsum_ref
 from kvrun.kv.budget import minikv_pyramid, minikv_pyramid_shares
 from kvrun.kv.kivi import KiviLayer, dequantize, pack, quantize, unpack
 from kvrun.kv.select import dense_colsum
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

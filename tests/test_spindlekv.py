@@ -17,6 +17,7 @@ from fractions import Fraction
 import pytest
 import torch
 from click.testing import CliRunner
+from passkey_helpers import passkey_prompt
 from test_kv_methods import config, drive, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
@@ -29,7 +30,7 @@ from kvrun.kv.scores import pool_scores, qhead_scores
 from kvrun.kv.select_qhead import union_slots
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 E = 4  # bytes per fp32 element (CPU reference dtype)
 L, HKV, D = 3, 2, 32
