@@ -200,7 +200,7 @@ class PackedLinear(nn.Module):
 
     def cpu_op(self) -> OpArgs | None:
         """The int4 op's arguments where this layer's decode products run through the CPU op
-        (kvrun/decode_loop.py binds them), else None."""
+        (kvrun/fused_decode.py binds them), else None."""
         op = self._op
         return op if op is not None and not op.cuda else None
 
