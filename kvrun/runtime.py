@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .errors import KvrunError
 from .kv import FULL, KVSpec, build
 from .kv.base import KVManager
-from .models import resolve
+from .model_store import resolve
 from .quant import DENSE_WTYPES, dense_name
 from .weights import LoadedWeights, load
 from .wformat import WTYPES
