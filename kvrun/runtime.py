@@ -124,8 +124,8 @@ def preset_runtime(
     """A Runtime for a shape preset: random weights (dense in dtype, or packed for --wtype
     q4/q8, made as codes without a float copy), a SyntheticTokenizer, format 'synthetic'."""
     from .model import Transformer
-    from .presets import INIT_STD, SyntheticTokenizer, check_fits, random_weights
     from .shapes import preset_config
+    from .synthetic import INIT_STD, SyntheticTokenizer, check_fits, random_weights
 
     config = preset_config(spec)
     bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured

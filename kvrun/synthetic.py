@@ -1,4 +1,5 @@
-"""Shape presets: real model shapes with random weights, for speed and memory measurements.
+"""Synthetic models: random weights of real model shapes (the shape presets), for speed and
+memory measurements.
 
 `-m llama3-8b-synthetic` builds a Llama-3-8B-shaped model straight on the target device in
 the compute dtype (never a float32 copy on the CPU first). Its output means nothing; every
