@@ -99,7 +99,7 @@ def load_runtime(
     t0 = time.perf_counter()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev, wtype)
-    from .shapes import is_preset
+    from .presets import is_preset
 
     if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
         rt = preset_runtime(spec, dt, dev, progress, wtype)
@@ -124,7 +124,7 @@ def preset_runtime(
     """A Runtime for a shape preset: random weights (dense in dtype, or packed for --wtype
     q4/q8, made as codes without a float copy), a SyntheticTokenizer, format 'synthetic'."""
     from .model import Transformer
-    from .shapes import preset_config
+    from .presets import preset_config
     from .synthetic import INIT_STD, SyntheticTokenizer, check_fits, random_weights
 
     config = preset_config(spec)

@@ -14,8 +14,8 @@ from kvrun.cli.bench import bench
 from kvrun.cli.main import KvrunGroup
 from kvrun.errors import KvrunError
 from kvrun.kv import check
+from kvrun.presets import PRESETS, is_preset, preset_config
 from kvrun.runtime import load_runtime
-from kvrun.shapes import PRESETS, is_preset, preset_config
 from kvrun.synthetic import SyntheticTokenizer, check_fits
 
 ROW_FIELDS = {

@@ -333,9 +333,9 @@ def test_auto_packs_when_dense_would_not_fit(monkeypatch):
 
 def test_synthetic_preset_packed_without_floats():
     from kvrun.config import ModelConfig
+    from kvrun.presets import PRESETS
     from kvrun.quant import Packed
     from kvrun.runtime import preset_runtime
-    from kvrun.shapes import PRESETS
     from kvrun.synthetic import random_weights, weight_bytes
     from kvrun.tasks.bench import weight_bytes as measured_bytes
 
