@@ -100,8 +100,8 @@ def import_graph() -> dict[str, dict[str, bool]]:
     }
 
 
-def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
-    """One cycle (a path back to its start) for every strongly connected set of modules."""
+def knots(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
+    """The strongly connected sets of two or more modules (each one reaches every other)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -133,7 +133,12 @@ def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return [_cycle_in(graph, scc) for scc in sccs]
+    return sccs
+
+
+def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
+    """One cycle (a path back to its start) through every knot."""
+    return [_cycle_in(graph, k) for k in knots(graph)]
 
 
 def _cycle_in(graph: dict[str, dict[str, bool]], scc: list[str]) -> list[str]:
@@ -155,24 +160,31 @@ def _cycle_in(graph: dict[str, dict[str, bool]], scc: list[str]) -> list[str]:
 
 
 def _show(found: list[list[str]], graph) -> str:
+    """Each knot as one of its cycles, and all its modules where the cycle leaves some out."""
+
     def arrow(a: str, b: str) -> str:
         return " -(lazy)-> " if graph[a][b] else " -> "
 
-    lines = [c[0] + "".join(arrow(a, b) + b for a, b in pairwise(c)) for c in found]
+    lines = []
+    for knot in found:
+        c = _cycle_in(graph, knot)
+        lines.append(c[0] + "".join(arrow(a, b) + b for a, b in pairwise(c)))
+        if len(knot) > len(c) - 1:
+            lines.append(f"  (one cycle of a knot of {len(knot)} modules: {', '.join(knot)})")
     return "import cycles:\n  " + "\n  ".join(lines)
 
 
 def test_no_import_cycles_outside_kv():
     """No cycle runs through a module outside kvrun/kv/."""
     graph = import_graph()
-    found = [c for c in cycles(graph) if any(not m.startswith(KV) for m in c)]
+    found = [k for k in knots(graph) if any(not m.startswith(KV) for m in k)]
     assert not found, _show(found, graph)
 
 
 def test_no_import_cycles():
     """No cycle anywhere in kvrun, kvrun/kv/ included."""
     graph = import_graph()
-    found = cycles(graph)
+    found = knots(graph)
     assert not found, _show(found, graph)
 
 
@@ -200,6 +212,9 @@ def test_the_graph_sees_lazy_relative_and_dotted_imports():
     assert module_imports(src, "kvrun.p", True, known) == want
     graph = {"a": {"b": False}, "b": {"c": True}, "c": {"a": False}, "d": {"a": False}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
+    graph = {"a": {"b": False}, "b": {"a": False, "c": False}, "c": {"b": True}}  # two cycles
+    assert knots(graph) == [["a", "b", "c"]] and cycles(graph) == [["a", "b", "a"]]
+    assert "a knot of 3 modules: a, b, c" in _show(knots(graph), graph)
     assert "kvrun.kernels.dense_decode" in import_graph()  # the package-dir mapping
 
 
