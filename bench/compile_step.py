@@ -2,7 +2,7 @@
 
     python bench/compile_step.py [-m smollm2] [--prompt 16] [--steps 100] [--threads 2] [--cpp-wrapper]
 
-kvrun decodes eagerly: on CPU a step is the flat loop of kvrun/decode_loop.py over the
+kvrun decodes eagerly: on CPU a step is the flat loop of kvrun/fused_decode.py over the
 dynamic full cache; on CUDA the static step replays from a CUDA graph (`--cuda-graph`).
 torch.compile needs a step without host reads, so it compiles the static form (the one a
 CUDA graph captures: buffers with room, positions as tensors, no number read back). Rows:
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from kvrun import decode_loop
+from kvrun import fused_decode
 from kvrun.generate import Session
 from kvrun.kv import check
 from kvrun.runtime import load_runtime
@@ -88,7 +88,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | --- |")
     with torch.inference_mode():
         for name, graph, prep in rows:
-            decode_loop.READ_BACK = ("cpu",) if prep is None else ()  # no reads in a graph
+            fused_decode.READ_BACK = ("cpu",) if prep is None else ()  # no reads in a graph
             s = session(graph)
             if prep is not None:
                 prep(s)
@@ -105,7 +105,7 @@ def main() -> None:
             ref = ref or toks
             print(f"| {name} | {warm:.1f} | {ms:.2f} | {1e3 / ms:.1f} | "
                   f"{'yes' if toks == ref else 'NO'} |")  # fmt: skip
-    decode_loop.READ_BACK = ("cpu",)
+    fused_decode.READ_BACK = ("cpu",)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python bench/decode_profile.py                 # default model, --wtype auto, full cache
     python bench/decode_profile.py --wtype f32     # the dense reference path
     python bench/decode_profile.py --kv snapkv --budget 0.25 --prompt 2048
-    python bench/decode_profile.py --modules       # without the flat decode loop
+    python bench/decode_profile.py --modules       # through the modules, not kvrun/fused_decode.py
     python bench/decode_profile.py --products      # the int4 products alone, back to back
 
 Decode steps follow a prompt of random ids; the first steps are a warm-up. The table's
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument(
         "--modules",
         action="store_true",
-        help="decode through the modules, not kvrun/decode_loop.py",
+        help="decode through the modules, not kvrun/fused_decode.py",
     )
     ap.add_argument(
         "--products",
@@ -57,7 +57,7 @@ def main() -> None:
     except ImportError:  # checkouts before the KV registry: new_kv parsed the text itself
         kv = rt.new_kv(args.kv, args.budget)
     if args.modules:
-        rt.model.use_decode_loop = False
+        rt.model.use_fused_decode = False
     s = Session(rt.model, rt.tokenizer, kv)
     ids = torch.randint(100, rt.config.vocab_size, (args.prompt,), generator=torch.Generator())
     with torch.inference_mode():
@@ -86,9 +86,9 @@ def main() -> None:
 def products(model, reps: int) -> None:
     """ms per step of the decode step's int4 products alone, one row, back to back in the
     step's order on the model's own weights (what a step cannot go below on this path)."""
-    from kvrun import decode_loop
+    from kvrun import fused_decode
 
-    layers = decode_loop.bind(model)
+    layers = fused_decode.bind(model)
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     op = head.cpu_op() if hasattr(head, "cpu_op") else None
     if not layers or op is None:
@@ -102,7 +102,7 @@ def products(model, reps: int) -> None:
         for L in layers:
             L.qkv(x), L.o(xo), L.gate_up(x), L.down(xf)
 
-    logits = decode_loop.Product(op.planes, op.sz, head.group)  # the head's product, unrefined
+    logits = fused_decode.Product(op.planes, op.sz, head.group)  # the head's product, unrefined
 
     def ms(fn) -> float:
         for _ in range(10):

@@ -12,7 +12,7 @@ import torch
 
 from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
-from kvrun.modelfile import GGUF_BLOCK, GGUF_TOP, gguf_name_to_hf
+from kvrun.file_headers import GGUF_BLOCK, GGUF_TOP, gguf_name_to_hf
 from kvrun.rope import inverse_frequencies
 from kvrun.weights import load_safetensors, permute_qk
 

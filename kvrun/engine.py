@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .errors import KvrunError
-from .generate import Result, Session, Stats, _sync, peak_memory_bytes
+from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes
 from .graph import BatchGraph
 from .sampling import SamplingConfig, sample
 
@@ -65,8 +65,9 @@ class Request:
 
 
 @dataclass
-class EngineStats:
-    """Aggregate figures of one run."""
+class EngineStats(PhaseStats):
+    """Aggregate figures of one run. prefill_s: time in prefill chunks; decode_s: in batched
+    decode steps; their rates (PhaseStats) are the aggregate ones, over every sequence."""
 
     sequences: int = 0
     failed: int = 0
@@ -76,16 +77,9 @@ class EngineStats:
     prefill_tokens: int = 0
     max_active: int = 0
     peak_kv_bytes: int = 0  # measured bytes of all caches together, at step ends
-    prefill_s: float = 0.0  # time in prefill chunks
-    decode_s: float = 0.0  # time in batched decode steps (sampling included)
     graph_steps: int = 0  # decode steps in their static form (replayed, with --cuda-graph)
     graph_captures: int = 0  # CUDA graphs captured for them
     wall_s: float = 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Aggregate decode rate: tokens of every sequence per second of decode steps."""
-        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
 @dataclass

@@ -16,13 +16,31 @@ from .sampling import SamplingConfig, sample
 
 
 @dataclass
-class Stats:
+class PhaseStats:
+    """Time in prefill and in decode steps, and the rates they give: the names and meanings
+    a sequence's Stats and the batch engine's EngineStats share. A subclass gives the token
+    counts the rates divide, `prefill_tokens` and `decode_tokens` (as fields or properties)."""
+
+    prefill_s: float = 0.0  # time in prefill (every chunk)
+    decode_s: float = 0.0  # time in decode steps (sampling included)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens prefilled per second of prefill."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens fed through decode steps per second of them."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Stats(PhaseStats):
     """The facts every run reports (stats line and --json use these names)."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
     kv_bytes: int = 0
     kv_bytes_full: int = 0
     peak_mem_bytes: int = 0
@@ -30,17 +48,17 @@ class Stats:
     ttft_s: float = 0.0  # time to first token: the prefill and the first sample
 
     @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens
 
     @property
-    def decode_tok_s(self) -> float:
+    def decode_tokens(self) -> int:
         # the first generated token comes from the prefill's logits, so n-1 decode steps
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_s if self.decode_s > 0 else 0.0
+        return max(self.generated_tokens - 1, 0)
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d = {k: d.pop(k) for k in ("prompt_tokens", "generated_tokens")} | d  # --json's order
         d["prefill_tok_s"] = round(self.prefill_tok_s, 2)
         d["decode_tok_s"] = round(self.decode_tok_s, 2)
         d["kv_ratio"] = round(self.kv_bytes / self.kv_bytes_full, 4) if self.kv_bytes_full else 1.0

@@ -2,42 +2,25 @@
 
 `matmul_path(device, dtype)` times PyTorch's int4 op against dequantize + F.linear on a probe
 (kvrun/packed.py holds both paths) and keeps the faster; the answer is recorded
-(kvrun/probes.py) so `kvrun info` can report it without torch. `bf16_gemm_faster` decides the
-bfloat16 prefill of large layers, `auto_wtype` what `--wtype auto` means for a GGUF here.
+(kvrun/probes.py) so `kvrun info` can report it without torch. `auto_wtype` decides what
+`--wtype auto` means for a GGUF here (the bfloat16 prefill of large layers is
+kvrun.hardware.bf16_gemm_faster's to decide).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
-import torch.nn.functional as F
 
-from . import probes
+from . import hardware, probes
+from .packed import PackedLinear
 from .quant import dense_name, quantize
 
 
-def _probe(n: int, k: int, device: torch.device, dtype: torch.dtype):
-    from .packed import PackedLinear  # (kvrun/packed.py imports this module)
-
+def _probe(n: int, k: int, device: torch.device, dtype: torch.dtype) -> PackedLinear:
     g = torch.Generator().manual_seed(0)
     return PackedLinear(quantize(torch.randn(n, k, generator=g) * 0.02, 4).to(device), dtype)
-
-
-def _faster(a, b, reps: int = 15) -> bool:
-    """Whether `a` beats `b`: best of `reps` calls each, alternating a and b, so a busy
-    machine slows both alike (timed one after the other, load spikes picked the winner)."""
-    best = [float("inf"), float("inf")]
-    for r in range(reps + 1):
-        for i, fn in enumerate((a, b)):
-            t = time.perf_counter()
-            fn()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            if r:  # round 0 warms up
-                best[i] = min(best[i], time.perf_counter() - t)
-    return best[0] < best[1]
 
 
 @functools.cache
@@ -64,20 +47,7 @@ def _measure_path(device_type: str, dtype: torch.dtype) -> str:
         return "dequant"
     if (got - ref).abs().max() > 1e-2 * ref.abs().max():
         return "dequant"
-    return "int4pack" if _faster(lambda: lin(x), lambda: deq(x)) else "dequant"
-
-
-@functools.cache
-def bf16_gemm_faster() -> bool:
-    """Whether a bfloat16 GEMM beats float32 on this CPU (oneDNN on AMX or AVX512-BF16),
-    timed once on a 128 x 2048 x 2048 product."""
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(128, 2048, generator=g), torch.randn(2048, 2048, generator=g)
-    xb, wb = x.bfloat16(), w.bfloat16()
-    try:
-        return _faster(lambda: F.linear(xb, wb), lambda: F.linear(x, w), reps=5)
-    except RuntimeError:  # no bf16 GEMM in this build
-        return False
+    return "int4pack" if hardware.faster(lambda: lin(x), lambda: deq(x)) else "dequant"
 
 
 def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
@@ -89,9 +59,7 @@ def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tu
     reading dense ones. (A probe that times packed against dense products cannot decide
     this: its weights sit in cache, the model's do not.)
     """
-    from .presets import available_bytes
-
-    free = available_bytes(device)
+    free = hardware.available_bytes(device)
     if free is not None and dense_bytes > 0.6 * free:
         return "packed", (
             f"weights packed: dense {dense_name(dtype)} would take {dense_bytes / 2**30:.1f} GiB "

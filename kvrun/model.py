@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_loop
+from . import fused_decode
 from .config import ModelConfig
 from .matmul_choice import matmul_path
 from .packed import PackedEmbedding, PackedLinear, Scratch
@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 as the reference implementations do, then cast back.
-        if x.dtype == torch.float32:  # as the decode loop does (a step runs 61 of these)
-            return decode_loop.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # as the fused decode does (a step runs 61 of these)
+            return fused_decode.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -147,11 +147,11 @@ class Transformer(nn.Module):
         self.model = Decoder(c)
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         self.rope: Rope | None = None
-        self._loop: list | None | bool = False  # decode_loop.bind's layers; False: not bound
-        self.use_decode_loop = True  # False: decode steps go through the modules (to compare)
+        self._fused: list | None | bool = False  # fused_decode.bind's layers; False: not bound
+        self.use_fused_decode = True  # False: decode steps go through the modules (to compare)
 
     def _apply(self, fn, recurse=True):
-        self._loop = False  # .to() / .cuda(): the bound tensors are stale
+        self._fused = False  # .to() / .cuda(): the bound tensors are stale
         return super()._apply(fn, recurse)
 
     @classmethod
@@ -220,13 +220,13 @@ class Transformer(nn.Module):
         return F.linear(x, head.weight)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        """The hidden states (B, T, dim) after the last block, before the final norm: the flat
-        decode loop for decode rows where it applies (kvrun/decode_loop.py), else the blocks."""
+        """The hidden states (B, T, dim) after the last block, before the final norm: the fused
+        blocks for decode rows where they apply (kvrun/fused_decode.py), else the modules."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
-        if self._loop is False:
-            self._loop = decode_loop.bind(self)
-        if self._loop and self.use_decode_loop and decode_loop.takes(x):
-            return decode_loop.blocks(self, self._loop, x, positions, kv)
+        if self._fused is False:
+            self._fused = fused_decode.bind(self)
+        if self._fused and self.use_fused_decode and fused_decode.takes(x):
+            return fused_decode.blocks(self, self._fused, x, positions, kv)
         for block in self.model.layers:
             x = block(x, positions, kv)
         return x

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import int4mm, matmul_choice
+from . import hardware, int4mm
 from .quant import Packed, cat_rows, pack_nibbles
 
 NIBBLES = 0x0F0F0F0F
@@ -200,7 +200,7 @@ class PackedLinear(nn.Module):
 
     def cpu_op(self) -> OpArgs | None:
         """The int4 op's arguments where this layer's decode products run through the CPU op
-        (kvrun/decode_loop.py binds them), else None."""
+        (kvrun/fused_decode.py binds them), else None."""
         op = self._op
         return op if op is not None and not op.cuda else None
 
@@ -270,7 +270,7 @@ class PackedLinear(nn.Module):
         """Whether products of many rows run in bfloat16 (large layers, where bf16 GEMMs are
         faster on this CPU); inexact like the int4 op, ~3e-3 relative."""
         big = self.out_features * self.in_features >= BF16_PREFILL_WEIGHTS
-        return big and self.dtype == torch.float32 and matmul_choice.bf16_gemm_faster()
+        return big and self.dtype == torch.float32 and hardware.bf16_gemm_faster()
 
     def use_int4pack(self) -> bool:
         """Move the codes into the int4 ops' layout where this device and shape allow it (q4 on

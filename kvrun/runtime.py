@@ -13,8 +13,8 @@ from .config import ModelConfig
 from .errors import KvrunError
 from .kv import FULL, KVSpec, build
 from .kv.protocol import KVManager
-from .models import resolve
-from .quant import DENSE_WTYPES
+from .model_store import resolve
+from .quant import DENSE_WTYPES, dense_name
 from .weights import LoadedWeights, load
 from .wformat import WTYPES
 
@@ -99,8 +99,7 @@ def load_runtime(
     t0 = time.perf_counter()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev, wtype)
-    from .presets import preset_runtime
-    from .shapes import is_preset
+    from .presets import is_preset
 
     if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
         rt = preset_runtime(spec, dt, dev, progress, wtype)
@@ -113,3 +112,29 @@ def load_runtime(
     model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
     w.tensors = {}
     return Runtime(model, w.tokenizer, w.config, path, w, time.perf_counter() - t0)
+
+
+def preset_runtime(
+    spec: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: Callable[[int, int], None] | None = None,
+    wtype: str = "auto",
+) -> Runtime:
+    """A Runtime for a shape preset: random weights (dense in dtype, or packed for --wtype
+    q4/q8, made as codes without a float copy), a SyntheticTokenizer, format 'synthetic'."""
+    from .model import Transformer
+    from .presets import preset_config
+    from .synthetic import INIT_STD, SyntheticTokenizer, check_fits, random_weights
+
+    config = preset_config(spec)
+    bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured
+    check_fits(spec.lower(), config, dtype, device, bits)
+    tensors = random_weights(config, dtype, device, progress=progress, bits=bits)
+    model = Transformer.from_weights(config, tensors, device, consume=True)
+    tok = SyntheticTokenizer(config.vocab_size)
+    path = Path(spec.lower())
+    meta = {"synthetic": True, "preset": spec.lower(), "init_std": INIT_STD}
+    wt = f"q{bits}" if bits else dense_name(dtype)
+    w = LoadedWeights(config, {}, tok, path, "synthetic", meta=meta, wtype=wt)
+    return Runtime(model, tok, config, path, w)

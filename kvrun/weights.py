@@ -17,7 +17,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import KvrunError, ModelNotFound, UnsupportedModel
-from .modelfile import (
+from .file_headers import (
     GGUF_BLOCK,
     gguf_metadata,
     gguf_name_to_hf,

@@ -12,7 +12,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kvrun.models import REGISTRY, models_dir
+from kvrun.model_store import REGISTRY, models_dir
 
 
 @pytest.fixture(

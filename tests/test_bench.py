@@ -14,9 +14,9 @@ from kvrun.cli.bench import bench
 from kvrun.cli.main import KvrunGroup
 from kvrun.errors import KvrunError
 from kvrun.kv import check
-from kvrun.presets import SyntheticTokenizer, check_fits
+from kvrun.presets import PRESETS, is_preset, preset_config
 from kvrun.runtime import load_runtime
-from kvrun.shapes import PRESETS, is_preset, preset_config
+from kvrun.synthetic import SyntheticTokenizer, check_fits
 
 ROW_FIELDS = {
     "model", "synthetic", "kv", "kv_method", "budget", "depth", "n_prompt", "n_gen", "reps",
@@ -154,12 +154,12 @@ def test_prompt_only_and_decode_only_rows():
     ],
 )
 def test_bad_input_is_one_line_before_loading(args, needles, monkeypatch):
-    import kvrun.presets
+    import kvrun.runtime
 
     def no_loading(*a, **k):
         raise AssertionError("the model must not be built for bad input")
 
-    monkeypatch.setattr(kvrun.presets, "preset_runtime", no_loading)
+    monkeypatch.setattr(kvrun.runtime, "preset_runtime", no_loading)
     one_error_line(run("-m", "tiny-synthetic", *args), *needles)
 
 
@@ -184,9 +184,9 @@ def test_preset_shapes():
 
 
 def test_preset_refuses_when_memory_is_short(monkeypatch):
-    import kvrun.presets
+    import kvrun.hardware
 
-    monkeypatch.setattr(kvrun.presets, "available_bytes", lambda dev: 8 * 2**30)
+    monkeypatch.setattr(kvrun.hardware, "available_bytes", lambda dev: 8 * 2**30)
     cfg = preset_config("llama3-8b-synthetic")
     with pytest.raises(KvrunError, match=r"needs 29.9 GiB .* float32 .* --dtype bfloat16"):
         check_fits("llama3-8b-synthetic", cfg, torch.float32, torch.device("cpu"))

@@ -13,9 +13,9 @@ import torch
 import tiny_models
 from kvrun.convert import convert
 from kvrun.errors import KvrunError, ModelNotFound
+from kvrun.file_headers import gguf_metadata, open_gguf
 from kvrun.kv import FULL, build
 from kvrun.model import Transformer
-from kvrun.modelfile import gguf_metadata, open_gguf
 from kvrun.tokenizer import Tokenizer
 from kvrun.weights import load
 

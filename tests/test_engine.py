@@ -17,8 +17,8 @@ from click.testing import CliRunner
 import tiny_models
 from kvrun.cli.longdoc import longdoc
 from kvrun.cli.main import KvrunGroup
-from kvrun.engine import Engine, Request
-from kvrun.generate import Session
+from kvrun.engine import Engine, EngineStats, Request
+from kvrun.generate import Session, Stats
 from kvrun.kv import check
 from kvrun.sampling import SamplingConfig
 
@@ -255,3 +255,15 @@ def test_perplexity_windows_in_parallel(default_runtime, one_thread):
         for a, b in zip(seq.windows, par.windows, strict=True):
             assert (a.start, a.kv_bytes) == (b.start, b.kv_bytes)
             assert abs(a.nll - b.nll) < 1e-4 and abs(a.kl - b.kl) < 1e-4 and a.top1 == b.top1
+
+
+def test_a_sequence_and_the_engine_share_the_rates():
+    """Stats and EngineStats take prefill_s, decode_s and the tok/s rates from PhaseStats:
+    tokens through each phase per second of it (a sequence's first token is the prefill's)."""
+    s = Stats(prompt_tokens=10, generated_tokens=5, prefill_s=2.0, decode_s=1.0)
+    assert (s.prefill_tok_s, s.decode_tok_s) == (5.0, 4.0)
+    e = EngineStats(prefill_tokens=6, prefill_s=3.0, decode_tokens=8, decode_s=2.0)
+    assert (e.prefill_tok_s, e.decode_tok_s) == (2.0, 4.0)
+    assert EngineStats().decode_tok_s == Stats().decode_tok_s == 0.0
+    keys = ["prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "kv_bytes"]
+    assert list(s.as_dict())[:5] == keys  # --json's key order

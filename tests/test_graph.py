@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_kv_methods import config, new_kv, prompt, random_transformer, tiny
 
-from kvrun import decode_loop
+from kvrun import fused_decode
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.graph import ROUND
@@ -120,7 +120,7 @@ class HostReads:
 
     def __enter__(self):
         # on CUDA a one-row norm is F.rms_norm; the CPU form reads its sum of squares back
-        self.mp.setattr(decode_loop, "READ_BACK", ())
+        self.mp.setattr(fused_decode, "READ_BACK", ())
         for name in self.NAMES:
             self.mp.setattr(torch.Tensor, name, self._fail(name))
         return self

@@ -18,6 +18,7 @@ import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
 from kv_helpers import quantize, restore, restored
+from passkey_helpers import passkey_prompt
 from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 
 from kvrun.cli.main import cli
@@ -26,7 +27,7 @@ from kvrun.kv.methods.minicache.store import merge, pairing, retention
 from kvrun.kv.stores import kivi
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 E = 4  # bytes per fp32 element (the CPU reference dtype)
 HKV, D = 2, 32

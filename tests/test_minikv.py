@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from cli_checks import one_error_line
 from click.testing import CliRunner
 from kv_helpers import pack, quantize
+from passkey_helpers import passkey_prompt
 from test_kv_methods import HKV, drive, full_logits, hooked, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
@@ -25,7 +26,7 @@ from kvrun.kv.methods.minikv.cache import dense_colsum
 from kvrun.kv.methods.minikv.cache import pyramid as minikv_pyramid
 from kvrun.kv.methods.minikv.cache import pyramid_shares as minikv_pyramid_shares
 from kvrun.kv.stores.kivi import KiviLayer, dequantize, unpack
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_dequant import COLS, DEQUANT_ONLY, ROWS, _raw_blocks, _read, _write
 
-from kvrun import int4mm, matmul_choice
+from kvrun import hardware, int4mm, matmul_choice
 from kvrun import packed as packed_mod
 from kvrun.errors import KvrunError, UnsupportedModel
 from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear
@@ -209,7 +209,7 @@ def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
     lin = PackedLinear(p, torch.float32)
     lin.use_int4pack()
     monkeypatch.setattr(packed_mod, "BF16_PREFILL_WEIGHTS", 0)
-    monkeypatch.setattr(matmul_choice, "bf16_gemm_faster", lambda: True)
+    monkeypatch.setattr(hardware, "bf16_gemm_faster", lambda: True)
     assert lin.op_rows() == packed_mod.BF16_OP_ROWS
     mag = ref_w.abs() + 16 * p.scale.float().abs().repeat_interleave(GROUP, dim=1)
     if p.zero is not None:
@@ -222,7 +222,7 @@ def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
         assert (got - want).abs().max() > 0  # bfloat16, not the exact product
     x = torch.randn(40, 256)
     torch.testing.assert_close(lin.logits(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(matmul_choice, "bf16_gemm_faster", lambda: False)
+    monkeypatch.setattr(hardware, "bf16_gemm_faster", lambda: False)
     torch.testing.assert_close(lin(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
 
 
@@ -326,18 +326,17 @@ def test_wtype_and_dtype_conflict_is_one_error():
 
 
 def test_auto_packs_when_dense_would_not_fit(monkeypatch):
-    from kvrun import presets
-
-    monkeypatch.setattr(presets, "available_bytes", lambda device: 10 * 2**20)
+    monkeypatch.setattr(hardware, "available_bytes", lambda device: 10 * 2**20)
     wt, note = matmul_choice.auto_wtype(20 * 2**20, torch.device("cpu"), torch.float32)
     assert wt == "packed" and "would take" in note
 
 
 def test_synthetic_preset_packed_without_floats():
     from kvrun.config import ModelConfig
-    from kvrun.presets import preset_runtime, random_weights, weight_bytes
+    from kvrun.presets import PRESETS
     from kvrun.quant import Packed
-    from kvrun.shapes import PRESETS
+    from kvrun.runtime import preset_runtime
+    from kvrun.synthetic import random_weights, weight_bytes
     from kvrun.tasks.bench import weight_bytes as measured_bytes
 
     cfg: ModelConfig = PRESETS["tiny-synthetic"]

@@ -6,9 +6,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from passkey_helpers import passkey_prompt
 
 from kvrun.cli.main import cli
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 KEY = 49595
 

@@ -245,7 +245,7 @@ def test_cli_length_errors_after_loading(tiny, text_file):
 
 
 def tiny_tokenizer(tiny):
-    from kvrun.modelfile import gguf_metadata, open_gguf
+    from kvrun.file_headers import gguf_metadata, open_gguf
     from kvrun.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(gguf_metadata(open_gguf(tiny.gguf_path)))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from kv_helpers import codebook_sizes
+from passkey_helpers import passkey_prompt
 from test_kv_methods import config, drive, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
@@ -25,12 +26,17 @@ from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.kv import build, check
 from kvrun.kv.attention import pool_scores
-from kvrun.kv.methods.spindlekv import endpoints, layer_ratios, spindle_keep
-from kvrun.kv.methods.spindlekv.cache import qhead_scores, union_slots
+from kvrun.kv.methods.spindlekv.cache import (
+    endpoints,
+    layer_ratios,
+    qhead_scores,
+    spindle_keep,
+    union_slots,
+)
 from kvrun.kv.methods.spindlekv.store import assign, build_codebook
 from kvrun.model import Transformer
 from kvrun.rope import Rope, inverse_frequencies
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 E = 4  # bytes per fp32 element (CPU reference dtype)
 L, HKV, D = 3, 2, 32

@@ -19,6 +19,7 @@ import pytest
 import torch
 from cli_checks import one_error_line
 from click.testing import CliRunner
+from passkey_helpers import passkey_prompt
 from test_kv_methods import (
     HKV,
     Shadow,
@@ -52,7 +53,7 @@ from kvrun.kv.methods.xkv.cache import (
     save_profile,
 )
 from kvrun.model import Transformer
-from kvrun.tasks.passkey import answer_matches, passkey_prompt
+from kvrun.tasks.passkey import answer_matches
 
 E, D = 4, 32  # fp32 bytes per element; the tiny model's head_dim
 NEG = float("-inf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..shapes import is_preset, preset_config
+from ..presets import is_preset, preset_config
 from ..tasks.bench_settings import (
     BenchSettings,
     cases,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..models import resolve
+from ..model_store import resolve
 from .common import err_console, progress_bar
 
 

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from ..config import ModelConfig
 from ..errors import KvrunError
-from ..models import REGISTRY, local_models, models_dir, resolve
-from ..models import pull as pull_model
+from ..model_store import REGISTRY, local_models, models_dir, resolve
+from ..model_store import pull as pull_model
 from .common import err_console, human_bytes, progress_bar
 
 
@@ -22,7 +22,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
     if path.is_dir():
         from safetensors import safe_open
 
-        from ..modelfile import shard_paths
+        from ..file_headers import shard_paths
 
         cfg = ModelConfig.from_hf(path / "config.json")
         types: Counter = Counter()
@@ -46,7 +46,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
             "file_bytes": size,
             "chat_template": _hf_has_template(path),
         }
-    from ..modelfile import gguf_metadata, gguf_name_to_hf, open_gguf
+    from ..file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)

@@ -173,7 +173,7 @@ def machine(device: torch.device) -> dict:
 
 def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None) -> dict:
     """Every row of the grid, plus the settings, machine and model facts, as one JSON object."""
-    from ..presets import is_synthetic
+    from ..synthetic import is_synthetic
 
     check_settings(s, s.ctx_size or rt.config.context_length)
     synthetic = is_synthetic(rt)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import itertools
-import random
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -24,19 +23,6 @@ def filler_sentences() -> list[str]:
     """The filler lines shipped in prompts/passkey_filler.txt."""
     text = resources.files("kvrun.prompts").joinpath("passkey_filler.txt").read_text()
     return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int, seed: int = 0) -> str:
-    """About n_tokens of text with the key's sentence at `depth` (0 = start, 1 = end)."""
-    rng = random.Random(seed)
-    lines = filler_sentences()
-    fixed = len(tokenizer.encode(INTRO + NEEDLE.format(key=key) + QUESTION, add_bos=False))
-    per_line = sum(len(tokenizer.encode(" " + ln, add_bos=False)) for ln in lines) / len(lines)
-    n_lines = max(1, int((n_tokens - fixed) / per_line))
-    body = [rng.choice(lines) for _ in range(n_lines)]
-    at = round(depth * n_lines)
-    body.insert(at, NEEDLE.format(key=key).strip())
-    return INTRO + " ".join(body) + QUESTION
 
 
 def answer_matches(text: str, key: int) -> bool:

@@ -5,6 +5,7 @@ head j of group h masked to head h's slots with bit j set. Here: routing, select
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -14,8 +15,45 @@ from ....kernels import use_triton
 from ...attention import combine, pool_scores, window_scores
 from ...cache import keep_indices
 from ...protocol import KVManager
-from . import spindle_keep
 from .store import CodedLayer, pack_bits, unpack_bits
+
+
+def endpoints(r_c: Fraction, beta: Fraction) -> tuple[Fraction, Fraction]:
+    """(r_c(0), r_c(L-1)) of Eq. 5 (§3.2) as corrected by the spec (kvrun's decision; §3.3): the
+    paper prints rL = 1 - 2 r_c and a hard-coded 0.05; 2 r_c - 1 and beta keep their mean at r_c."""
+    alpha = (1 + beta) / 2
+    if r_c >= 1:
+        return Fraction(1), Fraction(1)
+    if r_c <= beta:
+        flat = max(r_c, Fraction(0))
+        return flat, flat
+    if r_c <= alpha:
+        return 2 * r_c - beta, beta
+    return Fraction(1), 2 * r_c - 1
+
+
+def layer_ratios(
+    r_c: Fraction, n_layers: int, beta: Fraction, schedule: str = "linear"
+) -> list[Fraction]:
+    """r_c(lambda) for every layer (Eq. 6), exact; their mean is r_c (0 <= r_c <= 1)."""
+    if schedule == "flat" or n_layers == 1:  # one layer: Eq. 6 is 0/0, the mean is r_c itself
+        return [min(max(r_c, Fraction(0)), Fraction(1))] * n_layers
+    r0, rl = endpoints(r_c, beta)
+    return [r0 + (rl - r0) * Fraction(lam, n_layers - 1) for lam in range(n_layers)]
+
+
+def spindle_keep(
+    t: int, budget: int, window: int, n_layers: int, beta: Fraction, schedule: str = "linear"
+) -> list[int] | None:
+    """k_lambda = floor(r_c(lambda) * n_ctx) context tokens per query head (Eq. 7), or None when
+    everything is kept (n_ctx <= 0 or r_c >= 1). budget = B(t), window included."""
+    n_ctx = t - window
+    if n_ctx <= 0:
+        return None
+    r_c = Fraction(budget - window, n_ctx)
+    if r_c >= 1:
+        return None
+    return [math.floor(r * n_ctx) for r in layer_ratios(r_c, n_layers, beta, schedule)]
 
 
 def qhead_scores(qw, k, sliding: int | None = None, length_norm: bool = True) -> torch.Tensor:

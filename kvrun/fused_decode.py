@@ -1,4 +1,4 @@
-"""A decode step's blocks as one flat loop over prebound int4 products (CPU).
+"""A CPU decode step's blocks fused into one flat loop over prebound int4 products.
 
 A decode step of the default model makes 120 products of ~40 us each; through the modules it
 also pays ~150 us a layer of Python around them (module calls, dtype and path checks made

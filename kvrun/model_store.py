@@ -1,4 +1,4 @@
-"""Model names: the models folder, name resolution, `kvrun pull` and `kvrun models`."""
+"""The model store: the models folder, name resolution, `kvrun pull` and `kvrun models`."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class LocalModel:
 def _gguf_names(path: Path) -> list[str]:
     """Names from GGUF metadata (general.name, basename + size label), read from the header."""
     try:
-        from .modelfile import gguf_metadata, open_gguf
+        from .file_headers import gguf_metadata, open_gguf
 
         meta = gguf_metadata(open_gguf(path))
     except Exception:  # noqa: BLE001 - a damaged file still lists by its file name

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvrun.errors import ModelNotFound
-from kvrun.models import resolve
+from kvrun.model_store import resolve
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The flat decode loop (kvrun/decode_loop.py) against the modules it stands in for.
+"""The fused decode blocks (kvrun/fused_decode.py) against the modules they stand in for.
 
 The loop must do Block.forward's arithmetic op for op, so decode-step logits are compared
 bit for bit: one sequence over many steps (KIVI flushes, MiniKV and SnapKV evictions, the
@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_packed_default import packed_runtime  # noqa: F401 (module fixture)
 
-from kvrun import decode_loop
+from kvrun import fused_decode
 from kvrun.generate import Session
 from kvrun.kv import check
 
@@ -26,13 +26,13 @@ TEXT = (
 def counted(mp):
     """Count the steps that went through the loop."""
     calls = []
-    real = decode_loop.blocks
+    real = fused_decode.blocks
 
     def blocks(*a, **kw):
         calls.append(a[2].shape)
         return real(*a, **kw)
 
-    mp.setattr(decode_loop, "blocks", blocks)
+    mp.setattr(fused_decode, "blocks", blocks)
     yield calls
 
 
@@ -46,15 +46,15 @@ def run(rt, spec, budget, ids, steps):
 
 
 def test_binds_packed_models_only(packed_runtime, default_runtime):  # noqa: F811
-    layers = decode_loop.bind(packed_runtime.model)
+    layers = fused_decode.bind(packed_runtime.model)
     assert layers is not None and len(layers) == packed_runtime.config.n_layers
     assert len(layers[0].qkv.planes) == 1  # Q4_1: one int4 plane a product
-    assert decode_loop.bind(default_runtime.model) is None  # dense float32 weights
+    assert fused_decode.bind(default_runtime.model) is None  # dense float32 weights
     x = torch.zeros(1, 1, packed_runtime.config.dim)
-    assert decode_loop.takes(x)
-    assert not decode_loop.takes(torch.zeros(1, 2, x.shape[-1]))  # a prefill chunk
-    assert not decode_loop.takes(torch.zeros(9, 1, x.shape[-1]))  # beyond the op's rows
-    assert not decode_loop.takes(x.bfloat16())
+    assert fused_decode.takes(x)
+    assert not fused_decode.takes(torch.zeros(1, 2, x.shape[-1]))  # a prefill chunk
+    assert not fused_decode.takes(torch.zeros(9, 1, x.shape[-1]))  # beyond the op's rows
+    assert not fused_decode.takes(x.bfloat16())
 
 
 METHODS = [("full", None), ("snapkv", "0.5"), ("kivi2", None), ("minikv", None),
@@ -69,11 +69,11 @@ def test_loop_equals_modules(packed_runtime, spec, budget, monkeypatch):  # noqa
     with counted(monkeypatch) as calls:
         fast = run(rt, spec, budget, ids, 40)
     assert len(calls) == 40  # every decode step took the loop, no prefill chunk did
-    m.use_decode_loop = False
+    m.use_fused_decode = False
     try:
         ref = run(rt, spec, budget, ids, 40)
     finally:
-        m.use_decode_loop = True
+        m.use_fused_decode = True
     assert torch.equal(fast, ref)
 
 
@@ -100,11 +100,11 @@ def test_batched_rows_equal_modules(packed_runtime, monkeypatch):  # noqa: F811
     with counted(monkeypatch) as calls:
         fast = steps(20)
     assert len(calls) == 20 and calls[0][0] == 3
-    m.use_decode_loop = False
+    m.use_fused_decode = False
     try:
         ref = steps(20)
     finally:
-        m.use_decode_loop = True
+        m.use_fused_decode = True
     assert torch.equal(fast, ref)
 
 
@@ -113,13 +113,13 @@ def test_norm_of_a_row_is_the_same_alone_and_among_others():
     w = torch.randn(576, generator=g)
     for b in (2, 3, 8):
         x = torch.randn(b, 1, 576, generator=g) * torch.rand(b, 1, 1, generator=g) * 10
-        both = decode_loop.rms_norm(x, w, 1e-5)
+        both = fused_decode.rms_norm(x, w, 1e-5)
         for i in range(b):
-            assert torch.equal(both[i], decode_loop.rms_norm(x[i : i + 1], w, 1e-5)[0])
+            assert torch.equal(both[i], fused_decode.rms_norm(x[i : i + 1], w, 1e-5)[0])
         ref = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
         torch.testing.assert_close(both, ref, rtol=1e-6, atol=1e-6)
         out = torch.empty(b, 1, 576, dtype=torch.bfloat16)
-        assert torch.equal(decode_loop.rms_norm(x, w, 1e-5, out=out), both.bfloat16())
+        assert torch.equal(fused_decode.rms_norm(x, w, 1e-5, out=out), both.bfloat16())
 
 
 def test_batched_rows_equal_each_sequence_alone(packed_runtime):  # noqa: F811

@@ -1,5 +1,5 @@
-"""Model files read without torch: GGUF tensor tables and metadata (with checks that name a
-damaged tensor), safetensors headers and shards. `kvrun info` and `kvrun models` need no
+"""Model file headers, read without torch: GGUF metadata and tensor tables (with checks that
+name a damaged tensor), safetensors headers and shards. `kvrun info` and `kvrun models` need no
 more than this; kvrun.weights loads the tensors."""
 
 from __future__ import annotations
