@@ -42,7 +42,7 @@ def composed(per_slot=lambda c, o: 0):
         for st in kv.layers:
             total += st.dense.length * (dense(c, 1, e) + per_slot(c, o))
             if st.kivi is not None:
-                total += kivi_of(c, e, kv.kivi_cfg, st.kivi)
+                total += kivi_of(c, e, kv.kivi_layout, st.kivi)
         return total
 
     return nbytes

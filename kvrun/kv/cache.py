@@ -46,12 +46,12 @@ class KVCache(KVManager):
         self.protected = spec.protected
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
         kv = spec.kivi()
-        self.kivi_cfg = kv if kv is not None and kv["bits"] != 16 else None
+        self.kivi_layout = kv if kv is not None and kv["bits"] != 16 else None
         self.selects = not spec.keeps_all
         self.points = m.points(o)
         self.n_queries = m.queries(o)
         # full keeps every token at its position: a sliding window can mask by slot
-        self.slot_positions = spec.keeps_all and self.kivi_cfg is None
+        self.slot_positions = spec.keeps_all and self.kivi_layout is None
         self.pos_rows = self._position_rows()
         self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
         if on_select is not None and not self.pos_rows:
@@ -81,9 +81,9 @@ class KVCache(KVManager):
                         scores=self.method.cumulative, count_pos=self.count_pos)  # fmt: skip
 
     def _kivi(self) -> KiviLayer | None:
-        if self.kivi_cfg is None:
+        if self.kivi_layout is None:
             return None
-        return KiviLayer.of(self.kivi_cfg, self.config, self.dtype, self.device, self.name)
+        return KiviLayer.of(self.kivi_layout, self.config, self.dtype, self.device, self.name)
 
     def _layer(self, layer: int, T: int) -> Layer:
         """The layer's state; a sliding window past the length needs positions to mask by."""
@@ -148,9 +148,9 @@ class KVCache(KVManager):
     def at_chunk(self, n_tokens: int) -> None:
         if "chunk" in self.points and self.select_turn:
             self.select("chunk")
-        if self.kivi_cfg is not None and not self.selects:
+        if self.kivi_layout is not None and not self.selects:
             for st in self.layers:
-                st.kivi.flush(self.kivi_cfg["residual"])
+                st.kivi.flush(self.kivi_layout["residual"])
 
     def at_prefill(self) -> None:
         if "prefill" in self.points and self.select_turn:
@@ -164,15 +164,15 @@ class KVCache(KVManager):
 
     def _flush_unit(self) -> int:
         """Tokens quantized at once at a prefill's end: whole residuals (the newest stay dense)."""
-        return self.kivi_cfg["residual"]
+        return self.kivi_layout["residual"]
 
     def at_step(self) -> None:
         if "step" in self.points:
             self.select("step")
             for st in self.layers:
                 st.queries = None
-        if self.kivi_cfg is not None:
-            r = self.kivi_cfg["residual"]
+        if self.kivi_layout is not None:
+            r = self.kivi_layout["residual"]
             for st in self.layers:
                 if st.kivi.tail_len >= r:
                     st.kivi.flush(r)
@@ -182,7 +182,7 @@ class KVCache(KVManager):
         tokens with B from the turn (kvrun's rule for later chat turns)."""
         m, o, L = self.method, self.opt, self.config.n_layers
         T = self.layers[0].dense.length
-        B = self.budget.tokens(T if self.kivi_cfg else self.seen, self.protected)
+        B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
         budgets = m.budgets(o, B, T, L) if m.budgets else [B] * L
         for i, st in enumerate(self.layers):
             d, Bl = st.dense, budgets[i]

@@ -77,8 +77,8 @@ class KVManager:
         self.at_step()
 
     def planning_pass(self, when: str, ids: Sequence[int], tokenizer) -> list[Pass]:
-        """Passes to run "before" the turn `ids`' prefill or "after" it (XKV's scoring, KVzip's
-        reconstruction): prefills with a manager of their own that keep nothing."""
+        """Passes to run "before" the turn `ids`' prefill or "after" it (XKV's scoring pass, a
+        context reconstruction): prefills with a manager of their own that keep nothing."""
         return []
 
     def at_chunk(self, n_tokens: int) -> None:

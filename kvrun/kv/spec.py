@@ -1,19 +1,159 @@
-"""--kv and --kv-budget, parsed and validated once into a frozen KVSpec, and the budget rules.
+"""The declaration language of the KV layer, torch-free: the options a method declares
+(`Option`), the method itself (`Method`: its options, budget rules and the callables that run
+it), --kv-budget (`Budget`, baselines.md 0.2) and --kv parsed once into a frozen `KVSpec`.
 Grammar: NAME[:key=value,...][+NAME[:key=value,...]...], at most one selection and one store
-(`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. Torch-free."""
+(`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. `--kv` is checked
+before torch is imported, so a method module keeps torch out of its top level (a scoring
+method needs none; a cache factory imports it)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
 from ..errors import KvrunError
-from .method import Method
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One typed option: a default, a help text and the checks a value must pass."""
+
+    name: str
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple = ()
+    odd: bool = False
+    # a rule the fields above cannot say, given ("method:option", value); raises KvrunError
+    valid: Callable[[str, Any], None] | None = None
+
+    def parse(self, part: str, text: str) -> Any:
+        """The value of `text` for this option, or a one-line error naming what is valid."""
+        where = f"{part}:{self.name}"
+        d = self.default
+        try:
+            if isinstance(d, bool):
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                v: Any = text.lower() in ("true", "1", "yes", "on")
+            elif isinstance(d, int):
+                v = int(text)
+            elif isinstance(d, float):
+                v = float(text)
+            else:
+                v = text
+        except ValueError:
+            kind = "true or false" if isinstance(d, bool) else type(d).__name__
+            raise KvrunError(f"{where}={text} is not valid: expected {kind}") from None
+        if self.choices and v not in self.choices:
+            raise KvrunError(
+                f"{where}={text} is not valid: choose one of {', '.join(map(str, self.choices))}"
+            )
+        if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
+            rng = f"{self.lo if self.lo is not None else '-inf'}..{self.hi if self.hi is not None else 'inf'}"
+            raise KvrunError(f"{where}={text} is out of range ({rng})")
+        if self.odd and v % 2 == 0:
+            raise KvrunError(f"{where}={text} must be odd")
+        if self.valid is not None:
+            self.valid(where, v)
+        return v
+
+    def with_default(self, default: Any) -> Option:
+        """This option with another default (a preset of a method, e.g. minikv-pyramid)."""
+        return Option(self.name, default, self.help, self.lo, self.hi, self.choices, self.odd,
+                      self.valid)  # fmt: skip
+
+
+def pooling(where: str, text: str) -> None:
+    """none, avg:K or max:K with K odd (the score pooling of XKV and SpindleKV)."""
+    kind, _, k = text.partition(":")
+    if text == "none":
+        return
+    if kind not in ("avg", "max") or not k.isdigit() or int(k) < 1 or int(k) % 2 == 0:
+        raise KvrunError(f"{where}={text} is not valid: use none, avg:K or max:K with K odd")
+
+
+# the observation-window options shared by SnapKV and PyramidKV (SnapKV §4.2)
+SNAP = (
+    Option("window", 32, "observation window: the last w prompt queries vote", lo=1),
+    Option("kernel", 7, "pooling kernel over the votes", lo=1, odd=True),
+    Option("pool", "max", "pooling", choices=("max", "avg")),
+    Option("chunked", False, "also compress after every prefill chunk (bounded peak memory)"),
+)
+# a KIVI layout (KIVI §3): group size and full-precision residual
+KIVI = (
+    Option("group", 32, "tokens (keys) / channels (values) sharing a scale and zero point", lo=1),
+    Option("residual", 128, "newest tokens kept in full precision", lo=1),
+)
+
+
+Opts = Mapping[str, Any]
+NEVER: frozenset[str] = frozenset()
+
+
+def _zero(*_) -> int:
+    return 0
+
+
+def _none(_: Opts) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One named part of --kv: a selection method ('select') or a store ('store')."""
+
+    name: str
+    kind: str  # "select" | "store"
+    summary: str
+    # how `kvrun kv list` describes it: (scorer, selector, allocator, store) and when it runs
+    axes: tuple[str, str, str, str] = ("none", "all", "uniform", "dense")
+    runs_at: str = "never"
+    options: tuple[Option, ...] = ()
+    # P: tokens the selection always keeps (sinks + window), the floor of any budget
+    protected: Callable[[Opts], int] = _zero
+    # whether --kv-budget means anything; `budget_refused`: the error if given one (empty: ignored)
+    takes_budget: bool = True
+    budget_refused: str = ""
+    default_budget: str | None = "0.2"  # B when --kv-budget is not given (None: the method's own)
+    # cross-option and budget rules beyond each option's own (raises KvrunError)
+    rule: Callable[[Opts, Any], None] = lambda o, budget: None
+    # a selection with its own store: stacking a store is refused with this text (or f(opts))
+    own_store: str | Callable[[Opts], str] = ""
+    # the KIVI layout {bits, group, residual} this part stores in, or None
+    kivi: Callable[[Opts], dict | None] = _none
+    # options reproducing full with a budget of every token (or alone, with no default budget)
+    lossless: str = ""
+    # (spec, cache) -> bytes by the spec's formula (kvrun/kv/bytes.py); stores: None
+    nbytes: Callable[[Any, Any], int] | None = None
+
+    # score(ctx) -> (Hkv or 1, C) fp32, higher kept, for the C <= T oldest held slots (the newer
+    # T - C are kept); one row: the same slots for every KV head. None: nothing is selected
+    score: Callable[[Any], Any] | None = None
+    # where score() selects: "chunk", "prefill" (turn's end), "step" (positions kept per slot)
+    points: Callable[[Opts], frozenset[str]] = lambda o: NEVER
+    queries: Callable[[Opts], int] = _zero  # the newest queries of the turn kept for score()
+    cumulative: bool = False  # accumulate attention column sums over every query (ctx.attention)
+    per_layer: Callable[[Opts], bool] = lambda o: False  # one kept set for every KV head
+    sinks: Callable[[Opts], int] = _zero  # first slots always kept
+    recent: Callable[[Opts, int], int] = _zero  # (opts, B) -> newest slots always kept
+    # (opts, B, T, n_layers) -> per-layer budgets; None: B in every layer
+    budgets: Callable[[Opts, int, int, int], list[int]] | None = None
+    # (spec, config, rope, device, dtype, **kw) -> a cache of the method's own; None: the driver
+    cache: Callable[..., Any] | None = None
+
+    def defaults(self) -> dict:
+        return {o.name: o.default for o in self.options}
+
+    def evicts_at_decode(self, opts: Opts) -> bool:
+        """Single tokens leave at decode steps (a quantized body cannot lose one)."""
+        return "step" in self.points(opts)
 
 
 @dataclass(frozen=True, slots=True)

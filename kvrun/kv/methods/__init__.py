@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..method import Method
+from ..spec import Method
 from . import (
     full,
     h2o,

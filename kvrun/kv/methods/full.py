@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..bytes import composed
-from ..method import Method
+from ..spec import Method
 
 METHOD = Method(
     "full",

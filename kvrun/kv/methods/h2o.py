@@ -7,8 +7,7 @@ import math
 from fractions import Fraction
 
 from ..bytes import composed
-from ..method import Method
-from ..options import Option
+from ..spec import Method, Option
 
 
 def score(ctx):

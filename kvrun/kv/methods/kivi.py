@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..method import Method
-from ..options import KIVI, Option
+from ..spec import KIVI, Method, Option
 
 
 def _layout(o) -> dict:

@@ -5,8 +5,7 @@ Compression"): each KV head keeps the keys with the lowest L2 norm at the end of
 from __future__ import annotations
 
 from ..bytes import composed
-from ..method import Method
-from ..options import Option
+from ..spec import Method, Option
 
 
 def score(ctx):

@@ -6,9 +6,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..bytes import composed
-from ..method import Method
-from ..options import SNAP, Option
-from ..spec import largest_remainder
+from ..spec import SNAP, Method, Option, largest_remainder
 
 
 def score(ctx):

@@ -4,8 +4,7 @@ votes are pooled, and each KV head keeps its top-k plus the window at the end of
 from __future__ import annotations
 
 from ..bytes import composed
-from ..method import Method
-from ..options import SNAP
+from ..spec import SNAP, Method
 
 
 def score(ctx):

@@ -4,8 +4,7 @@ of the most recent ones, evicted after every prefill chunk and decode step."""
 from __future__ import annotations
 
 from ..bytes import composed
-from ..method import Method
-from ..options import Option
+from ..spec import Method, Option
 
 
 def score(ctx):

@@ -5,8 +5,7 @@ the end of the prefill and after every decode step (spec: docs/methods/tova.md).
 from __future__ import annotations
 
 from ..bytes import composed
-from ..method import Method
-from ..options import Option
+from ..spec import Method, Option
 
 
 def score(ctx):

@@ -5,8 +5,7 @@ head keeps its top-k (spec: docs/methods/kvzip.md)."""
 from __future__ import annotations
 
 from ...bytes import composed
-from ...method import Method
-from ...options import Option
+from ...spec import Method, Option
 
 OPTIONS = (
     Option("sinks", 4, "first tokens always kept", lo=0),

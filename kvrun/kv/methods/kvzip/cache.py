@@ -64,7 +64,7 @@ class KVzip(KVCache):
     def select(self, point: str) -> None:
         """B best slots per KV head by the pass's scores; sinks and earlier turns' slots kept."""
         T = self.layers[0].dense.length
-        B = self.budget.tokens(T if self.kivi_cfg else self.seen, self.protected)
+        B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
         start = self.seen - self.turn  # the turn's first position
         for i, st in enumerate(self.layers):
             d, z = st.dense, self.scores[i]

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from ....errors import KvrunError
 from ...bytes import dense, elem, kivi_of
-from ...method import Method
-from ...options import Option
+from ...spec import Method, Option
 
 
 def retain(where: str, r: str) -> None:

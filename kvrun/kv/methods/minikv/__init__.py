@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...bytes import composed, dense, elem
-from ...method import Method
-from ...options import Option
+from ...spec import Method, Option
 
 OPTIONS = (
     Option("heavy", 0.25, "heavy-hitter fraction x of the prompt (a --kv-budget overrides)", lo=0.0, hi=1.0),

@@ -107,7 +107,7 @@ class MiniKV(KVCache):
 
     def reset(self) -> None:
         super().reset()
-        c, dense = self.config, self.kivi_cfg is None  # quant=none: turns held dense
+        c, dense = self.config, self.kivi_layout is None  # quant=none: turns held dense
         self.held = [DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense
                      else None for _ in range(c.n_layers)]  # fmt: skip
 
@@ -141,7 +141,7 @@ class MiniKV(KVCache):
             held.append(k, v, positions)
             return combine(held.partials(q, positions, k.shape[2], None), self.dtype)
         st.kivi.append(k[0], v[0])
-        r = self.kivi_cfg["residual"]
+        r = self.kivi_layout["residual"]
         if st.kivi.tail_len >= r:  # a full residual is flushed before it is attended
             st.kivi.flush(r)
         return combine(st.kivi.partials(q, positions, k.shape[2], None), self.dtype)
@@ -153,7 +153,7 @@ class MiniKV(KVCache):
             if st.kivi is not None and st.dense.length:
                 k, v = st.dense.take()  # selected tokens enter the store in position order
                 st.kivi.append(k[0], v[0])
-                st.kivi.flush(self.kivi_cfg["group"])  # whole groups (flush unit G)
+                st.kivi.flush(self.kivi_layout["group"])  # whole groups (flush unit G)
             elif held is not None and st.dense.length:
                 held.append(*st.dense.take(), torch.empty(0))
 
@@ -175,9 +175,9 @@ class MiniKV(KVCache):
 
     def static_step_ok(self) -> bool:
         """A step that flushes a full residual before it attends (Alg. 1) runs eagerly."""
-        if self.kivi_cfg is None:
+        if self.kivi_layout is None:
             return True
-        r = self.kivi_cfg["residual"]
+        r = self.kivi_layout["residual"]
         return all(st.kivi.tail_len + 1 < r for st in self.layers)
 
     def stores(self) -> list:

@@ -5,8 +5,7 @@ by an index when a codeword is similar enough."""
 from __future__ import annotations
 
 from ...bytes import elem
-from ...method import Method
-from ...options import Option, pooling
+from ...spec import Method, Option, pooling
 
 OPTIONS = (
     Option("window", 32, "observation-window queries, always kept", lo=1),

@@ -133,7 +133,7 @@ class SpindleKV(KVManager):
             for _ in range(c.n_layers)
         ]
         self.turn_start, self.turn_len = 0, 0
-        self.plan: tuple[int, list[int] | None] | None = None  # kept counts, per turn length
+        self._counts: tuple[int, list[int] | None] | None = None  # kept counts, per turn length
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
@@ -145,17 +145,17 @@ class SpindleKV(KVManager):
         """k_lambda per layer for a turn of t tokens, B from its length (None: all stay)."""
         if not self.select_turn:
             return None
-        if self.plan is None or self.plan[0] != t:
+        if self._counts is None or self._counts[0] != t:
             B = self.budget.tokens(t, self.window)
             L = self.config.n_layers
-            self.plan = (t, spindle_keep(t, B, self.window, L, self.beta, self.opt["schedule"]))
-        return self.plan[1]
+            self._counts = (t, spindle_keep(t, B, self.window, L, self.beta, self.opt["schedule"]))
+        return self._counts[1]
 
     def at_prefill(self) -> None:
         """Layers still held (a chunked prefill) are compressed here."""
         for i, st in enumerate(self.layers):
-            if st.held_n:
-                self.compress(i, st.held_k.data, st.held_v.data, st.qwin)
+            if st.turn_n:
+                self.compress(i, st.turn_k.data, st.turn_v.data, st.qwin)
             st.drop_turn()
 
     def compress(self, layer: int, kp: torch.Tensor, vp: torch.Tensor, qwin) -> None:
@@ -191,18 +191,18 @@ class SpindleKV(KVManager):
 
     def prefill(self, layer, qr, k, v, positions):
         st, T = self.layers[layer], k.shape[2]
-        if st.held_n == 0 and T == self.turn_len:  # the whole turn in one chunk (step 7)
+        if st.turn_n == 0 and T == self.turn_len:  # the whole turn in one chunk (step 7)
             kp, vp = k[0], v[0]
         else:
-            st.hold(k[0], v[0], self.turn_len)
-            kp, vp = st.held_k.data, st.held_v.data
+            st.stage(k[0], v[0], self.turn_len)
+            kp, vp = st.turn_k.data, st.turn_v.data
         n = kp.shape[1]
         tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
         kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
         out = st.attend(qr, positions, self.config.sliding_window, kr, vp[None], tpos)
         prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
         st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]  # the window's queries
-        if st.held_n == 0:  # compress now, so the peak is one layer of full KV
+        if st.turn_n == 0:  # compress now, so the peak is one layer of full KV
             self.compress(layer, kp, vp, st.qwin)
             st.drop_turn()
         return out

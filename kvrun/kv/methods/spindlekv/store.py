@@ -299,8 +299,8 @@ class CodedLayer:
         self.bufs: dict[str, Buffer] = {}  # the _Seg fields' buffers, made at their first append
         self.all_bits = True  # every slot has every bit set (no padding): attention needs no mask
         # prefill state of the current turn (held state counts in nbytes until freed)
-        self.held_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
-        self.held_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
+        self.turn_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
+        self.turn_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
         self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
 
     @property
@@ -309,21 +309,21 @@ class CodedLayer:
 
     length = n_slots  # the Store protocol's name (slots per KV head, padding included)
 
-    def hold(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
+    def stage(self, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
         """Keep a prefill chunk's pre-RoPE K and V (Hkv, T, D) until the turn is compressed."""
-        if self.held_k is None:  # room for the whole turn at once
+        if self.turn_k is None:  # room for the whole turn at once
             shape = (k.shape[0], 0, k.shape[2])
-            self.held_k = Buffer(shape, 1, k.dtype, k.device, capacity)
-            self.held_v = Buffer(shape, 1, v.dtype, v.device, capacity)
-        self.held_k.append(k)
-        self.held_v.append(v)
+            self.turn_k = Buffer(shape, 1, k.dtype, k.device, capacity)
+            self.turn_v = Buffer(shape, 1, v.dtype, v.device, capacity)
+        self.turn_k.append(k)
+        self.turn_v.append(v)
 
     @property
-    def held_n(self) -> int:
-        return 0 if self.held_k is None else self.held_k.n
+    def turn_n(self) -> int:
+        return 0 if self.turn_k is None else self.turn_k.n
 
     def drop_turn(self) -> None:
-        self.held_k = self.held_v = self.qwin = None
+        self.turn_k = self.turn_v = self.qwin = None
 
     def _append(self, **rows: torch.Tensor) -> None:
         for name, x in rows.items():
@@ -455,7 +455,7 @@ class CodedLayer:
         books = sum(b.nbytes() for b in self.books_k + self.books_v)
         stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
                   self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
-        held = 0 if self.held_k is None else self.held_k.nbytes() + self.held_v.nbytes()
+        held = 0 if self.turn_k is None else self.turn_k.nbytes() + self.turn_v.nbytes()
         return books + sum(nbytes_of(t) for t in stored) + held
 
 

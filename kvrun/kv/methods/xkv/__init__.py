@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from ....errors import KvrunError
 from ...bytes import composed
-from ...method import Method
-from ...options import Option, pooling
+from ...spec import Method, Option, pooling
 
 OPTIONS = (
     Option("window", 8, "observation-window queries, always kept", lo=1),

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ...attention import group_sum, pool_scores
-from ...cache import KVCache, keep_indices
+from ...cache import KVCache
 from ...protocol import KVManager, Pass
 from .alloc import Allocation, allocate_budget, allocate_target, context_budget, normalise
 from .profile import (
@@ -70,7 +70,7 @@ class XKV(KVCache):
         L = self.config.n_layers
         self.allocation: Allocation | None = None
         self._plan: tuple[Allocation, list[torch.Tensor]] | None = None  # from a scoring pass
-        self._held: list[torch.Tensor | None] = [None] * L  # the plan's selection scores
+        self._scores: list[torch.Tensor | None] = [None] * L  # the plan's selection scores
         self._evict_now = False
         self._done = [False] * L
         self._prefill_n = 0
@@ -99,8 +99,12 @@ class XKV(KVCache):
         p = self.profile_path
         if p is None or self.opt["profile_update"] or not p.exists():
             return None
-        prof = load_profile(p)
-        check_profile(prof, p, self.config.n_layers, self.config.name, self.window, self.pool)
+        return self._checked(load_profile(p))
+
+    def _checked(self, prof: Profile, units: str | None = None) -> Profile:
+        """A profile for this model, window and pooling (and units when folding), or an error."""
+        c = self.config
+        check_profile(prof, self.profile_path, c.n_layers, c.name, self.window, self.pool, units)
         return prof
 
     def _allocate(
@@ -133,16 +137,7 @@ class XKV(KVCache):
         values = [x / a.t if units == "fractions" else float(x) for x in a.n]
         old = None
         if self.profile_path.exists():
-            old = load_profile(self.profile_path)
-            check_profile(
-                old,
-                self.profile_path,
-                self.config.n_layers,
-                self.config.name,
-                self.window,
-                self.pool,
-                units,
-            )
+            old = self._checked(load_profile(self.profile_path), units)
         prof = fold_profile(
             old, values, model=self.config.name, window=self.window, pool=self.pool, units=units
         )
@@ -152,13 +147,13 @@ class XKV(KVCache):
         super().begin_prefill(n_tokens, select)
         L = self.config.n_layers
         self._prefill_n, self._first = n_tokens, self.seen == 0
-        self._done, self._held, self._evict_now = [False] * L, [None] * L, False
+        self._done, self._scores, self._evict_now = [False] * L, [None] * L, False
         plan, self._plan = self._plan, None
         self.allocation = None
         if not self._first:
             return  # later turns: deferred over the slots held (as snapkv)
         if plan is not None and plan[0].t == n_tokens:
-            self.allocation, self._held = plan[0], list(plan[1])
+            self.allocation, self._scores = plan[0], list(plan[1])
             self._evict_now = True
             return
         prof = self._usable_profile()
@@ -179,11 +174,11 @@ class XKV(KVCache):
         if self._evict_now and k.shape[2] == self._prefill_n:
             # one-chunk prefill with budgets known: this layer is final, evict it now
             st = self.layers[layer]
-            score = self._held[layer]
+            score = self._scores[layer]
             if score is None:
                 score = self._selection_score(st)
             self._keep(st, score, self.allocation.n[layer])
-            self._held[layer], st.queries = None, None
+            self._scores[layer], st.queries = None, None
             self._done[layer] = True
         return out
 
@@ -194,13 +189,9 @@ class XKV(KVCache):
 
     def _keep(self, st, score: torch.Tensor, n_ctx: int) -> None:
         """The top-n_ctx context slots by score (ties: lower position) plus the window."""
-        d = st.dense
-        C = score.shape[1]
-        if n_ctx >= C:
-            return
-        rows = d.length - C
-        full = torch.cat([score, score.new_full((score.shape[0], rows), float("inf"))], dim=1)
-        d.keep(keep_indices(full, None, n_ctx + rows))
+        d, C = st.dense, score.shape[1]
+        if n_ctx < C:
+            d.keep(self.top(score, d.length, n_ctx + d.length - C))
 
     def select(self, point: str) -> None:
         """At end_prefill: deferred scoring, allocation and eviction of the layers not done."""
@@ -232,7 +223,7 @@ class XKV(KVCache):
                 self._keep(self.layers[i], sel, self.allocation.n[i])
         a = self.allocation
         self.layer_budgets = [n + a.window for n in a.n]
-        self._held = [None] * len(self._done)
+        self._scores = [None] * len(self._done)
         self._evict_now = False
         for i, st in enumerate(self.layers):
             if st.dense.pos is not None:
@@ -240,7 +231,7 @@ class XKV(KVCache):
 
     def nbytes(self) -> int:
         """Cache bytes plus the plan's selection scores while held across calls (0.6)."""
-        held = list(self._held)
+        held = list(self._scores)
         if self._plan is not None:
             held += self._plan[1]
         return super().nbytes() + sum(x.numel() * x.element_size() for x in held if x is not None)
