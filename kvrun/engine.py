@@ -6,7 +6,7 @@ Each engine step runs
   2. one prefill chunk (--ubatch tokens) of the oldest sequence still prefilling;
   3. one decode token for every sequence that has one to feed, in a single forward pass
      (Session.decode_batch: the linear layers read the weights once for all rows, each
-     sequence's cache attends for its own row, kvrun/kv/batch.py).
+     sequence's cache attends for its own row, kvrun/batch.py).
 A sequence that finishes frees its slot at once, so the next request is admitted in the
 following step. Prefill chunks and decode steps alternate, so a long prompt never stalls the
 sequences that are decoding for more than one chunk. With --cuda-graph a decode step is the

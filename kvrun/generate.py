@@ -258,7 +258,7 @@ class Session:
     ) -> torch.Tensor:
         """Feed one token to each of several sessions of one model in one forward pass (the
         linear layers read the weights once for all of them; each session's cache attends
-        for its own row: kvrun.kv.batch). Returns the next-token logits (B, V). With `graph`
+        for its own row: kvrun.batch). Returns the next-token logits (B, V). With `graph`
         the step is the static one, replayed from a CUDA graph where every cache allows
         (kvrun.graph.BatchGraph); without, eager (the sessions' own graph mode is not used)."""
         if len(sessions) != len(tokens):

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .kv.batch import BatchKV
+from .batch import BatchKV
 
 ROUND = 256  # capacities are multiples of this, so nearby lengths share one capture
 KEEP = 16  # captured batch steps kept (least recently replayed dropped first)
@@ -86,7 +86,7 @@ def capture_graph(forward, warmup: int):
 
 
 def eager_rows(model, kvs, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """Logits (B, V) of one eager decode token per sequence (kvrun.kv.batch.BatchKV)."""
+    """Logits (B, V) of one eager decode token per sequence (kvrun.batch.BatchKV)."""
     dev = model.device
     tok = torch.tensor([[t] for t in tokens], device=dev)  # (B, 1)
     pos = torch.tensor([[p] for p in positions], device=dev)  # (B, 1)

@@ -235,7 +235,7 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T) at positions (T,), or (B, T) when each row is its
-        own sequence (kv is then a kvrun.kv.batch.BatchKV); only the last row if asked."""
+        own sequence (kv is then a kvrun.batch.BatchKV); only the last row if asked."""
         x = self.hidden(tokens, positions, kv)
         if last_only:
             x = x[:, -1:]

@@ -45,8 +45,7 @@ class KVCache(KVManager):
         self.spec, self.name, self.method, self.opt = spec, spec.name, m, o
         self.protected = spec.protected
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
-        kv = spec.kivi()
-        self.kivi_layout = kv if kv is not None and kv["bits"] != 16 else None
+        self.kivi_layout = spec.kivi()
         self.selects = not spec.keeps_all
         self.points = m.points(o)
         self.n_queries = m.queries(o)
@@ -81,9 +80,8 @@ class KVCache(KVManager):
                         scores=self.method.cumulative, count_pos=self.count_pos)  # fmt: skip
 
     def _kivi(self) -> KiviLayer | None:
-        if self.kivi_layout is None:
-            return None
-        return KiviLayer.of(self.kivi_layout, self.config, self.dtype, self.device, self.name)
+        lay = self.kivi_layout
+        return lay and KiviLayer.of(lay, self.config, self.dtype, self.device, self.name)
 
     def _layer(self, layer: int, T: int) -> Layer:
         """The layer's state; a sliding window past the length needs positions to mask by."""

@@ -1,5 +1,5 @@
 """The contract between the model and a KV cache, the per-layer Store protocol, and what the
-driver hands a method. The model calls, for one sequence (kvrun/kv/batch.py runs B):
+driver hands a method. The model calls, for one sequence (kvrun/batch.py runs B):
 
     kv.begin_prefill(n)                       # a prompt (or a new chat turn) of n tokens
     for each chunk of at most --ubatch tokens:
@@ -162,62 +162,42 @@ class Ctx:
     def window_votes(self, kind: str, kernel: int) -> torch.Tensor:  # (Hkv, T - w) fp32
         """SnapKV's votes (§4.2): pooled per query head, then summed per KV head (max-pooling
         does not commute with the sum)."""
-        return self.by_kv_head(self.pool(self.window_scores(), kind, kernel))
+        return self.by_kv_head(attention.pool(self.window_scores(), kind, kernel))
 
     def by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
         """(Hq, C) -> (Hkv, C): the query heads of each KV head summed (baselines.md 0.3)."""
         return attention.group_sum(x, self.keys.shape[0])
-
-    @staticmethod
-    def pool(x: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:
-        """Max or avg pooling along the slots (stride 1, same padding); 'none' is identity."""
-        return attention.pool(x, kind, kernel)
 
 
 @runtime_checkable
 class Store(Protocol):
     """One layer's K, V, attending in its own form: DenseSeg, KiviLayer, CodedLayer, PairLayer."""
 
-    @property
-    def length(self) -> int:
-        """Slots held (tokens, or merged tokens for a pair)."""
-        ...
+    @property  # slots held (tokens, or merged tokens for a pair)
+    def length(self) -> int: ...
 
-    def partials(
-        self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
-    ) -> list[Partial]:
-        """q (1, Hq, Tq, D) post-RoPE at q_pos (Tq,) over the slots, the last n_new the queries'
-        own (causal); window: the model's sliding window. One Partial per segment."""
-        ...
+    # q (1, Hq, Tq, D) post-RoPE at q_pos (Tq,) over the slots, the last n_new the queries' own
+    # (causal); window: the model's sliding window. One Partial (output, lse) per segment.
+    def partials(self, q, q_pos, n_new: int, window: int | None) -> list[Partial]: ...
 
-    def nbytes(self) -> int:
-        """Every byte the store holds: slots, positions, scores, codebooks, staging."""
-        ...
+    # every byte the store holds: slots, positions, scores, codebooks, staging
+    def nbytes(self) -> int: ...
 
 
 @runtime_checkable
 class StaticSegment(Store, Protocol):
     """A store whose decode step runs with no host sync, so a CUDA graph can capture it."""
 
-    @property
-    def end(self) -> int:
-        """The slot the next decode token goes to (a Python int, constant within a step)."""
-        ...
+    @property  # the slot the next decode token goes to (constant within a step)
+    def end(self) -> int: ...
 
-    def room(self, n_more: int) -> None:
-        """Make room for n_more static steps (buffers never move while a graph replays)."""
-        ...
+    # room for n_more static steps (buffers never move while a graph replays)
+    def room(self, n_more: int) -> None: ...
 
-    def attend_static(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
-    ) -> list[Partial]:
-        """Write k, v (1, Hkv, 1, D) at `slot` ((1,), on device, in the room); attend up to it."""
-        ...
+    # write k, v (1, Hkv, 1, D) at slot ((1,) on device, in the room); attend q up to it
+    def attend_static(self, q, k, v, slot: torch.Tensor) -> list[Partial]: ...
 
-    def advance(self) -> None:
-        """The Python side of the write: one more slot occupied."""
-        ...
+    def advance(self) -> None: ...  # the Python side of the write: one more slot occupied
 
-    def static_key(self) -> tuple:
-        """What a captured step depends on (buffer addresses, lengths fixed between flushes)."""
-        ...
+    # what a captured step depends on (buffer addresses, lengths fixed between flushes)
+    def static_key(self) -> tuple: ...

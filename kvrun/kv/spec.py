@@ -64,11 +64,6 @@ class Option:
             self.valid(where, v)
         return v
 
-    def with_default(self, default: Any) -> Option:
-        """This option with another default (a preset of a method, e.g. minikv-pyramid)."""
-        return Option(self.name, default, self.help, self.lo, self.hi, self.choices, self.odd,
-                      self.valid)  # fmt: skip
-
 
 def pooling(where: str, text: str) -> None:
     """none, avg:K or max:K with K odd (the score pooling of XKV and SpindleKV)."""
@@ -95,14 +90,7 @@ KIVI = (
 
 Opts = Mapping[str, Any]
 NEVER: frozenset[str] = frozenset()
-
-
-def _zero(*_) -> int:
-    return 0
-
-
-def _none(_: Opts) -> None:
-    return None
+_zero: Callable[..., int] = lambda *_: 0  # noqa: E731
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +115,7 @@ class Method:
     # a selection with its own store: stacking a store is refused with this text (or f(opts))
     own_store: str | Callable[[Opts], str] = ""
     # the KIVI layout {bits, group, residual} this part stores in, or None
-    kivi: Callable[[Opts], dict | None] = _none
+    kivi: Callable[[Opts], dict | None] = lambda o: None
     # options reproducing full with a budget of every token (or alone, with no default budget)
     lossless: str = ""
     # (spec, cache) -> bytes by the spec's formula (kvrun/kv/bytes.py); stores: None
@@ -254,10 +242,10 @@ class KVSpec:
         return Budget.parse(d) if d is not None else None
 
     def kivi(self) -> dict | None:
-        """KIVI layout {bits, group, residual} or None; a stacked store's beats the selection's."""
-        if self.store is not None:
-            return self.store.kivi(self.store_opts)
-        return self.select.kivi(self.select_opts)
+        """KIVI layout {bits, group, residual} (a stacked store's over the selection's), or None
+        where nothing is quantized (none, or bits=16)."""
+        kv = self.store.kivi(self.store_opts) if self.store else self.select.kivi(self.select_opts)
+        return kv if kv is not None and kv["bits"] != 16 else None
 
     def with_budget(self, budget: str | float | Budget | None) -> KVSpec:
         """This spec at another --kv-budget, checked against the method's budget rules."""
@@ -335,7 +323,7 @@ def parse(text: str, registry: Mapping[str, Method], budget=None) -> KVSpec:
 def _check_layout(spec: KVSpec) -> None:
     """A KIVI layout must tile: whole groups in the residual, whole words in a group."""
     kv = spec.kivi()
-    if kv is None or kv["bits"] == 16:
+    if kv is None:
         return
     where = spec.store.name if spec.store else spec.select.name
     per_word = 32 // kv["bits"]

@@ -26,6 +26,6 @@ KIVI4 = replace(
     KIVI2,
     name="kivi4",
     summary="KIVI 4-bit: keys per channel, values per token, fp tail",
-    options=(KIVI2.options[0].with_default(4),) + KIVI,
+    options=(replace(KIVI2.options[0], default=4),) + KIVI,
 )
 METHODS = (KIVI2, KIVI4)

@@ -14,17 +14,8 @@ class DenseSeg:
     """K/V slots per KV head, with optional int32 positions (pos_rows: 0 none, 1 shared by every
     head, Hkv one per head) and accumulated fp32 scores."""
 
-    def __init__(
-        self,
-        n_kv: int,
-        head_dim: int,
-        dtype,
-        device,
-        pos_rows: int = 0,
-        scores: bool = False,
-        score_rows: int | None = None,
-        count_pos: bool = True,
-    ):
+    def __init__(self, n_kv: int, head_dim: int, dtype, device, pos_rows: int = 0,
+                 scores: bool = False, score_rows: int | None = None, count_pos: bool = True):  # fmt: skip
         # (1, Hkv, cap, D) with room: a decode step writes one slot, copying nothing
         self._k = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self._v = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)

@@ -31,16 +31,8 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
 class KiviLayer:
     """One layer's KIVI store: a packed body (oldest Tq tokens), a dense tail (newest Tr)."""
 
-    def __init__(
-        self,
-        n_kv_heads: int,
-        head_dim: int,
-        bits: int,
-        group: int,
-        residual: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
+    def __init__(self, n_kv_heads: int, head_dim: int, bits: int, group: int, residual: int,
+                 dtype: torch.dtype, device: torch.device | str):  # fmt: skip
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"kivi: bits {bits} must be 1, 2, 4 or 8 (32/bits codes per int32)")
         per = 32 // bits

@@ -21,20 +21,6 @@ def make_cache(spec, config, rope, device, dtype, **kw):
     return KVzip(spec, config, rope, device, dtype, **kw)
 
 
-def own_store(o) -> str:
-    """heads=layer pads heads to the layer's largest count, masked by position: dense only."""
-    return (
-        "padded heads masked by position; kvzip:heads=uniform stacks"
-        if o["heads"] == "layer"
-        else ""
-    )
-
-
-def positions_per_head(c, o) -> int:
-    """heads=layer keeps an int32 position per slot and head (the padding is masked by it)."""
-    return 4 * c.n_kv_heads if o["heads"] == "layer" else 0
-
-
 METHOD = Method(
     "kvzip",
     "select",
@@ -43,8 +29,10 @@ METHOD = Method(
     runs_at="prefill-end, after a second pass",
     options=OPTIONS,
     protected=lambda o: o["sinks"],
-    own_store=own_store,
+    # heads=layer pads heads to the layer's largest count, masked by position: dense only
+    own_store=lambda o: "padded heads; kvzip:heads=uniform stacks" * (o["heads"] == "layer"),
     points=lambda o: frozenset({"prefill"}),
-    nbytes=composed(positions_per_head),
+    # + an int32 position per slot and head with heads=layer (the padding is masked by it)
+    nbytes=composed(lambda c, o: 4 * c.n_kv_heads * (o["heads"] == "layer")),
     cache=make_cache,
 )

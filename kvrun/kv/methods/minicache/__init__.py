@@ -41,9 +41,8 @@ OPTIONS = (
 
 
 def _layout(o) -> dict | None:
-    if o["store"] != "kivi4":
-        return None
-    return {"bits": 4, "group": o["kivi_group"], "residual": o["kivi_residual"]}
+    kivi4 = {"bits": 4, "group": o["kivi_group"], "residual": o["kivi_residual"]}
+    return kivi4 if o["store"] == "kivi4" else None
 
 
 def nbytes(spec, kv) -> int:

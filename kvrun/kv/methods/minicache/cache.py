@@ -28,8 +28,7 @@ class MiniCacheKV(KVManager):
         self.t, self.gamma, self.sin_eps = float(o["slerp_t"]), float(o["gamma"]), o["sin_eps"]
         self.rule, self.retain = o["retain_rule"], o["retain"]
         self.decode_retain = bool(o["decode_retain"])
-        kv = spec.kivi()
-        self.kivi_layout = kv if kv is not None and kv["bits"] != 16 else None
+        self.kivi_layout = spec.kivi()
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim
         self.layout = Layout(o["granularity"] == "token", self.H, self.D)
@@ -40,9 +39,8 @@ class MiniCacheKV(KVManager):
         self.reset()
 
     def _kivi(self) -> KiviLayer | None:
-        if self.kivi_layout is None:
-            return None
-        return KiviLayer.of(self.kivi_layout, self.config, self.dtype, self.device, self.name)
+        lay = self.kivi_layout
+        return lay and KiviLayer.of(lay, self.config, self.dtype, self.device, self.name)
 
     def reset(self) -> None:
         super().reset()

@@ -29,9 +29,8 @@ OPTIONS = (
 
 
 def _layout(o) -> dict | None:
-    if o["quant"] != "kivi2":
-        return None
-    return {"bits": 2, "group": o["group"], "residual": o["residual"]}
+    kivi2 = {"bits": 2, "group": o["group"], "residual": o["residual"]}
+    return kivi2 if o["quant"] == "kivi2" else None
 
 
 def nbytes(spec, kv) -> int:
@@ -66,7 +65,7 @@ PYRAMID = replace(
     name="minikv-pyramid",
     summary="MiniKV with pyramid heavy-hitter budgets, more to lower layers (= minikv:alloc=pyramid)",
     axes=("cumulative (prompt)", "top-k + recent", "pyramid (MiniKV)", "kivi 2-bit"),
-    options=tuple(o.with_default("pyramid") if o.name == "alloc" else o for o in OPTIONS),
+    options=tuple(replace(o, default="pyramid") if o.name == "alloc" else o for o in OPTIONS),
     own_store="2-bit KIVI; minikv-pyramid:quant=none for dense",
 )
 METHODS = (METHOD, PYRAMID)

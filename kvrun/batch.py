@@ -10,20 +10,18 @@ from collections.abc import Sequence
 
 import torch
 
-from .protocol import KVManager
+from .kv.protocol import KVManager
 
 
 class BatchKV:
-    """The KV contract (kvrun/kv/protocol.py) for B sequences, each with its own manager."""
+    """The model's call (`attend`) for one decode step of B sequences, each with its own cache;
+    the sequence points go to each cache (Session.decode_batch)."""
 
     def __init__(self, kvs: Sequence):
         if not kvs:
             raise ValueError("a batch needs at least one sequence")
         self.kvs = list(kvs)
         self._flat = None  # (positions, flattened, rows) of the current forward pass
-
-    def __len__(self) -> int:
-        return len(self.kvs)
 
     def attend(
         self,
@@ -62,25 +60,3 @@ class BatchKV:
             s = slice(b, b + 1)
             outs.append(kv.decode(layer, qr[s], k[s] if kv.keys_pre_rope else kr[s], v[s], rows[b]))
         return torch.cat(outs, dim=0)
-
-    def begin_prefill(self, n_tokens: int) -> None:
-        for kv in self.kvs:
-            kv.begin_prefill(n_tokens)
-
-    def end_chunk(self, n_tokens: int) -> None:
-        for kv in self.kvs:
-            kv.end_chunk(n_tokens)
-
-    def end_prefill(self) -> None:
-        for kv in self.kvs:
-            kv.end_prefill()
-
-    def end_step(self) -> None:
-        for kv in self.kvs:
-            kv.end_step()
-
-    def nbytes(self) -> int:
-        return sum(kv.nbytes() for kv in self.kvs)
-
-    def nbytes_full(self) -> int:
-        return sum(kv.nbytes_full() for kv in self.kvs)
