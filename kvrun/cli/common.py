@@ -82,9 +82,9 @@ def graph_option(f):
         default=False,
         show_default=True,
         help="Replay each decode step as one CUDA graph (needs --device cuda; every method "
-        "that only appends at decode steps; h2o, streaming, minicache and spindlekv decode "
-        "eagerly, with a note). With --parallel N a batch's step is captured per batch-size "
-        "bucket (1, 2, 4, 8, 16, ...) and its sequences.",
+        "that only appends at decode steps; methods that evict at steps or keep their own "
+        "stores, such as h2o or minicache, decode eagerly, with a note). With --parallel N a "
+        "batch's step is captured per batch-size bucket (1, 2, 4, 8, 16, ...) and its sequences.",
     )(f)
 
 
