@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from naive_ref import Naive, Watch, points
+from naive_ref import Naive, Watch, keep_top, points
 from test_kv_methods import budget_tokens, drive, new_kv, prompt, tap, tiny
 
 from kvrun.generate import Session
@@ -36,21 +36,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def opts_of(spec: str) -> tuple[int, str]:
     o = dict(x.split("=") for x in spec.partition(":")[2].split(",") if x)
     return int(o.get("sinks", 4)), o.get("heads", "uniform")
-
-
-def rank_pairs(scores: dict, k: int, forced) -> tuple[list, float]:
-    """The forced keys plus the best k - len(forced) others by score descending, then by key
-    ascending (a key is a position, or (position, head) for heads=layer); the relative margin
-    at the cut as in naive_ref.keep_top."""
-    rest = sorted((x for x in scores if x not in forced), key=lambda x: (-scores[x], x))
-    m = k - len(forced)
-    assert m >= 0
-    kept, out = rest[:m], rest[m:]
-    margin = math.inf
-    if kept and out:
-        a, b = scores[kept[-1]], scores[out[0]]
-        margin = (a - b) / max(abs(a), abs(b))
-    return list(forced) + kept, margin
 
 
 class KvzipRule:
@@ -114,14 +99,14 @@ class KvzipRule:
             if self.heads == "uniform":
                 picked = []
                 for hk, s in enumerate(per_head):
-                    kept, margin = rank_pairs(s, B - len(earlier[hk]), forced)
+                    kept, margin = keep_top(s, B - len(earlier[hk]), forced)
                     picked.append(sorted(kept))
                     h.margins.append(margin)
             else:  # heads=layer: the layer's Hkv * B(n) slots to the best (position, head)
                 s = {(p, hk): x for hk, d in enumerate(per_head) for p, x in d.items()}
                 pin = [(p, hk) for hk in range(h.Hkv) for p in forced]
                 room = h.Hkv * B - sum(len(e) for e in earlier)
-                kept, margin = rank_pairs(s, room, pin)
+                kept, margin = keep_top(s, room, pin)
                 picked = [sorted(p for p, k in kept if k == hk) for hk in range(h.Hkv)]
                 h.margins.append(margin)
             rows.append([e + k for e, k in zip(earlier, picked, strict=True)])
