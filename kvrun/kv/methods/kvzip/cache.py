@@ -27,8 +27,11 @@ class KVzip(KVCache):
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
         self.heads = spec.select_opts["heads"]
         super().__init__(spec, config, rope, device, dtype, on_select)
+
+    def reset(self) -> None:
+        super().reset()
         self.turn = 0
-        self.scores: list[torch.Tensor | None] = [None] * config.n_layers  # (Hkv, t) fp32
+        self.scores: list[torch.Tensor | None] = [None] * self.config.n_layers  # (Hkv, t) fp32
 
     def _position_rows(self) -> int:
         return self.config.n_kv_heads if self.heads == "layer" else 0  # padding is masked
