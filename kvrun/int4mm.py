@@ -6,9 +6,11 @@ scales-and-zeros given as a (G, N, 2) tensor in the activations' dtype.
 - CPU (`_weight_int4pack_mm_for_cpu`): vectorized for bfloat16 activations only; float32
   activations run a scalar loop (~100x slower at 512 rows, bench/README.md). So the CPU path
   casts the activations to bfloat16 and the product back to the compute dtype. Its layout is
-  blocks of 64 rows: byte (b, k, i) holds row 64b + i in its low nibble and row 64b + i + 32
-  in its high nibble (found by packing known codes; `unpack_cpu` inverts it and a test checks
-  it against the op), so the codes can be read back exactly for dequantization and gathers.
+  blocks of B rows, B = 64 where PyTorch's CPU kernels are built for AVX-512 and 32 elsewhere
+  (AVX2): byte (b, k, i) holds row Bb + i in its low nibble and row Bb + i + B/2 in its high
+  nibble (found by packing known codes; `block_rows` asks the op which B this machine uses,
+  `unpack_cpu` inverts the layout and a test checks it against the op), so the codes can be
+  read back exactly for dequantization and gathers.
 - CUDA (`_weight_int4pack_mm`): bfloat16, q4 only, tensor-core tiles; never read back.
 
 Not exact: the products see bfloat16 activations and bfloat16 scales and zeros (Q4_1's fp16
@@ -23,16 +25,27 @@ bfloat16 scales and zeros per group of 32, against Q8_0's 34 per 32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .quant import Packed
 
-BLOCK_N = 64  # rows per block in the CPU layout
+
+@functools.cache
+def block_rows() -> int:
+    """Rows per block in the CPU op's layout on this machine (64 with AVX-512 kernels, 32 with
+    AVX2 ones): asked of the op itself, by packing a code of 1 in row 32 of a 64-row matrix.
+    In 64-row blocks it lands in the high nibble of row 0; in 32-row blocks it opens block 1."""
+    q = torch.zeros(64, 2, dtype=torch.int32)
+    q[32, 0] = 1
+    w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return 64 if w[0, 0] == 16 else 32
 
 
 def cpu_supported(n: int, k: int, group: int) -> bool:
-    """Shapes the CPU op and `unpack_cpu` take: whole 64-row blocks, whole groups."""
-    return n % BLOCK_N == 0 and k % group == 0 and group in (32, 64, 128, 256)
+    """Shapes the CPU op and `unpack_cpu` take: whole row blocks, whole groups."""
+    return n % block_rows() == 0 and k % group == 0 and group in (32, 64, 128, 256)
 
 
 def cuda_supported(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -50,24 +63,26 @@ def scales_zeros(
 
 def pack_cpu(q: torch.Tensor) -> torch.Tensor:
     """Codes (N, K) in 0..15 -> (N, K // 2) uint8 in the CPU op's layout, built with byte ops
-    (N a multiple of BLOCK_N). PyTorch's own conversion
+    (N a multiple of `block_rows()`). PyTorch's own conversion
     (`_convert_weight_to_int4pack_for_cpu`) takes int32 codes, 4 bytes a weight; loading an
     8B Q4 model spent ~20 s there (tests check both give the same bytes)."""
     n, k = q.shape
-    b = q.to(torch.uint8).view(n // BLOCK_N, 2, BLOCK_N // 2, k)  # rows 64b + 32h + i
+    bn = block_rows()
+    b = q.to(torch.uint8).view(n // bn, 2, bn // 2, k)  # rows B b + B/2 h + i
     return (b[:, 0] | (b[:, 1] << 4)).transpose(1, 2).reshape(n, k // 2)
 
 
 def pack_cpu_nibbles(codes: torch.Tensor, group: int) -> torch.Tensor:
     """`pack_cpu` of a q4 Packed's canonical bytes (N, K // 2), without unpacking them: byte j
     of a group holds element j (low nibble) and j + group / 2 (high), so the low nibbles of
-    rows 64b + i and 64b + 32 + i make one byte of the op's layout, and their high nibbles
+    rows Bb + i and Bb + B/2 + i make one byte of the op's layout, and their high nibbles
     another (the byte ops below; 2-3x faster than unpacking to codes first)."""
     n, half = codes.shape
-    c = codes.view(n // BLOCK_N, 2, BLOCK_N // 2, half // (group // 2), group // 2)
-    lo, hi = c[:, 0], c[:, 1]  # (blocks, 32, G, group / 2): rows 64b + i and 64b + 32 + i
+    bn = block_rows()
+    c = codes.view(n // bn, 2, bn // 2, half // (group // 2), group // 2)
+    lo, hi = c[:, 0], c[:, 1]  # (blocks, B/2, G, group / 2): rows Bb + i and Bb + B/2 + i
     both = torch.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], dim=3)
-    return both.permute(0, 2, 3, 4, 1).reshape(n, half)  # (blocks, K, 32)
+    return both.permute(0, 2, 3, 4, 1).reshape(n, half)  # (blocks, K, B/2)
 
 
 def pack_cuda(q: torch.Tensor) -> torch.Tensor:
@@ -79,13 +94,14 @@ def unpack_cpu(w: torch.Tensor, rows: slice | torch.Tensor | None = None) -> tor
     """Codes (R, K) uint8 of the rows asked (a slice of whole blocks, an index tensor, or all)
     from a CPU-layout (N, K // 2) tensor."""
     n, k = w.shape[0], w.shape[1] * 2
-    b = w.view(n // BLOCK_N, k, BLOCK_N // 2)  # (blocks, K, 32)
+    bn = block_rows()
+    b = w.view(n // bn, k, bn // 2)  # (blocks, K, B/2)
     if isinstance(rows, torch.Tensor):
-        half = b[rows // BLOCK_N, :, rows % (BLOCK_N // 2)]  # (R, K)
-        return torch.where((rows % BLOCK_N >= BLOCK_N // 2).unsqueeze(-1), half >> 4, half & 15)
+        half = b[rows // bn, :, rows % (bn // 2)]  # (R, K)
+        return torch.where((rows % bn >= bn // 2).unsqueeze(-1), half >> 4, half & 15)
     if rows is not None:
-        b = b[rows.start // BLOCK_N : -(-rows.stop // BLOCK_N)]
-    both = torch.cat([b & 15, b >> 4], dim=2)  # (blocks, K, 64)
+        b = b[rows.start // bn : -(-rows.stop // bn)]
+    both = torch.cat([b & 15, b >> 4], dim=2)  # (blocks, K, B)
     return both.transpose(1, 2).reshape(-1, k)
 
 

@@ -247,10 +247,11 @@ class PackedLinear(nn.Module):
         return y
 
     def _dequant_planes_linear(self, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-        """x @ W^T on CPU from the int4 planes, 64-row blocks a slab at a time: exact in the
+        """x @ W^T on CPU from the int4 planes, whole row blocks a slab at a time: exact in the
         compute dtype, or in bfloat16 (large layers where its GEMM is faster: bf16_prefill)."""
         n, k = self.out_features, self.in_features
-        step = max(int4mm.BLOCK_N, SLAB_ELEMS // k // int4mm.BLOCK_N * int4mm.BLOCK_N)
+        bn = int4mm.block_rows()
+        step = max(bn, SLAB_ELEMS // k // bn * bn)
         dt = torch.bfloat16 if bf16 else self.dtype
         xx = x.to(dt)
         planes, out = self._planes()[0], []
