@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .errors import KvrunError
-from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes
+from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes, token_logprobs
 from .graph import BatchGraph
 from .sampling import SamplingConfig, sample
 
@@ -57,6 +57,18 @@ class Request:
     new_kv: Callable[[], Any] | None = None
     # a question prefilled as a turn of its own after `ids` were compressed (--question-after)
     question: list[int] | None = None
+    # log-probabilities kept in the Result (kvrun.generate.TokenLogprob), with this many
+    # alternatives each: of every generated token, and of every prompt token after the first
+    # (the prefill's own logits: what the cache held while each chunk ran)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # told as the request takes a slot, and of each generated token (id, TokenLogprob or None)
+    # before its text reaches on_text
+    on_start: Callable[[], None] | None = None
+    on_token: Callable[[int, Any], None] | None = None
+    # polled every engine step (and after each token): True ends the sequence there, its
+    # result so far reported with stop_reason "cancelled" (a client gone, a stop string seen)
+    cancelled: Callable[[], bool] | None = None
 
     @property
     def prompt(self) -> list[int]:
@@ -92,6 +104,8 @@ class _Seq:
     stats: Stats = field(default_factory=Stats)
     out: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
     feed: int | None = None  # the sampled token the next decode step feeds
     t0: float = 0.0
     t_prefill: float = 0.0  # when the prefill ended
@@ -122,6 +136,9 @@ class Engine:
             self.graph = BatchGraph(model, sessions[0].context, capture="on" in modes)
         self.per_token = model.config.kv_bytes_per_token(model.dtype.itemsize)
         self.stats = EngineStats()
+        # as of the last step: sequences holding a slot, the bytes their caches hold, and what
+        # full caches would hold for the same tokens (kvrun serve's /metrics reads these)
+        self.active = self.kv_bytes = self.kv_bytes_full = 0
 
     # ------------------------------------------------------------------ admission
     def reserve(self, seq: _Seq | None, req: Request) -> int:
@@ -174,6 +191,9 @@ class Engine:
             ready.append((seq.req, self._result(seq), None))
 
         while waiting or active:
+            for q in [q for q in active if q.req.cancelled and q.req.cancelled()]:
+                q.stats.stop_reason = "cancelled"
+                end(q)
             while free and waiting:  # admission
                 req = waiting.peek()
                 if not self._fits(req, active):
@@ -197,8 +217,10 @@ class Engine:
                 self._decode_step(dec, end)
                 st.decode_s += time.perf_counter() - t1
             st.steps += 1
-            if active:
-                st.peak_kv_bytes = max(st.peak_kv_bytes, sum(q.session.kv.nbytes() for q in active))
+            self.active = len(active)
+            self.kv_bytes = sum(q.session.kv.nbytes() for q in active)
+            self.kv_bytes_full = sum(q.session.kv.nbytes_full() for q in active)
+            st.peak_kv_bytes = max(st.peak_kv_bytes, self.kv_bytes)
             st.wall_s = time.perf_counter() - t_start
             if self.graph is not None:
                 st.graph_steps, st.graph_captures = self.graph.static_steps, self.graph.captures
@@ -220,8 +242,12 @@ class Engine:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(req.seed if req.seed is not None else torch.seed())
         stream = session.tokenizer.stream(after=req.prompt[-1] if req.prompt else None)
-        seq = _Seq(req, session, session.prefill_turns(req.ids, req.question), gen, stream)
+        rows = req.prompt_logprobs is not None
+        chunks = session.prefill_turns(req.ids, req.question, rows=rows)
+        seq = _Seq(req, session, chunks, gen, stream)
         seq.stats.prompt_tokens, seq.t0 = len(req.prompt), time.perf_counter()
+        if req.on_start:
+            req.on_start()
         return seq
 
     def _prefill_chunk(self, seq: _Seq, end) -> None:
@@ -237,6 +263,14 @@ class Engine:
         now = time.perf_counter()
         seq.stats.prefill_s += now - t
         self.stats.prefill_tokens += len(seq.session.tokens) - before
+        if logits is not None and logits.dim() == 2:  # every row: the prompt's logprobs
+            prompt = seq.req.prompt
+            n = len(seq.session.tokens)
+            targets = prompt[n - len(logits) + 1 : n + 1]  # what each row predicts
+            seq.prompt_logprobs += token_logprobs(
+                logits[: len(targets)], targets, seq.req.prompt_logprobs
+            )
+            logits = logits[-1]
         if not last:
             return None
         if logits is None:
@@ -273,19 +307,28 @@ class Engine:
     def _take(self, seq: _Seq, logits: torch.Tensor, end) -> None:
         """Sample the next token from logits, as Session.generate does, and decide whether
         the sequence goes on (seq.feed set) or ends."""
-        s = seq.session
-        tok = sample(logits.float().cpu(), seq.req.sampling, s.tokens[-1024:], seq.gen)
+        s, req = seq.session, seq.req
+        tok = sample(logits.float().cpu(), req.sampling, s.tokens[-1024:], seq.gen)
         if not seq.stats.ttft_s:  # from admission: waiting for a slot is not counted
             seq.stats.ttft_s = time.perf_counter() - seq.t0
         if tok in s.tokenizer.stop_ids:
             seq.stats.stop_reason = "eos"
             return end(seq)
         seq.out.append(tok)
+        entry = None
+        if req.logprobs is not None:
+            entry = token_logprobs(logits.view(1, -1), [tok], req.logprobs)[0]
+            seq.logprobs.append(entry)
+        if req.on_token:
+            req.on_token(tok, entry)
         piece = seq.stream.push(tok)
         if piece:
             seq.text.append(piece)
-            if seq.req.on_text:
-                seq.req.on_text(piece)
+            if req.on_text:
+                req.on_text(piece)
+        if req.cancelled and req.cancelled():
+            seq.stats.stop_reason = "cancelled"
+            return end(seq)
         if len(seq.out) >= seq.limit:
             return end(seq)
         if len(s.tokens) + 1 > s.context:
@@ -308,7 +351,12 @@ class Engine:
         stats.kv_bytes_full = s.kv.nbytes_full()
         stats.peak_mem_bytes = peak_memory_bytes(s.device)
         s.pending = []
-        return Result("".join(seq.text), list(seq.out), stats, seq.req.prompt)
+        req = seq.req
+        return Result(
+            "".join(seq.text), list(seq.out), stats, req.prompt,
+            logprobs=seq.logprobs if req.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if req.prompt_logprobs is not None else None,
+        )  # fmt: skip
 
 
 class _Lookahead:

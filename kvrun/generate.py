@@ -74,11 +74,39 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of its logits, before any
+    sampling filter) and the `top` most likely alternatives at that position, best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprob of tokens[i] under logits[i] (R, V), with `top` alternatives each."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).view(-1, 1)).squeeze(1)
+    alts = lp.topk(top, dim=-1) if top > 0 else None
+    out = []
+    for i, (t, v) in enumerate(zip(tokens, chosen.tolist(), strict=True)):
+        pairs = []
+        if alts is not None:
+            pairs = list(zip(alts.indices[i].tolist(), alts.values[i].tolist(), strict=True))
+        out.append(TokenLogprob(int(t), v, pairs))
+    return out
+
+
+@dataclass
 class Result:
     text: str
     tokens: list[int]
     stats: Stats
     prompt_ids: list[int] = field(default_factory=list)
+    # with Request.logprobs / prompt_logprobs (kvrun.engine): one entry per generated token,
+    # and one per prompt token after the first
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -164,28 +192,31 @@ class Session:
         ids: Sequence[int],
         question: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        rows: bool = False,
     ) -> Iterator[tuple[torch.Tensor, bool]]:
         """`prefill` one --ubatch chunk per step: yields (logits after the chunk, whether it
-        was the last of the prompt)."""
+        was the last of the prompt); rows: every position's logits (prefill_chunks)."""
         if not question:
-            yield from self.prefill_chunks(ids, progress)
+            yield from self.prefill_chunks(ids, progress, rows=rows)
             return
         self.check_fits(len(ids) + len(question))
         n = len(ids) + len(question)
         done = lambda k, _: progress(k, n) if progress else None  # noqa: E731
-        yield from ((out, False) for out, _ in self.prefill_chunks(ids, done))
+        yield from ((out, False) for out, _ in self.prefill_chunks(ids, done, rows=rows))
         more = lambda k, _: progress(len(ids) + k, n) if progress else None  # noqa: E731
-        yield from self.prefill_chunks(question, more, select=False)
+        yield from self.prefill_chunks(question, more, select=False, rows=rows)
 
     def prefill_chunks(
         self,
         ids: Sequence[int],
         progress: Callable[[int, int], None] | None = None,
         select: bool = True,
+        rows: bool = False,
     ) -> Iterator[tuple[torch.Tensor, bool]]:
         """One turn's prefill, one --ubatch chunk per step (the batch engine interleaves them
         with decode steps): yields (logits after the chunk, whether it was the last). With
-        select=False the cache stores the turn and compresses nothing (kvrun/kv/protocol.py)."""
+        select=False the cache stores the turn and compresses nothing (kvrun/kv/protocol.py).
+        rows: the logits of every position of the chunk (T, V), not only the last (V,)."""
         self.check_fits(len(ids))
         with torch.inference_mode():
             self.plan(ids, "before")
@@ -201,7 +232,8 @@ class Session:
             with torch.inference_mode():
                 tok = torch.tensor([chunk], device=self.device)  # (1, T)
                 pos = torch.arange(start, start + len(chunk), device=self.device)  # (T,)
-                logits = self.model(tok, pos, self.kv, last_only=True)[0, -1]
+                logits = self.model(tok, pos, self.kv, last_only=not rows)[0]
+                logits = logits if rows else logits[-1]
                 self.kv.end_chunk(len(chunk))
                 self.tokens.extend(chunk)
                 if progress:

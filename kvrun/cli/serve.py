@@ -1,0 +1,124 @@
+"""kvrun serve: an OpenAI-compatible HTTP server on the continuous-batching engine."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import click
+
+from ..errors import KvrunError
+from .common import (
+    check_kv,
+    err_console,
+    graph_option,
+    kv_options,
+    model_options,
+    new_session,
+    parallel_options,
+    parse_mem,
+    set_debug,
+)
+
+
+@click.command()
+@model_options
+@graph_option
+@kv_options()
+@parallel_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="KVRUN_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on every endpoint but /health ($KVRUN_API_KEY).",
+)
+@click.option(
+    "--queue",
+    default=256,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Requests that may wait for a slot; beyond them a request gets 503 with Retry-After.",
+)
+@click.option(
+    "--alias",
+    default=None,
+    help="The model id clients send and /v1/models shows (default: the -m name).",
+)
+@click.option(
+    "--grace",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds streams in flight get after SIGTERM / Ctrl-C before they end with an error.",
+)
+@click.option("--max-body", default=8, show_default=True, type=click.IntRange(1),
+              help="Largest request body, in MiB (413 beyond).")  # fmt: skip
+@click.option("-v", "--verbose", is_flag=True, help="Log every request (uvicorn's access log).")
+@click.pass_context
+def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw):
+    """Serve the model over OpenAI's HTTP API, with a KV method per request.
+
+    \b
+    Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    GET /health (503 while the model loads), GET /metrics (Prometheus).
+    A request may pick its cache with the extension fields "kv" and "kv_budget"
+    (the --kv grammar); `usage` reports kv_bytes and kv_bytes_full.
+
+    \b
+    kvrun serve -m smollm2 -np 8 --kv snapkv --kv-budget 0.25
+    curl localhost:8080/v1/chat/completions -d '{"model": "smollm2",
+      "messages": [{"role": "user", "content": "Hi"}], "kv": "kivi2"}'
+    """
+    set_debug(ctx, kw.pop("debug"))
+    spec = check_kv(kw)  # a bad --kv fails before the load
+    from ..model_store import DEFAULT_MODEL
+    from ..runtime import load_runtime, pick_device
+    from ..server.app import Server, Settings
+    from ..server.app import serve as run
+    from ..server.metrics import Metrics
+    from ..server.worker import Worker
+
+    parallel = kw.pop("parallel")
+    kv_mem = parse_mem(kw.pop("kv_mem"), pick_device(kw["device"]))  # before the load
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err_console.print(
+            f"warning: binding {host} without --api-key: anyone who can reach it can use it",
+            style="yellow",
+        )
+    model_path = kw["model"]
+    name = alias or model_path or DEFAULT_MODEL
+
+    def load():
+        rt = load_runtime(model_path, kw["dtype"], kw["device"], pull_missing=True,
+                          log=lambda m: err_console.print(f"[dim]{m}[/]"), wtype=kw["wtype"])  # fmt: skip
+        settings.context = kw["ctx_size"] or rt.config.context_length
+        err_console.print(f"model {rt.config.name} ready in {rt.load_s:.1f}s", style="green")
+        return rt
+
+    def make_session(rt, kv):
+        return new_session(rt, kv, kw, note=False)
+
+    settings = Settings(
+        names=list(dict.fromkeys([name, Path(name).stem, Path(name).name])),
+        default_kv=kw["kv"], default_budget=kw.get("kv_budget"), context=kw["ctx_size"] or 0,
+        api_key=api_key, queue=queue, max_body=max_body * 2**20, grace=grace,
+    )  # fmt: skip
+    metrics = Metrics()
+    worker = Worker(load, parallel, kv_mem, make_session, metrics, spec)
+    server = Server(settings, worker, metrics)
+    err_console.print(
+        f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel})"
+    )
+    try:
+        sock = socket.create_server((host, port), family=_family(host))
+    except OSError as e:
+        raise KvrunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    run(server, sock, log_level="info" if verbose else "warning")
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

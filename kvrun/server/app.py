@@ -1,0 +1,470 @@
+"""kvrun serve's HTTP side: OpenAI's chat and completions endpoints on the engine thread
+(kvrun.server.worker), /v1/models, /health and /metrics, on Starlette and uvicorn.
+
+Everything here runs on the event loop and never calls torch: a request is validated
+(pydantic, the --kv grammar, the context, --kv-mem), tokenized, and handed to the engine
+thread as Jobs; their text comes back through an asyncio queue per request. Errors are
+OpenAI's error objects; the server stays up after any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import KvrunError
+from .metrics import Metrics
+from .schema import ChatBody, CompletionBody, error_body, validation_message
+from .worker import Job, StopText, Worker
+
+log = logging.getLogger("kvrun.serve")
+
+
+@dataclass
+class Settings:
+    names: list[str]  # the model ids requests may name; the first is /v1/models' id
+    default_kv: str
+    default_budget: Any
+    context: int
+    api_key: str | None = None
+    queue: int = 256  # waiting requests beyond the slots; more get 503
+    max_body: int = 8 * 2**20
+    grace: float = 5.0  # seconds in-flight streams get after SIGTERM before an error event
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param=None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind, self.headers = kind, headers
+
+
+def _error(e: ApiError) -> JSONResponse:
+    body = error_body(e.message, e.kind, e.code, e.param)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+class Server:
+    """The application and what its handlers share (settings, worker, metrics, draining)."""
+
+    def __init__(self, settings: Settings, worker: Worker, metrics: Metrics):
+        self.s, self.worker, self.metrics = settings, worker, metrics
+        self.draining = threading.Event()  # set on SIGTERM / Ctrl-C
+        self.drain_t = 0.0
+        self.created = int(time.time())
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prom, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/completions", self.completions, methods=["POST"]),
+        ]
+        handlers = {HTTPException: self._http_error, Exception: self._crash}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
+
+    def drain(self) -> None:
+        self.drain_t = time.monotonic()
+        self.draining.set()
+
+    # ------------------------------------------------------------------ plumbing
+    async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(ApiError(exc.status_code, msg, code, kind="invalid_request_error"))
+
+    async def _crash(self, request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error(
+            ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        )
+
+    def _auth(self, request: Request) -> None:
+        key = self.s.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                           "invalid_api_key", kind="authentication_error")  # fmt: skip
+
+    def _ready(self) -> None:
+        w = self.worker
+        if w.load_error:
+            raise ApiError(503, f"the model failed to load: {w.load_error}", kind="server_error")
+        if not w.ready.is_set():
+            raise ApiError(503, "the model is still loading; retry shortly", "loading",
+                           kind="server_error", headers={"Retry-After": "2"})  # fmt: skip
+        if self.draining.is_set():
+            raise ApiError(503, "the server is shutting down", "shutting_down", kind="server_error")
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.s.max_body:
+            raise ApiError(413, f"the body is {int(size)} bytes; the limit is {self.s.max_body}",
+                           "request_too_large")  # fmt: skip
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.s.max_body:
+                raise ApiError(413, f"the body is over the limit of {self.s.max_body} bytes",
+                               "request_too_large")  # fmt: skip
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object", "invalid_json")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise ApiError(422, msg, "invalid_value", param) from None
+        if body.model not in self.s.names:
+            raise ApiError(404, f"model {body.model!r} is not served here (serving: "
+                           f"{', '.join(self.s.names)})", "model_not_found", "model")  # fmt: skip
+        why = body.unsupported()
+        if why:
+            raise ApiError(400, why, "unsupported", "n" if "n >" in why else None)
+        return body
+
+    def _spec(self, body) -> Any:
+        from ..kv import check
+
+        kv = body.kv if body.kv is not None else self.s.default_kv
+        budget = body.kv_budget if body.kv_budget is not None else (
+            self.s.default_budget if body.kv is None else None
+        )  # fmt: skip
+        try:
+            return check(kv, budget)
+        except KvrunError as e:
+            raise ApiError(400, str(e), "invalid_kv", "kv") from None
+
+    def _job(self, body, ids: list[int], n_predict: int, spec, logprobs=None,
+             prompt_logprobs=None) -> Job:  # fmt: skip
+        ctx = self.s.context
+        if len(ids) > ctx:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens but the context is {ctx}; "
+                           "shorten it or start the server with a larger -c",
+                           "context_length_exceeded", "messages")  # fmt: skip
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "empty_prompt", "prompt")
+        w = self.worker
+        n = n_predict if n_predict >= 0 else ctx
+        limit = w.kv_mem
+        need = w.engine.per_token * (len(ids) + n) if w.engine is not None else 0
+        if limit is not None and need > limit:
+            raise ApiError(400, f"its KV cache may need {need / 2**20:.1f} MiB ({len(ids)} prompt "
+                           f"+ {n} tokens at full size) but --kv-mem is {limit / 2**20:.1f} MiB; "
+                           "ask for fewer max_tokens or shorten the prompt",
+                           "kv_mem_exceeded")  # fmt: skip
+        return Job(ids, n_predict, body.config(), body.seed, spec, body.stop,
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                   stop=StopText(body.stop))  # fmt: skip
+
+    def _submit(self, jobs: list[Job]) -> None:
+        w = self.worker
+        if w.waiting + len(jobs) > self.s.queue + max(0, w.n_parallel - w.engine.active):
+            raise ApiError(503, f"the queue is full ({w.waiting} requests waiting); retry later",
+                           "queue_full", kind="server_error",
+                           headers={"Retry-After": "1"})  # fmt: skip
+        loop = asyncio.get_running_loop()
+        for job in jobs:
+            job.loop, job.events = loop, asyncio.Queue()
+            w.submit(job)
+
+    async def _guard(self, request: Request, handler) -> Response:
+        try:
+            self._auth(request)
+            return await handler(request)
+        except ApiError as e:
+            if e.status in (400, 413, 422, 503):
+                self.metrics.rejected()
+            return _error(e)
+
+    # ----------------------------------------------------------------- endpoints
+    async def health(self, request: Request) -> Response:
+        w = self.worker
+        if w.load_error:
+            return JSONResponse({"status": "error", "error": w.load_error}, status_code=503)
+        if not w.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def prom(self, request: Request) -> Response:
+        async def go(request):
+            data = self.metrics.render(self.worker)
+            return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        return await self._guard(request, go)
+
+    async def models(self, request: Request) -> Response:
+        async def go(request):
+            data = [{"id": self.s.names[0], "object": "model", "created": self.created,
+                     "owned_by": "kvrun", "context_length": self.s.context,
+                     "kv": self.s.default_kv}]  # fmt: skip
+            return JSONResponse({"object": "list", "data": data})
+
+        return await self._guard(request, go)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._guard(request, self._chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guard(request, self._completions)
+
+    async def _chat(self, request: Request) -> Response:
+        body: ChatBody = await self._body(request, ChatBody)
+        self._ready()
+        spec = self._spec(body)
+        tok = self.worker.runtime.tokenizer
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = tok.render_chat(msgs, add_generation_prompt=True)
+        except KvrunError as e:
+            raise ApiError(400, f"the chat template failed on these messages: {e}",
+                           "template_error", "messages") from None  # fmt: skip
+        ids = tok.encode(prompt)
+        job = self._job(body, ids, body.limit(), spec, logprobs=body.alternatives())
+        self._submit([job])
+        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._stream(request, [job], rid, "chat", usage)
+        result = await self._wait(request, job)
+        message = {"role": "assistant", "content": "".join(job.text_parts)}
+        choice = {"index": 0, "message": message, "finish_reason": _finish(job, result),
+                  "logprobs": self._chat_logprobs(result.logprobs)}  # fmt: skip
+        return JSONResponse(self._envelope(rid, "chat.completion", [choice], [(job, result)]))
+
+    async def _completions(self, request: Request) -> Response:
+        body: CompletionBody = await self._body(request, CompletionBody)
+        self._ready()
+        spec = self._spec(body)
+        tok = self.worker.runtime.tokenizer
+        prompts = body.prompts()
+        if not prompts:
+            raise ApiError(400, "the prompt is empty", "empty_prompt", "prompt")
+        if body.stream and len(prompts) > 1:
+            raise ApiError(400, "stream takes one prompt", "unsupported", "prompt")
+        vocab = tok.vocab_size
+        jobs = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = tok.encode(p)
+            else:
+                if any(t < 0 or t >= vocab for t in p):
+                    raise ApiError(400, f"a prompt token id is outside the vocabulary (0..{vocab - 1})",
+                                   "invalid_value", "prompt")  # fmt: skip
+                ids = list(p)
+            echo_lp = body.logprobs if body.echo else None
+            jobs.append(self._job(body, ids, body.limit(), spec, body.logprobs, echo_lp))
+        self._submit(jobs)
+        rid = f"cmpl-{secrets.token_hex(12)}"
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._stream(request, jobs, rid, "text", usage, echo=body.echo)
+        done = []
+        for job in jobs:
+            done.append((job, await self._wait(request, job)))
+        choices = []
+        for i, (job, result) in enumerate(done):
+            text = "".join(job.text_parts)
+            prompt_text = tok.decode(job.ids) if body.echo else ""
+            lp = None
+            if body.logprobs is not None:
+                entries = (result.prompt_logprobs or []) if body.echo else []
+                lp = self._text_logprobs(job, entries, result.logprobs or [], body.echo)
+            choices.append({"index": i, "text": prompt_text + text, "logprobs": lp,
+                            "finish_reason": _finish(job, result)})  # fmt: skip
+        return JSONResponse(self._envelope(rid, "text_completion", choices, done))
+
+    # ------------------------------------------------------------------ results
+    async def _events(self, request: Request, job: Job, poll: bool = False):
+        """The job's events as they come. Once the server drains, after the grace period, the
+        job is cancelled and an ApiError ends the response (a final error event for a stream).
+        poll: ask whether the client is gone (a plain response; a stream learns it from
+        Starlette, which closes this generator) and cancel the job when it is."""
+        checked = time.monotonic()
+        while True:
+            try:
+                ev = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                ev = None
+            now = time.monotonic()
+            if self.draining.is_set() and now - self.drain_t > self.s.grace:
+                job.cancel.set()
+                raise ApiError(503, "the server is shutting down", "shutting_down",
+                               kind="server_error")  # fmt: skip
+            if poll and now - checked > 0.25:
+                checked = now
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    raise asyncio.CancelledError
+            if ev is None:
+                continue
+            if ev[0] == "text":
+                job.text_parts.append(ev[1])
+            yield ev
+            if ev[0] == "end":
+                return
+
+    async def _wait(self, request: Request, job: Job):
+        try:
+            async for ev in self._events(request, job, poll=True):
+                if ev[0] == "end":
+                    _, result, error = ev
+                    if error is not None:
+                        raise ApiError(500 if "failed" in error else 400, error,
+                                       kind="server_error" if "failed" in error else
+                                       "invalid_request_error")  # fmt: skip
+                    return result
+        finally:
+            job.cancel.set()  # a no-op once it ended; frees the slot if the handler is cut off
+        raise ApiError(500, "the engine ended the request without a result", kind="server_error")
+
+    def _stream(self, request: Request, jobs: list[Job], rid: str, kind: str, usage: bool,
+                echo: bool = False) -> StreamingResponse:  # fmt: skip
+        job = jobs[0]
+        tok = self.worker.runtime.tokenizer
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(choice: dict | None, extra: dict | None = None) -> str:
+            data = {"id": rid, "object": obj, "created": int(time.time()),
+                    "model": self.s.names[0], "choices": [] if choice is None else [choice]}  # fmt: skip
+            data.update(extra or {})
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def piece(text: str, entries, finish=None) -> dict:
+            if kind == "chat":
+                lp = self._chat_logprobs(entries) if job.logprobs is not None else None
+                return {"index": 0, "delta": {"content": text} if text or finish is None else {},
+                        "logprobs": lp, "finish_reason": finish}  # fmt: skip
+            lp = self._text_logprobs(job, [], entries, False) if job.logprobs is not None else None
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        async def gen():
+            try:
+                if kind == "chat":
+                    yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})  # fmt: skip
+                elif echo:
+                    yield chunk({"index": 0, "text": tok.decode(job.ids), "logprobs": None,
+                                 "finish_reason": None})  # fmt: skip
+                async for ev in self._events(request, job):
+                    if ev[0] == "text":
+                        yield chunk(piece(ev[1], ev[2]))
+                        continue
+                    _, result, error = ev
+                    if error is not None:
+                        yield f"data: {json.dumps(error_body(error, 'server_error'))}\n\n"
+                        return
+                    yield chunk(piece("", [], _finish(job, result)))
+                    if usage:
+                        yield chunk(None, {"usage": _usage([(job, result)])})
+                    yield "data: [DONE]\n\n"
+                    return
+            except ApiError as e:  # shutting down: the stream ends with an error event
+                yield f"data: {json.dumps(error_body(e.message, e.kind, e.code))}\n\n"
+            finally:
+                job.cancel.set()
+
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    def _envelope(self, rid: str, obj: str, choices: list, done: list) -> dict:
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.s.names[0],
+                "choices": choices, "usage": _usage(done)}  # fmt: skip
+
+    def _token(self, t: int) -> str:
+        return self.worker.runtime.tokenizer.decode([t])
+
+    def _chat_logprobs(self, entries) -> dict | None:
+        if entries is None:
+            return None
+        out = []
+        for e in entries:
+            s = self._token(e.token)
+            top = [{"token": (a := self._token(t)), "logprob": v, "bytes": list(a.encode())}
+                   for t, v in e.top]  # fmt: skip
+            out.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
+                        "top_logprobs": top})  # fmt: skip
+        return {"content": out}
+
+    def _text_logprobs(self, job: Job, prompt_entries, entries, echo: bool) -> dict:
+        """The completions endpoint's logprobs: tokens, token_logprobs, top_logprobs,
+        text_offset; with echo the prompt's tokens first (the first one without a value)."""
+        tokens, values, tops = [], [], []
+        if echo:
+            tokens.append(job.ids[0])
+            values.append(None)
+            tops.append(None)
+        for e in [*prompt_entries, *entries]:
+            tokens.append(e.token)
+            values.append(e.logprob)
+            tops.append({self._token(t): v for t, v in e.top})
+        texts = [self._token(t) for t in tokens]
+        offsets, at = [], 0
+        for s in texts:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+
+def _finish(job: Job, result) -> str:
+    if job.stop.hit or result.stats.stop_reason == "eos":
+        return "stop"
+    return "length"
+
+
+def _usage(done: list) -> dict:
+    p = sum(r.stats.prompt_tokens for _, r in done)
+    c = sum(r.stats.generated_tokens for _, r in done)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "kv_bytes": sum(r.stats.kv_bytes for _, r in done),
+            "kv_bytes_full": sum(r.stats.kv_bytes_full for _, r in done)}  # fmt: skip
+
+
+def serve(server: Server, sock, log_level: str = "warning") -> None:
+    """Serve on a listening socket until SIGTERM / Ctrl-C, then close the engine thread. The
+    signal starts the drain
+    (no new requests; in-flight streams get `grace` seconds, then an error event), and the
+    process exits 0 once connections are closed (uvicorn alone re-raises the signal after
+    its shutdown, which would end the process by the signal)."""
+    import uvicorn
+
+    class Runner(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not server.draining.is_set():
+                log.warning("shutting down: %gs for streams in flight", server.s.grace)
+                server.drain()
+            if self.should_exit:
+                self.force_exit = True  # a second signal: now
+            self.should_exit = True  # not kept in _captured_signals: no re-raise
+
+    config = uvicorn.Config(server.app, log_level=log_level,
+                            timeout_graceful_shutdown=int(server.s.grace) + 5,
+                            lifespan="off", access_log=False)  # fmt: skip
+    server.worker.start()
+    try:
+        Runner(config).run(sockets=[sock])
+    finally:
+        server.worker.close()

@@ -1,0 +1,67 @@
+"""/metrics of kvrun serve in Prometheus' text format (prometheus-client, a registry of its own
+per server so that tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvrun_requests", "Requests by outcome: ok, error, rejected (400/503), cancelled",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("kvrun_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("kvrun_generated_tokens", "Tokens generated", registry=r)
+        self.active = Gauge("kvrun_sequences_active", "Sequences holding a slot", registry=r)
+        self.waiting = Gauge("kvrun_sequences_waiting", "Sequences waiting for a slot", registry=r)
+        self.kv_bytes = Gauge(
+            "kvrun_kv_bytes", "Bytes the active sequences' KV caches hold", registry=r
+        )
+        self.kv_bytes_full = Gauge(
+            "kvrun_kv_bytes_full", "Bytes full caches would hold for the same tokens", registry=r
+        )
+        self.ttft_hist = Histogram(
+            "kvrun_time_to_first_token_seconds", "From arrival to the first generated token",
+            buckets=LATENCY, registry=r,
+        )  # fmt: skip
+        self.itl_hist = Histogram(
+            "kvrun_inter_token_latency_seconds", "Between successive tokens of a sequence",
+            buckets=LATENCY, registry=r,
+        )  # fmt: skip
+
+    # called from the engine thread (prometheus-client's metrics are thread-safe)
+    def started(self) -> None:
+        pass
+
+    def ttft(self, seconds: float) -> None:
+        self.ttft_hist.observe(seconds)
+
+    def itl(self, seconds: float) -> None:
+        self.itl_hist.observe(seconds)
+
+    def ended(self, job, result, error: str | None) -> None:
+        if result is not None:
+            self.prompt_tokens.inc(result.stats.prompt_tokens)
+            self.generated_tokens.inc(result.stats.generated_tokens)
+        cancelled = error == "cancelled" or (
+            result is not None and result.stats.stop_reason == "cancelled" and not job.stop.hit
+        )
+        self.requests.labels("cancelled" if cancelled else "error" if error else "ok").inc()
+
+    def rejected(self) -> None:
+        self.requests.labels("rejected").inc()
+
+    def render(self, worker) -> bytes:
+        """The text format, with the gauges read from the worker now."""
+        self.waiting.set(worker.waiting)
+        engine = worker.engine
+        if engine is not None:
+            self.active.set(engine.active)
+            self.kv_bytes.set(engine.kv_bytes)
+            self.kv_bytes_full.set(engine.kv_bytes_full)
+        return generate_latest(self.registry)

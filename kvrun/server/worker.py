@@ -1,0 +1,251 @@
+"""The engine thread of kvrun serve: it loads the model, owns every torch call, and runs the
+continuous-batching engine (kvrun.engine) on the requests the HTTP side hands it.
+
+The two sides meet in a `Job`: the HTTP handler builds it (prompt ids, sampling, the cache
+to build) and `submit`s it to a thread-safe inbox; the engine thread draws jobs from the inbox
+as slots free up and reports each one's text, tokens and end back to the event loop with
+`loop.call_soon_threadsafe`, into the job's asyncio queue. Stop strings are found here, as the
+text arrives, so a sequence that hits one ends within the same engine step; a job whose client
+is gone is cancelled and its slot is free by the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("kvrun.serve")
+
+
+class StopText:
+    """Finds stop strings in streamed text: `push` returns what may be shown now (text that
+    cannot be the start of a stop string), `flush` the rest; `hit` once one was found (the
+    text ends just before it)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.held = ""
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        if not self.stops:
+            return piece
+        text = self.held + piece
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self.held = True, ""
+            return text[:cut]
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])),
+                   default=0)  # fmt: skip
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass
+class Job:
+    """One sequence of one HTTP request, shared by the event loop and the engine thread."""
+
+    ids: list[int]
+    n_predict: int
+    sampling: Any  # SamplingConfig
+    seed: int | None
+    spec: Any  # KVSpec of its cache
+    stops: list[str]
+    logprobs: int | None = None  # alternatives per generated token (None: no logprobs)
+    prompt_logprobs: int | None = None  # the same for the prompt (echo)
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None  # ("text", str, [TokenLogprob]) | ("end", Result, error)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    stop: StopText | None = None
+    finish_reason: str | None = None
+    submitted: float = 0.0
+    started: float = 0.0
+    last_token: float = 0.0
+    pending: list = field(default_factory=list)  # logprobs not yet sent with text
+    text_parts: list[str] = field(default_factory=list)  # the text received (event loop side)
+
+    def post(self, *event) -> None:
+        """Hand an event to the request's handler on the event loop (any thread)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Worker:
+    """The engine thread. `load` builds the runtime (in the thread, so the server answers
+    /health with 503 meanwhile); `submit` queues a job; `close` ends the thread.
+
+    make_session(runtime, kv) -> Session builds each slot's session; metrics: an object with
+    ttft(seconds), itl(seconds), started(), ended(job, result, error)."""
+
+    def __init__(self, load: Callable[[], Any], n_parallel: int, kv_mem: int | None,
+                 make_session, metrics, default_spec) -> None:  # fmt: skip
+        self._load = load
+        self.n_parallel = n_parallel
+        self.kv_mem = kv_mem  # bytes (--kv-mem), None: no limit
+        self.make_session = make_session  # (runtime, kv) -> Session
+        self.metrics = metrics
+        self.default_spec = default_spec
+        self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self.runtime = None
+        self.engine = None
+        self.load_error: str | None = None
+        self.ready = threading.Event()
+        self.waiting = 0  # submitted, not yet holding a slot
+        self._lock = threading.Lock()
+        self._live: set[int] = set()  # ids of jobs drawn by the engine and not yet ended
+        self._jobs: dict[int, Job] = {}
+        self.thread = threading.Thread(target=self._main, name="kvrun-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # --------------------------------------------------------------- the HTTP side
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            self.waiting += 1
+        job.submitted = time.perf_counter()
+        self.inbox.put(job)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.inbox.put(None)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # ------------------------------------------------------------- the engine side
+    def _main(self) -> None:
+        try:
+            self.runtime = self._load()
+            self._new_engine()
+        except Exception as e:  # noqa: BLE001 - reported by /health and the log
+            self.load_error = str(e) or type(e).__name__
+            log.error("loading the model failed: %s", self.load_error)
+            return
+        self.ready.set()
+        while True:
+            first = self.inbox.get()
+            if first is None:
+                return
+            try:
+                for req, result, error in self.engine.results(self._draw(first)):
+                    self._end(req.tag, result, error)
+            except _Closing:
+                return
+            except Exception as e:  # noqa: BLE001 - the server keeps serving
+                log.exception("the engine failed; failing its sequences and starting afresh")
+                for job in [self._jobs[i] for i in list(self._live)]:
+                    self._end(job, None, f"the engine failed: {type(e).__name__}: {e}")
+                self._new_engine()
+
+    def _new_engine(self) -> None:
+        from ..engine import Engine
+
+        rt = self.runtime
+        sessions = [
+            self.make_session(rt, rt.new_kv(self.default_spec)) for _ in range(self.n_parallel)
+        ]
+        self.engine = Engine(sessions, kv_mem=self.kv_mem)
+
+    def _draw(self, first: Job) -> _Draw:
+        return _Draw(self, first)
+
+    def _unwait(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+
+    def _request(self, job: Job):
+        from ..engine import Request
+
+        rt = self.runtime
+
+        def on_start() -> None:
+            self._unwait()
+            job.started = time.perf_counter()
+            self._live.add(id(job))
+            self._jobs[id(job)] = job
+            self.metrics.started()
+
+        def on_token(_tok: int, entry) -> None:
+            now = time.perf_counter()
+            if job.last_token:
+                self.metrics.itl(now - job.last_token)
+            else:
+                self.metrics.ttft(now - job.submitted)
+            job.last_token = now
+            if entry is not None:
+                job.pending.append(entry)
+
+        def on_text(piece: str) -> None:
+            shown = job.stop.push(piece)
+            if job.stop.hit:
+                job.cancel.set()
+                job.finish_reason = "stop"
+            if shown or job.pending:
+                job.post("text", shown, job.pending)
+                job.pending = []
+
+        return Request(
+            list(job.ids), job.n_predict, job.sampling, seed=job.seed, tag=job, on_text=on_text,
+            new_kv=lambda: rt.new_kv(job.spec), logprobs=job.logprobs,
+            prompt_logprobs=job.prompt_logprobs, on_start=on_start, on_token=on_token,
+            cancelled=job.cancel.is_set,
+        )  # fmt: skip
+
+    def _end(self, job: Job, result, error: str | None, drawn: bool = True) -> None:
+        if drawn and id(job) not in self._live:  # failed before it took a slot
+            self._unwait()
+        self._live.discard(id(job))
+        self._jobs.pop(id(job), None)
+        if result is not None and not job.stop.hit:
+            tail = job.stop.flush()
+            if tail or job.pending:
+                job.post("text", tail, job.pending)
+                job.pending = []
+        if error is not None and error != "cancelled":
+            log.warning("a request failed: %s", error)
+        self.metrics.ended(job, result, error)
+        job.post("end", result, error)
+
+
+class _Draw:
+    """The requests for Engine.results: the first job, then whatever the inbox holds right now
+    (the engine asks again every step while it has work, so later requests join the batch;
+    an empty inbox ends the iteration, and the engine thread waits for the next job)."""
+
+    def __init__(self, worker: Worker, first: Job):
+        self.worker, self.first = worker, first
+
+    def __iter__(self) -> _Draw:
+        return self
+
+    def __next__(self):
+        w = self.worker
+        while True:
+            job, self.first = self.first, None
+            if job is None:
+                try:
+                    job = w.inbox.get_nowait()
+                except queue.Empty:
+                    raise StopIteration from None
+                if job is None:
+                    raise _Closing
+            if job.cancel.is_set():  # its client left while it waited
+                w._unwait()
+                w._end(job, None, "cancelled", drawn=False)
+                continue
+            return w._request(job)
+
+
+class _Closing(Exception):
+    """The inbox's shutdown mark was drawn."""
