@@ -14,6 +14,11 @@ if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
 
 from kvrun.model_store import REGISTRY, models_dir
 
+# Under pytest-xdist (`-n 2`, the README's test command) each worker computes on one thread:
+# two workers on a 2-core machine, each with two threads, would run far slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(
     params=[
