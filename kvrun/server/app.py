@@ -217,6 +217,7 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         async def go(request):
+            self._ready()  # 503 while the model loads, as llama-server
             data = [{"id": self.s.names[0], "object": "model", "created": self.created,
                      "owned_by": "kvrun", "context_length": self.s.context,
                      "kv": self.s.default_kv}]  # fmt: skip
