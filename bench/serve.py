@@ -18,7 +18,8 @@ Servers (--servers): kvrun-full (`kvrun serve --kv full`), kvrun-snapkv (`--kv s
 --kv-budget 0.25`), llama-server (built from the llama.cpp sources vendored in the
 llama-cpp-python sdist, into bench/.llama-server/, with bench/vs_llamacpp.py's CMake flags for
 this CPU), llama-cpp-python (its `llama_cpp.server`, in bench/vs_llamacpp.py's venv, with the
-[server] extra). A server that cannot be built or started is reported as failed, the others
+[server] extra; one model instance, requests served one at a time, `--interrupt_requests
+False` so that a new request waits instead of cutting the streaming one off). A server that cannot be built or started is reported as failed, the others
 still run. The first build takes several minutes each.
 """
 
@@ -132,7 +133,7 @@ def command(name: str, model: str, port: int, clients: int, a) -> list[str]:
         return [str(llama_cpp_python_server()), "-m", "llama_cpp.server", "--model", model,
                 "--port", str(port), "--n_ctx", str(a.max_tokens + 256), "--n_threads",
                 str(a.threads), "--n_threads_batch", str(a.threads),
-                "--model_alias", "model"]  # fmt: skip
+                "--model_alias", "model", "--interrupt_requests", "False"]  # fmt: skip
     raise SystemExit(f"unknown server {name!r}")
 
 
@@ -232,16 +233,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def write_readme(text: str) -> None:
-    body = README.read_text()
-    if BEGIN in body and END in body:
-        pre, rest = body.split(BEGIN, 1)
-        body = pre + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
-    else:
-        body += f"\n## kvrun serve under load\n\n{BEGIN}\n{text}\n{END}\n"
-    README.write_text(body)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF path or name (default smollm2)")
@@ -257,9 +248,11 @@ def main() -> None:
     import torch
 
     from kvrun.model_store import resolve
+    from kvrun.presets import is_preset
     from kvrun.tasks.bench import machine
 
-    model = str(resolve(a.model, pull_missing=True, log=log))
+    # a preset (llama3-8b-synthetic: real shapes, random weights) is kvrun's alone
+    model = a.model if is_preset(a.model) else str(resolve(a.model, pull_missing=True, log=log))
     env = vl.thread_env(a.threads)
     rows = []
     for name in a.servers.split(","):
@@ -291,7 +284,9 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.write:
-        write_readme(text)
+        from headline import write_section
+
+        write_section(README, f"## kvrun serve under load\n\n{text}", BEGIN, END)
 
 
 if __name__ == "__main__":

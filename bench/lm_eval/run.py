@@ -91,7 +91,7 @@ def run_one(kv: str, a, tok: Path) -> dict:
               "--batch_size", "1"]  # fmt: skip
         log("$ " + shlex.join(ev))
         t0 = time.perf_counter()
-        subprocess.run(ev, check=True, stdout=sys.stderr)
+        subprocess.run(ev, check=True, stdout=sys.stderr, cwd=HERE)  # data_files: mc.jsonl, ...
         wall = time.perf_counter() - t0
     finally:
         server.terminate()
@@ -127,13 +127,10 @@ def main() -> None:
     text = f"`python {shlex.join(sys.argv)}` ({dt.date.today()})\n\n{table(rows)}"
     print(text)
     if a.write:
-        body = README.read_text()
-        if BEGIN in body:
-            pre, rest = body.split(BEGIN, 1)
-            body = pre + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
-        else:
-            body += f"\n## lm-evaluation-harness against kvrun serve\n\n{BEGIN}\n{text}\n{END}\n"
-        README.write_text(body)
+        sys.path.insert(0, str(BENCH))
+        from headline import write_section
+
+        write_section(README, f"## lm-evaluation-harness against kvrun serve\n\n{text}", BEGIN, END)
 
 
 if __name__ == "__main__":
