@@ -74,7 +74,8 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
     """
     set_debug(ctx, kw.pop("debug"))
     spec = check_kv(kw)  # a bad --kv fails before the load
-    from ..model_store import DEFAULT_MODEL
+    from ..model_store import DEFAULT_MODEL, resolve
+    from ..presets import is_preset
     from ..runtime import load_runtime, pick_device
     from ..server.app import Server, Settings
     from ..server.app import serve as run
@@ -89,8 +90,9 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
             f"warning: binding {host} without --api-key: anyone who can reach it can use it",
             style="yellow",
         )
-    model_path = kw["model"]
-    name = alias or model_path or DEFAULT_MODEL
+    name = alias or kw["model"] or DEFAULT_MODEL
+    # a missing file or unknown name fails here, in one line, before the port is taken
+    model_path = kw["model"] if is_preset(kw["model"]) else str(resolve(kw["model"], True))
 
     def load():
         rt = load_runtime(model_path, kw["dtype"], kw["device"], pull_missing=True,

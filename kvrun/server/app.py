@@ -446,10 +446,10 @@ def _usage(done: list) -> dict:
 
 def serve(server: Server, sock, log_level: str = "warning") -> None:
     """Serve on a listening socket until SIGTERM / Ctrl-C, then close the engine thread. The
-    signal starts the drain
-    (no new requests; in-flight streams get `grace` seconds, then an error event), and the
-    process exits 0 once connections are closed (uvicorn alone re-raises the signal after
-    its shutdown, which would end the process by the signal)."""
+    signal starts the drain (no new requests; in-flight streams get `grace` seconds, then an
+    error event), and the process exits 0 once connections are closed (uvicorn alone re-raises
+    the signal after its shutdown, which would end the process by the signal). A model that
+    fails to load stops the server: KvrunError, one line from the CLI."""
     import uvicorn
 
     class Runner(uvicorn.Server):
@@ -464,8 +464,12 @@ def serve(server: Server, sock, log_level: str = "warning") -> None:
     config = uvicorn.Config(server.app, log_level=log_level,
                             timeout_graceful_shutdown=int(server.s.grace) + 5,
                             lifespan="off", access_log=False)  # fmt: skip
+    runner = Runner(config)
+    server.worker.on_load_error = lambda: setattr(runner, "should_exit", True)
     server.worker.start()
     try:
-        Runner(config).run(sockets=[sock])
+        runner.run(sockets=[sock])
     finally:
         server.worker.close()
+    if server.worker.load_error:  # a file that passed the CLI's checks but does not load
+        raise KvrunError(f"cannot load the model: {server.worker.load_error}")

@@ -101,6 +101,7 @@ class Worker:
         self.runtime = None
         self.engine = None
         self.load_error: str | None = None
+        self.on_load_error: Callable[[], None] | None = None  # told once loading fails
         self.ready = threading.Event()
         self.waiting = 0  # submitted, not yet holding a slot
         self._lock = threading.Lock()
@@ -130,7 +131,8 @@ class Worker:
             self._new_engine()
         except Exception as e:  # noqa: BLE001 - reported by /health and the log
             self.load_error = str(e) or type(e).__name__
-            log.error("loading the model failed: %s", self.load_error)
+            if self.on_load_error:
+                self.on_load_error()
             return
         self.ready.set()
         while True:
