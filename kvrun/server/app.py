@@ -175,7 +175,7 @@ class Server:
                            f"+ {n} tokens at full size) but --kv-mem is {limit / 2**20:.1f} MiB; "
                            "ask for fewer max_tokens or shorten the prompt",
                            "kv_mem_exceeded")  # fmt: skip
-        return Job(ids, n_predict, body.config(), body.seed, spec, body.stop,
+        return Job(ids, n_predict, body.config(), body.seed, spec,
                    logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                    stop=StopText(body.stop))  # fmt: skip
 

@@ -35,9 +35,6 @@ class Metrics:
         )  # fmt: skip
 
     # called from the engine thread (prometheus-client's metrics are thread-safe)
-    def started(self) -> None:
-        pass
-
     def ttft(self, seconds: float) -> None:
         self.ttft_hist.observe(seconds)
 

@@ -62,7 +62,6 @@ class Job:
     sampling: Any  # SamplingConfig
     seed: int | None
     spec: Any  # KVSpec of its cache
-    stops: list[str]
     logprobs: int | None = None  # alternatives per generated token (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt (echo)
     loop: asyncio.AbstractEventLoop | None = None
@@ -87,7 +86,7 @@ class Worker:
     /health with 503 meanwhile); `submit` queues a job; `close` ends the thread.
 
     make_session(runtime, kv) -> Session builds each slot's session; metrics: an object with
-    ttft(seconds), itl(seconds), started(), ended(job, result, error)."""
+    ttft(seconds), itl(seconds), ended(job, result, error)."""
 
     def __init__(self, load: Callable[[], Any], n_parallel: int, kv_mem: int | None,
                  make_session, metrics, default_spec) -> None:  # fmt: skip
@@ -176,7 +175,6 @@ class Worker:
             job.started = time.perf_counter()
             self._live.add(id(job))
             self._jobs[id(job)] = job
-            self.metrics.started()
 
         def on_token(_tok: int, entry) -> None:
             now = time.perf_counter()
