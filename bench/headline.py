@@ -18,11 +18,20 @@ per-query-head eviction ratio, the paper's reported "Ratio" (Eq. 15, r1 * r2 * r
   - decode tok/s and its ratio to the full cache (kvrun bench's loop, random token ids).
 The table goes to stdout and into bench/README.md between headline markers (replaced on
 each run) with the date, machine and command. --quick is a tiny smoke run of the same code.
+
+A full run takes hours on a 2-core CPU. --results FILE keeps each finished part (acc, after,
+kl, speed) in a JSON file and a rerun with the same settings takes them from there, so a run
+can be resumed, and --parts picks what this run measures: the accuracy parts give the same
+answers however busy the machine is, the speed part wants it quiet, e.g.
+    nice python bench/headline.py --text T --results h.json --parts acc,after,kl   # any time
+    python bench/headline.py --text T --results h.json --parts speed              # quiet
+The table is written once every part is there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -39,6 +48,7 @@ from kvrun.tasks.bench_settings import BenchSettings
 from kvrun.tasks.passkey import filler_units
 
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+PARTS = ("acc", "after", "kl", "speed")
 README = Path(__file__).with_name("README.md")
 
 
@@ -62,10 +72,15 @@ def args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--out", default=str(README), help="markdown file to update")
+    ap.add_argument("--parts", default=",".join(PARTS), help="parts this run measures")
+    ap.add_argument("--results", default=None, help="JSON file keeping finished parts")
     a = ap.parse_args()
     if a.quick:
         a.lengths, a.depths, a.kl_context, a.kl_tokens = "600", "50", 256, 16
         a.depth, a.n, a.reps = 256, 8, 1
+    bad = set(a.parts.split(",")) - set(PARTS)
+    if bad:
+        ap.error(f"unknown part {sorted(bad)[0]!r}: choose from {', '.join(PARTS)}")
     return a
 
 
@@ -198,16 +213,93 @@ def write_section(path: Path, body: str, begin: str = BEGIN, end: str = END) -> 
     path.write_text(new, encoding="utf-8")
 
 
+class Results:
+    """Finished parts kept in a JSON file, valid only for the settings they ran with."""
+
+    def __init__(self, path: str | None, a: argparse.Namespace):
+        keep = ("parts", "results", "out", "quick")
+        self.settings = {k: v for k, v in sorted(vars(a).items()) if k not in keep}
+        self.path = Path(path) if path else None
+        self.parts: dict = {}
+        if self.path and self.path.exists():
+            try:
+                saved = json.loads(self.path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                saved = {}
+            if saved.get("settings") == self.settings:
+                self.parts = saved.get("parts", {})
+            else:
+                log(f"{self.path}: other settings or unreadable, starting afresh")
+
+    def get(self, part: str):
+        """(value by (method, budget), extra, seconds) of a kept part, or None."""
+        got = self.parts.get(part)
+        if got is None:
+            return None
+        return {(m, b): v for m, b, v in got["rows"]}, got.get("extra"), got["seconds"]
+
+    def put(self, part: str, values: dict, extra, seconds: float) -> None:
+        rows = [[m, b, v] for (m, b), v in values.items()]
+        self.parts[part] = {"rows": rows, "extra": extra, "seconds": seconds}
+        if self.path:
+            body = {"settings": self.settings, "parts": self.parts}
+            self.path.write_text(json.dumps(body, indent=1), encoding="utf-8")
+
+
+def measure(rt, configs, a) -> tuple[dict, float] | None:
+    """Every part, run here or taken from --results; None while some are still missing."""
+    run = {
+        "acc": lambda: (passkey_accuracy(rt, configs, a), None),
+        "after": lambda: (passkey_accuracy(rt, configs, a, question_after=True), None),
+        "kl": lambda: kl_vs_full(rt, configs, a),
+        "speed": lambda: (speed(rt, configs, a), None),
+    }
+    res, out, seconds = Results(a.results, a), {}, 0.0
+    wanted = a.parts.split(",")
+    for part in PARTS:
+        got = res.get(part)
+        if got is None and part in wanted:
+            t0 = time.time()
+            values, extra = run[part]()
+            res.put(part, values, extra, time.time() - t0)
+            got = res.get(part)
+        if got is None:
+            continue
+        out[part], seconds = got, seconds + got[2]
+    missing = [p for p in PARTS if p not in out]
+    if missing:
+        where = f"kept in {a.results}" if a.results else "not kept (no --results)"
+        log(f"measured parts {', '.join(out) or 'none'} ({where}); to finish: --parts "
+            f"{','.join(missing)}")  # fmt: skip
+        return None
+    return out, seconds
+
+
+def command_args(argv: list[str]) -> list[str]:
+    """The command line without --parts / --results: the one a whole run would use."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--parts", "--results"):
+            skip = True
+        elif not arg.startswith(("--parts=", "--results=")):
+            out.append(arg)
+    return out
+
+
 def main() -> None:
     a = args()
     rt = load_runtime(a.model, a.dtype, a.device, log=log)
     methods = list(dict.fromkeys(["full", *a.methods.split(",")]))  # full is the reference
     configs = configs_of(methods, a.budget)
-    t0 = time.time()
-    acc = passkey_accuracy(rt, configs, a)
-    after = passkey_accuracy(rt, configs, a, question_after=True)
-    kl, kl_note = kl_vs_full(rt, configs, a)
-    rows = speed(rt, configs, a)
+    got = measure(rt, configs, a)
+    if got is None:
+        return
+    parts, seconds = got
+    acc, after, (kl, kl_note, _), rows = (
+        parts["acc"][0], parts["after"][0], parts["kl"], parts["speed"][0]
+    )  # fmt: skip
     lines = table(configs, acc, after, kl, rows)
     m = machine(rt.model.device)
     dt = str(rt.model.dtype).removeprefix("torch.")
@@ -216,11 +308,11 @@ def main() -> None:
             "## Headline" + (" (--quick smoke run)" if a.quick else ""),
             "",
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"{time.time() - t0:.0f} s",
+            f"{seconds:.0f} s of measuring",
             f"- machine: {m['device_name']} ({m['device']}), {dt}, {m['threads']} threads, "
             f"torch {m['torch']}, {m['platform']}",
             f"- model: {rt.config.name or rt.path.name} ({rt.path.name})",
-            f"- command: `python bench/headline.py {shlex.join(sys.argv[1:])}`",
+            f"- command: `python bench/headline.py {shlex.join(command_args(sys.argv[1:]))}`",
             f"- pass key: lengths {a.lengths} x depths {a.depths} %, greedy, 12 tokens; "
             "question after: the haystack prefilled and compressed before the question "
             "arrives as its own turn (`kvrun needle --question-after`)",
