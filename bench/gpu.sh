@@ -2,7 +2,15 @@
 # Every GPU figure of the kernels issue, in stages that each fit a 10-minute slot:
 #
 #   bash bench/gpu.sh [STAGE...] [-o DIR]     stages: tests kernels model graph parallel (default: all)
+#   bash bench/gpu.sh smoke [-o DIR]          the short check: first CUDA figures in < 8 minutes
+#   bash bench/gpu.sh smoke --dry-run         check the smoke plan on any machine (CI runs it)
 #
+#   smoke    on a GPU machine with nothing but the repository and .whl/ (the gguf wheel, see
+#            bench/README.md): installs the wheels and kvrun, then bench/gpu_smoke.py: the
+#            kernel, graph and packed-CUDA tests compiled for real, bench/kernels.py --check
+#            and the 32k decode kernels, kvrun bench on llama3-8b-synthetic (bf16 and q4,
+#            with and without CUDA graphs, -np 8), all in at most 8 files in DIR with a
+#            markdown summary. It needs no model file. Runs alone (not with other stages).
 #   tests    the kernel, graph and end-to-end tests on CUDA (compiled Triton, bf16 included)
 #   kernels  bench/kernels.py --check, then GB/s of dense and KIVI-2/4 decode at 8k/32k/128k
 #   model    kvrun bench, Llama-3-8B shapes (random weights): full, kivi2, minikv at depth
@@ -19,12 +27,37 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/gpu-results}
+if [ "${1:-}" = smoke ]; then
+  shift
+  dry=
+  while [ $# -gt 0 ]; do
+    case $1 in
+      -o) out=$2; shift 2 ;;
+      --dry-run) dry=1; shift ;;
+      *) echo "bench/gpu.sh smoke: unknown flag '$1' (-o DIR, --dry-run)" >&2; exit 2 ;;
+    esac
+  done
+  py=$(command -v python3 || command -v python)
+  [ -n "$dry" ] && exec "$py" bench/gpu_smoke.py --dry-run
+  if compgen -G ".whl/*.whl" > /dev/null; then  # carried wheels (gguf): into a site of their own
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/kvrun-site .whl/*.whl || { echo "bench/gpu.sh: installing .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH=/tmp/kvrun-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  # kvrun itself: an editable install (what CI does), else the source tree made importable
+  "$py" -c "import kvrun.kernels" 2> /dev/null \
+    || "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null 2>&1 \
+    || for d in kernels convert prompts; do ln -sfn "../$d" "kvrun/$d"; done
+  "$py" -c "import gguf, kvrun.kernels" || { echo "bench/gpu.sh: gguf or kvrun does not import; carry .whl/ (bench/README.md)" >&2; exit 1; }
+  exec "$py" bench/gpu_smoke.py -o "$out"
+fi
 stages=()
 while [ $# -gt 0 ]; do
   case $1 in
     -o) out=$2; shift 2 ;;
     tests|kernels|model|graph|parallel) stages+=("$1"); shift ;;
-    *) echo "bench/gpu.sh: unknown stage or flag '$1' (stages: tests kernels model graph parallel; -o DIR)" >&2; exit 2 ;;
+    smoke) echo "bench/gpu.sh: smoke runs alone: bash bench/gpu.sh smoke [-o DIR] [--dry-run]" >&2; exit 2 ;;
+    *) echo "bench/gpu.sh: unknown stage or flag '$1' (stages: smoke tests kernels model graph parallel; -o DIR)" >&2; exit 2 ;;
   esac
 done
 [ ${#stages[@]} -eq 0 ] && stages=(tests kernels model graph parallel)
