@@ -192,6 +192,48 @@ def kv_options(multiple: bool = False):
     return deco
 
 
+def ray_options(f):
+    """--ray [ADDRESS], --workers, --cpus-per-worker, --retries: the batch on a Ray cluster."""
+    opts = [
+        click.option(
+            "--ray",
+            "ray_address",
+            is_flag=False,
+            flag_value="auto",
+            default=None,
+            metavar="[ADDRESS]",
+            help="Run on a Ray cluster: auto (alone: --ray) joins the running one (`ray start "
+            "--head`, RAY_ADDRESS), an address joins that one, local starts one for this run. "
+            "Needs pip install 'kvrun[ray]'.",
+        ),
+        click.option(
+            "--workers",
+            default=None,
+            type=click.IntRange(min=1),
+            help="Ray workers, each with its own model (default: one per GPU, or one per "
+            "--cpus-per-worker CPUs).",
+        ),
+        click.option(
+            "--cpus-per-worker",
+            default=None,
+            type=click.IntRange(min=1),
+            help="CPUs (torch threads) per Ray worker (default 2, or the CPUs shared out among "
+            "--workers).",
+        ),
+        click.option(
+            "--retries",
+            default=2,
+            show_default=True,
+            type=click.IntRange(min=0),
+            help="Times a document whose worker died is sent again (one that fails by itself "
+            "is not).",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def question_after_option(f):
     """--question-after: the document is compressed before the question is seen."""
     return click.option(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -22,6 +23,7 @@ from .common import (
     parse_mem,
     progress_bar,
     question_after_option,
+    ray_options,
     sampling_from,
     sampling_options,
     set_debug,
@@ -86,9 +88,11 @@ from .common import (
     help="Own prompt template with a {document} slot and an optional {question} slot.",
 )
 @question_after_option
+@ray_options
 @click.pass_context
 def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_predict, chat,
-            template, question_after, **kw):  # fmt: skip
+            template, question_after, ray_address, workers, cpus_per_worker, retries,
+            **kw):  # fmt: skip
     """Answer a question about long documents, or summarize them, on a fresh KV cache each.
 
     Documents longer than the context (minus the prompt and -n) are cut on tokens by
@@ -100,7 +104,9 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     A failing document gets a line with its error and the batch goes on; the exit status is 1
     when any failed. --resume skips ids already answered in OUT. Greedy (--temp 0) by default.
     --parallel N answers N documents at once (lines are written as each finishes, so not in
-    input order; with FILEs each answer is printed whole when it is done).
+    input order; with FILEs each answer is printed whole when it is done). --ray runs a --jsonl
+    batch on Ray workers, each with its own model and --parallel sessions; a worker that dies
+    has its documents sent again (--retries), and every line gets the worker's "node".
 
     \b
     kvrun longdoc report.txt -q "Who signed the contract?"
@@ -109,6 +115,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --parallel 8 --kv-mem 2G
     kvrun longdoc report.txt -q "Who signed?" --kv snapkv --question-after
+    kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --ray   (on a Ray cluster)
     cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
     """
     set_debug(ctx, kw.pop("debug"))
@@ -125,37 +132,39 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
         raise KvrunError("--resume needs --out OUT (the file to continue)")
     if out and not Path(out).absolute().parent.is_dir():
         raise KvrunError(f"cannot write --out {out}: its folder does not exist")
-    docs = _read_docs(files, jsonl)
+    if ray_address and not jsonl:
+        raise KvrunError("--ray runs a batch: give --jsonl IN (and --out OUT)")
+    if ray_address:
+        from ..cluster import import_ray
+
+        import_ray()  # missing Ray is said before anything else is read
+    docs = None if ray_address else _read_docs(files, jsonl)
     done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
-    templates = {t: task.load_template(t, template) for t in ("question", "summarize")}
     sampling, seed = sampling_from(kw)
-    spec = check_kv(kw)
-    rt = load_with_progress(kw)
-    tok = rt.tokenizer
-    parallel, kv_mem = kw.pop("parallel"), parse_mem(kw.pop("kv_mem"), rt.model.device)
-    sessions = [new_session(rt, rt.new_kv(spec), kw, note=i == 0) for i in range(parallel)]
-    session = sessions[0]
-    settings = {
-        "model": str(rt.path),
-        "model_name": rt.config.name,
-        "seed": seed,
+    opts = {
+        "templates": {t: task.load_template(t, template) for t in ("question", "summarize")},
+        "question": question,
+        "summarize": summarize,
+        "chat": chat,
+        "template": template,
         "n_predict": n_predict,
         "truncate": truncate,
-        "chat": chat if chat is not None else tok.chat_template is not None,
-        "template": template or "builtin",
+        "sampling": sampling,
+        "seed": seed,
         "question_after": question_after,
-        "ctx_size": session.context,
-        "ubatch": session.ubatch,
-        "dtype": str(rt.model.dtype).removeprefix("torch."),
-        "wtype": rt.weights.wtype,
-        "device": str(rt.model.device),
-        **dataclasses.asdict(sampling),
     }
-    job = task.Job(
-        templates, question, summarize, settings["chat"], n_predict, truncate, sampling, seed,
-        session.kv.describe(), settings, debug=bool((ctx.find_root().obj or {}).get("debug")),
-        question_after=question_after,
-    )  # fmt: skip
+    spec = check_kv(kw)
+    debug = bool((ctx.find_root().obj or {}).get("debug"))
+    if ray_address:
+        if note:
+            click.echo(note, err=True)
+        ray = (ray_address, workers, cpus_per_worker, retries)
+        return _longdoc_ray(ctx, ray, jsonl, out, done, kw, opts, debug)
+    rt = load_with_progress(kw)
+    parallel, kv_mem = kw.pop("parallel"), parse_mem(kw.pop("kv_mem"), rt.model.device)
+    sessions = [new_session(rt, rt.new_kv(spec), kw, note=i == 0) for i in range(parallel)]
+    settings = _settings(rt, sessions[0], opts)
+    job = _job(opts, sessions[0].kv.describe(), settings, debug)
     if note:
         click.echo(note, err=True)
     run = _Runner(sessions, kv_mem)
@@ -168,6 +177,161 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
         click.echo(run.summary(), err=True)
     if failed:
         raise KvrunError(f"{failed} of {len(docs)} documents failed (their errors are above)")
+
+
+def _settings(rt, session, opts: dict) -> dict:
+    """The run's settings, repeated in every record."""
+    tok = rt.tokenizer
+    return {
+        "model": str(rt.path),
+        "model_name": rt.config.name,
+        "seed": opts["seed"],
+        "n_predict": opts["n_predict"],
+        "truncate": opts["truncate"],
+        "chat": opts["chat"] if opts["chat"] is not None else tok.chat_template is not None,
+        "template": opts["template"] or "builtin",
+        "question_after": opts["question_after"],
+        "ctx_size": session.context,
+        "ubatch": session.ubatch,
+        "dtype": str(rt.model.dtype).removeprefix("torch."),
+        "wtype": rt.weights.wtype,
+        "device": str(rt.model.device),
+        **dataclasses.asdict(opts["sampling"]),
+    }
+
+
+def _job(opts: dict, kv: dict, settings: dict, debug: bool) -> task.Job:
+    o = opts
+    return task.Job(
+        o["templates"], o["question"], o["summarize"], settings["chat"], o["n_predict"],
+        o["truncate"], o["sampling"], o["seed"], kv, settings, debug=debug,
+        question_after=o["question_after"],
+    )  # fmt: skip
+
+
+def worker_setup(load: dict, kv: dict, opts: dict):
+    """On a Ray worker (kvrun.cluster): the model, the command's sessions and its Job.
+    Returns (handler, facts): handler(docs, node) -> their records, in order."""
+    from ..model_store import models_dir
+    from ..runtime import load_runtime
+
+    spec = check_kv(kv)
+    try:
+        rt = load_runtime(load["model"], load["dtype"], load["device"], pull_missing=False,
+                          log=lambda m: None, wtype=load["wtype"])  # fmt: skip
+    except KvrunError as e:
+        raise KvrunError(
+            f"{e} (each worker loads the model on its own node: give a path on storage every "
+            f"node sees, or a name in that node's models folder, here {models_dir()})"
+        ) from None
+    sessions = [new_session(rt, rt.new_kv(spec), load, note=False) for _ in range(load["parallel"])]
+    settings = _settings(rt, sessions[0], opts)
+    job = _job(opts, sessions[0].kv.describe(), settings, debug=False)
+    kv_mem = parse_mem(load["kv_mem"], rt.model.device)
+
+    def handler(docs: list, node: str) -> list[dict]:
+        if len(sessions) == 1:
+            recs = [task.process(sessions[0], d, job) for d in docs]
+        else:
+            got = {}
+            task.run_parallel(sessions, docs, job, lambda r: got.__setitem__(r["line"], r),
+                              set(), lambda d, r: None, kv_mem)  # fmt: skip
+            recs = [got[d.line] for d in docs]
+        for r in recs:
+            r["node"] = node
+        return recs
+
+    return handler, {"settings": settings, "kv": job.kv}
+
+
+def _longdoc_ray(ctx, ray_opts, jsonl, out, done, kw, opts, debug) -> None:
+    """The --jsonl batch on Ray workers: documents streamed to them, lines written as they
+    come back, in the local run's format (plus "node")."""
+    from .. import cluster
+
+    address, workers, cpus_per_worker, retries = ray_opts
+    ray = cluster.connect(address)
+    lay = cluster.layout(ray, workers, cpus_per_worker)
+    model = kw["model"]
+    if model and Path(model).exists():  # a path here: the same path on the workers' nodes
+        kw = {**kw, "model": str(Path(model).absolute())}
+    args = {"load": kw, "kv": {"kv": kw["kv"], "kv_budget": kw.get("kv_budget")}, "opts": opts}
+    click.echo(f"ray: starting {lay.workers} workers ({lay.num_cpus} CPUs"
+               f"{', 1 GPU' if lay.num_gpus else ''} each; cluster: {lay.cluster})",
+               err=True)  # fmt: skip
+    pool = cluster.Pool(ray, lay, worker_setup, args, retries, lambda m: click.echo(m, err=True))
+    try:
+        facts = pool.wait_ready()
+        job = _job(opts, facts["kv"], facts["settings"], debug)
+        if jsonl == "-":
+            lines, total = (line.rstrip("\n") for line in sys.stdin), None
+        else:
+            try:
+                total = task.count_docs(jsonl)
+            except OSError as e:
+                raise KvrunError(f"cannot read --jsonl {jsonl}: {e.strerror}") from None
+            lines = task.jsonl_lines(jsonl)
+        run = _RayRunner(pool, kw["parallel"])
+        failed = _run_records(ctx, run, _absolute_paths(task.iter_docs(lines)), job, out, done,
+                              total)  # fmt: skip
+    finally:
+        pool.close()
+    click.echo(run.summary(), err=True)
+    if not run.done and not done:
+        raise KvrunError(f"--jsonl {jsonl} holds no documents")
+    if failed:
+        raise KvrunError(f"{failed} of {run.done} documents failed (their errors are above)")
+
+
+def _absolute_paths(docs):
+    """Relative "path" fields are taken from this directory, wherever the worker runs."""
+    for doc in docs:
+        if doc.path is not None:
+            doc.path = str(Path(doc.path).absolute())
+        yield doc
+
+
+class _RayRunner:
+    """_Runner's interface over a kvrun.cluster.Pool: `chunk` documents per call."""
+
+    parallel = True
+
+    def __init__(self, pool, chunk: int):
+        self.pool, self.chunk, self.stats, self.done = pool, chunk, None, 0
+
+    def __call__(self, docs, job, write, done, start, finish) -> int:
+        failed = 0
+
+        def on_result(doc, rec) -> None:
+            nonlocal failed
+            write(rec)
+            failed += rec["error"] is not None
+            self.done += 1
+            finish(doc, rec)
+
+        def items():
+            for doc in task._todo(docs, done, finish):
+                if doc.error:  # a bad input line: its record here, no worker needed
+                    on_result(
+                        doc, {**task.empty_record(doc, job, doc.question), "error": doc.error}
+                    )
+                    continue
+                key = task.doc_key(doc.id) if doc.id is not None else f"line {doc.line}"
+                yield key, doc
+
+        def lost(doc, msg: str) -> None:
+            on_result(doc, task.error_record(doc, job, msg))
+
+        self.stats = self.pool.run(items(), self.chunk, on_result, lost)
+        return failed
+
+    def describe(self) -> str:
+        wall = time.monotonic() - self.pool.t0 if self.pool.t0 else 0.0
+        rate = f"{60 * self.done / wall:.1f}/min" if wall > 0 and self.done else "-/min"
+        return f"documents  {rate}  workers {self.pool.alive}/{self.pool.lay.workers}"
+
+    def summary(self) -> str:
+        return self.pool.summary(self.done, "documents")
 
 
 def _read_docs(files, jsonl) -> list[task.Doc]:
@@ -255,8 +419,9 @@ def _run_text(run, docs, job) -> int:
     return run(docs, job, lambda rec: None, set(), start, finish)
 
 
-def _run_records(ctx, run, docs, job, out, done) -> int:
-    """One JSON line per document to OUT (appended, flushed each) or stdout; a bar over docs."""
+def _run_records(ctx, run, docs, job, out, done, total=None) -> int:
+    """One JSON line per document to OUT (appended, flushed each) or stdout; a bar over docs
+    (total: their number where docs is a stream)."""
     try:
         sink = open(out, "a", encoding="utf-8") if out else sys.stdout  # noqa: SIM115
     except OSError as e:
@@ -275,7 +440,8 @@ def _run_records(ctx, run, docs, job, out, done) -> int:
         written += 1
 
     with progress_bar("documents") as bar:
-        docs_task = bar.add_task("documents", total=len(docs))
+        describe = getattr(run, "describe", None)
+        docs_task = bar.add_task("documents", total=len(docs) if total is None else total)
         prefill_task = bar.add_task("prefill", total=None, visible=False)
 
         def start(doc):
@@ -284,6 +450,8 @@ def _run_records(ctx, run, docs, job, out, done) -> int:
         def finish(doc, rec):
             bar.update(prefill_task, visible=False)
             bar.advance(docs_task)
+            if describe:
+                bar.update(docs_task, description=describe())
             if rec is not None:
                 line = f"error: {rec['error']}" if rec["error"] else stats_line(_stats(rec))
                 name = doc.id if doc.id is not None else f"line {doc.line}"

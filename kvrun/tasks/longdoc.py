@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -74,27 +74,41 @@ def doc_key(doc_id) -> str:
 
 def docs_from_jsonl(lines: Iterable[str]) -> list[Doc]:
     """One Doc per non-blank line; a bad line becomes a Doc carrying its error."""
-    docs = []
+    return list(iter_docs(lines))
+
+
+def iter_docs(lines: Iterable[str]) -> Iterator[Doc]:
+    """docs_from_jsonl one line at a time (a batch streamed, never held whole)."""
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except ValueError as e:
-            docs.append(Doc(None, line=n, error=f"line {n}: not valid JSON ({e})"))
+            yield Doc(None, line=n, error=f"line {n}: not valid JSON ({e})")
             continue
         doc_id = obj.get("id") if isinstance(obj, dict) else None
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
-            docs.append(
-                Doc(None, line=n, error=f'line {n}: not an object with a string or integer "id"')
-            )
+            yield Doc(None, line=n, error=f'line {n}: not an object with a string or integer "id"')
             continue
         doc = Doc(doc_id, obj.get("text"), obj.get("path"), obj.get("question"), n)
         bad = [k for k in ("text", "path", "question") if not isinstance(obj.get(k), (str, _NONE))]
         if bad or (doc.text is None) == (doc.path is None):
             doc.error = f'"{bad[0]}" must be a string' if bad else 'give one of "text" and "path"'
-        docs.append(doc)
-    return docs
+        yield doc
+
+
+def jsonl_lines(path: str) -> Iterator[str]:
+    """A JSONL file's lines, read as they are needed (undecodable bytes replaced)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+
+def count_docs(path: str) -> int:
+    """Non-blank lines of a JSONL file, counted without holding it."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
 
 
 def read_document(doc: Doc) -> str:
