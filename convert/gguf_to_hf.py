@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def gguf_to_hf(
 
     tensors = {k: v.contiguous() for k, v in w.tensors.items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    _usual_mode(dst / "model.safetensors")
 
     tok.save_hf(dst)
     tc_path = dst / "tokenizer_config.json"
@@ -87,3 +89,11 @@ def gguf_to_hf(
     gen = {"_from_model_config": True, "bos_token_id": tok.bos_id, "eos_token_id": eos}
     _write_json(dst / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     return dst
+
+
+def _usual_mode(path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600): give the weights the
+    mode every other written file gets (0666 less the umask, 0644 usually)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,6 +127,15 @@ def _add_spm(w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: i
         tokens.append(f"[PAD{i}]")
         scores.append(-1000.0)
         types.append(gguf.TokenType.UNUSED)
+    _write_llama_vocab(w, tokens, scores, types, tok_json)
+
+
+def _write_llama_vocab(
+    w: gguf.GGUFWriter, tokens, scores, types, tok_json: dict | None, prefix_key: bool = True
+) -> None:
+    """llama.cpp's SentencePiece vocabulary ('llama'): pieces, scores, types, dummy prefix
+    (without prefix_key, add_space_prefix is written only when false: llama.cpp's default is
+    true and its converter writes no such key for a tokenizer.json folder)."""
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -136,15 +146,75 @@ def _add_spm(w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: i
     else:  # HF writes the dummy prefix as a Prepend normalizer or a Metaspace pre-tokenizer
         spec = json.dumps([tok_json.get("normalizer"), tok_json.get("pre_tokenizer")])
         prepend = '"Prepend"' in spec or '"prepend_scheme": "always"' in spec
-    w.add_add_space_prefix(prepend)
+    if prefix_key or not prepend:
+        w.add_add_space_prefix(prepend)
+
+
+def _is_spm_bpe(tok_json: dict) -> bool:
+    """A SentencePiece BPE kept as tokenizer.json (Llama 2, Mistral): pieces with '▁' for
+    spaces and byte fallback, unlike byte-level BPE (GPT-2, Llama 3)."""
+    model = tok_json["model"]
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+
+
+def _add_spm_json(w: gguf.GGUFWriter, tok_json: dict, vocab_size: int) -> None:
+    """A SentencePiece BPE folder without tokenizer.model, written as the 'llama' vocabulary
+    llama.cpp's convert_hf_to_gguf.py writes for it (same pieces, types and keys). Scores:
+    minus the rank of the merge that makes each piece, so SentencePiece-style merging (best
+    score first: llama.cpp's and kvrun's) gives the folder's own tokens; llama.cpp's
+    converter writes -1000 for every piece there, which ranks no merge."""
+    model = tok_json["model"]
+    merges = model.get("merges", [])
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(a + b, r)
+    by_id = {i: t for t, i in model["vocab"].items()}
+    added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
+    n = max(vocab_size, max(by_id) + 1, max(added, default=0) + 1)
+    unk = model.get("unk_token")
+    tokens, scores, types = [], [], []
+    for i in range(n):
+        piece = by_id.get(i)
+        if piece is None and i not in added:
+            tokens.append(f"[PAD{i}]")
+            scores.append(-1000.0)
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        if i in added:
+            a = added[i]
+            kind = gguf.TokenType.USER_DEFINED
+            if a["content"] == unk:
+                kind = gguf.TokenType.UNKNOWN
+            elif a.get("special"):
+                kind = gguf.TokenType.CONTROL
+            tokens.append(a["content"])
+            scores.append(0.0 if kind != gguf.TokenType.USER_DEFINED else -1000.0)
+            types.append(kind)
+            continue
+        kind = gguf.TokenType.NORMAL
+        if piece == unk:
+            kind = gguf.TokenType.UNKNOWN
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            kind = gguf.TokenType.BYTE
+        tokens.append(piece)
+        scores.append(
+            -float(rank.get(piece, len(merges) + i)) if kind == gguf.TokenType.NORMAL else 0.0
+        )
+        types.append(kind)
+    _write_llama_vocab(w, tokens, scores, types, tok_json, prefix_key=False)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, src: Path, tok, vocab_size: int) -> None:
     tj_path, tc_path = src / "tokenizer.json", src / "tokenizer_config.json"
     tok_json = json.loads(tj_path.read_text()) if tj_path.exists() else None
     tok_cfg = json.loads(tc_path.read_text()) if tc_path.exists() else {}
-    if (src / "tokenizer.model").exists():
+    spm = (src / "tokenizer.model").exists()
+    if spm:
         _add_spm(w, src, tok_json, vocab_size)
+    elif tok_json is not None and _is_spm_bpe(tok_json):
+        _add_spm_json(w, tok_json, vocab_size)
+        spm = True
     elif tok_json is not None and tok_json["model"].get("type") == "BPE":
         _add_bpe(w, tok_json, tok_cfg, vocab_size)
     else:
@@ -153,7 +223,12 @@ def _add_tokenizer(w: gguf.GGUFWriter, src: Path, tok, vocab_size: int) -> None:
         w.add_bos_token_id(int(tok.bos_id))
     if tok.eos_id is not None:
         w.add_eos_token_id(int(tok.eos_id))
+    unk = (tok_json or {}).get("model", {}).get("unk_token") if spm else None
+    if unk is not None and unk in (tok_json or {}).get("model", {}).get("vocab", {}):
+        w.add_unk_token_id(int(tok_json["model"]["vocab"][unk]))  # as llama.cpp writes it
     w.add_add_bos_token(bool(tok.add_bos))
+    w.add_add_eos_token(bool(tok.add_eos))
+    w.add_add_sep_token(bool(tok_cfg.get("add_sep_token", False)))
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
 
@@ -215,6 +290,9 @@ def hf_to_gguf(
 
     w = gguf.GGUFWriter(str(dst), "llama")  # llama.cpp files Mistral under "llama" too
     _add_hparams(w, c, c.name or src.resolve().name, file_type)
+    w.add_type("model")
+    n_params = sum(t.numel() for k, t in lw.tensors.items() if "rotary_emb" not in k)
+    w.add_size_label(gguf.size_label(n_params, 0, 0, 0))  # "8.0B", as llama.cpp labels it
     _add_tokenizer(w, src, lw.tokenizer, c.vocab_size)
     if c.rope_scaling is not None and c.rope_scaling.kind == "llama3":
         # llama.cpp keeps llama3 scaling as per-pair divisors of the base frequencies

@@ -80,7 +80,7 @@ def layout(ray, workers: int | None, cpus_per_worker: int | None) -> Layout:
         per = cpus_per_worker or max(1, min(4, cpus // n))
         return Layout(n, per, 1, per, have)
     if cpus_per_worker is None:
-        cpus_per_worker = max(1, cpus // workers) if workers else 2
+        cpus_per_worker = max(1, cpus // workers) if workers else max(1, min(2, cpus))
     n = workers or max(1, cpus // cpus_per_worker)
     if n * cpus_per_worker > cpus:
         raise KvrunError(
@@ -146,11 +146,10 @@ class PoolStats:
 
 
 class Pool:
-    """Workers as Ray actors; `run` streams items through them.
+    """Workers as Ray actors; `stream` sends items through them, `chunk` per call.
 
-    items: (key, item) pairs; chunk: items per call; on_result(item, result) for each item of
-    a finished call; on_lost(item, message) for an item given up after `retries` resends;
-    on_event(text) for worker news (ready, lost, replaced)."""
+    items: (key, item) pairs, key naming the item across resends; on_event(text) is told
+    worker news (ready, failed to start, lost)."""
 
     def __init__(self, ray, lay: Layout, setup: Callable, args: dict, retries: int,
                  on_event: Callable[[str], None]):  # fmt: skip
@@ -212,8 +211,10 @@ class Pool:
         self.facts = self.facts or info["facts"]
         self.on_event(f"worker {slot.index} ready: node {info['node']}, pid {info['pid']}")
 
-    def run(self, items: Iterable, chunk: int, on_result, on_lost) -> PoolStats:
-        t0 = self.t0 = time.monotonic()
+    def stream(self, items: Iterable, chunk: int) -> Iterator[tuple]:
+        """(item, result, None) as calls finish, or (item, None, error text) for an item
+        given up: its worker died more than `retries` times, or the call itself failed."""
+        self.t0 = time.monotonic()
         source: Iterator = iter(items)
         again: deque = deque()  # items to send again, first
         tries: dict = {}  # key -> times sent
@@ -263,23 +264,22 @@ class Pool:
                 try:
                     results = self.ray.get(ref)
                 except self.ray.exceptions.RayActorError as e:
-                    self._lost(slot, e, batch, tries, again, on_lost)
+                    yield from self._lost(slot, e, batch, tries, again)
                     if self.stats.started - self.lay.workers < budget:
                         self._start()
                     continue
                 except self.ray.exceptions.RayTaskError as e:  # a bug in kvrun, not the input
-                    msg = " ".join(str(e.cause if hasattr(e, "cause") else e).split())
-                    for item in batch:
-                        on_lost(item[1], f"worker error: {msg}")
+                    msg = " ".join(str(getattr(e, "cause", None) or e).split())
+                    for _, item in batch:
+                        yield item, None, f"worker error: {msg}"
                     continue
                 for (_, item), res in zip(batch, results, strict=True):
-                    on_result(item, res)
-        self.stats.wall_s = time.monotonic() - t0
-        return self.stats
+                    yield item, res, None
+        self.stats.wall_s = time.monotonic() - self.t0
 
-    def _lost(self, slot: _Slot, err, batch, tries, again, on_lost) -> None:
+    def _lost(self, slot: _Slot, err, batch, tries, again) -> Iterator[tuple]:
         """A worker died: every call it had is lost; their items go again, unless sent too
-        often already."""
+        often already (those are yielded as given up)."""
         batches = [batch, *slot.calls.values()]
         slot.calls.clear()
         if slot in self.slots:
@@ -295,7 +295,7 @@ class Pool:
         for b in batches:
             for key, item in b:
                 if tries.get(key, 0) > self.retries:
-                    on_lost(item, f"its worker died {tries[key]} times while answering it")
+                    yield item, None, f"its worker died {tries[key]} times while answering it"
                 else:
                     again.append((key, item))
                     self.stats.resent += 1

@@ -128,7 +128,7 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
     # the common loader checks a single --kv; ours were checked above
     from ..tasks.bench import run_bench
 
-    rt = load_with_progress(kw)
+    rt = load_with_progress(kw, text=False)
     with progress_bar("bench") as bar:
         total = len(cases(settings)) * (settings.reps + 1)
         task = bar.add_task("bench", total=total)

@@ -97,6 +97,7 @@ def chat(ctx, system, n_predict, **kw):
             break
         if text == "/reset":
             conv.reset()
+            last = None  # /stats speaks of the new conversation
             err_console.print("conversation reset", style="dim")
             continue
         if text == "/stats":

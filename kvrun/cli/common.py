@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ def model_options(f):
             help="Prefill chunk size in tokens.",
         ),
         click.option("--debug", is_flag=True, hidden=True),
+        quiet_option,
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -305,12 +307,96 @@ def set_debug(ctx: click.Context, debug: bool) -> None:
         ctx.find_root().ensure_object(dict)["debug"] = True
 
 
-def progress_bar(description: str, bytes_mode: bool = False) -> Progress:
-    """A transient progress bar on stderr, drawn only on a terminal."""
+def progress_bar(description: str, bytes_mode: bool = False):
+    """A transient progress bar on stderr when it is a terminal; else plain progress lines
+    every few seconds (LineProgress), none with --quiet."""
+    if not sys.stderr.isatty():
+        return LineProgress(bytes_mode)
     cols = [TextColumn("{task.description}"), BarColumn()]
     cols += [DownloadColumn()] if bytes_mode else [TextColumn("{task.completed}/{task.total}")]
     cols.append(TimeRemainingColumn())
-    return Progress(*cols, console=err_console, transient=True, disable=not sys.stderr.isatty())
+    return Progress(*cols, console=err_console, transient=True)
+
+
+QUIET = {"on": False}  # --quiet: no progress lines off a terminal
+
+
+def quiet_option(f):
+    """--quiet: long commands print no progress lines when stderr is not a terminal."""
+    return click.option(
+        "--quiet",
+        is_flag=True,
+        expose_value=False,
+        callback=lambda ctx, param, v: QUIET.update(on=bool(v)),
+        help="No progress lines on stderr (printed every few seconds when stderr is not a "
+        "terminal: logs, pipes).",
+    )(f)
+
+
+class LineProgress:
+    """progress_bar off a terminal, as llama.cpp logs: for each visible task one plain line
+    on stderr every EVERY seconds (what, how far, rate, time so far), and one when a task that
+    ran that long ends. The subset of rich's Progress the commands use."""
+
+    EVERY = 5.0
+
+    def __init__(self, bytes_mode: bool = False):
+        self.bytes_mode, self.tasks = bytes_mode, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def add_task(self, description: str, total=None, visible: bool = True, **_) -> int:
+        now = time.monotonic()
+        i = len(self.tasks)
+        self.tasks[i] = {"description": description, "total": total, "completed": 0,
+                         "visible": visible, "t0": now, "shown": now, "ended": False}  # fmt: skip
+        return i
+
+    def update(self, task: int, completed=None, total=None, description=None, visible=None,
+               advance=None, **_) -> None:  # fmt: skip
+        t = self.tasks[task]
+        for key, v in (("completed", completed), ("total", total), ("visible", visible)):
+            if v is not None:
+                t[key] = v
+        if description is not None:
+            t["description"] = description
+        if advance:
+            t["completed"] += advance
+        self._report(t)
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, advance=advance)
+
+    def _report(self, t: dict) -> None:
+        if QUIET["on"] or not t["visible"]:
+            return
+        now = time.monotonic()
+        done = t["total"] is not None and t["completed"] >= t["total"]
+        if done and (t["ended"] or now - t["t0"] < self.EVERY):
+            return
+        if not done and now - t["shown"] < self.EVERY:
+            return
+        t["shown"], t["ended"] = now, done
+        print(self.line(t, now), file=sys.stderr, flush=True)
+
+    def line(self, t: dict, now: float) -> str:
+        elapsed = max(now - t["t0"], 1e-9)
+        n, total = t["completed"], t["total"]
+        fmt = human_bytes if self.bytes_mode else (lambda x: f"{x:g}")
+        where = f"{fmt(n)}/{fmt(total)} ({n / total:.0%})" if total else fmt(n)
+        rate = f"{human_bytes(n / elapsed)}/s" if self.bytes_mode else f"{n / elapsed:.2f}/s"
+        state = "done in" if total and n >= total else "elapsed"
+        return f"{t['description']}: {where}, {rate}, {state} {elapsed:.0f} s"
 
 
 def check_kv(kw: dict) -> KVSpec:
@@ -321,12 +407,27 @@ def check_kv(kw: dict) -> KVSpec:
     return check(kw["kv"], kw.get("kv_budget"))
 
 
-def load_with_progress(kw: dict, pull_missing: bool = True) -> Runtime:
+def needs_text(model: str | None) -> None:
+    """A command that reads or writes text refuses a synthetic preset before loading it."""
+    from ..presets import is_preset
+
+    if is_preset(model):
+        raise KvrunError(
+            f"{model} is a synthetic model (random weights, no tokenizer): it only runs "
+            "`kvrun bench`; give a model file or name here"
+        )
+
+
+def load_with_progress(kw: dict, pull_missing: bool = True, text: bool = True) -> Runtime:
     """Load the model named by the common options, with a progress bar on a terminal.
 
-    Commands validate --kv themselves first (check_kv), before paying for the load.
+    Commands validate --kv themselves first (check_kv), before paying for the load; with
+    text (every command but bench) a synthetic preset is refused before it is made.
     """
     from ..runtime import load_runtime, pick_device
+
+    if text:
+        needs_text(kw["model"])
 
     if kw.get("cuda_graph") and pick_device(kw["device"]).type != "cuda":
         raise KvrunError("--cuda-graph needs a CUDA device (--device cuda)")  # before the load
@@ -401,10 +502,18 @@ def dump_json(obj: dict) -> None:
     click.echo(json.dumps(obj, ensure_ascii=False))
 
 
+def read_stdin() -> str:
+    """stdin as UTF-8 text; bytes that are not UTF-8 become U+FFFD, as in a file prompt."""
+    buf = getattr(sys.stdin, "buffer", None)
+    if buf is None:  # a text-only stream (tests)
+        return sys.stdin.read()
+    return buf.read().decode("utf-8", errors="replace")
+
+
 def read_text(file: str) -> str:
     """The text of FILE ('-' = stdin); a one-line error when it is missing, unreadable or empty."""
     if file == "-":
-        text = sys.stdin.read()
+        text = read_stdin()
     else:
         try:
             text = Path(file).read_text(encoding="utf-8", errors="replace")

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..model_store import resolve
-from .common import err_console, progress_bar
+from .common import err_console, progress_bar, quiet_option
 
 
 @click.command()
@@ -21,6 +21,7 @@ from .common import err_console, progress_bar
     help="Tensor type written (auto: f32 safetensors, f16 GGUF).",
 )
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
+@quiet_option
 def convert(src, dst, outtype, force):
     """Convert a GGUF model to an HF safetensors directory, or an HF directory to GGUF.
 

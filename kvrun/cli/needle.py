@@ -16,9 +16,11 @@ from .common import (
     kv_options,
     load_with_progress,
     model_options,
+    needs_text,
     parallel_option,
     progress_bar,
     question_after_option,
+    ray_options,
     set_debug,
 )
 
@@ -63,7 +65,17 @@ def heat_table(records, cfg, lengths, depths) -> Table:
     return t
 
 
-def summary_table(summary: list[dict], trials: int) -> Table:
+def budget_text(cfg) -> str:
+    """The budget a column ran at: the one given, or the method's default, said as such."""
+    if cfg.budget is not None:
+        return str(cfg.budget)
+    if not cfg.spec.takes_budget:
+        return "-"
+    d = cfg.spec.select.default_budget
+    return f"{d} (default)" if d is not None else "own (default)"
+
+
+def summary_table(summary: list[dict], trials: int, configs=None) -> Table:
     per = f"{trials} trial{'s' if trials > 1 else ''} per cell"
     t = Table(title=f"summary  [dim]({per})[/]", title_justify="left")
     for col in ["method", "budget", "accuracy", "KV held/full", "prefill tok/s", "decode tok/s"]:
@@ -72,10 +84,11 @@ def summary_table(summary: list[dict], trials: int) -> Table:
             col, justify="left" if left else "right", overflow="fold" if left else "ellipsis"
         )
     t.add_column("trials", justify="right")
-    for s in summary:
+    labels = [budget_text(c) for c in configs] if configs else [s["budget"] or "-" for s in summary]
+    for s, budget in zip(summary, labels, strict=True):
         acc = f"[{_color(s['accuracy'])}] {s['accuracy']:.1%} [/]" if s["trials"] else "-"
         t.add_row(
-            s["method"], s["budget"] or "-", acc, f"{s['kv_ratio']:.1%}",
+            s["method"], budget, acc, f"{s['kv_ratio']:.1%}",
             f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.1f}", str(s["trials"]),
         )  # fmt: skip
     return t
@@ -155,8 +168,9 @@ def summary_table(summary: list[dict], trials: int) -> Table:
     "--plot", default=None, metavar="FILE.png", help="Heat maps as an image (needs matplotlib)."
 )
 @question_after_option
+@ray_options
 @click.pass_context
-def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, needle_text, question, answer, json_path, plot, question_after, **kw):  # fmt: skip
+def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, needle_text, question, answer, json_path, plot, question_after, ray_address, workers, cpus_per_worker, retries, **kw):  # fmt: skip
     """Needle retrieval accuracy over prompt lengths x depths x KV methods.
 
     \b
@@ -164,6 +178,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     kvrun needle --kv full --kv snapkv+kivi2 --trials 3 --json needle.json --plot needle.png
     kvrun needle --kv full --kv snapkv --parallel 8   (trials decoded 8 at once, same results)
     kvrun needle --kv snapkv --kv-budget 0.25 --question-after   (haystack compressed first)
+    kvrun needle --kv full --kv snapkv --ray   (trials spread over a Ray cluster, same results)
     kvrun needle --mode niah --haystack essay.txt --needle "The secret code is tulip." \\
         --question "What is the secret code?" --answer tulip --lengths 2k,4k
     """
@@ -174,34 +189,35 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     if lengths is not None:
         nd.parse_lengths(lengths)
     units = _haystack_units(mode, haystack, needle_text, question, answer)
-    configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in kw.pop("kv")], kw.get("kv_budget"))
+    methods = list(kw.pop("kv"))
+    configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in methods], kw.get("kv_budget"))
     if plot:
         from ..tasks.needle_plot import require_matplotlib
 
         require_matplotlib()
     if lengths is not None and kw["ctx_size"]:
         nd.pick_lengths(lengths, kw["ctx_size"], n_predict)
-    rt = load_with_progress(kw)
-    context = kw["ctx_size"] or rt.config.context_length
-    length_list = nd.pick_lengths(lengths, context, n_predict)
-    for cfg in configs:  # what only the model can tell (head_dim vs. KIVI group) fails now
-        rt.new_kv(cfg.spec)
-    tok = rt.tokenizer
-
-    def encode(text: str) -> list[int]:
-        if chat:
-            text = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-        return tok.encode(text)
-
-    task = nd.NeedleTask(mode, units, encode, seed, needle_text or "", question or "", answer or "",
-                         question_after)  # fmt: skip
-    task.check_fits(min(length_list))
+    grid = {
+        "mode": mode, "units": units, "seed": seed, "needle_text": needle_text or "",
+        "question": question or "", "answer": answer or "", "question_after": question_after,
+        "chat": chat, "lengths": lengths, "n_predict": n_predict, "parallel": parallel,
+        "methods": methods,
+    }  # fmt: skip
+    pool = None
+    if ray_address:
+        needs_text(kw["model"])
+        pool, facts = _ray_pool((ray_address, workers, cpus_per_worker, retries), kw, grid)
+        context, length_list, model = facts["context"], facts["lengths"], facts["model"]
+    else:
+        rt = load_with_progress(kw)
+        context, length_list, task = _setup(rt, configs, kw, grid)
+        model = nd.model_facts(rt)
     cells = nd.grid(length_list, depth_list, trials)
     niah = {"needle": needle_text, "question": question, "answer": answer}
     doc = {
         "task": "needle",
-        "settings": nd.settings(
-            rt,
+        "settings": nd.settings_from(
+            model,
             mode=mode,
             seed=seed,
             lengths=length_list,
@@ -240,18 +256,26 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
                 where = f"{nd.fmt_length(cell.length)} @ {nd.fmt_depth(cell.depth)}"
                 bar.update(task_id, description=f"{cfg.label}  {where}")
 
-            for rec in nd.run_grid(
-                rt, task, configs, cells, n_predict, kw["ubatch"], context, on_start, parallel
-            ):
+            if pool is None:
+                source = nd.run_grid(
+                    rt, task, configs, cells, n_predict, kw["ubatch"], context, on_start, parallel
+                )
+            else:
+                source = _ray_grid(pool, cells, bar, task_id)
+            for rec in source:
                 records.append(rec)
                 save(False)
                 bar.advance(task_id)
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        if pool is not None:
+            pool.close()
+            err_console.print(pool.summary(len(records), "trials"), highlight=False)
     save(not interrupted)
     out = err_console if json_path == "-" else Console(highlight=False)
     out.print(Columns([heat_table(records, c, length_list, depth_list) for c in configs]))
-    out.print(summary_table(doc["summary"], trials))
+    out.print(summary_table(doc["summary"], trials, configs))
     if json_path == "-":
         import json
 
@@ -266,3 +290,93 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
         ctx.exit(130)
     if json_path and json_path != "-":
         err_console.print(f"[dim]trials written to {json_path}[/]")
+
+
+def _setup(rt, configs, kw: dict, g: dict):
+    """The grid's context, lengths and task on a loaded model (here, or on a Ray worker):
+    what only the model can tell (head_dim vs. KIVI group, the prompt's own length) fails now."""
+    context = kw["ctx_size"] or rt.config.context_length
+    length_list = nd.pick_lengths(g["lengths"], context, g["n_predict"])
+    for cfg in configs:
+        rt.new_kv(cfg.spec)
+    tok = rt.tokenizer
+
+    def encode(text: str) -> list[int]:
+        if g["chat"]:
+            text = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tok.encode(text)
+
+    task = nd.NeedleTask(g["mode"], g["units"], encode, g["seed"], g["needle_text"],
+                         g["question"], g["answer"], g["question_after"])  # fmt: skip
+    task.check_fits(min(length_list))
+    return context, length_list, task
+
+
+def worker_setup(load: dict, methods: list, grid: dict):
+    """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
+    facts): handler(cells, node) -> each cell's records, every config, in grid order."""
+    from ..model_store import models_dir
+    from ..runtime import load_runtime
+
+    configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in methods], load.get("kv_budget"))
+    try:
+        rt = load_runtime(load["model"], load["dtype"], load["device"], pull_missing=False,
+                          log=lambda m: None, wtype=load["wtype"])  # fmt: skip
+    except KvrunError as e:
+        raise KvrunError(
+            f"{e} (each worker loads the model on its own node: give a path on storage every "
+            f"node sees, or a name in that node's models folder, here {models_dir()})"
+        ) from None
+    context, length_list, task = _setup(rt, configs, load, grid)
+    n, ubatch, parallel = grid["n_predict"], load["ubatch"], grid["parallel"]
+
+    def handler(items: list, node: str) -> list[list[dict]]:  # items: (index, cell)
+        return [
+            list(nd.run_grid(rt, task, configs, [c], n, ubatch, context, None, parallel))
+            for _, c in items
+        ]
+
+    facts = {"context": context, "lengths": length_list, "model": nd.model_facts(rt)}
+    return handler, facts
+
+
+def _ray_pool(ray_opts, kw: dict, grid: dict):
+    """Ray workers for the grid, started and one of them ready: (pool, its facts)."""
+    from pathlib import Path
+
+    from .. import cluster
+
+    address, workers, cpus_per_worker, retries = ray_opts
+    ray = cluster.connect(address)
+    lay = cluster.layout(ray, workers, cpus_per_worker)
+    if kw["model"] and Path(kw["model"]).exists():
+        kw = {**kw, "model": str(Path(kw["model"]).absolute())}
+    err_console.print(
+        f"ray: starting {lay.workers} workers ({lay.num_cpus} CPUs"
+        f"{', 1 GPU' if lay.num_gpus else ''} each; cluster: {lay.cluster})",
+        highlight=False,
+    )
+    args = {"load": kw, "methods": grid["methods"], "grid": grid}
+    pool = cluster.Pool(ray, lay, worker_setup, args, retries,
+                        lambda m: err_console.print(m, highlight=False))  # fmt: skip
+    try:
+        return pool, pool.wait_ready()
+    except BaseException:
+        pool.close()
+        raise
+
+
+def _ray_grid(pool, cells, bar, task_id):
+    """The grid's records from the workers, one cell (every config) per call, yielded in grid
+    order as soon as every earlier cell is in."""
+    done: dict[int, list[dict]] = {}
+    nxt = 0
+    for (i, _), records, error in pool.stream(((i, (i, c)) for i, c in enumerate(cells)), 1):
+        if error is not None:
+            c = cells[i]
+            raise KvrunError(f"needle trial {c.length} tokens at {c.depth:g}%: {error}")
+        done[i] = records
+        bar.update(task_id, description=f"needle  workers {pool.alive}/{pool.lay.workers}")
+        while nxt in done:
+            yield from done.pop(nxt)
+            nxt += 1

@@ -320,12 +320,21 @@ def write_json(path: str, doc: dict) -> None:
 
 def settings(rt, **fields) -> dict:
     """The run's settings for the JSON: the model, the fields given, dtype and device."""
+    return settings_from(model_facts(rt), **fields)
+
+
+def model_facts(rt) -> dict:
+    """What the settings say of the loaded model (a Ray worker sends these to the driver)."""
     return {
         "model": str(rt.path),
         "model_name": rt.config.name,
         "model_context": rt.config.context_length,
-        **fields,
         "dtype": str(rt.model.dtype).removeprefix("torch."),
         "wtype": rt.weights.wtype,
         "device": str(rt.model.device),
     }
+
+
+def settings_from(facts: dict, **fields) -> dict:
+    head = {k: facts[k] for k in ("model", "model_name", "model_context")}
+    return {**head, **fields, **{k: facts[k] for k in ("dtype", "wtype", "device")}}
