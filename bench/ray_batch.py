@@ -127,18 +127,18 @@ def main() -> None:
             f"| {w} | {le:.1f} / {ls:.1f} | {re_:.1f} / {rs:.1f} | {re_ / le:.2f} / "
             f"{rs / ls if ls else 0:.2f} | {'yes' if same else 'NO'} |"
         )
-    import platform
-
     import torch
+
+    from kvrun.tasks.bench import machine
 
     body = "\n".join(
         [
             "## kvrun longdoc on Ray against the local run",
             "",
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            f"- machine: {platform.processor() or platform.machine()}, {cpus} CPUs, torch "
+            f"- machine: {machine(torch.device('cpu'))['device_name']}, {cpus} CPUs, torch "
             f"{torch.__version__}",
-            f"- command: `python bench/ray_batch.py {shlex.join(sys.argv[1:])}`",
+            f"- command: `python bench/ray_batch.py {shlex.join(x for x in sys.argv[1:] if x not in ("--out", a.out))}`",
             f"- batch: {a.docs} documents of ~{a.doc_tokens} tokens, one question, greedy, "
             f"-n {a.n}, default model and --kv full; local `--parallel W` against `--ray "
             f"{a.ray} --workers W`"
