@@ -131,6 +131,7 @@ def main() -> None:
 
     from kvrun.tasks.bench import machine
 
+    argv = [x for x in sys.argv[1:] if x not in ("--out", a.out)]
     body = "\n".join(
         [
             "## kvrun longdoc on Ray against the local run",
@@ -138,7 +139,7 @@ def main() -> None:
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             f"- machine: {machine(torch.device('cpu'))['device_name']}, {cpus} CPUs, torch "
             f"{torch.__version__}",
-            f"- command: `python bench/ray_batch.py {shlex.join(x for x in sys.argv[1:] if x not in ("--out", a.out))}`",
+            f"- command: `python bench/ray_batch.py {shlex.join(argv)}`",
             f"- batch: {a.docs} documents of ~{a.doc_tokens} tokens, one question, greedy, "
             f"-n {a.n}, default model and --kv full; local `--parallel W` against `--ray "
             f"{a.ray} --workers W`"
