@@ -110,17 +110,22 @@ class Worker:
     say which node it was."""
 
     def __init__(self, threads: int, nice: int, setup: Callable, args: dict):
+        self._renice(nice)  # first: the OpenMP check below samples the machine as it runs
+        from . import openmp
+
+        openmp.tune()  # before torch loads in this process
         import torch
 
         if threads:
             torch.set_num_threads(threads)
         self.node, self.pid = node_ip(), os.getpid()
-        self.error, self.facts, self.handler, self.note = None, {}, None, None
-        self._renice(nice)
+        self.error, self.facts, self.handler = None, {}, None
         try:
             self.handler, self.facts = setup(**args)
         except KvrunError as e:
             self.error = str(e)
+
+    note: str | None = None
 
     def _renice(self, nice: int) -> None:
         """Ray starts workers at niceness 15 (RAY_worker_niceness), to favour its own

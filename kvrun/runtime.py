@@ -7,6 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import openmp
+
+openmp.tune()  # before torch loads: OpenMP reads its spin count once
+
 import torch
 
 from .config import ModelConfig
@@ -97,6 +101,9 @@ def load_runtime(
     from .model import Transformer
 
     t0 = time.perf_counter()
+    if openmp.NOTE["text"]:
+        log(openmp.NOTE["text"])
+        openmp.NOTE["text"] = None  # said once
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev, wtype)
     from .presets import is_preset

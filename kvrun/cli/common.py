@@ -25,7 +25,19 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def model_options(f):
-    """-m/--model, --dtype, --wtype, --device, -c, --ubatch, --debug."""
+    """-m/--model, --dtype, --wtype, --device, -c, --ubatch, --debug, --quiet; the command
+    first sets OpenMP's spinning for this machine (kvrun/openmp.py), before torch loads."""
+
+    body = f
+
+    @functools.wraps(body)
+    def command(*args, **kwargs):
+        from .. import openmp
+
+        openmp.tune()
+        return body(*args, **kwargs)
+
+    f = command
     opts = [
         click.option(
             "-m",
