@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import KvrunError
 
@@ -56,6 +57,29 @@ def connect(address: str):
             ) from None
         raise KvrunError(f"cannot join the Ray cluster at {address}: {e}") from None
     return ray
+
+
+def start(ray_opts: tuple, kw: dict, setup: Callable, args_of: Callable[[dict], dict],
+          echo: Callable[[str], None]) -> tuple[Pool, dict]:  # fmt: skip
+    """Join or start Ray, start the workers, wait for one: (pool, its facts). ray_opts:
+    (--ray, --workers, --cpus-per-worker, --retries); kw: the command's model options (a
+    model path that exists here goes to the workers as an absolute path); args_of(kw): the
+    keyword arguments of `setup` on each worker."""
+    address, workers, cpus_per_worker, retries = ray_opts
+    ray = connect(address)
+    lay = layout(ray, workers, cpus_per_worker)
+    model = kw.get("model")
+    if model and Path(model).exists():  # a path here: the same path on the workers' nodes
+        kw = {**kw, "model": str(Path(model).absolute())}
+    gpu = ", 1 GPU" if lay.num_gpus else ""
+    echo(f"ray: starting {lay.workers} workers ({lay.num_cpus} CPUs{gpu} each; cluster: "
+         f"{lay.cluster})")  # fmt: skip
+    pool = Pool(ray, lay, setup, args_of(kw), retries, echo)
+    try:
+        return pool, pool.wait_ready()
+    except BaseException:
+        pool.close()
+        raise
 
 
 @dataclass(frozen=True)

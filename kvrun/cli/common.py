@@ -430,6 +430,22 @@ def needs_text(model: str | None) -> None:
         )
 
 
+def load_on_worker(load: dict) -> Runtime:
+    """The command's model on a Ray worker (kvrun.cluster), resolved on the worker's node,
+    quietly; a model the node lacks says where it must be."""
+    from ..model_store import models_dir
+    from ..runtime import load_runtime
+
+    try:
+        return load_runtime(load["model"], load["dtype"], load["device"], pull_missing=False,
+                            log=lambda m: None, wtype=load["wtype"])  # fmt: skip
+    except KvrunError as e:
+        raise KvrunError(
+            f"{e} (each worker loads the model on its own node: give a path on storage every "
+            f"node sees, or a name in that node's models folder, here {models_dir()})"
+        ) from None
+
+
 def load_with_progress(kw: dict, pull_missing: bool = True, text: bool = True) -> Runtime:
     """Load the model named by the common options, with a progress bar on a terminal.
 

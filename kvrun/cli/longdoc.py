@@ -16,6 +16,7 @@ from .common import (
     check_kv,
     graph_option,
     kv_options,
+    load_on_worker,
     load_with_progress,
     model_options,
     needs_text,
@@ -215,18 +216,8 @@ def _job(opts: dict, kv: dict, settings: dict, debug: bool) -> task.Job:
 def worker_setup(load: dict, kv: dict, opts: dict):
     """On a Ray worker (kvrun.cluster): the model, the command's sessions and its Job.
     Returns (handler, facts): handler(docs, node) -> their records, in order."""
-    from ..model_store import models_dir
-    from ..runtime import load_runtime
-
     spec = check_kv(kv)
-    try:
-        rt = load_runtime(load["model"], load["dtype"], load["device"], pull_missing=False,
-                          log=lambda m: None, wtype=load["wtype"])  # fmt: skip
-    except KvrunError as e:
-        raise KvrunError(
-            f"{e} (each worker loads the model on its own node: give a path on storage every "
-            f"node sees, or a name in that node's models folder, here {models_dir()})"
-        ) from None
+    rt = load_on_worker(load)
     sessions = [new_session(rt, rt.new_kv(spec), load, note=False) for _ in range(load["parallel"])]
     settings = _settings(rt, sessions[0], opts)
     job = _job(opts, sessions[0].kv.describe(), settings, debug=False)
@@ -252,19 +243,13 @@ def _longdoc_ray(ctx, ray_opts, jsonl, out, done, kw, opts, debug) -> None:
     come back, in the local run's format (plus "node")."""
     from .. import cluster
 
-    address, workers, cpus_per_worker, retries = ray_opts
-    ray = cluster.connect(address)
-    lay = cluster.layout(ray, workers, cpus_per_worker)
-    model = kw["model"]
-    if model and Path(model).exists():  # a path here: the same path on the workers' nodes
-        kw = {**kw, "model": str(Path(model).absolute())}
-    args = {"load": kw, "kv": {"kv": kw["kv"], "kv_budget": kw.get("kv_budget")}, "opts": opts}
-    click.echo(f"ray: starting {lay.workers} workers ({lay.num_cpus} CPUs"
-               f"{', 1 GPU' if lay.num_gpus else ''} each; cluster: {lay.cluster})",
-               err=True)  # fmt: skip
-    pool = cluster.Pool(ray, lay, worker_setup, args, retries, lambda m: click.echo(m, err=True))
+    def args_of(load: dict) -> dict:
+        return {"load": load, "kv": {"kv": load["kv"], "kv_budget": load.get("kv_budget")},
+                "opts": opts}  # fmt: skip
+
+    echo = lambda m: click.echo(m, err=True)  # noqa: E731
+    pool, facts = cluster.start(ray_opts, kw, worker_setup, args_of, echo)
     try:
-        facts = pool.wait_ready()
         job = _job(opts, facts["kv"], facts["settings"], debug)
         if jsonl == "-":
             lines, total = (line.rstrip("\n") for line in sys.stdin), None

@@ -14,6 +14,7 @@ from .common import (
     check_kv,
     err_console,
     kv_options,
+    load_on_worker,
     load_with_progress,
     model_options,
     needs_text,
@@ -315,18 +316,8 @@ def _setup(rt, configs, kw: dict, g: dict):
 def worker_setup(load: dict, methods: list, grid: dict):
     """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
     facts): handler(cells, node) -> each cell's records, every config, in grid order."""
-    from ..model_store import models_dir
-    from ..runtime import load_runtime
-
     configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in methods], load.get("kv_budget"))
-    try:
-        rt = load_runtime(load["model"], load["dtype"], load["device"], pull_missing=False,
-                          log=lambda m: None, wtype=load["wtype"])  # fmt: skip
-    except KvrunError as e:
-        raise KvrunError(
-            f"{e} (each worker loads the model on its own node: give a path on storage every "
-            f"node sees, or a name in that node's models folder, here {models_dir()})"
-        ) from None
+    rt = load_on_worker(load)
     context, length_list, task = _setup(rt, configs, load, grid)
     n, ubatch, parallel = grid["n_predict"], load["ubatch"], grid["parallel"]
 
@@ -342,28 +333,13 @@ def worker_setup(load: dict, methods: list, grid: dict):
 
 def _ray_pool(ray_opts, kw: dict, grid: dict):
     """Ray workers for the grid, started and one of them ready: (pool, its facts)."""
-    from pathlib import Path
-
     from .. import cluster
 
-    address, workers, cpus_per_worker, retries = ray_opts
-    ray = cluster.connect(address)
-    lay = cluster.layout(ray, workers, cpus_per_worker)
-    if kw["model"] and Path(kw["model"]).exists():
-        kw = {**kw, "model": str(Path(kw["model"]).absolute())}
-    err_console.print(
-        f"ray: starting {lay.workers} workers ({lay.num_cpus} CPUs"
-        f"{', 1 GPU' if lay.num_gpus else ''} each; cluster: {lay.cluster})",
-        highlight=False,
-    )
-    args = {"load": kw, "methods": grid["methods"], "grid": grid}
-    pool = cluster.Pool(ray, lay, worker_setup, args, retries,
-                        lambda m: err_console.print(m, highlight=False))  # fmt: skip
-    try:
-        return pool, pool.wait_ready()
-    except BaseException:
-        pool.close()
-        raise
+    def args_of(load: dict) -> dict:
+        return {"load": load, "methods": grid["methods"], "grid": grid}
+
+    echo = lambda m: err_console.print(m, highlight=False)  # noqa: E731
+    return cluster.start(ray_opts, kw, worker_setup, args_of, echo)
 
 
 def _ray_grid(pool, cells, bar, task_id):
