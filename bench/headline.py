@@ -20,8 +20,8 @@ The table goes to stdout and into bench/README.md between headline markers (repl
 each run) with the date, machine and command. --quick is a tiny smoke run of the same code.
 
 A full run takes hours on a 2-core CPU. --results FILE keeps each finished part (acc, after,
-kl, speed) in a JSON file and a rerun with the same settings takes them from there, so a run
-can be resumed, and --parts picks what this run measures: the accuracy parts give the same
+kl, speed), and each finished pass-key prompt of a part under way, in a JSON file; a rerun
+with the same settings takes them from there, so a run can be resumed, and --parts picks what this run measures: the accuracy parts give the same
 answers however busy the machine is, the speed part wants it quiet, e.g.
     nice python bench/headline.py --text T --results h.json --parts acc,after,kl   # any time
     python bench/headline.py --text T --results h.json --parts speed              # quiet
@@ -88,18 +88,26 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def passkey_accuracy(rt, configs, a, question_after: bool = False) -> dict:
-    """(method, budget) -> (correct, trials) over the length x depth grid."""
+def passkey_accuracy(rt, configs, a, res: Results, part: str) -> dict:
+    """(method, budget) -> (correct, trials) over the length x depth grid; the records of
+    each finished prompt (cell) are kept in --results, and a rerun starts after them (a
+    cell's prompt and answer depend only on the seed and the cell)."""
+    question_after = part == "after"
     task = nd.NeedleTask("passkey", filler_units(), rt.tokenizer.encode, a.seed,
                          question_after=question_after)  # fmt: skip
     cells = nd.grid(nd.parse_lengths(a.lengths), nd.parse_depths(a.depths), 1)
-    records = []
-    for i, rec in enumerate(nd.run_grid(rt, task, configs, cells, n_predict=12)):
+    records, before = res.partial(part)
+    skip = len(records) // len(configs)
+    if skip:
+        log(f"pass key{' (question after)' * question_after}: {skip}/{len(cells)} prompts kept")
+    t0 = time.time()
+    for i, rec in enumerate(nd.run_grid(rt, task, configs, cells[skip:], n_predict=12)):
         records.append(rec)
         if (i + 1) % len(configs) == 0:
+            res.keep_partial(part, records, before + time.time() - t0)
             log(
                 f"pass key{' (question after)' * question_after}: "
-                f"{(i + 1) // len(configs)}/{len(cells)} prompts"
+                f"{skip + (i + 1) // len(configs)}/{len(cells)} prompts"
             )
     return {
         (s["method"], s["budget"]): (s["correct"], s["trials"])
@@ -240,21 +248,38 @@ class Results:
 
     def put(self, part: str, values: dict, extra, seconds: float) -> None:
         rows = [[m, b, v] for (m, b), v in values.items()]
+        seconds += self.partial(part)[1]  # the time of earlier runs' finished cells
+        self.parts.pop(f"{part}:cells", None)
         self.parts[part] = {"rows": rows, "extra": extra, "seconds": seconds}
+        self._save()
+
+    def partial(self, part: str) -> tuple[list, float]:
+        """Records of the part's cells finished by earlier runs, and their seconds."""
+        got = self.parts.get(f"{part}:cells") or {"records": [], "seconds": 0.0}
+        return list(got["records"]), got["seconds"]
+
+    def keep_partial(self, part: str, records: list, seconds: float) -> None:
+        self.parts[f"{part}:cells"] = {"records": records, "seconds": seconds}
+        self._save()
+
+    def _save(self) -> None:
         if self.path:
             body = {"settings": self.settings, "parts": self.parts}
-            self.path.write_text(json.dumps(body, indent=1), encoding="utf-8")
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(body, indent=1), encoding="utf-8")
+            tmp.replace(self.path)  # a kill mid-write leaves the last good file
 
 
 def measure(rt, configs, a) -> tuple[dict, float] | None:
     """Every part, run here or taken from --results; None while some are still missing."""
+    res = Results(a.results, a)
     run = {
-        "acc": lambda: (passkey_accuracy(rt, configs, a), None),
-        "after": lambda: (passkey_accuracy(rt, configs, a, question_after=True), None),
+        "acc": lambda: (passkey_accuracy(rt, configs, a, res, "acc"), None),
+        "after": lambda: (passkey_accuracy(rt, configs, a, res, "after"), None),
         "kl": lambda: kl_vs_full(rt, configs, a),
         "speed": lambda: (speed(rt, configs, a), None),
     }
-    res, out, seconds = Results(a.results, a), {}, 0.0
+    out, seconds = {}, 0.0
     wanted = a.parts.split(",")
     for part in PARTS:
         got = res.get(part)
