@@ -27,6 +27,12 @@ pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them all: one hea
 N_DOCS = 8
 WORDS = "The quick brown fox jumps over the lazy dog while the river keeps running. "
 ASK = ["-q", "What is the secret number?", "-n", "16"]
+# the `ray` command installed with this Python (its bin folder may not be on PATH)
+RAY = (
+    str(Path(sys.executable).with_name("ray"))
+    if Path(sys.executable).with_name("ray").exists()
+    else "ray"
+)
 # a test cluster on one machine: no token (Ray 2.5x turns token authentication on by default)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
 TIMING = ("prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s", "ttft_s", "peak_mem_bytes")
@@ -68,7 +74,7 @@ def ray_head(default_gguf):
              "--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port"]  # fmt: skip
     log = Path(tmp) / "head.out"
     head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--num-cpus", "2", "--include-dashboard=false",
+        [RAY, "start", "--head", "--block", "--num-cpus", "2", "--include-dashboard=false",
          "--disable-usage-stats", f"--temp-dir={tmp}", "--object-store-memory", str(100 * 2**20),
          *(f"{f}={p}" for f, p in zip(flags, ports, strict=True))],
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env,
