@@ -1,0 +1,159 @@
+"""Load and first token on the default model, kvrun next to llama.cpp, quiet and beside another job.
+
+    python bench/first_token.py [--reps 3] [--threads 2] [--out FILE]
+
+What a user of `kvrun generate` or `kvrun chat` waits for: a fresh process loads the model
+and answers a ~40-token prompt with its first token. For each tool, in one process each
+(alternating, --reps times, median shown): load time (the load call alone) and time to the
+first token (the prompt's prefill and one token). Tools: kvrun with its defaults (packed
+weights), kvrun with KVRUN_OPENMP=keep (OpenMP's default spinning: kvrun before it adapted
+to shared machines), kvrun --wtype f32 (dense), and llama.cpp (llama-cpp-python from
+bench/.venv-llamacpp, which bench/vs_llamacpp.py sets up), all raw prompts, greedy, the same
+GGUF file and thread count. Then again beside a competing job: a process of --threads torch
+threads multiplying matrices at normal priority for the whole second half. The table goes
+to stdout and into bench/README.md (or --out) between first-token markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from headline import write_section
+
+BENCH = Path(__file__).resolve().parent
+BEGIN, END = "<!-- first-token:begin -->", "<!-- first-token:end -->"
+LLAMACPP = BENCH / ".venv-llamacpp" / "bin" / "python"
+PROMPT = (
+    "The river runs through the old city, under seven stone bridges, past the cathedral "
+    "and the market, and on towards the sea. Describe the city in one sentence:"
+)
+LLAMACPP_CODE = """
+import json, sys, time
+t0 = time.perf_counter()
+import llama_cpp
+t1 = time.perf_counter()
+m = llama_cpp.Llama(sys.argv[1], n_ctx=2048, n_threads=int(sys.argv[2]), n_batch=512, verbose=False)
+t2 = time.perf_counter()
+ids = m.tokenize(sys.argv[3].encode(), add_bos=True)
+m.eval(ids)
+first = int(m.scores[len(ids) - 1].argmax())
+t3 = time.perf_counter()
+print(json.dumps({"load_s": t2 - t1, "ttft_s": t3 - t2, "prompt_tokens": len(ids), "first": first}))
+"""
+HOG = """
+import time, torch
+torch.set_num_threads(int(__import__("sys").argv[1]))
+a = torch.randn(1024, 1024)
+while True:
+    a @ a
+"""
+
+
+def args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(BENCH / "README.md"))
+    return ap.parse_args()
+
+
+def kvrun_run(extra: list[str], env: dict) -> dict:
+    cmd = [sys.executable, "-m", "kvrun", "generate", "--raw", "-p", PROMPT, "-n", "1",
+           "--temp", "0", "--json", *extra]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"}
+    d = json.loads(r.stdout)
+    return {"load_s": d["load_s"], "ttft_s": d["ttft_s"], "prompt_tokens": d["prompt_tokens"]}
+
+
+def llamacpp_run(model: str, threads: int) -> dict:
+    if not LLAMACPP.exists():
+        return {"error": f"no {LLAMACPP} (python bench/vs_llamacpp.py makes it)"}
+    r = subprocess.run([str(LLAMACPP), "-c", LLAMACPP_CODE, model, str(threads), PROMPT],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    a = args()
+    from kvrun.model_store import DEFAULT_MODEL, resolve
+
+    model = str(resolve(DEFAULT_MODEL, pull_missing=True))
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    env.pop("GOMP_SPINCOUNT", None)
+    keep = dict(env, KVRUN_OPENMP="keep")
+    tools = {
+        "kvrun (packed, default)": lambda: kvrun_run([], env),
+        "kvrun before (KVRUN_OPENMP=keep)": lambda: kvrun_run([], keep),
+        "kvrun --wtype f32": lambda: kvrun_run(["--wtype", "f32"], env),
+        "llama.cpp": lambda: llamacpp_run(model, a.threads),
+    }
+    results: dict = {}
+    for condition in ("quiet", f"beside a {a.threads}-thread job"):
+        hog = None
+        if condition != "quiet":
+            hog = subprocess.Popen([sys.executable, "-c", HOG, str(a.threads)])
+            time.sleep(3)
+        try:
+            for rep in range(a.reps):
+                for name, run in tools.items():
+                    got = run()
+                    results.setdefault((condition, name), []).append(got)
+                    print(f"{condition} | {name} | rep {rep + 1}: {got}", file=sys.stderr)
+        finally:
+            if hog:
+                hog.kill()
+                hog.wait()
+    lines = [
+        "| condition | tool | load (s) | first token (s) | load + first token (s) | prompt tokens |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for (condition, name), runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            lines.append(f"| {condition} | {name} | {runs[0]['error']} | | | |")
+            continue
+        load = statistics.median(r["load_s"] for r in ok)
+        ttft = statistics.median(r["ttft_s"] for r in ok)
+        both = statistics.median(r["load_s"] + r["ttft_s"] for r in ok)
+        lines.append(f"| {condition} | {name} | {load:.2f} | {ttft:.2f} | {both:.2f} | "
+                     f"{ok[0]['prompt_tokens']} |")  # fmt: skip
+    import torch
+
+    from kvrun.tasks.bench import machine
+
+    m = machine(torch.device("cpu"))
+    argv = [x for x in sys.argv[1:] if x not in ("--out", a.out)]
+    body = "\n".join(
+        [
+            "## Load and first token, kvrun next to llama.cpp (CPU)",
+            "",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- machine: {m['device_name']}, {a.threads} threads, torch {m['torch']}",
+            f"- command: `python bench/first_token.py {shlex.join(argv)}`",
+            f"- model: {Path(model).name}; a {ok[0]['prompt_tokens']}-token raw prompt, greedy; "
+            f"median of {a.reps} processes per row, tools alternating; load = the load call "
+            "alone, first token = the prompt's prefill and one token",
+            f"- the competing job: {a.threads} torch threads multiplying 1024x1024 matrices at "
+            "normal priority",
+            "",
+            *lines,
+        ]
+    )
+    print(body)
+    write_section(Path(a.out), body, BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()
