@@ -185,7 +185,6 @@ class _Slot:
 
 @dataclass
 class PoolStats:
-    workers: int = 0
     started: int = 0
     lost: int = 0
     resent: int = 0
@@ -207,7 +206,7 @@ class Pool:
         self.slots: list[_Slot] = []
         self.stats = PoolStats()
         self.facts: dict = {}
-        self.t0: float | None = None  # when run() began
+        self.t0: float | None = None  # when stream() began
         self._next = 0
         for _ in range(lay.workers):
             self._start()
