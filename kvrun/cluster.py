@@ -88,8 +88,7 @@ class Layout:
 
     workers: int
     num_cpus: int
-    num_gpus: int
-    threads: int  # torch threads in each worker (CPU)
+    num_gpus: int  # num_cpus is also each worker's torch threads
     cluster: str  # what the cluster has, for messages
 
 
@@ -104,7 +103,7 @@ def layout(ray, workers: int | None, cpus_per_worker: int | None) -> Layout:
         if n > gpus:
             raise KvrunError(f"--workers {n}: the cluster has {gpus} GPUs (one worker per GPU)")
         per = cpus_per_worker or max(1, min(4, cpus // n))
-        return Layout(n, per, 1, per, have)
+        return Layout(n, per, 1, have)
     if cpus_per_worker is None:
         cpus_per_worker = max(1, cpus // workers) if workers else max(1, min(2, cpus))
     n = workers or max(1, cpus // cpus_per_worker)
@@ -113,7 +112,7 @@ def layout(ray, workers: int | None, cpus_per_worker: int | None) -> Layout:
             f"{n} workers x {cpus_per_worker} CPUs do not fit the cluster's {cpus} CPUs; "
             "lower --workers or --cpus-per-worker"
         )
-    return Layout(n, cpus_per_worker, 0, cpus_per_worker, have)
+    return Layout(n, cpus_per_worker, 0, have)
 
 
 def node_ip() -> str:
@@ -214,7 +213,7 @@ class Pool:
     def _start(self) -> None:
         actor = self.actor_cls.options(num_cpus=self.lay.num_cpus, num_gpus=self.lay.num_gpus)
         nice = os.getpriority(os.PRIO_PROCESS, 0)
-        actor = actor.remote(self.lay.threads, nice, self.setup, self.args)
+        actor = actor.remote(self.lay.num_cpus, nice, self.setup, self.args)
         self.slots.append(_Slot(actor, self._next, actor.ready.remote()))
         self._next += 1
         self.stats.started += 1

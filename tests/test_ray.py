@@ -304,3 +304,4 @@ def test_layout(res, workers, cpus, want):
 def test_layout_that_does_not_fit(res, workers, cpus, msg):
     with pytest.raises(KvrunError, match=re.escape(msg)):
         cluster.layout(_FakeRay(**res), workers, cpus)
+

@@ -282,10 +282,8 @@ def _absolute_paths(docs):
 class _RayRunner:
     """_Runner's interface over a kvrun.cluster.Pool: `chunk` documents per call."""
 
-    parallel = True
-
     def __init__(self, pool, chunk: int):
-        self.pool, self.chunk, self.stats, self.done = pool, chunk, None, 0
+        self.pool, self.chunk, self.done = pool, chunk, 0
 
     def __call__(self, docs, job, write, done, start, finish) -> int:
         failed = 0
@@ -300,16 +298,13 @@ class _RayRunner:
         def items():
             for doc in task._todo(docs, done, finish):
                 if doc.error:  # a bad input line: its record here, no worker needed
-                    on_result(
-                        doc, {**task.empty_record(doc, job, doc.question), "error": doc.error}
-                    )
+                    on_result(doc, task.process(None, doc, job))
                     continue
                 key = task.doc_key(doc.id) if doc.id is not None else f"line {doc.line}"
                 yield key, doc
 
         for doc, rec, error in self.pool.stream(items(), self.chunk):
             on_result(doc, rec if error is None else task.error_record(doc, job, error))
-        self.stats = self.pool.stats
         return failed
 
     def describe(self) -> str:

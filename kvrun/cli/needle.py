@@ -313,10 +313,11 @@ def _setup(rt, configs, kw: dict, g: dict):
     return context, length_list, task
 
 
-def worker_setup(load: dict, methods: list, grid: dict):
+def worker_setup(load: dict, grid: dict):
     """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
     facts): handler(cells, node) -> each cell's records, every config, in grid order."""
-    configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in methods], load.get("kv_budget"))
+    configs = [(m, check_kv({"kv": m})) for m in grid["methods"]]
+    configs = nd.kv_configs(configs, load.get("kv_budget"))
     rt = load_on_worker(load)
     context, length_list, task = _setup(rt, configs, load, grid)
     n, ubatch, parallel = grid["n_predict"], load["ubatch"], grid["parallel"]
@@ -336,7 +337,7 @@ def _ray_pool(ray_opts, kw: dict, grid: dict):
     from .. import cluster
 
     def args_of(load: dict) -> dict:
-        return {"load": load, "methods": grid["methods"], "grid": grid}
+        return {"load": load, "grid": grid}
 
     echo = lambda m: err_console.print(m, highlight=False)  # noqa: E731
     return cluster.start(ray_opts, kw, worker_setup, args_of, echo)
