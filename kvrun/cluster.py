@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +44,8 @@ def connect(address: str):
     quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address == "local":  # Ray starts workers at niceness 15; ours compute: the local run's
         os.environ.setdefault("RAY_worker_niceness", str(os.getpriority(os.PRIO_PROCESS, 0)))
+    if address not in ("local", "auto"):
+        reachable(address)  # Ray itself retries an unreachable address for minutes, loudly
     try:
         if address == "local":
             ray.init(address="local", include_dashboard=False, **quiet)
@@ -57,6 +60,20 @@ def connect(address: str):
             ) from None
         raise KvrunError(f"cannot join the Ray cluster at {address}: {e}") from None
     return ray
+
+
+def reachable(address: str, timeout: float = 5.0) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) that answers a TCP connect, else one line saying so."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise KvrunError(f"--ray {address}: give local, auto or HOST:PORT (the head's GCS port)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise KvrunError(
+            f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start "
+            "--head` running there?)"
+        ) from None
 
 
 def start(ray_opts: tuple, kw: dict, setup: Callable, args_of: Callable[[dict], dict],

@@ -305,3 +305,22 @@ def test_layout_that_does_not_fit(res, workers, cpus, msg):
     with pytest.raises(KvrunError, match=re.escape(msg)):
         cluster.layout(_FakeRay(**res), workers, cpus)
 
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--jsonl", "missing.jsonl", "--ray", "local"], "cannot read --jsonl missing.jsonl"),
+        (["--jsonl", "docs.jsonl", "--ray", "127.0.0.1:1"], "cannot reach the Ray cluster at"),
+        (["--jsonl", "docs.jsonl", "--ray", "nonsense"], "give local, auto or HOST:PORT"),
+    ],
+)
+def test_bad_ray_input_fails_before_any_worker_starts(tmp_path, monkeypatch, extra, msg):
+    pytest.importorskip("ray")
+    from click.testing import CliRunner
+
+    from kvrun.cli.main import cli as main
+
+    _docs(tmp_path / "docs.jsonl", n=1)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["longdoc", *ASK, *extra])
+    assert r.exit_code == 1 and msg in r.output and "starting" not in r.output

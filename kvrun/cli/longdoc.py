@@ -247,18 +247,18 @@ def _longdoc_ray(ctx, ray_opts, jsonl, out, done, kw, opts, debug) -> None:
         return {"load": load, "kv": {"kv": load["kv"], "kv_budget": load.get("kv_budget")},
                 "opts": opts}  # fmt: skip
 
+    if jsonl == "-":
+        lines, total = (line.rstrip("\n") for line in sys.stdin), None
+    else:  # an unreadable input fails before any worker starts
+        try:
+            total = task.count_docs(jsonl)
+        except OSError as e:
+            raise KvrunError(f"cannot read --jsonl {jsonl}: {e.strerror}") from None
+        lines = task.jsonl_lines(jsonl)
     echo = lambda m: click.echo(m, err=True)  # noqa: E731
     pool, facts = cluster.start(ray_opts, kw, worker_setup, args_of, echo)
     try:
         job = _job(opts, facts["kv"], facts["settings"], debug)
-        if jsonl == "-":
-            lines, total = (line.rstrip("\n") for line in sys.stdin), None
-        else:
-            try:
-                total = task.count_docs(jsonl)
-            except OSError as e:
-                raise KvrunError(f"cannot read --jsonl {jsonl}: {e.strerror}") from None
-            lines = task.jsonl_lines(jsonl)
         run = _RayRunner(pool, kw["parallel"])
         failed = _run_records(ctx, run, _absolute_paths(task.iter_docs(lines)), job, out, done,
                               total)  # fmt: skip
