@@ -117,6 +117,9 @@ def open_gguf(path: Path) -> GGUFFile:
     return reader
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Damaged(Exception):
     """A GGUF whose header or tensor table is inconsistent (the message says where)."""
 
@@ -143,13 +146,32 @@ class _Header:
         self.pos += n
         return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
 
+    def strings(self, count: int) -> list[str]:
+        """An array of `count` strings (a vocabulary: ~50k-150k of them, so one tight loop)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = _U64.unpack_from
+        out = [""] * count
+        for i in range(count):
+            if pos + 8 > end:
+                raise _Damaged(
+                    f"a string array at byte {self.pos:,} runs past the end; download it again"
+                )
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise _Damaged(f"a string at byte {pos:,} runs past the end; download it again")
+            out[i] = str(buf[pos : pos + n], "utf-8")
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int):
         if kind == 8:
             return self.string()
         if kind == 9:
             item, count = self.take("I"), self.take("Q")
             if item == 8:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item not in _SCALARS:
                 return [self.value(item) for _ in range(count)]
             dtype = np.dtype(_SCALARS[item][1]).newbyteorder("<")
