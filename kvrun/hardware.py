@@ -1,7 +1,7 @@
 """Facts about this machine that loading choices depend on: free memory on a device, and
-whether a bfloat16 GEMM beats float32 on this CPU. Imports no other kvrun module, so the
-weight formats (kvrun/packed.py), their path choice (kvrun/matmul_choice.py) and the loaders
-can all ask it."""
+whether a bfloat16 GEMM beats float32 on this CPU. Imports no other kvrun module but the
+probe record, so the weight formats (kvrun/packed.py), their path choice
+(kvrun/matmul_choice.py) and the loaders can all ask it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from . import probes
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -44,11 +46,16 @@ def faster(a, b, reps: int = 15) -> bool:
 @functools.cache
 def bf16_gemm_faster() -> bool:
     """Whether a bfloat16 GEMM beats float32 on this CPU (oneDNN on AMX or AVX512-BF16),
-    timed once on a 128 x 2048 x 2048 product."""
+    timed once per machine on a 128 x 2048 x 2048 product (~0.4 s; kvrun/probes.py)."""
+    ok = ("yes", "no")
+    return probes.measured("bf16_gemm_faster", _time_bf16_gemm, ok.__contains__) == "yes"
+
+
+def _time_bf16_gemm() -> str:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(128, 2048, generator=g), torch.randn(2048, 2048, generator=g)
     xb, wb = x.bfloat16(), w.bfloat16()
     try:
-        return faster(lambda: F.linear(xb, wb), lambda: F.linear(x, w), reps=5)
+        return "yes" if faster(lambda: F.linear(xb, wb), lambda: F.linear(x, w), reps=5) else "no"
     except RuntimeError:  # no bf16 GEMM in this build
-        return False
+        return "no"

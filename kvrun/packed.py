@@ -6,10 +6,12 @@ Two matmul paths:
   (MKL / cuBLAS); exact; the slab bounds the scratch memory. Any width, any device.
 - `int4pack`: PyTorch's weight-only int4 ops (kvrun/int4mm.py): q4 on CUDA; q4 and q8 (as
   two 4-bit planes) on CPU, where they run on bfloat16 activations and so are not exact
-  (~3e-3 relative). On CPU they serve decode steps; prefill products dequantize exactly.
+  (~3e-3 relative). On CPU they serve decode steps and prefill chunks of up to the rows where
+  they beat the exact path here (~64 on AVX2); longer prefill chunks dequantize exactly.
   `_weight_int8pack_mm` is not used: it takes one scale per row, Q8_0 has one per 32.
 
-Which path a device takes is measured once per process (kvrun/matmul_choice.py).
+Which path a device takes, and the CPU crossover, are measured once per machine
+(kvrun/matmul_choice.py).
 PyTorch's CPU int4 kernel is vectorized for AVX-512 and bfloat16 only (bench/README.md).
 """
 
@@ -26,7 +28,8 @@ from .quant import Packed, cat_rows, pack_nibbles
 
 NIBBLES = 0x0F0F0F0F
 SLAB_ELEMS = 1 << 24  # rows dequantized at a time: at most 64 MiB of float32 scratch
-DECODE_ROWS = 8  # CPU: up to this many rows the int4 op beats dequantize + MKL (measured)
+DECODE_ROWS = 8  # CPU: a decode step's rows, which always take the int4 op (and the head's
+# exact refinement, `logits`); longer products take it up to the measured `op_rows`
 REFINE = 64  # head logits per row recomputed exactly after an int4 product, at most (`logits`)
 REFINE_MARGIN = 6.0  # ... those within this many nats of the row's largest
 # CPU prefill of layers with at least this many weights: dequantize to bfloat16 and multiply
@@ -107,8 +110,8 @@ class PackedLinear(nn.Module):
     Path 'dequant': the canonical codes, dequantized a slab at a time into F.linear (exact).
     Path 'int4pack' (`use_int4pack`): the codes live only in the int4 ops' layout
     (kvrun/int4mm.py). On CUDA every product goes through the op. On CPU products of up to
-    DECODE_ROWS rows (decode steps) do, and longer ones (prefill) read the codes back and
-    dequantize them exactly, since MKL on a dense slab beats the op there.
+    `op_rows()` rows (decode steps, short prefill chunks) do, and longer ones read the codes
+    back and dequantize them exactly, since MKL on a dense slab beats the op there.
     """
 
     def __init__(self, p: Packed, dtype: torch.dtype, scratch: Scratch | None = None):
@@ -264,8 +267,14 @@ class PackedLinear(nn.Module):
         return y.to(x.dtype)
 
     def op_rows(self) -> int:
-        """CPU: products of up to this many rows go through the int4 op."""
-        return BF16_OP_ROWS if self.bf16_prefill() else DECODE_ROWS
+        """CPU: products of up to this many rows go through the int4 op: as many as it beats
+        dequantize + MKL for on this machine (decode steps and short prefill chunks alike;
+        kvrun.matmul_choice.op_rows), and up to BF16_OP_ROWS for large layers whose longer
+        products run in bfloat16 anyway."""
+        from .matmul_choice import op_rows
+
+        rows = op_rows(self.dtype)
+        return max(rows, BF16_OP_ROWS) if self.bf16_prefill() else rows
 
     def bf16_prefill(self) -> bool:
         """Whether products of many rows run in bfloat16 (large layers, where bf16 GEMMs are

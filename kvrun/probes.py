@@ -1,10 +1,12 @@
-"""What the timing probes found on this machine, kept on disk so that commands which run no
-model (`kvrun info`) can report it without importing torch.
+"""What the timing probes found on this machine, kept on disk: later processes take the
+answer instead of timing again (a probe timed while other jobs share the CPU can flip, and
+each costs start-up time: up to ~0.5 s), and commands which run no model (`kvrun info`)
+report it without importing torch.
 
-A run that probes (kvrun.matmul_choice.matmul_path) records its answer under a key naming the
+A probe (kvrun.matmul_choice, kvrun.hardware) records its answer under a key naming the
 probe, the torch build and the CPU; a reader gets None for anything not yet probed with
 this torch on this CPU. The file is a cache: losing it costs one probe, and a write that
-fails is ignored.
+fails is ignored. KVRUN_PROBES=fresh times every probe again (and records the answers).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Callable
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -73,3 +76,14 @@ def record(probe: str, value: str) -> None:
         tmp.replace(path)
     except OSError:
         pass
+
+
+def measured(probe: str, measure: Callable[[], str], valid: Callable[[str], bool]) -> str:
+    """The recorded answer of `probe` where it is a valid one, else `measure()` (recorded)."""
+    if os.environ.get("KVRUN_PROBES") != "fresh":
+        value = recorded(probe)
+        if value is not None and valid(value):
+            return value
+    value = measure()
+    record(probe, value)
+    return value

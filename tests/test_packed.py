@@ -139,9 +139,8 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
     lin.use_int4pack()
     assert lin.scale is None and lin.zero is None
     w = lin.packed.dequantize()
-    assert torch.equal(
-        lin(torch.eye(256)[: packed_mod.DECODE_ROWS + 1]), w.T[: packed_mod.DECODE_ROWS + 1]
-    )
+    exact_rows = lin.op_rows() + 1  # past the int4 op's rows: the dequantizing path
+    assert torch.equal(lin(torch.eye(256)[:exact_rows]), w.T[:exact_rows])
     zero = p.zero.float().abs().repeat_interleave(GROUP, 1) if bits == 4 else 0
     mag = p.dequantize().abs() + zero + 8 * p.scale.float().repeat_interleave(GROUP, 1)
     assert ((w - p.dequantize()).abs() <= 2 * 2**-8 * mag).all()
@@ -167,7 +166,7 @@ def test_int4_cpu_products_within_bfloat16_rounding(bits):
     got, want = lin(x), F.linear(x, ref_w)
     assert ((got - want).abs() <= bound).all()
     assert (got - want).abs().max() > 0  # really the bfloat16 op, not the exact path
-    xl = torch.randn(packed_mod.DECODE_ROWS + 1, 256)
+    xl = torch.randn(lin.op_rows() + 1, 256)
     torch.testing.assert_close(lin(xl), F.linear(xl, ref_w), rtol=1e-5, atol=1e-5)
 
 
@@ -223,6 +222,7 @@ def test_large_layers_prefill_in_bfloat16(monkeypatch, bits):
     x = torch.randn(40, 256)
     torch.testing.assert_close(lin.logits(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(hardware, "bf16_gemm_faster", lambda: False)
+    x = torch.randn(lin.op_rows() + 1, 256)  # past the op's measured rows: exact again
     torch.testing.assert_close(lin(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-5)
 
 
@@ -283,7 +283,7 @@ def _dense_twin(rt):
 
 
 @pytest.mark.parametrize("source,wtype", [("gguf", "q8"), ("gguf", "q4"), ("hf", "q4")])
-def test_tiny_model_packed_equals_its_dense_twin(tmp_path, source, wtype):
+def test_tiny_model_packed_equals_its_dense_twin(tmp_path, monkeypatch, source, wtype):
     """The packed model (GGUF: Q/K rows un-permuted as packed rows; HF: quantized at load)
     gives the logits of a dense model holding the same dequantized weights."""
     from kvrun.runtime import load_runtime
@@ -296,17 +296,22 @@ def test_tiny_model_packed_equals_its_dense_twin(tmp_path, source, wtype):
     assert isinstance(rt.model.model.layers[0].self_attn.qkv, PackedLinear)
     assert isinstance(rt.model.model.embed_tokens, PackedEmbedding)
     twin = _dense_twin(rt)
-    # more rows than DECODE_ROWS: the exact (dequantizing) path
     ids, pos = torch.tensor([[1, 5, 9, 33, 2, 17, 8, 8, 40, 3, 1, 7]]), torch.arange(12)
     with torch.inference_mode():
+        # a prefill chunk of more rows than the int4 op takes: the exact (dequantizing) path
+        monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: packed_mod.DECODE_ROWS)
         kv, kv_twin = rt.new_kv(), rt.new_kv()
         got = rt.model(ids, pos, kv)
         want = twin(ids, pos, kv_twin)
         # one decode step: the int4 op on bfloat16 activations where the shape allows it
         step = rt.model(torch.tensor([[4]]), torch.tensor([12]), kv)
         step_want = twin(torch.tensor([[4]]), torch.tensor([12]), kv_twin)
+        # a short prefill chunk within the op's rows: the op too, within its rounding
+        monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: 16)
+        short = rt.model(ids, pos, rt.new_kv())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (step - step_want).abs().max() <= 0.05 * step_want.abs().max()
+    assert 0 < (short - want).abs().max() <= 0.05 * want.abs().max()
     if wtype == "q8":  # and near the float model (8-bit absmax of its random weights)
         dense = load_runtime(str(path), "float32", "cpu", wtype="f32")
         with torch.inference_mode():
@@ -424,7 +429,7 @@ def test_bfloat16_products_chain_through_the_op():
     got = lin(x.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), lin(x), rtol=0, atol=0)
-    assert lin.bf16_op(packed_mod.DECODE_ROWS) and not lin.bf16_op(packed_mod.DECODE_ROWS + 1)
+    assert lin.bf16_op(lin.op_rows()) and not lin.bf16_op(lin.op_rows() + 1)
     assert not _layer(64, 64, 6, int4=False).bf16_op(1)
 
     mlp = MLP(SimpleNamespace(dim=256, ffn_dim=512))
@@ -437,7 +442,7 @@ def test_bfloat16_products_chain_through_the_op():
     gate, up = mlp.gate_up(x).chunk(2, dim=-1)  # the float32 chain
     want = mlp.down_proj(F.silu(gate) * up)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    rows = torch.randn(packed_mod.DECODE_ROWS + 1, 256)
+    rows = torch.randn(mlp.down_proj.op_rows() + 1, 256)
     assert mlp(rows).dtype == torch.float32  # beyond a decode step: float32 as before
     assert mlp(x.half()).dtype == torch.float16  # a float16 model keeps its casts
 
@@ -455,3 +460,55 @@ def test_byte_packing_matches_the_ops_own(shape):
     sz = int4mm.scales_zeros(torch.rand(shape[0], shape[1] // 32), None, torch.bfloat16)
     x = torch.randn(3, shape[1], dtype=torch.bfloat16)
     assert torch.equal(int4mm.mm(x, [ours], [sz], 32), int4mm.mm(x, [ref], [sz], 32))
+
+
+def test_short_prefill_products_take_the_op_up_to_the_crossover(monkeypatch):
+    """CPU products of up to `op_rows()` rows (decode steps and short prefill chunks) go
+    through the int4 op, longer ones dequantize exactly; the crossover is the measured one
+    (`matmul_choice.op_rows`, here pinned to 24), never below a decode step's rows."""
+    monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: 24)
+    lin = _layer(128, 256, 8)
+    ref = lin.packed.dequantize()
+    assert lin.op_rows() == 24
+    for rows, via_op in ((1, True), (8, True), (24, True), (25, False), (64, False)):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        err = (lin(x) - F.linear(x, ref)).abs().max()
+        assert (err > 0) == via_op and err < 0.05 * F.linear(x, ref).abs().max()
+        assert lin.bf16_op(rows) == via_op
+
+
+def test_op_rows_probe_finds_the_crossover_and_is_recorded(monkeypatch, tmp_path):
+    """The crossover is the largest step where the op beats the exact path (a decode step's
+    rows where it never does), measured once and then read from the probe record; a
+    damaged record is measured again, and KVRUN_PROBES=fresh always measures."""
+    from kvrun import probes
+
+    monkeypatch.setenv("KVRUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul_choice, "matmul_path", lambda *a: "int4pack")
+    wins = {"upto": 32}
+    timed = []
+
+    def faster(a, b, reps=15):
+        rows = matmul_choice.OP_ROW_STEPS[len(timed)]
+        timed.append(rows)
+        return rows <= wins["upto"]
+
+    monkeypatch.setattr(hardware, "faster", faster)
+    assert matmul_choice._measure_op_rows(torch.float32) == 32
+    assert timed == [16, 24, 32, 48]  # stops at the first loss
+    timed.clear()
+    wins["upto"] = 0
+    assert matmul_choice._measure_op_rows(torch.float32) == packed_mod.DECODE_ROWS
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return "48"
+
+    probe = "int4 op rows cpu float32"
+    assert probes.measured(probe, measure, str.isdigit) == "48"
+    assert probes.measured(probe, measure, str.isdigit) == "48" and len(calls) == 1
+    probes.record(probe, "garbage")
+    assert probes.measured(probe, measure, str.isdigit) == "48" and len(calls) == 2
+    monkeypatch.setenv("KVRUN_PROBES", "fresh")
+    assert probes.measured(probe, measure, str.isdigit) == "48" and len(calls) == 3

@@ -16,7 +16,7 @@ from test_default_model import PROMPTS
 from kvrun import matmul_choice
 from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.packed import PackedEmbedding, PackedLinear
+from kvrun.packed import DECODE_ROWS, PackedEmbedding, PackedLinear
 from kvrun.sampling import SamplingConfig
 from kvrun.tasks.perplexity import score_window
 
@@ -55,15 +55,26 @@ def test_auto_keeps_the_file_types(packed_runtime):
     )
 
 
-def test_prefill_logits_match_dense(packed_runtime, default_runtime):
+def test_prefill_logits_match_dense(packed_runtime, default_runtime, monkeypatch):
     text = PROMPTS[2] + " The sea is wide and 12345 waves roll in, again and again."
     ids = default_runtime.tokenizer.encode(text)
     pos = torch.arange(len(ids))
     with torch.inference_mode():
         want = default_runtime.model(torch.tensor([ids]), pos, default_runtime.new_kv())
+        # a chunk longer than the int4 op takes (pinned here: the crossover is measured)
+        monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: DECODE_ROWS)
         got = packed_runtime.model(torch.tensor([ids]), pos, packed_runtime.new_kv())
+        monkeypatch.undo()
+        short = packed_runtime.model(torch.tensor([ids]), pos, packed_runtime.new_kv())
     # exact mappings: the same weights, the same float32 products
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    # a short prompt (within this machine's crossover, `matmul_choice.op_rows`) goes through
+    # the int4 op as decode steps do: the last row's next-token distribution stays within the
+    # decode steps' KL bound of the dense one, and the first token is the same
+    assert len(ids) <= packed_runtime.model.model.layers[0].mlp.down_proj.op_rows()
+    lp, lq = want[0, -1].log_softmax(-1), short[0, -1].float().log_softmax(-1)
+    assert (lp.exp() * (lp - lq)).sum() < 1e-2
+    assert short[0, -1].argmax() == want[0, -1].argmax()
 
 
 def _greedy_logits(rt, prompt: str, n: int, forced: list[int] | None = None):
@@ -123,7 +134,9 @@ METHODS = [("full", None), ("streaming", "0.25"), ("h2o", "0.25"), ("snapkv", "0
 
 
 @pytest.mark.parametrize("spec,budget", METHODS)
-def test_every_kv_method_runs_on_packed_weights(packed_runtime, default_runtime, spec, budget):
+def test_every_kv_method_runs_on_packed_weights(
+    packed_runtime, default_runtime, spec, budget, monkeypatch
+):
     """Each named method and seed stack through prefill (exact products: the same first token,
     the same compression decisions and bytes as on dense weights), then decode (int4 op)."""
     from pathlib import Path
@@ -132,6 +145,8 @@ def test_every_kv_method_runs_on_packed_weights(packed_runtime, default_runtime,
     src = text.read_text()[:3000] if text.exists() else " ".join(PROMPTS) * 20
     ids = default_runtime.tokenizer.encode(src)[:400]
     greedy = SamplingConfig(temp=0)
+    # chunks of 128 rows stay exact wherever the int4 op's crossover is measured
+    monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: DECODE_ROWS)
     runs = []
     for rt in (default_runtime, packed_runtime):
         s = Session(rt.model, rt.tokenizer, rt.new_kv(check(spec, budget)), ubatch=128)
