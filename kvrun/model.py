@@ -15,6 +15,8 @@ from .packed import PackedEmbedding, PackedLinear, Scratch
 from .quant import Packed
 from .rope import Rope, inverse_frequencies
 
+ROPE_KEY = "rope.inv_freq"  # RoPE's inverse frequencies among the tensors of `state()`
+
 
 def release_freed_memory() -> None:
     """Hand memory freed by the conversion back to the OS (glibc keeps freed blocks under its
@@ -202,6 +204,51 @@ class Transformer(nn.Module):
             head.use_int4pack()
             release_freed_memory()
         m.rope = Rope(inverse_frequencies(config, rope_freqs), device, dtype)
+        return m
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Every tensor this model holds (its state dict and RoPE's inverse frequencies), and
+        the layout that `from_state` rebuilds it from: each packed layer's facts and the
+        submodules stacking emptied (kvrun/packed_cache.py keeps the two on disk)."""
+        tensors = {**self.state_dict(), ROPE_KEY: self.rope.inv_freq}
+        packed = {n: m.facts() for n, m in self.named_modules() if isinstance(m, PackedLinear)}
+        empty = [
+            f"{name}.{attr}" if name else attr
+            for name, mod in self.named_modules()
+            for attr, child in mod._modules.items()
+            if child is None
+        ]
+        return tensors, {"packed": packed, "empty": empty}
+
+    @classmethod
+    def from_state(cls, config: ModelConfig, tensors: dict[str, torch.Tensor], layout: dict):
+        """The model `state()` gave these tensors and layout for (CPU, in their dtype; the
+        tensors are taken as they are, e.g. views of a memory-mapped file). Raises KeyError,
+        RuntimeError or ValueError where they do not fit the config."""
+        tensors = dict(tensors)
+        inv_freq = tensors.pop(ROPE_KEY)
+        if not any(k.startswith("lm_head.") for k in tensors):  # as the loaders decided
+            config = config.replace(tie_embeddings=True)
+        dtype = tensors["model.norm.weight"].dtype
+        with torch.device("meta"):
+            m = cls(config)
+        for name in layout["empty"]:
+            parent, _, attr = name.rpartition(".")
+            setattr(m.get_submodule(parent), attr, None)
+        scratch = Scratch()
+        for name, facts in layout["packed"].items():
+            parent, _, attr = name.rpartition(".")
+            prefix = f"{name}."
+            bufs = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            setattr(
+                m.get_submodule(parent), attr, PackedLinear.restore(facts, bufs, dtype, scratch)
+            )
+        m.load_state_dict(tensors, assign=True, strict=True)
+        m = m.eval().requires_grad_(False)
+        for mod in m.modules():
+            if isinstance(mod, PackedLinear):
+                mod._bind()  # the op's arguments from the buffers as assigned
+        m.rope = Rope(inv_freq, torch.device("cpu"), dtype)
         return m
 
     @property

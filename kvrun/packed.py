@@ -127,6 +127,36 @@ class PackedLinear(nn.Module):
         self.n_planes = 0  # int4 planes held as buffers w0, sz0 (and w1, sz1 for q8)
         self._op: OpArgs | None = None  # set while path == "int4pack"
 
+    def facts(self) -> dict:
+        """What, beside its buffers (state_dict), rebuilds this layer (`restore`)."""
+        return {
+            "kind": "embedding" if isinstance(self, PackedEmbedding) else "linear",
+            "bits": self.bits, "group": self.group, "source": self.source, "exact": self.exact,
+            "shape": [self.out_features, self.in_features], "path": self.path,
+            "planes": self.n_planes,
+        }  # fmt: skip
+
+    @staticmethod
+    def restore(
+        facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: Scratch
+    ) -> PackedLinear:
+        """The layer `facts()` and its buffers describe, as it was (kvrun/packed_cache.py)."""
+        cls = PackedEmbedding if facts["kind"] == "embedding" else PackedLinear
+        n, k = facts["shape"]
+        shell = torch.empty(n, k // 2 if facts["bits"] == 4 else k, device="meta")
+        p = Packed(facts["bits"], shell, shell, None, facts["group"], facts["source"])
+        mod = cls(p, dtype, scratch)
+        mod.exact = facts["exact"]
+        for name in ("codes", "scale", "zero"):
+            setattr(mod, name, buffers.get(name))
+        mod.n_planes = facts["planes"]
+        for i in range(mod.n_planes):
+            mod.register_buffer(f"w{i}", buffers[f"w{i}"])
+            mod.register_buffer(f"sz{i}", buffers[f"sz{i}"])
+        mod.path = facts["path"]
+        mod._bind()
+        return mod
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)  # .to() / .cuda(): the buffers are new tensors
         self._bind()

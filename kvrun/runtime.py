@@ -13,6 +13,7 @@ openmp.tune()  # before torch loads: OpenMP reads its spin count once
 
 import torch
 
+from . import packed_cache
 from .config import ModelConfig
 from .errors import KvrunError
 from .kv import FULL, KVSpec, build
@@ -116,8 +117,15 @@ def load_runtime(
     w = load(path, dt, progress, wtype, dev)
     if w.wtype in DENSE_WTYPES and w.wtype_note:  # auto chose dense for a quantized file
         log(w.wtype_note)
-    model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
-    w.tensors = {}
+    if w.cache_note:
+        log(w.cache_note)
+    model = w.model
+    if model is None:
+        model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
+        w.tensors = {}
+        if w.cache_entry is not None:
+            log(packed_cache.save(w.cache_entry, model))
+    w.model = None  # the Runtime holds it
     return Runtime(model, w.tokenizer, w.config, path, w, time.perf_counter() - t0)
 
 

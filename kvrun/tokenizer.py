@@ -62,7 +62,10 @@ def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend
         warnings.warn(f"unknown pre-tokenizer {pre!r}; using the GPT-2 split", stacklevel=3)
     regexes, ignore_merges = _PRE.get(pre, ("gpt2", False))
     # "a b" splits at the first space after index 0, as llama.cpp reads merges
-    pairs = [(m[: (cut := m.find(" ", 1))], m[cut + 1 :]) for m in merges]
+    pairs = [
+        tuple(m.split(" ", 1)) if m[:1] != " " else (m[: (cut := m.find(" ", 1))], m[cut + 1 :])
+        for m in merges
+    ]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in _REGEXES[regexes]]

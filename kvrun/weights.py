@@ -25,7 +25,7 @@ from .file_headers import (
     safetensors_damage,
     shard_paths,
 )
-from .quant import Packed, dense_name, from_gguf, quantize_rows, requantize_bits
+from .quant import DENSE_WTYPES, Packed, dense_name, from_gguf, quantize_rows, requantize_bits
 from .wformat import FLOAT_TYPES, GROUP, target_bits
 
 Progress = Callable[[int, int], None]  # (done, total) tensors
@@ -44,6 +44,27 @@ class LoadedWeights:
     meta: dict = field(default_factory=dict)
     wtype: str = "f32"  # what --wtype resolved to: a dense dtype name or "packed"/"q4"/"q8"
     wtype_note: str = ""  # why --wtype auto chose what it did
+    model: Any = None  # the packed model, mapped from its cache entry (then no tensors)
+    cache_entry: Path | None = None  # where the packed model is kept (kvrun/packed_cache.py)
+    cache_note: str = ""  # a damaged entry, in words
+
+
+def _cached(
+    files: list[Path], config: ModelConfig, dtype: torch.dtype, wtype: str, device
+) -> tuple[Any, Path | None, str]:
+    """(model mapped from the packed cache or None, its entry, a note) for packed CPU loads;
+    (None, None, "") for the others, which the cache does not keep."""
+    from . import packed_cache
+
+    if wtype in DENSE_WTYPES or (device is not None and device.type != "cpu"):
+        return None, None, ""
+    where = packed_cache.entry(files, dtype, wtype)
+    if where is None:
+        return None, None, ""
+    try:
+        return packed_cache.load(where, config), where, ""
+    except packed_cache.Damaged as e:
+        return None, where, f"packed cache entry damaged ({e}); building the model again"
 
 
 def unpermute_qk(w: torch.Tensor | Packed, n_head: int) -> torch.Tensor | Packed:
@@ -131,11 +152,15 @@ def load_gguf(
 
         elem = torch.empty(0, dtype=dtype).element_size()
         wtype, note = auto_wtype(config.n_params() * elem, device or torch.device("cpu"), dtype)
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    model, entry, cache_note = _cached([path], config, dtype, wtype, device)
+    if model is not None:
+        return LoadedWeights(
+            config, {}, tokenizer, path, "gguf", types, meta, wtype, note, model, entry
+        )
     tensors: dict[str, torch.Tensor | Packed] = {}
-    types: Counter = Counter()
     for i, t in enumerate(reader.tensors):
         hf = gguf_name_to_hf(t.name)
-        types[t.tensor_type.name] += 1
         if hf is None:
             continue
         bits = target_bits(wtype, t.tensor_type.name, hf)
@@ -151,7 +176,9 @@ def load_gguf(
         if progress:
             progress(i + 1, len(reader.tensors))
     _check_tensors(tensors, config, path)
-    return LoadedWeights(config, tensors, tokenizer, path, "gguf", types, meta, wtype, note)
+    return LoadedWeights(
+        config, tensors, tokenizer, path, "gguf", types, meta, wtype, note, None, entry, cache_note
+    )
 
 
 # --------------------------------------------------------------------- safetensors
@@ -167,6 +194,18 @@ def load_safetensors(
     tensors: dict[str, torch.Tensor] = {}
     types: Counter = Counter()
     shards = shard_paths(root)
+    if wtype in ("q4", "q8") and all(s.exists() for s in shards):  # packed at load: cacheable
+        model, entry, cache_note = _cached(
+            [root / "config.json", *shards], config, dtype, wtype, None
+        )
+    else:
+        model, entry, cache_note = None, None, ""
+    if model is not None:
+        config = model.config
+        tok = Tokenizer.from_hf_dir(root)
+        return LoadedWeights(
+            config, {}, tok, root, "safetensors", types, {}, wtype, "", model, entry
+        )
     for n, shard in enumerate(shards):
         if not shard.exists():
             raise ModelNotFound(f"missing weight shard {shard}")
@@ -196,7 +235,9 @@ def load_safetensors(
     _check_tensors(tensors, config, root)
     wtype = "f32" if wtype in ("auto", "packed") else wtype  # float files stay in the compute dtype
     tok = Tokenizer.from_hf_dir(root)
-    return LoadedWeights(config, tensors, tok, root, "safetensors", types, {}, wtype)
+    return LoadedWeights(
+        config, tensors, tok, root, "safetensors", types, {}, wtype, "", None, entry, cache_note
+    )
 
 
 def _check_tensors(

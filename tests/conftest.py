@@ -14,6 +14,10 @@ if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
 
 from kvrun.model_store import REGISTRY, models_dir
 
+# Tests build their packed models afresh (some patch how they are built); the packed cache's
+# own tests (tests/test_packed_cache.py) turn it on with a cache folder of their own.
+os.environ["KVRUN_PACKED_CACHE"] = "off"
+
 # Under pytest-xdist (`-n 2`, the README's test command) each worker computes on one thread:
 # two workers on a 2-core machine, each with two threads, would run far slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -1,0 +1,196 @@
+"""Packed models kept on disk: a load maps the layout an earlier load made instead of making it again.
+
+Packing a GGUF's blocks into the CPU int4 op's layout (kvrun/int4mm.py) takes ~0.5 s of the
+default model's load and ~14 s of an 8B Q4 file's, and the result depends only on the file,
+the compute dtype, --wtype, the torch build and the CPU. So the first packed load of a file
+on a machine writes the built model's tensors (`Transformer.state`) to
+
+    $KVRUN_CACHE/packed/<file stem>-<source>-<key>.safetensors   ($KVRUN_CACHE: ~/.cache/kvrun)
+
+and later loads map that file copy-on-write: nothing is read or copied until a product
+touches it, and the pages are the OS page cache's, shared by every process using the model.
+<source> names the model file by its real path; <key> hashes the file's identity (size,
+mtime, inode) and the facts above, so a changed model file, torch build or CPU misses and is
+built again; writing an entry removes the older ones of the same source.
+
+The file is plain safetensors (any safetensors tool reads it), each tensor 64-byte aligned
+(zero-filled `__pad` tensors fill the gaps, as the format allows no holes), its metadata
+holding the format version, the key's facts and the layout. An entry is written under a
+temporary name and renamed, so a reader never sees half of one; an entry that does not read
+back whole (cut short, a header that does not parse, tensors that do not fit the model) is
+deleted and the model built again, never used. The bytes are not checksummed: hashing them
+would cost what the cache saves. KVRUN_PACKED_CACHE=off turns the cache off; an entry is not
+written where it would leave less than 1 GiB of the disk free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .probes import cache_file
+
+FORMAT = 1  # bump when the layout of what is kept changes
+ALIGN = 64
+KEEP_FREE = 1 << 30
+_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
+    torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+}  # fmt: skip
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+class Damaged(Exception):
+    """An entry that does not read back whole (the message says how)."""
+
+
+def enabled() -> bool:
+    return os.environ.get("KVRUN_PACKED_CACHE", "on").lower() not in ("0", "off", "no", "false")
+
+
+def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
+    """Where the packed model built from `files` (the model file, or an HF folder's config and
+    shards) with this dtype and wtype is kept on this machine; None with the cache off."""
+    if not enabled():
+        return None
+    from . import int4mm
+    from .matmul_choice import matmul_path
+
+    real = [os.path.realpath(f) for f in files]
+    ident = []
+    for f in real:
+        st = os.stat(f)
+        ident.append([f, st.st_size, st.st_mtime_ns, st.st_ino])
+    facts = {
+        "format": FORMAT, "files": ident, "dtype": str(dtype), "wtype": wtype,
+        "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+        "block_rows": int4mm.block_rows(), "path": matmul_path("cpu", dtype),
+    }  # fmt: skip
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+    source = hashlib.sha256(real[0].encode()).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(real[0]).stem)[:48]
+    return cache_file().parent / "packed" / f"{stem}-{source}-{key}.safetensors"
+
+
+def load(path: Path, config: ModelConfig):
+    """The model kept at `path`, its tensors mapped from the file; None where there is no
+    entry. Raises Damaged (after deleting the entry) where it does not read back whole."""
+    from .model import Transformer
+
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - the mapping outlives the with-block
+    except FileNotFoundError:
+        return None
+    try:
+        with f:
+            tensors, meta = _read(f)
+        if meta.get("format") != FORMAT:
+            raise Damaged(f"format {meta.get('format')!r}, not {FORMAT}")
+        return Transformer.from_state(config, tensors, meta["layout"])
+    except (Damaged, KeyError, RuntimeError, ValueError, TypeError, OSError) as e:
+        path.unlink(missing_ok=True)
+        raise Damaged(f"{path.name}: {e}") from None
+
+
+def save(path: Path, model) -> str:
+    """Keep `model` at `path` (atomically), and remove older entries of the same source.
+    Returns what was done, in words (nothing is raised: the cache is an optimisation)."""
+    tensors, layout = model.state()
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if free - size < KEEP_FREE:
+            return (
+                f"packed layout not kept: {size / 2**20:,.0f} MiB would leave less than 1 GiB "
+                f"free in {path.parent}"
+            )
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            _write(tmp, tensors, {"format": FORMAT, "layout": layout})
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        return f"packed layout not kept in {path.parent}: {e.strerror or e}"
+    stem, source, _ = path.name.rsplit("-", 2)
+    for old in path.parent.glob(f"{glob_escape(stem)}-{source}-*.safetensors"):
+        if old != path:
+            old.unlink(missing_ok=True)
+    return f"packed layout kept in {path} ({size / 2**20:,.0f} MiB); later loads map it"
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    header: dict = {"__metadata__": {"kvrun": json.dumps(meta, sort_keys=True)}}
+    parts: list[torch.Tensor] = []
+    offset = 0
+    for name, t in tensors.items():
+        if -offset % ALIGN:
+            pad = -offset % ALIGN
+            header[f"__pad{len(parts)}"] = _info("U8", [pad], offset, pad)
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
+        n = t.numel() * t.element_size()
+        header[name] = _info(_DTYPES[t.dtype], list(t.shape), offset, n)
+        parts.append(t)
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)  # the format allows trailing spaces
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in parts:
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _info(dtype: str, shape: list[int], offset: int, n: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+
+
+def _read(f) -> tuple[dict[str, torch.Tensor], dict]:
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise Damaged("cut short")
+    # copy-on-write: writable for torch, and nothing written ever reaches the file
+    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    n = int.from_bytes(mapping[:8], "little")
+    if 8 + n > size:
+        raise Damaged("its header runs past the end")
+    try:
+        header = json.loads(mapping[8 : 8 + n])
+        meta = json.loads(header.pop("__metadata__")["kvrun"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise Damaged(f"its header does not parse ({e})") from None
+    start, end, tensors = 8 + n, 8 + n, {}
+    for name, info in header.items():
+        a, b = info["data_offsets"]
+        dtype, shape = _BY_NAME[info["dtype"]], info["shape"]
+        count = math.prod(shape)
+        if b - a != count * dtype.itemsize or a < 0 or start + b > size:
+            raise Damaged(f"tensor {name} does not fit the file")
+        end = max(end, start + b)
+        if name.startswith("__pad"):
+            continue
+        if (start + a) % ALIGN:
+            raise Damaged(f"tensor {name} is not aligned")
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + a)
+            tensors[name] = flat.view(shape)
+    if end != size:
+        raise Damaged(f"{size - end:,} bytes more or fewer than its tensors take")
+    return tensors, meta
