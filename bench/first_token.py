@@ -1,17 +1,20 @@
 """Load and first token on the default model, kvrun next to llama.cpp, quiet and beside another job.
 
-    python bench/first_token.py [--reps 3] [--threads 2] [--out FILE]
+    python bench/first_token.py [--reps 3] [--threads 2] [--out FILE] [--before TREE]
+        [-m MODEL] [--tools kvrun,built,f32,before,llama.cpp]
 
 What a user of `kvrun generate` or `kvrun chat` waits for: a fresh process loads the model
 and answers a ~40-token prompt with its first token. For each tool, in one process each
 (alternating, --reps times, median shown): load time (the load call alone) and time to the
 first token (the prompt's prefill and one token). Tools: kvrun with its defaults (packed
-weights), kvrun with KVRUN_OPENMP=keep (OpenMP's default spinning: kvrun before it adapted
-to shared machines), kvrun --wtype f32 (dense), and llama.cpp (llama-cpp-python from
-bench/.venv-llamacpp, which bench/vs_llamacpp.py sets up), all raw prompts, greedy, the same
-GGUF file and thread count. Then again beside a competing job: a process of --threads torch
-threads multiplying matrices at normal priority for the whole second half. The table goes
-to stdout and into bench/README.md (or --out) between first-token markers.
+weights, mapped from the packed cache, which a warm-up run fills), kvrun building the
+packed model from the GGUF (KVRUN_PACKED_CACHE=off: a file's first load), kvrun --wtype
+f32 (dense), kvrun as checked out in TREE (--before: `git worktree add /tmp/before REV`),
+and llama.cpp (llama-cpp-python from bench/.venv-llamacpp, which bench/vs_llamacpp.py sets
+up), all raw prompts, greedy, the same GGUF file and thread count. Then again beside a
+competing job: a process of --threads torch threads multiplying matrices at normal priority
+for the whole second half. The table goes to stdout and into bench/README.md (or --out)
+between first-token markers (a section per model file).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from headline import write_section
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- first-token:begin -->", "<!-- first-token:end -->"
 LLAMACPP = BENCH / ".venv-llamacpp" / "bin" / "python"
+NEUTRAL = tempfile.mkdtemp(prefix="first-token-")  # cwd: no checkout's kvrun on sys.path
 PROMPT = (
     "The river runs through the old city, under seven stone bridges, past the cathedral "
     "and the market, and on towards the sea. Describe the city in one sentence:"
@@ -62,13 +67,18 @@ def args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(BENCH / "README.md"))
+    ap.add_argument("--before", default=None, help="a worktree of the kvrun to compare with")
+    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the default model)")
+    ap.add_argument("--tools", default="kvrun,built,f32,before,llama.cpp")
     return ap.parse_args()
 
 
-def kvrun_run(extra: list[str], env: dict) -> dict:
+def kvrun_run(extra: list[str], env: dict, tree: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "kvrun", "generate", "--raw", "-p", PROMPT, "-n", "1",
            "--temp", "0", "--json", *extra]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if tree:
+        env = dict(env, PYTHONPATH=os.path.abspath(tree))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=NEUTRAL)
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"}
     d = json.loads(r.stdout)
@@ -89,16 +99,32 @@ def main() -> None:
     a = args()
     from kvrun.model_store import DEFAULT_MODEL, resolve
 
-    model = str(resolve(DEFAULT_MODEL, pull_missing=True))
+    model = (
+        str(Path(a.model).resolve()) if a.model else str(resolve(DEFAULT_MODEL, pull_missing=True))
+    )
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     env.pop("GOMP_SPINCOUNT", None)
-    keep = dict(env, KVRUN_OPENMP="keep")
+    env.pop("KVRUN_PACKED_CACHE", None)
+    m = ["-m", model]
+    rev = ""
+    if a.before:
+        rev = subprocess.run(["git", "-C", a.before, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     tools = {
-        "kvrun (packed, default)": lambda: kvrun_run([], env),
-        "kvrun before (KVRUN_OPENMP=keep)": lambda: kvrun_run([], keep),
-        "kvrun --wtype f32": lambda: kvrun_run(["--wtype", "f32"], env),
-        "llama.cpp": lambda: llamacpp_run(model, a.threads),
+        "kvrun": ("kvrun (packed, mapped from the packed cache)", lambda: kvrun_run(m, env)),
+        "built": (
+            "kvrun, packed model built from the GGUF (a first load)",
+            lambda: kvrun_run(m, dict(env, KVRUN_PACKED_CACHE="off")),
+        ),
+        "f32": ("kvrun --wtype f32", lambda: kvrun_run([*m, "--wtype", "f32"], env)),
+        "before": (f"kvrun before ({rev})", lambda: kvrun_run(m, env, a.before)),
+        "llama.cpp": ("llama.cpp", lambda: llamacpp_run(model, a.threads)),
     }
+    wanted = a.tools.split(",")
+    if not a.before:
+        wanted = [t for t in wanted if t != "before"]
+    tools = dict(tools[t] for t in wanted)
+    kvrun_run(m, env)  # fills the packed cache (a file's first load writes it)
     results: dict = {}
     for condition in ("quiet", f"beside a {a.threads}-thread job"):
         hog = None
@@ -135,9 +161,13 @@ def main() -> None:
 
     m = machine(torch.device("cpu"))
     argv = [x for x in sys.argv[1:] if x not in ("--out", a.out)]
+    name = Path(model).name
+    begin, end = BEGIN, END
+    if a.model:  # a section of its own per model file
+        begin, end = BEGIN.replace(":begin", f":{name}:begin"), END.replace(":end", f":{name}:end")
     body = "\n".join(
         [
-            "## Load and first token, kvrun next to llama.cpp (CPU)",
+            f"## Load and first token, kvrun next to llama.cpp (CPU, {name})",
             "",
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             f"- machine: {m['device_name']}, {a.threads} threads, torch {m['torch']}",
@@ -152,7 +182,7 @@ def main() -> None:
         ]
     )
     print(body)
-    write_section(Path(a.out), body, BEGIN, END)
+    write_section(Path(a.out), body, begin, end)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ on a machine writes the built model's tensors (`Transformer.state`) to
 
     $KVRUN_CACHE/packed/<file stem>-<source>-<key>.safetensors   ($KVRUN_CACHE: ~/.cache/kvrun)
 
-and later loads map that file copy-on-write: nothing is read or copied until a product
+(in the background while the first load goes on), and later loads map that file
+copy-on-write: nothing is read or copied until a product
 touches it, and the pages are the OS page cache's, shared by every process using the model.
 <source> names the model file by its real path; <key> hashes the file's identity (size,
 mtime, inode) and the facts above, so a changed model file, torch build or CPU misses and is
@@ -32,6 +33,8 @@ import mmap
 import os
 import re
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,32 +104,57 @@ def load(path: Path, config: ModelConfig):
         raise Damaged(f"{path.name}: {e}") from None
 
 
-def save(path: Path, model) -> str:
-    """Keep `model` at `path` (atomically), and remove older entries of the same source.
-    Returns what was done, in words (nothing is raised: the cache is an optimisation)."""
-    tensors, layout = model.state()
+_WRITING: list[threading.Thread] = []
+
+
+def save(path: Path, model, log: Callable[[str], None]) -> None:
+    """Keep `model` at `path`, written by a background thread (an 8B model's 5 GB take
+    5-20 s to write, which the first load would otherwise wait for; the process waits for the
+    thread at exit, and `wait()` does), then remove older entries of the same source. Says
+    what it does through `log`; nothing is raised: the cache is an optimisation."""
+    tensors, layout = model.state()  # the model's own tensors, which nothing writes to
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(path.parent).free
-        if free - size < KEEP_FREE:
-            return (
-                f"packed layout not kept: {size / 2**20:,.0f} MiB would leave less than 1 GiB "
-                f"free in {path.parent}"
-            )
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            _write(tmp, tensors, {"format": FORMAT, "layout": layout})
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
     except OSError as e:
-        return f"packed layout not kept in {path.parent}: {e.strerror or e}"
+        log(f"packed layout not kept in {path.parent}: {e.strerror or e}")
+        return
+    if free - size < KEEP_FREE:
+        log(f"packed layout not kept: {size / 2**20:,.0f} MiB would leave less than 1 GiB free "
+            f"in {path.parent}")  # fmt: skip
+        return
+    meta = {"format": FORMAT, "layout": layout}
+    thread = threading.Thread(target=_keep, args=(path, tensors, meta, log), name="packed-cache")
+    thread.start()
+    _WRITING.append(thread)
+    log(f"keeping the packed layout in {path.parent} ({size / 2**20:,.0f} MiB): later loads map it")
+
+
+def wait() -> None:
+    """Wait for the entries being written."""
+    while _WRITING:
+        _WRITING.pop().join()
+
+
+def _keep(path: Path, tensors: dict[str, torch.Tensor], meta: dict, log) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        _write(tmp, tensors, meta)
+        tmp.replace(path)
+    except OSError as e:
+        log(f"packed layout not kept in {path.parent}: {e.strerror or e}")
+        return
+    finally:
+        tmp.unlink(missing_ok=True)
     stem, source, _ = path.name.rsplit("-", 2)
     for old in path.parent.glob(f"{glob_escape(stem)}-{source}-*.safetensors"):
         if old != path:
             old.unlink(missing_ok=True)
-    return f"packed layout kept in {path} ({size / 2**20:,.0f} MiB); later loads map it"
+    for tmp in path.parent.glob(".*.tmp"):  # left by a process killed while writing
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)
 
 
 def glob_escape(text: str) -> str:

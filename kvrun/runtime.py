@@ -124,7 +124,7 @@ def load_runtime(
         model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
         w.tensors = {}
         if w.cache_entry is not None:
-            log(packed_cache.save(w.cache_entry, model))
+            packed_cache.save(w.cache_entry, model, log)
     w.model = None  # the Runtime holds it
     return Runtime(model, w.tokenizer, w.config, path, w, time.perf_counter() - t0)
 
