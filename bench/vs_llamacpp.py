@@ -23,7 +23,8 @@ greedily (an argmax per step).
 
 Also recorded: load time and peak RSS of each side on the default model, and kvrun's load
 time and peak RSS for the synthetic 8B preset `llama3-8b-synthetic --wtype q4` (unless
---skip-8b). Load time is the model-load call alone (kvrun.runtime.load_runtime; llama.cpp's
+--skip-8b), and the wait a `kvrun generate` user sees: load + a 33-token prompt + its first
+token, each tool in fresh processes (bench/first_token.py's runs). Load time is the model-load call alone (kvrun.runtime.load_runtime; llama.cpp's
 Llama() constructor), imports excluded. Peak RSS is the subprocess's ru_maxrss (wait4).
 Failures are recorded as 'failed: <reason>' and do not stop the run.
 
@@ -447,9 +448,32 @@ def load_and_rss(args, results: dict, show: bool = False) -> dict:
     }
 
 
+def first_tokens(args) -> dict:
+    """Load + a ~40-token prompt + its first token, each tool in fresh processes (alternating,
+    --reps times; bench/first_token.py's runs, which also split load from first token)."""
+    import first_token as ft
+
+    env = thread_env(args.threads)
+    m = ["-m", args.model] + (["--wtype", args.wtype] if args.wtype else [])
+    ft.kvrun_run(m, env)  # a file's first packed load fills the packed cache
+    runs: dict = {"kvrun": [], "llama.cpp": []}
+    for rep in range(args.reps):
+        for tool, r in (("kvrun", ft.kvrun_run(m, env)),
+                        ("llama.cpp", ft.llamacpp_run(args.model, args.threads))):  # fmt: skip
+            if "error" in r:
+                r = {"failed": r["error"]}
+            else:
+                r["s"] = r["load_s"] + r["ttft_s"]
+            runs[tool].append(r)
+            shown = r.get("failed") or f"{r['s']:.2f} s"
+            log(f"load + first token rep {rep + 1}/{args.reps} {tool}: {shown}")
+    tokens = next((r["prompt_tokens"] for r in runs["kvrun"] if "prompt_tokens" in r), "?")
+    return {"tokens": tokens, **{t: median_of(v, "s") for t, v in runs.items()}}
+
+
 def collect_memory(args, results: dict) -> dict:
     """Load time and peak RSS: default model on both sides, the 8B preset on kvrun."""
-    mem: dict = {"default": load_and_rss(args, results)}
+    mem: dict = {"default": load_and_rss(args, results), "first": first_tokens(args)}
     if not args.skip_8b:
         log(f"kvrun: loading {SYNTH_8B} --wtype q4 (RLIMIT_AS {args.mem_limit_gb} GB)")
         r = attempt(kvrun_load, args, SYNTH_8B, "q4")
@@ -594,6 +618,11 @@ def table(results: dict, mem: dict, synth: dict | None = None) -> str:
         lines.append(f"| load time (s) | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
         k, ll = mib(d["kvrun"]["peak_rss_bytes"]), mib(d["llama.cpp"]["peak_rss_bytes"])
         lines.append(f"| peak RSS (MiB) | {fmt(k, 0)} | {fmt(ll, 0)} | {ratio(k, ll)} |")
+    f = mem.get("first")
+    if f is not None:
+        k, ll = f["kvrun"], f["llama.cpp"]
+        label = f"load + {f['tokens']}-token prompt + first token (s)"
+        lines.append(f"| {label} | {fmt(k, 2)} | {fmt(ll, 2)} | {ratio(k, ll)} |")
     name = f"{SYNTH_8B} --wtype q4"
     shown = {"8b": ("load", "load time (s)", "load_s", 1, "after load"),
              "8b_decode": ("decode", "decode tok/s", "tok_s", 2, "while decoding")}  # fmt: skip
