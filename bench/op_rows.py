@@ -7,7 +7,7 @@ For layer shapes of the default model (QKV stacked, O, gate+up stacked, down) an
 (`int4mm.mm`, bfloat16 activations) and through the exact path (dequantize the int4
 planes to float32 + MKL, `PackedLinear._dequant_planes_linear`), best of several calls
 each, and prints exact / op: above 1 the op is faster. kvrun's own probe
-(`kvrun.matmul_choice.op_rows`, recorded in ~/.cache/kvrun/probes.json) finds the crossover
+(`kvrun.packed.int4_op_rows`, recorded in ~/.cache/kvrun/probes.json) finds the crossover
 on the default model's FFN shape; its answer is printed too. The table goes into
 bench/README.md (or --out) between op-rows markers.
 """
@@ -23,7 +23,8 @@ import torch
 from headline import write_section
 
 from kvrun import int4mm
-from kvrun.matmul_choice import _measure_op_rows, _probe
+from kvrun.matmul_choice import _probe
+from kvrun.packed import _measure_op_rows
 
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- op-rows:begin -->", "<!-- op-rows:end -->"
@@ -78,7 +79,7 @@ def main() -> None:
             "- command: `python bench/op_rows.py`",
             "- cells: time of the exact path (int4 planes dequantized to float32 + MKL) / time of "
             "the int4 op, for a product of that many rows; above 1 the op is faster",
-            f"- kvrun's probe (`matmul_choice.op_rows`, 1536 x 576) on this run: the op up to "
+            f"- kvrun's probe (`packed.int4_op_rows`, 1536 x 576) on this run: the op up to "
             f"{probe} rows",
             "",
             *lines,

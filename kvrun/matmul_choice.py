@@ -34,42 +34,6 @@ def matmul_path(device_type: str, dtype: torch.dtype) -> str:
     return probes.measured(probe, lambda: _measure_path(device_type, dtype), paths.__contains__)
 
 
-# row counts tried for the CPU crossover (`op_rows`), after a decode step's
-OP_ROW_STEPS = (16, 24, 32, 48, 64, 96, 128)
-
-
-@functools.cache
-def op_rows(dtype: torch.dtype) -> int:
-    """CPU: the most rows a product of a packed layer takes through the int4 op, decode steps
-    and short prefill chunks alike (kvrun/packed.py): the largest of OP_ROW_STEPS where the
-    op still beats dequantize + MKL on the 1536 x 576 probe, DECODE_ROWS if none. Both
-    paths' costs grow with the layer's weights, so one probe shape stands for all (measured
-    on this 2-core AVX2 EPYC: the op wins up to 48-64 rows on the default model's layers and
-    up to ~128 on an 8B model's; bench/README.md). Timed once per machine and torch build."""
-    probe = f"int4 op rows cpu {str(dtype).removeprefix('torch.')}"
-    return int(probes.measured(probe, lambda: str(_measure_op_rows(dtype)), str.isdigit))
-
-
-def _measure_op_rows(dtype: torch.dtype) -> int:
-    from . import int4mm
-    from .packed import DECODE_ROWS
-
-    if matmul_path("cpu", dtype) != "int4pack":
-        return DECODE_ROWS
-    lin = _probe(1536, 576, torch.device("cpu"), dtype)
-    lin.use_int4pack()
-    op = lin.cpu_op()
-    best = DECODE_ROWS
-    for rows in OP_ROW_STEPS:
-        x = torch.randn(rows, 576, dtype=dtype)
-        via_op = functools.partial(int4mm.mm, x, op.planes, op.sz, lin.group)
-        exact = functools.partial(lin._dequant_planes_linear, x)
-        if not hardware.faster(via_op, exact, reps=7):
-            break
-        best = rows
-    return best
-
-
 def _measure_path(device_type: str, dtype: torch.dtype) -> str:
     device = torch.device(device_type)
     n, k = (2048, 4096) if device.type == "cuda" else (1536, 576)

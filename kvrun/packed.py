@@ -10,21 +10,22 @@ Two matmul paths:
   they beat the exact path here (~64 on AVX2); longer prefill chunks dequantize exactly.
   `_weight_int8pack_mm` is not used: it takes one scale per row, Q8_0 has one per 32.
 
-Which path a device takes, and the CPU crossover, are measured once per machine
+Which path a device takes, and the CPU crossover (`int4_op_rows`), are measured once per machine
 (kvrun/matmul_choice.py).
 PyTorch's CPU int4 kernel is vectorized for AVX-512 and bfloat16 only (bench/README.md).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hardware, int4mm
-from .quant import Packed, cat_rows, pack_nibbles
+from . import hardware, int4mm, probes
+from .quant import Packed, cat_rows, pack_nibbles, quantize
 
 NIBBLES = 0x0F0F0F0F
 SLAB_ELEMS = 1 << 24  # rows dequantized at a time: at most 64 MiB of float32 scratch
@@ -299,11 +300,9 @@ class PackedLinear(nn.Module):
     def op_rows(self) -> int:
         """CPU: products of up to this many rows go through the int4 op: as many as it beats
         dequantize + MKL for on this machine (decode steps and short prefill chunks alike;
-        kvrun.matmul_choice.op_rows), and up to BF16_OP_ROWS for large layers whose longer
+        `int4_op_rows`), and up to BF16_OP_ROWS for large layers whose longer
         products run in bfloat16 anyway."""
-        from .matmul_choice import op_rows
-
-        rows = op_rows(self.dtype)
+        rows = int4_op_rows(self.dtype)
         return max(rows, BF16_OP_ROWS) if self.bf16_prefill() else rows
 
     def bf16_prefill(self) -> bool:
@@ -343,6 +342,42 @@ class PackedLinear(nn.Module):
             # gathers use the planes' own scales, and the canonical ones are dropped
             self.scale = self.zero = None
         return True
+
+
+# row counts tried for the CPU crossover (`int4_op_rows`), after a decode step's
+OP_ROW_STEPS = (16, 24, 32, 48, 64, 96, 128)
+
+
+@functools.cache
+def int4_op_rows(dtype: torch.dtype) -> int:
+    """CPU: the most rows a product of a packed layer takes through the int4 op, decode steps
+    and short prefill chunks alike: the largest of OP_ROW_STEPS where the op still beats
+    dequantize + MKL on a 1536 x 576 probe (the default model's FFN), DECODE_ROWS if none.
+    Both paths' costs grow with the layer's weights, so one probe shape stands for all
+    (bench/op_rows.py: on a 2-core AVX2 EPYC the op wins up to ~96 rows on the default
+    model's layers and on an 8B model's alike). Timed once per machine and torch build
+    (kvrun/probes.py)."""
+    probe = f"int4 op rows cpu {str(dtype).removeprefix('torch.')}"
+    return int(probes.measured(probe, lambda: str(_measure_op_rows(dtype)), str.isdigit))
+
+
+def _measure_op_rows(dtype: torch.dtype) -> int:
+    g = torch.Generator().manual_seed(0)
+    lin = PackedLinear(quantize(torch.randn(1536, 576, generator=g) * 0.02, 4), dtype)
+    try:
+        if not lin.use_int4pack():
+            return DECODE_ROWS
+    except (RuntimeError, NotImplementedError):  # op missing in this build
+        return DECODE_ROWS
+    op, best = lin.cpu_op(), DECODE_ROWS
+    for rows in OP_ROW_STEPS:
+        x = torch.randn(rows, 576, dtype=dtype, generator=g)
+        via_op = functools.partial(int4mm.mm, x, op.planes, op.sz, lin.group)
+        exact = functools.partial(lin._dequant_planes_linear, x)
+        if not hardware.faster(via_op, exact, reps=7):
+            break
+        best = rows
+    return best
 
 
 class PackedEmbedding(PackedLinear):

@@ -14,6 +14,7 @@ import torch
 from test_default_model import PROMPTS
 
 from kvrun import matmul_choice
+from kvrun import packed as packed_mod
 from kvrun.generate import Session
 from kvrun.kv import check
 from kvrun.packed import DECODE_ROWS, PackedEmbedding, PackedLinear
@@ -62,13 +63,13 @@ def test_prefill_logits_match_dense(packed_runtime, default_runtime, monkeypatch
     with torch.inference_mode():
         want = default_runtime.model(torch.tensor([ids]), pos, default_runtime.new_kv())
         # a chunk longer than the int4 op takes (pinned here: the crossover is measured)
-        monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: DECODE_ROWS)
+        monkeypatch.setattr(packed_mod, "int4_op_rows", lambda dtype: DECODE_ROWS)
         got = packed_runtime.model(torch.tensor([ids]), pos, packed_runtime.new_kv())
         monkeypatch.undo()
         short = packed_runtime.model(torch.tensor([ids]), pos, packed_runtime.new_kv())
     # exact mappings: the same weights, the same float32 products
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
-    # a short prompt (within this machine's crossover, `matmul_choice.op_rows`) goes through
+    # a short prompt (within this machine's crossover, `packed.int4_op_rows`) goes through
     # the int4 op as decode steps do: the last row's next-token distribution stays within the
     # decode steps' KL bound of the dense one, and the first token is the same
     assert len(ids) <= packed_runtime.model.model.layers[0].mlp.down_proj.op_rows()
@@ -146,7 +147,7 @@ def test_every_kv_method_runs_on_packed_weights(
     ids = default_runtime.tokenizer.encode(src)[:400]
     greedy = SamplingConfig(temp=0)
     # chunks of 128 rows stay exact wherever the int4 op's crossover is measured
-    monkeypatch.setattr(matmul_choice, "op_rows", lambda dtype: DECODE_ROWS)
+    monkeypatch.setattr(packed_mod, "int4_op_rows", lambda dtype: DECODE_ROWS)
     runs = []
     for rt in (default_runtime, packed_runtime):
         s = Session(rt.model, rt.tokenizer, rt.new_kv(check(spec, budget)), ubatch=128)
