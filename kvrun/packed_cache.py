@@ -99,7 +99,7 @@ def load(path: Path, config: ModelConfig):
         if meta.get("format") != FORMAT:
             raise Damaged(f"format {meta.get('format')!r}, not {FORMAT}")
         return Transformer.from_state(config, tensors, meta["layout"])
-    except (Damaged, KeyError, RuntimeError, ValueError, TypeError, OSError) as e:
+    except (Damaged, KeyError, RuntimeError, ValueError, TypeError, AttributeError, OSError) as e:
         path.unlink(missing_ok=True)
         raise Damaged(f"{path.name}: {e}") from None
 
