@@ -26,6 +26,7 @@ written where it would leave less than 1 GiB of the disk free.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -148,17 +149,13 @@ def _keep(path: Path, tensors: dict[str, torch.Tensor], meta: dict, log) -> None
     finally:
         tmp.unlink(missing_ok=True)
     stem, source, _ = path.name.rsplit("-", 2)
-    for old in path.parent.glob(f"{glob_escape(stem)}-{source}-*.safetensors"):
+    for old in path.parent.glob(f"{glob.escape(stem)}-{source}-*.safetensors"):
         if old != path:
             old.unlink(missing_ok=True)
     for tmp in path.parent.glob(".*.tmp"):  # left by a process killed while writing
         pid = tmp.name.rsplit(".", 2)[-2]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             tmp.unlink(missing_ok=True)
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
