@@ -43,7 +43,7 @@ from kvrun.kv import REGISTRY, check
 from kvrun.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks import perplexity as ppl
-from kvrun.tasks.bench import bench_row, machine
+from kvrun.tasks.bench import bench_row, machine, rep_stats
 from kvrun.tasks.bench_settings import BenchSettings
 from kvrun.tasks.passkey import filler_units
 
@@ -140,13 +140,24 @@ def kl_vs_full(rt, configs, a) -> tuple[dict, str]:
 
 
 def speed(rt, configs, a) -> dict:
-    """(method, budget) -> bench row: decode tok/s and KV bytes after a --depth fill."""
+    """(method, budget) -> bench row: decode tok/s and KV bytes after a --depth fill.
+
+    The --reps timed reps are rounds over all rows, every other round in reverse order, so
+    a machine that speeds up or slows down over the run (a shared host does, by 2x over an
+    hour) moves every row alike and the "vs full" ratios stay fair. The first round warms
+    each row up."""
+    rounds: dict = {}
+    for r in range(a.reps):
+        for cfg in configs if r % 2 == 0 else configs[::-1]:
+            s = BenchSettings(0, a.n, (a.depth,), 1, (cfg.method,), (cfg.budget,), a.seed,
+                              specs=(cfg.spec,))  # fmt: skip
+            row = bench_row(rt, cfg.method, cfg.spec, a.depth, s, warmup=r == 0)
+            rounds.setdefault((cfg.method, cfg.budget), []).append(row)
+            log(f"speed, round {r + 1}/{a.reps}: {cfg.label} {row['decode_tok_s']:.1f} tok/s")
     out = {}
-    for cfg in configs:
-        s = BenchSettings(0, a.n, (a.depth,), a.reps, (cfg.method,), (cfg.budget,), a.seed,
-                          specs=(cfg.spec,))  # fmt: skip
-        out[(cfg.method, cfg.budget)] = bench_row(rt, cfg.method, cfg.spec, a.depth, s)
-        log(f"speed: {cfg.label} {out[(cfg.method, cfg.budget)]['decode_tok_s']:.1f} tok/s")
+    for key, rows in rounds.items():
+        tg = [x for row in rows for x in row["decode_tok_s_reps"]]
+        out[key] = {**rows[-1], "reps": len(tg), **rep_stats("decode_tok_s", tg)}
     return out
 
 
@@ -347,7 +358,8 @@ def main() -> None:
             "per-query-head eviction ratio, with the paper's reported Ratio (Eq. 15) beside it; "
             "KV bytes: measured after the fill (compare methods at equal memory by it)",
             f"- KV bytes and decode: {a.depth}-token fill of random ids, {a.n} greedy decode "
-            f"steps, mean of {a.reps} reps after a warm-up",
+            f"steps, mean of {a.reps} reps after a warm-up; the reps are rounds over all rows, "
+            "alternating in order, so drift of the machine's speed hits every row alike",
             "",
             *lines,
         ]

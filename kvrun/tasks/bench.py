@@ -39,7 +39,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stats(key: str, xs: list[float]) -> dict:
+def rep_stats(key: str, xs: list[float]) -> dict:
     """{key: mean, key_std: sample std (0 for one rep), key_reps: xs}; None when not measured."""
     mean = statistics.mean(xs) if xs else None
     std = (statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else None
@@ -102,9 +102,12 @@ def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
     }
 
 
-def bench_row(rt, kv: str, spec: KVSpec, depth: int, s: BenchSettings, on_rep=None) -> dict:
-    """Measure one (method, budget, depth) row: one warm-up rep, then s.reps timed reps
-    (kv: the --kv text the row is labelled with; spec: it validated, at the row's budget)."""
+def bench_row(
+    rt, kv: str, spec: KVSpec, depth: int, s: BenchSettings, on_rep=None, warmup: bool = True
+) -> dict:
+    """Measure one (method, budget, depth) row: one warm-up rep (unless warmup is False),
+    then s.reps timed reps (kv: the --kv text the row is labelled with; spec: it validated,
+    at the row's budget)."""
     dev = rt.model.device
     gen = torch.Generator().manual_seed(s.seed)  # the same tokens for every method
     ids = torch.randint(0, rt.config.vocab_size, (depth + s.n_prompt + 1,), generator=gen).tolist()
@@ -112,7 +115,7 @@ def bench_row(rt, kv: str, spec: KVSpec, depth: int, s: BenchSettings, on_rep=No
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     reps = []
-    for r in range(s.reps + 1):
+    for r in range(0 if warmup else 1, s.reps + 1):
         out = _one_rep(rt, spec, fill, prompt, first, s)
         if r:  # rep 0 warms up
             reps.append(out)
@@ -136,15 +139,15 @@ def bench_row(rt, kv: str, spec: KVSpec, depth: int, s: BenchSettings, on_rep=No
         "reps": len(reps),
         "test_pp": test_pp,
         "test_tg": test_tg,
-        **_stats("prefill_tok_s", pp),
-        **_stats("decode_tok_s", tg),
+        **rep_stats("prefill_tok_s", pp),
+        **rep_stats("decode_tok_s", tg),
         "cuda_graph": last["cuda_graph"],
         "kv_bytes": last["kv_bytes"],
         "kv_bytes_full": last["kv_bytes_full"],
         "kv_ratio": last["kv_bytes"] / last["kv_bytes_full"] if last["kv_bytes_full"] else 1.0,
         "kv_bytes_read_per_token": kv_read if tg else None,
         "weight_bytes": wb,
-        **_stats("bandwidth_gb_s", bw),
+        **rep_stats("bandwidth_gb_s", bw),
         "peak_mem_bytes": peak_memory_bytes(dev),
     }
 
