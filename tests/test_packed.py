@@ -493,7 +493,7 @@ def test_op_rows_probe_finds_the_crossover_and_is_recorded(monkeypatch, tmp_path
         return rows <= wins["upto"]
 
     # the real probes run here (the suite otherwise reads them from the probe record)
-    assert matmul_choice._measure_path("cpu", torch.float32) in ("int4pack", "dequant")
+    assert matmul_choice.measure_path("cpu", torch.float32) in ("int4pack", "dequant")
     assert hardware._time_bf16_gemm() in ("yes", "no")
     real = packed_mod._measure_op_rows(torch.float32)
     assert real in (packed_mod.DECODE_ROWS, *packed_mod.OP_ROW_STEPS)
