@@ -18,8 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvrun import packed as packed_mod
 from kvrun.kv import check
+from kvrun.quant import linear as packed_mod
 from kvrun.runtime import load_runtime
 
 

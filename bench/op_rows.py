@@ -7,7 +7,7 @@ For layer shapes of the default model (QKV stacked, O, gate+up stacked, down) an
 (`int4mm.mm`, bfloat16 activations) and through the exact path (dequantize the int4
 planes to float32 + MKL, `PackedLinear._dequant_planes_linear`), best of several calls
 each, and prints exact / op: above 1 the op is faster. kvrun's own probe
-(`kvrun.packed.int4_op_rows`, recorded in ~/.cache/kvrun/probes.json) finds the crossover
+(`kvrun.quant.linear.int4_op_rows`, recorded in ~/.cache/kvrun/probes.json) finds the crossover
 on the default model's FFN shape; its answer is printed too. The table goes into
 bench/README.md (or --out) between op-rows markers.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from headline import write_section
 
-from kvrun import int4mm
-from kvrun.matmul_choice import _probe
-from kvrun.packed import _measure_op_rows
+from kvrun.quant import int4mm
+from kvrun.quant.choice import _probe
+from kvrun.quant.linear import _measure_op_rows
 
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- op-rows:begin -->", "<!-- op-rows:end -->"

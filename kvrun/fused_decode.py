@@ -1,4 +1,4 @@
-"""A CPU decode step's blocks fused into one flat loop over prebound int4 products.
+"""A CPU decode step's blocks fused into one flat loop over prebound products.
 
 A decode step of the default model makes 120 products of ~40 us each; through the modules it
 also pays ~150 us a layer of Python around them (module calls, dtype and path checks made
@@ -6,7 +6,8 @@ anew for every product). This loop is bound once per model: each layer's norms a
 op's arguments of its four products sit in one tuple, and the step does the same arithmetic
 as `Block.forward`, op for op (the test checks the logits bit for bit), with none of the
 checks. It serves the rows of a decode step (up to DECODE_ROWS, one token each) on a float32
-model whose products all run through the CPU int4 op; anything else takes the modules.
+model whose products all run through the CPU int4 op (bfloat16 in and out) or all through the
+native kernels over GGUF blocks (float32 in and out); anything else takes the modules.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import int4mm
-from .packed import DECODE_ROWS, PackedLinear
+from .quant import int4mm
+from .quant.blocks import BlockLinear
+from .quant.linear import DECODE_ROWS, PackedLinear
 
 _MM = int4mm._MM_CPU
 # where `rms_norm` may read a number back: free on CPU; on CUDA a sync a graph cannot capture
@@ -38,16 +40,35 @@ class Product(NamedTuple):
         return int4mm.mm(x, self.planes, self.sz, self.group)
 
 
+class NativeProduct(NamedTuple):
+    """One product of a BlockLinear through the native kernels: float32 in and out."""
+
+    qmm: object  # torch.ops.kvrun_cpu.qmm
+    ws: list[torch.Tensor]
+    codes: list[int]
+    rows: list[int]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qmm(x if x.is_contiguous() else x.contiguous(), self.ws, self.codes, self.rows)
+
+
 class Layer(NamedTuple):
     norm1: torch.Tensor  # (dim,) input_layernorm
-    qkv: Product  # dim -> (Hq + 2 Hkv) D
-    o: Product  # Hq D -> dim
+    qkv: Product | NativeProduct  # dim -> (Hq + 2 Hkv) D
+    o: Product | NativeProduct  # Hq D -> dim
     norm2: torch.Tensor  # (dim,) post_attention_layernorm
-    gate_up: Product  # dim -> 2 ffn
-    down: Product  # ffn -> dim
+    gate_up: Product | NativeProduct  # dim -> 2 ffn
+    down: Product | NativeProduct  # ffn -> dim
+    dt: torch.dtype  # the products' input: bfloat16 (int4 op) or float32 (native)
 
 
-def _product(mod) -> Product | None:
+def _product(mod) -> Product | NativeProduct | None:
+    if type(mod) is BlockLinear:
+        if not mod.takes_native(1):
+            return None
+        from .quant import native
+
+        return NativeProduct(native.ops().qmm, mod._ws, mod._codes, mod.ns)
     op = mod.cpu_op() if type(mod) is PackedLinear else None
     return None if op is None else Product(op.planes, op.sz, mod.group)
 
@@ -61,11 +82,12 @@ def bind(model) -> list[Layer] | None:
     for block in model.model.layers:
         a, mlp = block.self_attn, block.mlp
         prods = [_product(m) for m in (a.qkv, a.o_proj, mlp.gate_up, mlp.down_proj)]
-        if any(p is None for p in prods):
+        if any(p is None for p in prods) or len({type(p) for p in prods}) > 1:
             return None
         qkv, o, gate_up, down = prods
         norm1, norm2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
-        layers.append(Layer(norm1, qkv, o, norm2, gate_up, down))
+        dt = torch.float32 if type(qkv) is NativeProduct else torch.bfloat16
+        layers.append(Layer(norm1, qkv, o, norm2, gate_up, down, dt))
     return layers
 
 
@@ -97,20 +119,21 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None) -> torch.Te
 
 def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.Tensor:
     """x (B, 1, dim) through every block: the arithmetic of Block.forward (float32 residual
-    and norms; bfloat16 into and out of the int4 op, as `PackedLinear.matmul` casts)."""
+    and norms; bfloat16 into and out of the int4 op, as `PackedLinear.matmul` casts; float32
+    through the native kernels)."""
     c = model.config
     B, T, dim = x.shape
     hq, hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
     eps = c.norm_eps
-    bf16 = torch.bfloat16
-    h = torch.empty(B, T, dim, dtype=bf16)  # each norm's output, the products' input
+    dt = layers[0].dt
+    h = torch.empty(B, T, dim, dtype=dt)  # each norm's output, the products' input
     h2 = h.view(B * T, dim)
     for i, L in enumerate(layers):
         rms_norm(x, L.norm1, eps, out=h)
         heads = L.qkv(h2).to(torch.float32).view(B, T, -1, d).transpose(1, 2)  # (B, H, T, D)
         q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]  # Hq, Hkv, Hkv
         out = kv.attend(i, q, k, v, positions)  # (B, Hq, T, D)
-        out = out.transpose(1, 2).reshape(B * T, hq * d).to(bf16)
+        out = out.transpose(1, 2).reshape(B * T, hq * d).to(dt)
         x = torch.add(x, L.o(out).view(B, T, dim))  # float32 + bfloat16 -> float32
         rms_norm(x, L.norm2, eps, out=h)
         gate, up = L.gate_up(h2).chunk(2, dim=-1)  # (B T, ffn) each, bfloat16

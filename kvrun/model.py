@@ -10,9 +10,10 @@ from torch import nn
 
 from . import fused_decode
 from .config import ModelConfig
-from .matmul_choice import matmul_path
-from .packed import PackedEmbedding, PackedLinear, Scratch
-from .quant import Packed
+from .quant.blocks import BlockEmbedding, BlockLinear, Blocks
+from .quant.choice import matmul_path
+from .quant.linear import PackedEmbedding, PackedLinear, Scratch
+from .quant.packed import Packed
 from .rope import Rope, inverse_frequencies
 
 ROPE_KEY = "rope.inv_freq"  # RoPE's inverse frequencies among the tensors of `state()`
@@ -59,11 +60,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
-        self.qkv: PackedLinear | None = None  # Q, K, V stacked (packed weights, `fuse`)
+        self.qkv: PackedLinear | BlockLinear | None = None  # Q, K, V stacked (`fuse`)
 
     def fuse(self) -> None:
-        """Stack packed Q, K, V into one layer where they are packed alike."""
-        self.qkv = PackedLinear.stack([self.q_proj, self.k_proj, self.v_proj])
+        """Stack packed Q, K, V into one layer where they are packed alike (or all blocks)."""
+        mods = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv = PackedLinear.stack(mods) or BlockLinear.stack(mods)
         if self.qkv is not None:
             self.q_proj = self.k_proj = self.v_proj = None
 
@@ -91,11 +93,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
         self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
-        self.gate_up: PackedLinear | None = None  # gate and up stacked (packed, `fuse`)
+        self.gate_up: PackedLinear | BlockLinear | None = None  # gate and up stacked (`fuse`)
 
     def fuse(self) -> None:
-        """Stack packed gate and up into one layer where they are packed alike."""
-        self.gate_up = PackedLinear.stack([self.gate_proj, self.up_proj])
+        """Stack packed gate and up into one layer where they are packed alike (or all blocks)."""
+        mods = [self.gate_proj, self.up_proj]
+        self.gate_up = PackedLinear.stack(mods) or BlockLinear.stack(mods)
         if self.gate_up is not None:
             self.gate_proj = self.up_proj = None
 
@@ -165,7 +168,8 @@ class Transformer(nn.Module):
         consume: bool = False,
     ):
         """Build on `device` from a canonical state dict: dense tensors already in the compute
-        dtype, linear weights and embeddings either dense or `Packed`.
+        dtype, linear weights and embeddings dense, `Packed` or `Blocks` (GGUF blocks, moved
+        into the native kernels' interleaved layout here).
 
         consume: the dict is emptied as the model takes the tensors over, so nothing else
         holds the file's packed codes while they are converted block by block (the loaders
@@ -173,14 +177,20 @@ class Transformer(nn.Module):
         tensors = tensors if consume else dict(tensors)
         rope_freqs = tensors.pop("rope_freqs", None)
         dtype = tensors["model.norm.weight"].dtype
-        packed = [k for k in tensors if isinstance(tensors[k], Packed)]
+        packed = [k for k in tensors if isinstance(tensors[k], (Packed, Blocks))]
         with torch.device("meta"):
             m = cls(config)
         scratch = Scratch()  # one set of dequantization buffers for every packed layer
         for name in packed:  # popped one by one: the module holds the only reference
             parent, _, attr = name.removesuffix(".weight").rpartition(".")
-            kind = PackedEmbedding if attr == "embed_tokens" else PackedLinear
-            setattr(m.get_submodule(parent), attr, kind(tensors.pop(name), dtype, scratch))
+            w = tensors.pop(name)
+            if isinstance(w, Blocks):
+                kind = BlockEmbedding if attr == "embed_tokens" else BlockLinear
+                mod = kind([w], dtype)
+            else:
+                kind = PackedEmbedding if attr == "embed_tokens" else PackedLinear
+                mod = kind(w, dtype, scratch)
+            setattr(m.get_submodule(parent), attr, mod)
         missing, unexpected = m.load_state_dict(tensors, assign=True, strict=False)
         missing = [k for k in missing if k.rpartition(".")[0] + ".weight" not in packed]
         if missing or unexpected:
@@ -194,24 +204,32 @@ class Transformer(nn.Module):
         for block in m.model.layers if packed else []:
             block.self_attn.fuse()
             block.mlp.fuse()
-            for mod in block.modules() if int4 else []:
-                if isinstance(mod, PackedLinear):
+            for mod in block.modules():
+                if int4 and isinstance(mod, PackedLinear):
                     mod.use_int4pack()  # where the shape allows; the others stay 'dequant'
+                elif isinstance(mod, BlockLinear):
+                    mod.interleave()  # where the native kernels have a layout for the type
             release_freed_memory()
         # an untied embedding table only gathers rows, so it keeps the canonical codes
         head = m.model.embed_tokens if m.lm_head is None else m.lm_head
         if int4 and isinstance(head, PackedLinear):
             head.use_int4pack()
             release_freed_memory()
+        elif isinstance(head, BlockLinear):
+            head.interleave()
         m.rope = Rope(inverse_frequencies(config, rope_freqs), device, dtype)
         return m
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Every tensor this model holds (its state dict and RoPE's inverse frequencies), and
         the layout that `from_state` rebuilds it from: each packed layer's facts and the
-        submodules stacking emptied (kvrun/packed_cache.py keeps the two on disk)."""
+        submodules stacking emptied (kvrun/quant/model_cache.py keeps the two on disk)."""
         tensors = {**self.state_dict(), ROPE_KEY: self.rope.inv_freq}
-        packed = {n: m.facts() for n, m in self.named_modules() if isinstance(m, PackedLinear)}
+        packed = {
+            n: m.facts()
+            for n, m in self.named_modules()
+            if isinstance(m, (PackedLinear, BlockLinear))
+        }
         empty = [
             f"{name}.{attr}" if name else attr
             for name, mod in self.named_modules()
@@ -240,13 +258,15 @@ class Transformer(nn.Module):
             parent, _, attr = name.rpartition(".")
             prefix = f"{name}."
             bufs = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-            setattr(
-                m.get_submodule(parent), attr, PackedLinear.restore(facts, bufs, dtype, scratch)
-            )
+            if facts["kind"].startswith("block"):
+                mod = BlockLinear.restore(facts, bufs, dtype)
+            else:
+                mod = PackedLinear.restore(facts, bufs, dtype, scratch)
+            setattr(m.get_submodule(parent), attr, mod)
         m.load_state_dict(tensors, assign=True, strict=True)
         m = m.eval().requires_grad_(False)
         for mod in m.modules():
-            if isinstance(mod, PackedLinear):
+            if isinstance(mod, (PackedLinear, BlockLinear)):
                 mod._bind()  # the op's arguments from the buffers as assigned
         m.rope = Rope(inv_freq, torch.device("cpu"), dtype)
         return m
@@ -262,7 +282,7 @@ class Transformer(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection (the embedding table when tied)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, PackedLinear):
+        if isinstance(head, (PackedLinear, BlockLinear)):
             return head.logits(x)
         return F.linear(x, head.weight)
 

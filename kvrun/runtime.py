@@ -13,15 +13,15 @@ openmp.tune()  # before torch loads: OpenMP reads its spin count once
 
 import torch
 
-from . import packed_cache
 from .config import ModelConfig
 from .errors import KvrunError
 from .kv import FULL, KVSpec, build
 from .kv.protocol import KVManager
 from .model_store import resolve
-from .quant import DENSE_WTYPES, dense_name
+from .quant import model_cache
+from .quant.formats import WTYPES
+from .quant.packed import DENSE_WTYPES, dense_name
 from .weights import LoadedWeights, load
-from .wformat import WTYPES
 
 DTYPES = {
     "float32": torch.float32,
@@ -98,7 +98,7 @@ def load_runtime(
     wtype: str = "auto",
 ) -> Runtime:
     """Resolve, load and place a model; wtype: auto | f32 | f16 | bf16 | q8 | q4 (see
-    kvrun/weights.py, kvrun/packed.py and kvrun/matmul_choice.py)."""
+    kvrun/weights.py, kvrun/quant/linear.py and kvrun/quant/choice.py)."""
     from .model import Transformer
 
     t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def load_runtime(
         model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)
         w.tensors = {}
         if w.cache_entry is not None:
-            packed_cache.save(w.cache_entry, model, log)
+            model_cache.save(w.cache_entry, model, log)
     w.model = None  # the Runtime holds it
     return Runtime(model, w.tokenizer, w.config, path, w, time.perf_counter() - t0)
 

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from . import hardware
 from .config import ModelConfig
 from .errors import KvrunError
-from .quant import Packed
-from .wformat import GROUP
+from .quant import hardware
+from .quant.formats import GROUP
+from .quant.packed import Packed
 
 INIT_STD = 0.02  # small normal init: activations stay finite through 32 layers in bf16
 
@@ -28,7 +28,7 @@ def weight_bytes(
     """Bytes of the preset's weights: dense in dtype, or matrices packed (codes plus a float16
     scale, and for q4 a zero, per group of 32) with the norms in dtype. planes: the matrices
     that multiply sit in the CPU int4 planes instead, with their bfloat16 scales and zeros
-    (4 bytes per group and 4-bit plane, kvrun/int4mm.py) in place of the float16 ones
+    (4 bytes per group and 4-bit plane, kvrun/quant/int4mm.py) in place of the float16 ones
     (random weights have nothing to be exact against); an untied embedding table only
     gathers, so it stays as it was."""
     elem = torch.empty(0, dtype=dtype).element_size()

@@ -25,8 +25,17 @@ from .file_headers import (
     safetensors_damage,
     shard_paths,
 )
-from .quant import DENSE_WTYPES, Packed, dense_name, from_gguf, quantize_rows, requantize_bits
-from .wformat import FLOAT_TYPES, GROUP, target_bits
+from .quant.blocks import Blocks
+from .quant.blocks import from_gguf as blocks_from_gguf
+from .quant.formats import FLOAT_TYPES, GROUP, holds_blocks, target_bits
+from .quant.packed import (
+    DENSE_WTYPES,
+    Packed,
+    dense_name,
+    from_gguf,
+    quantize_rows,
+    requantize_bits,
+)
 
 Progress = Callable[[int, int], None]  # (done, total) tensors
 
@@ -45,7 +54,7 @@ class LoadedWeights:
     wtype: str = "f32"  # what --wtype resolved to: a dense dtype name or "packed"/"q4"/"q8"
     wtype_note: str = ""  # why --wtype auto chose what it did
     model: Any = None  # the packed model, mapped from its cache entry (then no tensors)
-    cache_entry: Path | None = None  # where the packed model is kept (kvrun/packed_cache.py)
+    cache_entry: Path | None = None  # where the packed model is kept (kvrun/quant/model_cache.py)
     cache_note: str = ""  # a damaged entry, in words
 
 
@@ -54,22 +63,22 @@ def _cached(
 ) -> tuple[Any, Path | None, str]:
     """(model mapped from the packed cache or None, its entry, a note) for packed CPU loads;
     (None, None, "") for the others, which the cache does not keep."""
-    from . import packed_cache
+    from .quant import model_cache
 
     if wtype in DENSE_WTYPES or (device is not None and device.type != "cpu"):
         return None, None, ""
-    where = packed_cache.entry(files, dtype, wtype)
+    where = model_cache.entry(files, dtype, wtype)
     if where is None:
         return None, None, ""
     try:
-        return packed_cache.load(where, config), where, ""
-    except packed_cache.Damaged as e:
+        return model_cache.load(where, config), where, ""
+    except model_cache.Damaged as e:
         return None, where, f"packed cache entry damaged ({e}); building the model again"
 
 
-def unpermute_qk(w: torch.Tensor | Packed, n_head: int) -> torch.Tensor | Packed:
+def unpermute_qk(w: torch.Tensor | Packed | Blocks, n_head: int) -> torch.Tensor | Packed | Blocks:
     """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE layout)."""
-    if isinstance(w, Packed):  # whole rows move, so codes, scales and zeros move alike
+    if isinstance(w, (Packed, Blocks)):  # whole rows move: codes, scales and zeros alike
         rows = w.shape[0]
         order = unpermute_qk(torch.arange(rows), n_head)
         return w.rows(order)
@@ -148,25 +157,29 @@ def load_gguf(
     if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
         wtype = dense_name(dtype)  # nothing to keep packed
     elif wtype == "auto":
-        from .matmul_choice import auto_wtype
+        from .quant.choice import auto_wtype
 
         elem = torch.empty(0, dtype=dtype).element_size()
         wtype, note = auto_wtype(config.n_params() * elem, device or torch.device("cpu"), dtype)
     types = Counter(t.tensor_type.name for t in reader.tensors)
+    native = wtype == "packed" and _native_here(device)
     model, entry, cache_note = _cached([path], config, dtype, wtype, device)
     if model is not None:
         return LoadedWeights(
             config, {}, tokenizer, path, "gguf", types, meta, wtype, note, model, entry
         )
-    tensors: dict[str, torch.Tensor | Packed] = {}
+    tensors: dict[str, torch.Tensor | Packed | Blocks] = {}
     for i, t in enumerate(reader.tensors):
         hf = gguf_name_to_hf(t.name)
         if hf is None:
             continue
-        bits = target_bits(wtype, t.tensor_type.name, hf)
-        if bits is not None and wtype != "packed":
-            check_group(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), bits, path)
-        w = read_gguf_tensor(t, hf, dtype, bits)
+        if holds_blocks(wtype, t.tensor_type.name, hf, native):
+            w = blocks_from_gguf(t)  # the file's own blocks, whatever their type
+        else:
+            bits = target_bits(wtype, t.tensor_type.name, hf)
+            if bits is not None and wtype != "packed":
+                check_group(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), bits, path)
+            w = read_gguf_tensor(t, hf, dtype, bits)
         reader.release(t)  # w is a copy: the file's pages of it leave the process's memory
         if hf.endswith("q_proj.weight"):
             w = unpermute_qk(w, config.n_heads)
@@ -240,8 +253,17 @@ def load_safetensors(
     )
 
 
+def _native_here(device: torch.device | None) -> bool:
+    """Whether the native CPU kernels run this load's products (built on first use)."""
+    if device is not None and device.type != "cpu":
+        return False
+    from .quant import native
+
+    return native.ops() is not None
+
+
 def _check_tensors(
-    tensors: Mapping[str, torch.Tensor | Packed], config: ModelConfig, path: Path
+    tensors: Mapping[str, torch.Tensor | Packed | Blocks], config: ModelConfig, path: Path
 ) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.n_layers):

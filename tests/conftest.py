@@ -19,16 +19,24 @@ from kvrun.model_store import REGISTRY, models_dir
 os.environ["KVRUN_PACKED_CACHE"] = "off"
 
 # The matmul path (PyTorch's int4 op or dequantize + F.linear) is a timing probe whose answer
-# is recorded per machine (kvrun/probes.py): one timed beside other jobs can say 'dequant' on a
+# is recorded per machine (kvrun/quant/probes.py): one timed beside other jobs can say 'dequant' on a
 # machine where the op works, and the packed tests would then run another path than they
 # check. The suite records its own answer in a folder of its own (also for the kvrun
 # subprocesses it starts): the int4 op wherever it is present and exact, whatever its speed.
+# The native CPU kernels are built once per machine and source (kvrun/quant/native.py): the
+# suite's own KVRUN_CACHE below must not make every run compile them again.
+os.environ.setdefault(
+    "KVRUN_NATIVE_DIR",
+    os.path.join(os.environ.get("KVRUN_CACHE") or os.path.expanduser("~/.cache/kvrun"), "native"),
+)
+
 if not os.environ.get("KVRUN_CACHE"):
     import atexit
     import shutil
     import tempfile
 
-    from kvrun import matmul_choice, probes
+    from kvrun.quant import choice as matmul_choice
+    from kvrun.quant import probes
 
     os.environ["KVRUN_CACHE"] = tempfile.mkdtemp(prefix="kvrun-tests-")
     atexit.register(shutil.rmtree, os.environ["KVRUN_CACHE"], ignore_errors=True)
@@ -86,3 +94,12 @@ def default_runtime(default_gguf):
     from kvrun.runtime import load_runtime
 
     return load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None, wtype="f32")
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    """PyTorch's path for quantized products, as where kvrun cannot build its native CPU
+    kernels (no compiler): GGUF's Q4/Q8 types through the int4 op, the rest dequantized."""
+    from kvrun.quant import native
+
+    monkeypatch.setattr(native, "ops", lambda: None)

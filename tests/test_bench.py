@@ -184,9 +184,9 @@ def test_preset_shapes():
 
 
 def test_preset_refuses_when_memory_is_short(monkeypatch):
-    import kvrun.hardware
+    import kvrun.quant.hardware
 
-    monkeypatch.setattr(kvrun.hardware, "available_bytes", lambda dev: 8 * 2**30)
+    monkeypatch.setattr(kvrun.quant.hardware, "available_bytes", lambda dev: 8 * 2**30)
     cfg = preset_config("llama3-8b-synthetic")
     with pytest.raises(KvrunError, match=r"needs 29.9 GiB .* float32 .* --dtype bfloat16"):
         check_fits("llama3-8b-synthetic", cfg, torch.float32, torch.device("cpu"))

@@ -289,7 +289,7 @@ def test_commands_that_run_no_model_do_not_import_torch(args, default_gguf, tmp_
     import subprocess
     import sys
 
-    from kvrun import probes
+    from kvrun.quant import probes
 
     monkeypatch.setenv("KVRUN_CACHE", str(tmp_path))
     probes.record(probes.matmul("cpu", "float32"), "int4pack")

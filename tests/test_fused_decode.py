@@ -48,7 +48,10 @@ def run(rt, spec, budget, ids, steps):
 def test_binds_packed_models_only(packed_runtime, default_runtime):  # noqa: F811
     layers = fused_decode.bind(packed_runtime.model)
     assert layers is not None and len(layers) == packed_runtime.config.n_layers
-    assert len(layers[0].qkv.planes) == 1  # Q4_1: one int4 plane a product
+    if packed_runtime.path_name == "int4":
+        assert len(layers[0].qkv.planes) == 1  # Q4_1: one int4 plane a product
+    else:  # Q, K and V as one call over their Q4_1 blocks, float32 in and out
+        assert layers[0].qkv.codes and layers[0].dt == torch.float32
     assert fused_decode.bind(default_runtime.model) is None  # dense float32 weights
     x = torch.zeros(1, 1, packed_runtime.config.dim)
     assert fused_decode.takes(x)

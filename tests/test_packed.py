@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_dequant import COLS, DEQUANT_ONLY, ROWS, _raw_blocks, _read, _write
 
-from kvrun import hardware, int4mm, matmul_choice
-from kvrun import packed as packed_mod
 from kvrun.errors import KvrunError, UnsupportedModel
-from kvrun.packed import PackedEmbedding, PackedLinear, dequant_linear
-from kvrun.quant import from_gguf, pack_nibbles, quantize, quantize_rows, requantize_bits
+from kvrun.quant import choice as matmul_choice
+from kvrun.quant import hardware, int4mm
+from kvrun.quant import linear as packed_mod
+from kvrun.quant.formats import GROUP, nearest_bits, plan_nbytes
+from kvrun.quant.linear import PackedEmbedding, PackedLinear, dequant_linear
+from kvrun.quant.packed import from_gguf, pack_nibbles, quantize, quantize_rows, requantize_bits
 from kvrun.weights import read_gguf_tensor
-from kvrun.wformat import GROUP, nearest_bits, plan_nbytes
 
 
 def pack_cpu_op(q: torch.Tensor) -> torch.Tensor:
@@ -149,7 +150,7 @@ def test_int4_cpu_layout_reads_back_exactly(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int4_cpu_products_within_bfloat16_rounding(bits):
     """Decode-sized products go through the int4 op on bfloat16 activations, scales and zeros
-    (kvrun/int4mm.py): each product term is off by at most a few bfloat16 roundings
+    (kvrun/quant/int4mm.py): each product term is off by at most a few bfloat16 roundings
     (2^-8 relative each), so |y - y_ref| <= 4 * 2^-8 * sum_k |x_k| (|w_nk| + |zero'_nk|).
     Longer products (prefill) dequantize exactly."""
     p = quantize(torch.randn(128, 256, generator=torch.Generator().manual_seed(3)), bits)
@@ -339,7 +340,7 @@ def test_auto_packs_when_dense_would_not_fit(monkeypatch):
 def test_synthetic_preset_packed_without_floats():
     from kvrun.config import ModelConfig
     from kvrun.presets import PRESETS
-    from kvrun.quant import Packed
+    from kvrun.quant.packed import Packed
     from kvrun.runtime import preset_runtime
     from kvrun.synthetic import random_weights, weight_bytes
     from kvrun.tasks.bench import weight_bytes as measured_bytes
@@ -366,7 +367,7 @@ def test_synthetic_preset_packed_without_floats():
 def test_scratch_dequantize_equals_reference(bits):
     """The fast in-place dequantization (int32 nibble masks, reused buffers) against
     Packed.dequantize, for whole tensors, row slices and gathered rows, twice (reuse)."""
-    from kvrun.packed import Scratch
+    from kvrun.quant.linear import Scratch
 
     sc = Scratch()
     p = quantize(torch.randn(48, 192, generator=torch.Generator().manual_seed(4)), bits)
@@ -481,7 +482,7 @@ def test_op_rows_probe_finds_the_crossover_and_is_recorded(monkeypatch, tmp_path
     """The crossover is the largest step where the op beats the exact path (a decode step's
     rows where it never does), measured once and then read from the probe record; a
     damaged record is measured again, and KVRUN_PROBES=fresh always measures."""
-    from kvrun import probes
+    from kvrun.quant import probes
 
     monkeypatch.setenv("KVRUN_CACHE", str(tmp_path))
     wins = {"upto": 32}

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrun import int4mm
-from kvrun.packed import PackedEmbedding, PackedLinear
-from kvrun.quant import quantize
-from kvrun.wformat import GROUP
+from kvrun.quant import int4mm
+from kvrun.quant.formats import GROUP
+from kvrun.quant.linear import PackedEmbedding, PackedLinear
+from kvrun.quant.packed import quantize
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: the CUDA int4 op needs a GPU"

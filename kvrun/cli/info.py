@@ -79,12 +79,21 @@ def _hf_has_template(path: Path) -> bool:
         return False
 
 
-def weights_rows(facts: dict, wtype: str, is_gguf: bool, tied: bool) -> dict:
+def _native_row() -> str:
+    from ..quant import native
+
+    return native.expected()[1]
+
+
+def weights_rows(
+    facts: dict, wtype: str, is_gguf: bool, tied: bool, native: bool | None = None
+) -> dict:
     """Bytes in memory per --wtype on this CPU: the one asked for, or (auto) packed as the
-    file and dense. Packed forms count as this machine holds them (the int4 op's planes
-    where PyTorch's CPU kernel serves decode steps)."""
-    from ..probes import matmul, recorded
-    from ..wformat import weights_plan
+    file and dense. Packed forms count as this machine holds them: GGUF blocks where the
+    native kernels run (native: None asks kvrun.quant.native), else the int4 op's planes where
+    PyTorch's CPU kernel serves decode steps."""
+    from ..quant.formats import weights_plan
+    from ..quant.probes import matmul, recorded
 
     tensors = facts["tensors"]
     if wtype != "auto":
@@ -95,13 +104,17 @@ def weights_rows(facts: dict, wtype: str, is_gguf: bool, tied: bool) -> dict:
     if path is None:  # not yet probed with this torch on this CPU: probe once (needs torch)
         import torch
 
-        from ..matmul_choice import matmul_path
+        from ..quant.choice import matmul_path
 
         path = matmul_path("cpu", torch.float32)
     planes = path == "int4pack"
+    if native is None and is_gguf:
+        from ..quant import native as native_kernels
+
+        native = native_kernels.expected()[0]
     out = {}
     for name in names:
-        total, forms = weights_plan(tensors, name, planes, tied)
+        total, forms = weights_plan(tensors, name, planes, tied, native)
         out[name] = {"bytes": total, "forms": dict(forms)}
     return out
 
@@ -150,6 +163,7 @@ def info(model, wtype, as_json):
         "tied_embeddings": cfg.tie_embeddings,
         "tensor_types": facts["tensor_types"],
         "weights_in_memory": weights,
+        "native_kernels": _native_row() if not path.is_dir() else None,
         "tokenizer": facts["tokenizer"],
         "chat_template": facts["chat_template"],
         "kv_bytes_per_token_f16": kv16,

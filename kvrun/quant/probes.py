@@ -3,7 +3,7 @@ answer instead of timing again (a probe timed while other jobs share the CPU can
 each costs start-up time: up to ~0.5 s), and commands which run no model (`kvrun info`)
 report it without importing torch.
 
-A probe (kvrun.matmul_choice, kvrun.hardware) records its answer under a key naming the
+A probe (kvrun.quant.choice, kvrun.quant.hardware) records its answer under a key naming the
 probe, the torch build and the CPU; a reader gets None for anything not yet probed with
 this torch on this CPU. The file is a cache: losing it costs one probe, and a write that
 fails is ignored. KVRUN_PROBES=fresh times every probe again (and records the answers).
@@ -44,7 +44,7 @@ def _machine() -> str:
 
 
 def matmul(device_type: str, dtype: str) -> str:
-    """The name kvrun.matmul_choice.matmul_path records its answer under ('int4pack' | 'dequant')."""
+    """The name kvrun.quant.choice.matmul_path records its answer under ('int4pack' | 'dequant')."""
     return f"matmul_path {device_type} {dtype}"
 
 

@@ -4,14 +4,14 @@ Two matmul paths:
 
 - `dequant`: dequantize a slab of rows to the compute dtype and multiply with `F.linear`
   (MKL / cuBLAS); exact; the slab bounds the scratch memory. Any width, any device.
-- `int4pack`: PyTorch's weight-only int4 ops (kvrun/int4mm.py): q4 on CUDA; q4 and q8 (as
+- `int4pack`: PyTorch's weight-only int4 ops (kvrun/quant/int4mm.py): q4 on CUDA; q4 and q8 (as
   two 4-bit planes) on CPU, where they run on bfloat16 activations and so are not exact
   (~3e-3 relative). On CPU they serve decode steps and prefill chunks of up to the rows where
   they beat the exact path here (~64 on AVX2); longer prefill chunks dequantize exactly.
   `_weight_int8pack_mm` is not used: it takes one scale per row, Q8_0 has one per 32.
 
 Which path a device takes, and the CPU crossover (`int4_op_rows`), are measured once per machine
-(kvrun/matmul_choice.py).
+(kvrun/quant/choice.py).
 PyTorch's CPU int4 kernel is vectorized for AVX-512 and bfloat16 only (bench/README.md).
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hardware, int4mm, probes
-from .quant import Packed, cat_rows, pack_nibbles, quantize
+from .packed import Packed, cat_rows, pack_nibbles, quantize
 
 NIBBLES = 0x0F0F0F0F
 SLAB_ELEMS = 1 << 24  # rows dequantized at a time: at most 64 MiB of float32 scratch
@@ -110,7 +110,7 @@ class PackedLinear(nn.Module):
 
     Path 'dequant': the canonical codes, dequantized a slab at a time into F.linear (exact).
     Path 'int4pack' (`use_int4pack`): the codes live only in the int4 ops' layout
-    (kvrun/int4mm.py). On CUDA every product goes through the op. On CPU products of up to
+    (kvrun/quant/int4mm.py). On CUDA every product goes through the op. On CPU products of up to
     `op_rows()` rows (decode steps, short prefill chunks) do, and longer ones read the codes
     back and dequantize them exactly, since MKL on a dense slab beats the op there.
     """
@@ -141,7 +141,7 @@ class PackedLinear(nn.Module):
     def restore(
         facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: Scratch
     ) -> PackedLinear:
-        """The layer `facts()` and its buffers describe, as it was (kvrun/packed_cache.py)."""
+        """The layer `facts()` and its buffers describe, as it was (kvrun/quant/model_cache.py)."""
         cls = PackedEmbedding if facts["kind"] == "embedding" else PackedLinear
         n, k = facts["shape"]
         shell = torch.empty(n, k // 2 if facts["bits"] == 4 else k, device="meta")
@@ -356,7 +356,7 @@ def int4_op_rows(dtype: torch.dtype) -> int:
     Both paths' costs grow with the layer's weights, so one probe shape stands for all
     (bench/op_rows.py: on a 2-core AVX2 EPYC the op wins up to ~96 rows on the default
     model's layers and on an 8B model's alike). Timed once per machine and torch build
-    (kvrun/probes.py)."""
+    (kvrun/quant/probes.py)."""
     probe = f"int4 op rows cpu {str(dtype).removeprefix('torch.')}"
     return int(probes.measured(probe, lambda: str(_measure_op_rows(dtype)), str.isdigit))
 

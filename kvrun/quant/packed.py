@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .wformat import DENSE_NAMES, GROUP, nearest_bits
+from .formats import DENSE_NAMES, GROUP, nearest_bits
 
 DENSE_WTYPES = dict(zip(DENSE_NAMES, (torch.float32, torch.float16, torch.bfloat16), strict=True))
 

@@ -1,10 +1,10 @@
 """Which matmul path packed weights take on a device, measured once per process.
 
 `matmul_path(device, dtype)` times PyTorch's int4 op against dequantize + F.linear on a probe
-(kvrun/packed.py holds both paths) and keeps the faster; the answer is recorded
-(kvrun/probes.py) so `kvrun info` can report it without torch. `auto_wtype` decides what
+(kvrun/quant/linear.py holds both paths) and keeps the faster; the answer is recorded
+(kvrun/quant/probes.py) so `kvrun info` can report it without torch. `auto_wtype` decides what
 `--wtype auto` means for a GGUF here (the bfloat16 prefill of large layers is
-kvrun.hardware.bf16_gemm_faster's to decide).
+kvrun.quant.hardware.bf16_gemm_faster's to decide).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import functools
 import torch
 
 from . import hardware, probes
-from .packed import PackedLinear
-from .quant import dense_name, quantize
+from .linear import PackedLinear
+from .packed import dense_name, quantize
 
 
 def _probe(n: int, k: int, device: torch.device, dtype: torch.dtype) -> PackedLinear:
@@ -28,7 +28,7 @@ def matmul_path(device_type: str, dtype: torch.dtype) -> str:
     """'int4pack' or 'dequant': the path that measures faster for a decode-step product here
     (one row; a 1536 x 576 probe, the default model's FFN, on CPU; 2048 x 4096 on CUDA,
     whose op takes K in multiples of 1024); the int4 op must also agree with the exact
-    product to 1e-2. Timed once per machine and torch build (kvrun/probes.py)."""
+    product to 1e-2. Timed once per machine and torch build (kvrun/quant/probes.py)."""
     probe = probes.matmul(device_type, str(dtype).removeprefix("torch."))
     paths = ("int4pack", "dequant")
     return probes.measured(probe, lambda: measure_path(device_type, dtype), paths.__contains__)
@@ -56,12 +56,19 @@ def measure_path(device_type: str, dtype: torch.dtype, timed: bool = True) -> st
 def auto_wtype(dense_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     """What `--wtype auto` means for a quantized GGUF here: ('packed' | dense name, why).
 
-    Packed where PyTorch's int4 op serves decode steps here (`matmul_path`), or where the
-    dense weights would not fit in 60% of the free memory. Otherwise dense in the compute
+    Packed, every tensor in its GGUF type, wherever the native CPU kernels run
+    (kvrun/quant/native.py). Otherwise packed where PyTorch's int4 op serves decode steps
+    here (`matmul_path`), or where the dense weights would not fit in 60% of the free
+    memory; else dense in the compute
     dtype: without the op a packed decode step dequantizes every weight, slower than
     reading dense ones. (A probe that times packed against dense products cannot decide
     this: its weights sit in cache, the model's do not.)
     """
+    if device.type == "cpu":
+        from . import native
+
+        if native.ops() is not None:
+            return "packed", f"weights in their GGUF types (native kernels, {native.isa()})"
     free = hardware.available_bytes(device)
     if free is not None and dense_bytes > 0.6 * free:
         return "packed", (

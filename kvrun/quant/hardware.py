@@ -1,7 +1,7 @@
 """Facts about this machine that loading choices depend on: free memory on a device, and
 whether a bfloat16 GEMM beats float32 on this CPU. Imports no other kvrun module but the
-probe record, so the weight formats (kvrun/packed.py), their path choice
-(kvrun/matmul_choice.py) and the loaders can all ask it."""
+probe record, so the weight formats (kvrun/quant/linear.py), their path choice
+(kvrun/quant/choice.py) and the loaders can all ask it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def faster(a, b, reps: int = 15) -> bool:
 @functools.cache
 def bf16_gemm_faster() -> bool:
     """Whether a bfloat16 GEMM beats float32 on this CPU (oneDNN on AMX or AVX512-BF16),
-    timed once per machine on a 128 x 2048 x 2048 product (~0.4 s; kvrun/probes.py)."""
+    timed once per machine on a 128 x 2048 x 2048 product (~0.4 s; kvrun/quant/probes.py)."""
     ok = ("yes", "no")
     return probes.measured("bf16_gemm_faster", _time_bf16_gemm, ok.__contains__) == "yes"
 

@@ -1,6 +1,6 @@
 """Packed models kept on disk: a load maps the layout an earlier load made instead of making it again.
 
-Packing a GGUF's blocks into the CPU int4 op's layout (kvrun/int4mm.py) takes ~0.5 s of the
+Packing a GGUF's blocks into the CPU int4 op's layout (kvrun/quant/int4mm.py) takes ~0.5 s of the
 default model's load and ~14 s of an 8B Q4 file's, and the result depends only on the file,
 the compute dtype, --wtype, the torch build and the CPU. So the first packed load of a file
 on a machine writes the built model's tensors (`Transformer.state`) to
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .probes import cache_file
 
-FORMAT = 1  # bump when the layout of what is kept changes
+FORMAT = 2  # bump when the layout of what is kept changes (2: GGUF blocks)
 ALIGN = 64
 KEEP_FREE = 1 << 30
 _DTYPES = {
@@ -66,8 +66,8 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
     shards) with this dtype and wtype is kept on this machine; None with the cache off."""
     if not enabled():
         return None
-    from . import int4mm
-    from .matmul_choice import matmul_path
+    from . import int4mm, native
+    from .choice import matmul_path
 
     real = [os.path.realpath(f) for f in files]
     ident = []
@@ -78,6 +78,7 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
         "format": FORMAT, "files": ident, "dtype": str(dtype), "wtype": wtype,
         "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
         "block_rows": int4mm.block_rows(), "path": matmul_path("cpu", dtype),
+        "native": native.ops() is not None,  # GGUF blocks interleaved for the native kernels
     }  # fmt: skip
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
     source = hashlib.sha256(real[0].encode()).hexdigest()[:8]
@@ -88,7 +89,7 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
 def load(path: Path, config: ModelConfig):
     """The model kept at `path`, its tensors mapped from the file; None where there is no
     entry. Raises Damaged (after deleting the entry) where it does not read back whole."""
-    from .model import Transformer
+    from ..model import Transformer
 
     try:
         f = open(path, "rb")  # noqa: SIM115 - the mapping outlives the with-block

@@ -50,6 +50,42 @@ def target_bits(wtype: str, source: str, name: str) -> int | None:
     return 4 if wtype == "q4" else min(8, native or 8)
 
 
+# GGUF types the native kernels read in the 8-row interleaved layout, and its bytes per
+# 8 rows and block (kernels/cpu/qlayout.h); other types stay as the file lays them out
+X8_BYTES = {
+    "Q4_0": 144, "IQ4_NL": 144, "Q4_1": 160, "Q8_0": 272, "Q4_K": 1184, "Q5_K": 1440,
+    "Q6_K": 1680, "IQ4_XS": 1104,
+}  # fmt: skip
+# (elements, bytes) per block of the quantized types (gguf.GGML_QUANT_SIZES, without torch)
+BLOCK_SIZES = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q8_1": (32, 36), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
+    "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292), "IQ2_XXS": (256, 66),
+    "IQ2_XS": (256, 74), "IQ3_XXS": (256, 98), "IQ1_S": (256, 50), "IQ4_NL": (32, 18),
+    "IQ3_S": (256, 110), "IQ2_S": (256, 82), "IQ4_XS": (256, 136), "IQ1_M": (256, 56),
+    "TQ1_0": (256, 54), "TQ2_0": (256, 66), "MXFP4": (32, 17),
+}  # fmt: skip
+
+
+def holds_blocks(wtype: str, source: str, name: str, native: bool) -> bool:
+    """Whether a GGUF tensor is held as its own blocks (kvrun/quant/blocks.py) under a
+    resolved --wtype. 'packed' keeps every quantized linear weight and embedding in its GGUF
+    type: all of them where the native kernels run; without them, the types PyTorch's int4
+    op cannot hold exactly (all but Q4_0, Q4_1, Q4_K and Q8_0, which keep the int4 path)."""
+    if wtype != "packed" or source in FLOAT_TYPES or not _LINEAR.search(name):
+        return False
+    return native or source not in EXACT_Q4 + EXACT_Q8
+
+
+def blocks_nbytes(source: str, n: int, k: int, native: bool) -> int:
+    """Bytes of a GGUF tensor held as blocks: interleaved where the native kernels have a
+    layout for its type (whole groups of 8 rows), else as the file stores them."""
+    elems, size = BLOCK_SIZES.get(source, (32, 34))
+    if native and source in X8_BYTES:
+        return -(-n // 8) * (k // elems) * X8_BYTES[source]
+    return n * (k // elems) * size
+
+
 def packed_nbytes(bits: int, n: int, k: int, scale_bytes: int, symmetric: bool) -> int:
     """Bytes of a Packed of this shape (what `Packed.nbytes` will measure)."""
     groups = n * (k // GROUP)
@@ -59,7 +95,7 @@ def packed_nbytes(bits: int, n: int, k: int, scale_bytes: int, symmetric: bool) 
 def plan_nbytes(type_name: str, n: int, k: int, bits: int, planes: bool = False) -> int:
     """Bytes a GGUF tensor of type_name takes once packed to `bits` (for `kvrun info`).
 
-    planes: held in the CPU int4 planes (kvrun/int4mm.py): the same code bytes, bfloat16
+    planes: held in the CPU int4 planes (kvrun/quant/int4mm.py): the same code bytes, bfloat16
     scales and zeros (4 bytes per group and plane), and the float16 ones only where the
     mapping is exact (kept for exact prefill products)."""
     base = _canonical_nbytes(type_name, n, k, bits)
@@ -87,17 +123,25 @@ def weights_plan(
     wtype: str,
     planes: bool = False,
     tied: bool = True,
+    native: bool = False,
 ) -> tuple[int, Counter]:
     """Bytes the weights take in memory under a resolved --wtype, and a count per form
-    ('q4 from Q4_1', 'f32', ...), from (hf name, source type, torch shape) triples.
+    ('Q4_1 blocks', 'q4 from Q4_1', 'f32', ...), from (hf name, source type, torch shape)
+    triples.
 
     Dense tensors count at the named width (f32 for 'packed', 'q4', 'q8'), as loaded on CPU.
-    planes: packed matrices sit in the CPU int4 planes where their shape allows (whole
-    64-row blocks), except an untied embedding table, which only gathers rows.
+    native: the native kernels run here (`holds_blocks`). planes: packed matrices sit in the
+    CPU int4 planes where their shape allows (whole 64-row blocks), except an untied
+    embedding table, which only gathers rows.
     """
     elem = {"f16": 2, "bf16": 2}.get(wtype, 4)
     total, forms = 0, Counter()
     for hf, source, shape in tensors:
+        if len(shape) == 2 and holds_blocks(wtype, source, hf, native):
+            total += blocks_nbytes(source, shape[0], shape[1], native)
+            layout = "interleaved" if native and source in X8_BYTES else "as in the file"
+            forms[f"{source} blocks, {layout}"] += 1
+            continue
         bits = target_bits(wtype, source, hf) if len(shape) == 2 else None
         if bits is None:
             total += prod(shape) * elem

@@ -15,7 +15,7 @@ scales-and-zeros given as a (G, N, 2) tensor in the activations' dtype.
 
 Not exact: the products see bfloat16 activations and bfloat16 scales and zeros (Q4_1's fp16
 scales lose 3 mantissa bits), about 3e-3 relative on a product. Callers that need the exact
-product dequantize instead (kvrun/packed.py does for more than a few rows on CPU).
+product dequantize instead (kvrun/quant/linear.py does for more than a few rows on CPU).
 
 q8 on CPU: a code c in -128..127 is 16 * hi + lo - 128 with hi, lo in 0..15, so
 W = (hi - 8) * 16s + [(lo - 8) * s + 8s]: two int4 products with the same activations
@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from .quant import Packed
+from .packed import Packed
 
 
 @functools.cache

@@ -1,0 +1,165 @@
+// GGUF block types, the 8-bit activation blocks they multiply with, and the table of kernels one
+// instruction set provides. Shared by qkernels.cpp (compiled once per instruction set, no torch)
+// and qops.cpp (the torch ops, which pick a table at run time).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvq {
+
+// ggml's type numbers (gguf.GGMLQuantizationType)
+enum Type : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+  Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, NTYPES = 64,
+};
+
+// A weight's code in the ops' type lists: its type, plus X8_FLAG where it is interleaved.
+constexpr int X8_FLAG = 256;
+
+// Which activation blocks a type's dot product reads.
+enum Act8 : int { ACT_NONE = 0, ACT_Q8_0 = 1, ACT_Q8_1 = 2, ACT_Q8_K = 3 };
+
+struct TypeInfo {
+  int block;  // elements per block
+  int bytes;  // bytes per block
+  int act;    // Act8 of its dot product (ACT_NONE: dequantized only)
+};
+
+constexpr TypeInfo type_info(int t) {
+  switch (t) {
+    case Q4_0: return {32, 18, ACT_Q8_0};
+    case Q4_1: return {32, 20, ACT_Q8_1};
+    case Q5_0: return {32, 22, ACT_Q8_0};
+    case Q5_1: return {32, 24, ACT_Q8_1};
+    case Q8_0: return {32, 34, ACT_Q8_0};
+    case IQ4_NL: return {32, 18, ACT_Q8_0};
+    case Q2_K: return {256, 84, ACT_NONE};
+    case Q3_K: return {256, 110, ACT_NONE};
+    case Q4_K: return {256, 144, ACT_Q8_K};
+    case Q5_K: return {256, 176, ACT_Q8_K};
+    case Q6_K: return {256, 210, ACT_Q8_K};
+    case IQ4_XS: return {256, 136, ACT_Q8_K};
+    default: return {0, 0, ACT_NONE};
+  }
+}
+
+// IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit code stands for
+static const int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+// Activations of m rows quantized to 8 bits, as llama.cpp quantizes them for each type's dot
+// product. Row i of each array starts at i * (its per-row length).
+struct Act {
+  int64_t k;  // elements per row
+  // blocks of 32 (q8_0 / q8_1): codes, the fp16-rounded scale, the sum of the codes,
+  // d * sum as float (exact) and as q8_1 keeps it (rounded to fp16)
+  const int8_t* q32;
+  const float* d32;
+  const int32_t* sum32;
+  const float* ds32;
+  const float* s32;
+  // blocks of 256 (q8_K): codes, the float scale, sums of each 16 codes
+  const int8_t* qK;
+  const float* dK;
+  const int16_t* bsK;
+};
+
+// y[i * ldy + r] = dot(weight row r, activation row i) for r < n, i < m; w: n rows of
+// row_bytes bytes (whole blocks).
+typedef void (*GemmFn)(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int64_t m,
+                       float* y, int64_t ldy);
+// one weight row of k elements -> float32, the values gguf.quants.dequantize gives
+typedef void (*DequantFn)(const uint8_t* w, int64_t k, float* out);
+// one activation row -> q8_0/q8_1 blocks (q, d, sum, d * sum, fp16(d * sum))
+typedef void (*Quant32Fn)(const float* x, int64_t k, int8_t* q, float* d, int32_t* sum,
+                          float* ds, float* s);
+// one activation row -> q8_K blocks (q, d, bsums)
+typedef void (*QuantKFn)(const float* x, int64_t k, int8_t* q, float* d, int16_t* bs);
+
+struct Table {
+  const char* name;
+  Quant32Fn quant32;
+  QuantKFn quantK;
+  GemmFn gemm[NTYPES];     // row-major GGUF blocks
+  GemmFn gemm_x8[NTYPES];  // the 8-row interleaved layout (qlayout.h); row_bytes: per group
+  DequantFn dequant[NTYPES];
+};
+
+// fp16 <-> fp32 without F16C (round to nearest even, as F16C's _cvtss_sh(x, 0) does)
+inline float fp16_to_fp32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      e++;
+      mant <<= 1;
+    } while ((mant & 0x400) == 0);
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t fp32_to_fp16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t ax = x & 0x7FFFFFFF;
+  if (ax >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000 ? 0x200 : 0));
+  if (ax >= 0x477FF000) return (uint16_t)(sign | 0x7C00);  // rounds past the largest half
+  if (ax < 0x38800000) {  // subnormal half (or zero): round ax * 2^24 to an integer, RNE
+    float a;
+    std::memcpy(&a, &ax, 4);
+    const float scaled = a * 16777216.0f;  // exact: a power of two
+    const uint32_t r = (uint32_t)__builtin_nearbyintf(scaled);
+    return (uint16_t)(sign | r);
+  }
+  const uint32_t mant = ax & 0x7FFFFF;
+  uint32_t h = ((ax >> 23) - 112) << 10 | (mant >> 13);
+  const uint32_t rest = mant & 0x1FFF;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+  return (uint16_t)(sign | h);
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+}  // namespace kvq
+
+extern "C" {
+const kvq::Table* kvq_table_generic();
+const kvq::Table* kvq_table_avx2();
+const kvq::Table* kvq_table_avx512vnni();
+const kvq::Table* kvq_table_avxvnni();
+}
