@@ -331,7 +331,7 @@ def test_wtype_and_dtype_conflict_is_one_error():
         pick_dtype("auto", torch.device("cpu"), "q3")
 
 
-def test_auto_packs_when_dense_would_not_fit(monkeypatch):
+def test_auto_packs_when_dense_would_not_fit(monkeypatch, no_native):
     monkeypatch.setattr(hardware, "available_bytes", lambda device: 10 * 2**20)
     wt, note = matmul_choice.auto_wtype(20 * 2**20, torch.device("cpu"), torch.float32)
     assert wt == "packed" and "would take" in note

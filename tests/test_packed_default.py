@@ -30,7 +30,6 @@ from kvrun.quant.linear import DECODE_ROWS, PackedEmbedding, PackedLinear
 from kvrun.sampling import SamplingConfig
 from kvrun.tasks.perplexity import score_window
 
-
 # per path: the most KL (nats) of one decode step's next-token distribution against the dense
 # model's, the mean over a perplexity window's decode steps, perplexity's relative change over
 # those steps, and the gap of the dense top two logits below which a greedy token may flip.

@@ -7,6 +7,7 @@
 //   dequant(w, code, n, k, idx) -> (R, K) float32: rows idx (or all), the values
 //                                 gguf.quants.dequantize gives
 //   repack(w, type, k) / unpack(w, type, n, k): row-major blocks <-> interleaved layout
+//   quantize_act(x, kind) -> [q, d, s or bsums]: the activation blocks a product makes
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
 //   has_gemm(code) -> bool        whether a type (| X8_FLAG) has a native product here
@@ -20,6 +21,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -298,6 +300,28 @@ at::Tensor unpack(const at::Tensor& wt, int64_t type, int64_t n, int64_t k) {
   return out;
 }
 
+// x (M, K) quantized as the products quantize it: kind 0 -> (q8 codes, fp16-rounded scales,
+// q8_1's rounded d * sum) per block of 32; kind 1 -> (codes, float scales, sums per 16) per
+// 256 (q8_K). For tests against llama.cpp's rounding.
+std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t kind) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  const int64_t m = x.size(0), k = x.size(1), blk = kind == 0 ? 32 : 256;
+  TORCH_CHECK(k % blk == 0, "K = ", k, " is not a multiple of ", blk);
+  const ActBuffers buf(x.data_ptr<float>(), m, k, kind == 0, kind != 0, current());
+  auto from = [](const auto& v, at::IntArrayRef shape, at::ScalarType t) {
+    at::Tensor out = at::empty(shape, at::TensorOptions().dtype(t));
+    std::memcpy(out.data_ptr(), v.data(), v.size() * sizeof(v[0]));
+    return out;
+  };
+  if (kind == 0)
+    return {from(buf.q32, {m, k}, at::kChar), from(buf.d32, {m, k / 32}, at::kFloat),
+            from(buf.s32, {m, k / 32}, at::kFloat)};
+  return {from(buf.qK, {m, k}, at::kChar), from(buf.dK, {m, k / 256}, at::kFloat),
+          from(buf.bsK, {m, k / 16}, at::kShort)};
+}
+
 bool has_dequant(int64_t type) {
   return type >= 0 && type < kvq::NTYPES && current()->dequant[type] != nullptr;
 }
@@ -312,6 +336,7 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("repack(Tensor w, int type, int k) -> Tensor", &repack);
   m.def("unpack(Tensor w, int type, int n, int k) -> Tensor", &unpack);
   m.def("has_x8(int type) -> bool", &has_x8);
+  m.def("quantize_act(Tensor x, int kind) -> Tensor[]", &quantize_act);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("has_gemm(int type) -> bool", &has_gemm);

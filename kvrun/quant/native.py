@@ -25,9 +25,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
-
-import torch
 
 _NOTE = {"text": ""}
 NAME = "kvrun_cpu.so"
@@ -45,10 +44,11 @@ COMMON = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-math-errno", 
 
 
 def source_dir() -> Path:
-    """kernels/cpu, where the package's kernels live (installed as kvrun.kernels.cpu)."""
-    from .. import kernels  # kvrun.kernels
+    """kernels/cpu, where the package's kernels live (installed as kvrun.kernels.cpu), found
+    without importing kvrun.kernels (which imports torch)."""
+    from importlib.util import find_spec
 
-    return Path(kernels.__file__).parent / "cpu"
+    return Path(find_spec("kvrun.kernels").submodule_search_locations[0]) / "cpu"
 
 
 def note() -> str:
@@ -100,13 +100,22 @@ def _key(cxx: str, isas: list[tuple[str, list[str]]]) -> str:
     except OSError:
         version = cxx
     h.update(version.encode())
-    h.update(torch.__version__.encode())
+    h.update(_torch_version().encode())
     h.update(repr(isas).encode())
     h.update(str(sorted(cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 
+def _torch_version() -> str:
+    """torch's version without importing it (`kvrun info` imports no torch)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
 def _torch_flags() -> tuple[list[str], list[str]]:
+    import torch
     from torch.utils import cpp_extension
 
     inc = [f"-I{p}" for p in cpp_extension.include_paths()]
@@ -173,7 +182,9 @@ def _first_error(log: str) -> str:
 @functools.cache
 def ops():
     """torch.ops.kvrun_cpu once the library is built and loaded, else None (`note()` says why)."""
-    if os.environ.get("KVRUN_NATIVE", "on").lower() in ("0", "off", "no", "false"):
+    import torch
+
+    if _off():
         _NOTE["text"] = "native CPU kernels off (KVRUN_NATIVE=off): PyTorch's products"
         return None
     if hasattr(torch.ops, "kvrun_cpu") and hasattr(torch.ops.kvrun_cpu, "qmm"):
@@ -229,10 +240,16 @@ def _chosen(mod):
 
 def expected() -> tuple[bool, str]:
     """Whether a model loaded here will run on the native kernels, and in words, without
-    building them (`kvrun info`): built already, or buildable (a compiler is present)."""
-    if os.environ.get("KVRUN_NATIVE", "on").lower() in ("0", "off", "no", "false"):
+    building them or importing torch (`kvrun info`): built already, or buildable (a compiler
+    is present)."""
+    if _off():
         return False, "off (KVRUN_NATIVE=off)"
-    if hasattr(torch.ops, "kvrun_cpu") and hasattr(torch.ops.kvrun_cpu, "qmm"):
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and hasattr(torch.ops, "kvrun_cpu")
+        and hasattr(torch.ops.kvrun_cpu, "qmm")
+    ):
         return True, torch.ops.kvrun_cpu.isa()
     cxx = compiler()
     if cxx is None:
@@ -242,6 +259,10 @@ def expected() -> tuple[bool, str]:
     if (build_dir() / _key(cxx, isas) / NAME).exists():
         return True, f"built ({names})"
     return True, f"built on the first load ({names})"
+
+
+def _off() -> bool:
+    return os.environ.get("KVRUN_NATIVE", "on").lower() in ("0", "off", "no", "false")
 
 
 def isa() -> str | None:
