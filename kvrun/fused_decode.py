@@ -60,6 +60,7 @@ class Layer(NamedTuple):
     gate_up: Product | NativeProduct  # dim -> 2 ffn
     down: Product | NativeProduct  # ffn -> dim
     dt: torch.dtype  # the products' input: bfloat16 (int4 op) or float32 (native)
+    kernels: object | None  # the native step kernels (norms, SiLU x up) with native products
 
 
 def _product(mod) -> Product | NativeProduct | None:
@@ -86,8 +87,10 @@ def bind(model) -> list[Layer] | None:
             return None
         qkv, o, gate_up, down = prods
         norm1, norm2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
-        dt = torch.float32 if type(qkv) is NativeProduct else torch.bfloat16
-        layers.append(Layer(norm1, qkv, o, norm2, gate_up, down, dt))
+        native = type(qkv) is NativeProduct
+        dt = torch.float32 if native else torch.bfloat16
+        kernels = block.mlp.kernels if native else None
+        layers.append(Layer(norm1, qkv, o, norm2, gate_up, down, dt, kernels))
     return layers
 
 
@@ -97,13 +100,17 @@ def takes(x: torch.Tensor) -> bool:
     return T == 1 and B <= DECODE_ROWS and x.dtype == torch.float32
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None, kernels=None) -> torch.Tensor:
     """RMSNorm of float32 x (..., dim) (into `out` when given: the cast to its dtype is the
     product's own). The rows of a decode step on CPU take their sums of squares as numbers:
-    3 ops where F.rms_norm makes ~7 (~0.5 ms a step of the default model, 61 norms). A row
-    comes out the same alone and among others (`--parallel` keeps the tokens of N = 1)."""
+    3 ops where F.rms_norm makes ~7 (~0.5 ms a step of the default model, 61 norms), or one
+    native op where the model's products run natively (`kernels`). A row comes out the same
+    alone and among others (`--parallel` keeps the tokens of N = 1)."""
     dim = x.shape[-1]
     rows = x.numel() // dim
+    if kernels is not None and rows <= DECODE_ROWS and x.device.type == "cpu":
+        y = kernels.rmsnorm(x.contiguous(), w, eps)
+        return y if out is None else out.copy_(y)
     if rows > DECODE_ROWS or x.device.type not in READ_BACK:
         y = F.rms_norm(x, (dim,), w, eps)
         return y if out is None else out.copy_(y)
@@ -125,7 +132,9 @@ def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.
     B, T, dim = x.shape
     hq, hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
     eps = c.norm_eps
-    dt = layers[0].dt
+    dt, kernels = layers[0].dt, layers[0].kernels
+    if kernels is not None:
+        return _native_blocks(model, layers, x, positions, kv, kernels)
     h = torch.empty(B, T, dim, dtype=dt)  # each norm's output, the products' input
     h2 = h.view(B * T, dim)
     for i, L in enumerate(layers):
@@ -139,3 +148,22 @@ def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.
         gate, up = L.gate_up(h2).chunk(2, dim=-1)  # (B T, ffn) each, bfloat16
         x = torch.add(x, L.down(F.silu(gate).mul_(up)).view(B, T, dim))
     return x
+
+
+def _native_blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv, kernels):
+    """`blocks` for native products: a layer is two native calls around the KV manager's
+    attention (kernels/cpu/qops.cpp attn_in, attn_out), doing Block.forward's arithmetic op for
+    op (the modules call the same native norms, products and SiLU x up)."""
+    c = model.config
+    B, T, dim = x.shape
+    hq, hkv = c.n_heads, c.n_kv_heads
+    eps = c.norm_eps
+    x2 = x.view(B * T, dim)
+    attn_in, attn_out = kernels.attn_in, kernels.attn_out
+    for i, L in enumerate(layers):
+        qkv, o, gu, dn = L.qkv, L.o, L.gate_up, L.down
+        q, k, v = attn_in(x2, L.norm1, eps, qkv.ws, qkv.codes, qkv.rows, hq, hkv)
+        out = kv.attend(i, q, k, v, positions)  # (B, Hq, 1, D)
+        x2 = attn_out(x2, out, o.ws, o.codes, o.rows, L.norm2, eps, gu.ws, gu.codes, gu.rows,
+                      dn.ws, dn.codes, dn.rows)  # fmt: skip
+    return x2.view(B, T, dim)

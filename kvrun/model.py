@@ -12,7 +12,7 @@ from . import fused_decode
 from .config import ModelConfig
 from .quant.blocks import BlockEmbedding, BlockLinear, Blocks
 from .quant.choice import matmul_path
-from .quant.linear import PackedEmbedding, PackedLinear, Scratch
+from .quant.linear import DECODE_ROWS, PackedEmbedding, PackedLinear, Scratch
 from .quant.packed import Packed
 from .rope import Rope, inverse_frequencies
 
@@ -33,11 +33,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = None  # the native step kernels, in models whose products run natively
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 as the reference implementations do, then cast back.
         if x.dtype == torch.float32:  # as the fused decode does (a step runs 61 of these)
-            return fused_decode.rms_norm(x, self.weight, self.eps)
+            return fused_decode.rms_norm(x, self.weight, self.eps, kernels=self.kernels)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -94,6 +95,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
         self.gate_up: PackedLinear | BlockLinear | None = None  # gate and up stacked (`fuse`)
+        self.kernels = None  # the native step kernels, in models whose products run natively
 
     def fuse(self) -> None:
         """Stack packed gate and up into one layer where they are packed alike (or all blocks)."""
@@ -110,6 +112,9 @@ class MLP(nn.Module):
             # and the residual add promotes the bfloat16 result
             gate, up = gu.matmul(x.to(torch.bfloat16)).chunk(2, dim=-1)
             return self.down_proj.matmul(F.silu(gate).mul_(up))
+        rows = x.numel() // x.shape[-1]
+        if gu is not None and self.kernels is not None and rows <= DECODE_ROWS:
+            return self.down_proj(self.kernels.silu_mul(gu(x)))  # as the fused decode does
         if gu is not None:
             gate, up = gu(x).chunk(2, dim=-1)
         else:
@@ -218,6 +223,7 @@ class Transformer(nn.Module):
         elif isinstance(head, BlockLinear):
             head.interleave()
         m.rope = Rope(inverse_frequencies(config, rope_freqs), device, dtype)
+        m.use_native_step()
         return m
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -269,7 +275,27 @@ class Transformer(nn.Module):
             if isinstance(mod, (PackedLinear, BlockLinear)):
                 mod._bind()  # the op's arguments from the buffers as assigned
         m.rope = Rope(inv_freq, torch.device("cpu"), dtype)
+        m.use_native_step()
         return m
+
+    def use_native_step(self) -> None:
+        """Where every product runs through the native CPU kernels (GGUF blocks, float32), the
+        rest of a decode step does too: RMSNorm, RoPE, SiLU x up and attention over dense
+        float32 K/V (kernels/cpu/qstep.h). Other models (dense weights: the exact path; the
+        int4 op) keep torch's ops, bit for bit as before."""
+        mods = [m for m in self.modules() if isinstance(m, (nn.Linear, PackedLinear, BlockLinear))]
+        native = (
+            self.dtype == torch.float32
+            and bool(mods)
+            and all(type(m) in (BlockLinear, BlockEmbedding) and m._native_ok for m in mods)
+        )
+        from .quant import native as native_kernels
+
+        kernels = native_kernels.ops() if native else None
+        self.rope.kernels = kernels
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP)):
+                m.kernels = kernels
 
     @property
     def dtype(self) -> torch.dtype:

@@ -46,6 +46,9 @@ class Rope:
         # the rows of the last positions tensor asked for: every layer of a forward pass
         # passes the same (fresh) tensor, so rows are gathered once a pass, not twice a layer
         self._last: tuple[torch.Tensor, ...] | None = None
+        # the native CPU step kernels of a model whose products run natively: decode rows
+        # rotate in one op, and KV stores attend with them (kernels/cpu/qstep.h); else None
+        self.kernels = None
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
@@ -102,6 +105,8 @@ class Rope:
         once). The same arithmetic as `apply`, element for element."""
         cos, _, ssin = self._rows(flat, None)
         B, _, T, D = x.shape
+        if self._native(x):
+            return self.kernels.rope(x, cos.view(B, T, D), ssin.view(B, T, D))
         cos, ssin = cos.view(B, 1, T, D), ssin.view(B, 1, T, D)
         rolled = torch.roll(x, D // 2, dims=-1)
         return torch.addcmul(x * cos, rolled, ssin)
@@ -111,5 +116,17 @@ class Rope:
     ) -> torch.Tensor:
         """Rotate x (B, H, T, D) at positions (T,) (`bound` as in cos_sin)."""
         cos, _, ssin = self._rows(positions, bound)
+        if self._native(x):
+            return self.kernels.rope(x, cos.unsqueeze(0), ssin.unsqueeze(0))
         rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x2, x1): rotate_half(x) * sin
         return torch.addcmul(x * cos, rolled, ssin)
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """Decode rows (one token each) of float32 on CPU, where native kernels are set."""
+        return (
+            self.kernels is not None
+            and x.shape[2] == 1
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.stride(-1) == 1
+        )

@@ -710,6 +710,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 #endif  // __AVX2__
 
 #include "qkernels_x8.h"
+#include "qstep.h"
 
 Table make_table() {
   Table t;
@@ -725,6 +726,10 @@ Table make_table() {
 #endif
   t.quant32 = quant32;
   t.quantK = quantK;
+  t.rmsnorm = rmsnorm_row;
+  t.rope = rope_row;
+  t.silu_mul = silu_mul_row;
+  t.attn_chunk = attn_chunk;
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;

@@ -8,6 +8,8 @@
 //                                 gguf.quants.dequantize gives
 //   repack(w, type, k) / unpack(w, type, n, k): row-major blocks <-> interleaved layout
 //   quantize_act(x, kind) -> [q, d, s or bsums]: the activation blocks a product makes
+//   rmsnorm, rope, silu_mul, attn_decode: the rest of a decode step (qstep.h), float32
+//   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
 //   has_gemm(code) -> bool        whether a type (| X8_FLAG) has a native product here
@@ -18,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -163,54 +167,70 @@ struct ActBuffers {
 
 constexpr int64_t TILE_ROWS = 16;  // weight rows a task takes (two interleaved groups)
 
-at::Tensor qmm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef codes,
-               at::IntArrayRef rows) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.is_contiguous(),
-              "x must be a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(ws.size() == codes.size() && ws.size() == rows.size() && !ws.empty(),
-              "one type and one row count per weight");
-  const Table* t = current();
-  const int64_t m = x.size(0), k = x.size(1);
-  bool need32 = false, needK = false;
+// the weights of one call, checked, with their output columns
+struct Call {
   std::vector<Weight> wts;
   std::vector<int64_t> start{0};       // first output column of each weight
   std::vector<int64_t> tile_start{0};  // first tile of each weight
-  for (size_t i = 0; i < ws.size(); i++) {
-    const Weight w = check_weight(ws[i], codes[i], rows[i], k);
-    TORCH_CHECK((w.x8 ? t->gemm_x8 : t->gemm)[w.type] != nullptr, "GGUF type ", w.type,
-                " has no native product (dequantize it)");
-    const int act = kvq::type_info(w.type).act;
-    need32 |= act == kvq::ACT_Q8_0 || act == kvq::ACT_Q8_1;
-    needK |= act == kvq::ACT_Q8_K;
-    wts.push_back(w);
-    start.push_back(start.back() + w.n);
-    tile_start.push_back(tile_start.back() + (w.n + TILE_ROWS - 1) / TILE_ROWS);
-  }
-  const int64_t n = start.back();
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const ActBuffers buf(x.data_ptr<float>(), m, k, need32, needK, t);
-  float* yp = y.data_ptr<float>();
-  // enough tiles per task that a task is worth a thread's wake-up (~16 KB of weights)
-  const int64_t tile_bytes = TILE_ROWS * k / 2;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile_bytes));
-  at::parallel_for(0, tile_start.back(), grain, [&](int64_t b, int64_t e) {
-    size_t seg = 0;
-    for (int64_t tile = b; tile < e; tile++) {
-      while (tile >= tile_start[seg + 1]) seg++;
-      const Weight& w = wts[seg];
-      const int64_t r0 = (tile - tile_start[seg]) * TILE_ROWS;
-      const int64_t cnt = std::min<int64_t>(TILE_ROWS, w.n - r0);
-      const uint8_t* base = w.t->data_ptr<uint8_t>();
-      if (w.x8)
-        t->gemm_x8[w.type](base + r0 / kvq::X8 * w.row_bytes, w.row_bytes, cnt, buf.act, m,
-                           yp + start[seg] + r0, n);
-      else
-        t->gemm[w.type](base + r0 * w.row_bytes, w.row_bytes, cnt, buf.act, m,
-                        yp + start[seg] + r0, n);
+  bool need32 = false, needK = false;
+
+  Call(at::TensorList ws, at::IntArrayRef codes, at::IntArrayRef rows, int64_t k, const Table* t) {
+    TORCH_CHECK(ws.size() == codes.size() && ws.size() == rows.size() && !ws.empty(),
+                "one type and one row count per weight");
+    for (size_t i = 0; i < ws.size(); i++) {
+      const Weight w = check_weight(ws[i], codes[i], rows[i], k);
+      TORCH_CHECK((w.x8 ? t->gemm_x8 : t->gemm)[w.type] != nullptr, "GGUF type ", w.type,
+                  " has no native product (dequantize it)");
+      const int act = kvq::type_info(w.type).act;
+      need32 |= act == kvq::ACT_Q8_0 || act == kvq::ACT_Q8_1;
+      needK |= act == kvq::ACT_Q8_K;
+      wts.push_back(w);
+      start.push_back(start.back() + w.n);
+      tile_start.push_back(tile_start.back() + (w.n + TILE_ROWS - 1) / TILE_ROWS);
     }
-  });
+  }
+  int64_t n() const { return start.back(); }
+
+  // y (m, n()) = x (m, k) @ W^T, x quantized once for every weight
+  void run(const float* x, int64_t m, int64_t k, float* y, const Table* t) const {
+    if (m == 0 || n() == 0) return;
+    const ActBuffers buf(x, m, k, need32, needK, t);
+    const int64_t n_all = n();
+    // enough tiles per task that a task is worth a thread's wake-up (~16 KB of weights)
+    const int64_t tile_bytes = TILE_ROWS * k / 2;
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile_bytes));
+    at::parallel_for(0, tile_start.back(), grain, [&](int64_t b, int64_t e) {
+      size_t seg = 0;
+      for (int64_t tile = b; tile < e; tile++) {
+        while (tile >= tile_start[seg + 1]) seg++;
+        const Weight& w = wts[seg];
+        const int64_t r0 = (tile - tile_start[seg]) * TILE_ROWS;
+        const int64_t cnt = std::min<int64_t>(TILE_ROWS, w.n - r0);
+        const uint8_t* base = w.t->data_ptr<uint8_t>();
+        if (w.x8)
+          t->gemm_x8[w.type](base + r0 / kvq::X8 * w.row_bytes, w.row_bytes, cnt, buf.act, m,
+                             y + start[seg] + r0, n_all);
+        else
+          t->gemm[w.type](base + r0 * w.row_bytes, w.row_bytes, cnt, buf.act, m,
+                          y + start[seg] + r0, n_all);
+      }
+    });
+  }
+};
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+}
+
+at::Tensor qmm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef codes,
+               at::IntArrayRef rows) {
+  check_x(x);
+  const Table* t = current();
+  const Call call(ws, codes, rows, x.size(1), t);
+  at::Tensor y = at::empty({x.size(0), call.n()}, x.options());
+  call.run(x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>(), t);
   return y;
 }
 
@@ -322,6 +342,185 @@ std::vector<at::Tensor> quantize_act(const at::Tensor& x, int64_t kind) {
           from(buf.bsK, {m, k / 16}, at::kShort)};
 }
 
+// ---------------------------------------------------------- the rest of a decode step
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
+              " must be a float32 CPU tensor");
+}
+
+// y = RMSNorm(x) * w per row: x (M, D) contiguous, w (D,)
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1),
+              "rmsnorm: contiguous x (..., D) and w (D,)");
+  const int64_t d = x.size(-1), m = x.numel() / std::max<int64_t>(1, d);
+  at::Tensor y = at::empty_like(x);
+  const Table* t = current();
+  for (int64_t r = 0; r < m; r++)
+    t->rmsnorm(x.data_ptr<float>() + r * d, w.data_ptr<float>(), (float)eps,
+               y.data_ptr<float>() + r * d, d);
+  return y;
+}
+
+// RoPE: x (B, H, T, D) with any strides but a contiguous last dimension; cos, ssin (C, T, D)
+// contiguous with C = 1 (shared positions) or B (each row its own)
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& ssin) {
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(ssin, "ssin");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "rope: x (B, H, T, D), last dimension contiguous");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 3 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == T && cos.size(2) == D &&
+                  (cos.size(0) == 1 || cos.size(0) == B),
+              "rope: cos and ssin (1 or B, T, D)");
+  at::Tensor y = at::empty({B, H, T, D}, x.options());
+  const Table* t = current();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t i = 0; i < T; i++) {
+        const int64_t row = ((cos.size(0) == 1 ? 0 : b) * T + i) * D;
+        t->rope(xp + b * x.stride(0) + h * x.stride(1) + i * x.stride(2),
+                cos.data_ptr<float>() + row, ssin.data_ptr<float>() + row,
+                yp + ((b * H + h) * T + i) * D, D);
+      }
+  return y;
+}
+
+// gu (M, 2N) contiguous: silu(gu[:, :N]) * gu[:, N:] -> (M, N)
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_f32(gu, "gate_up");
+  TORCH_CHECK(gu.is_contiguous() && gu.size(-1) % 2 == 0, "silu_mul: contiguous (..., 2N)");
+  const int64_t n2 = gu.size(-1), n = n2 / 2, m = gu.numel() / std::max<int64_t>(1, n2);
+  auto shape = gu.sizes().vec();
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, gu.options());
+  const Table* t = current();
+  for (int64_t r = 0; r < m; r++)
+    t->silu_mul(gu.data_ptr<float>() + r * n2, gu.data_ptr<float>() + r * n2 + n,
+                y.data_ptr<float>() + r * n, n);
+  return y;
+}
+
+// Attention of one query row per head: q (B, Hq, 1, D); k, v (B, Hkv, T, D) with contiguous
+// rows (a cache buffer's view); GQA: query head j reads KV head j / (Hq / Hkv). -> (B, Hq, 1, D)
+at::Tensor attn_decode(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                       double scale) {
+  check_f32(q_, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(q_.dim() == 4 && q_.size(2) == 1 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                  k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) == q_.size(0) &&
+                  k.size(3) == q_.size(3) && q_.size(1) % k.size(1) == 0,
+              "attn_decode: q (B, Hq, 1, D), k and v (B, Hkv, T, D) with contiguous rows");
+  const at::Tensor q = q_.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  const int g = (int)(Hq / Hkv);
+  at::Tensor out = at::zeros({B, Hq, 1, D}, q.options());
+  if (T == 0) return out;
+  const int64_t threads = at::get_num_threads();
+  // chunks of keys: enough tasks for the threads, each long enough to pay for itself
+  int64_t chunk = (B * Hkv * T + 4 * threads - 1) / (4 * threads);
+  chunk = std::min<int64_t>(std::max<int64_t>(chunk, 256), T);
+  const int64_t nc = (T + chunk - 1) / chunk, tasks = B * Hkv * nc;
+  std::vector<float> part(tasks * g * D), mx(tasks * g), sm(tasks * g);
+  const Table* t = current();
+  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t e0) {
+    std::vector<float> scores(g * chunk);
+    for (int64_t task = b0; task < e0; task++) {
+      const int64_t c = task % nc, h = (task / nc) % Hkv, b = task / (nc * Hkv);
+      const int64_t j0 = c * chunk, n = std::min(chunk, T - j0);
+      const float* kp = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1) + j0 * k.stride(2);
+      const float* vp = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1) + j0 * v.stride(2);
+      t->attn_chunk(q.data_ptr<float>() + (b * Hq + h * g) * D, g, kp, k.stride(2), vp,
+                    v.stride(2), n, D, (float)scale, part.data() + task * g * D,
+                    mx.data() + task * g, sm.data() + task * g, scores.data());
+    }
+  });
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int j = 0; j < g; j++) {
+        const int64_t first = (b * Hkv + h) * nc;
+        float m = -INFINITY;
+        for (int64_t c = 0; c < nc; c++) m = std::max(m, mx[(first + c) * g + j]);
+        float total = 0.f;
+        float* o = op + (b * Hq + h * g + j) * D;
+        for (int64_t c = 0; c < nc; c++) {
+          const float w = std::exp(mx[(first + c) * g + j] - m);
+          total += w * sm[(first + c) * g + j];
+          const float* pp = part.data() + ((first + c) * g + j) * D;
+          for (int64_t i = 0; i < D; i++) o[i] += w * pp[i];
+        }
+        for (int64_t i = 0; i < D; i++) o[i] /= total;
+      }
+  return out;
+}
+
+// ----------------------------------------------------- a decoder layer's decode step, fused
+// The arithmetic of kvrun.model.Block for decode rows, op for op (the same row functions and
+// products, so the modules and the fused loop agree bit for bit), in two calls a layer.
+
+void rmsnorm_rows(const float* x, const float* w, double eps, float* y, int64_t m, int64_t d,
+                  const Table* t) {
+  for (int64_t r = 0; r < m; r++) t->rmsnorm(x + r * d, w, (float)eps, y + r * d, d);
+}
+
+// q, k, v (B, H, 1, Dh) views of qkv_proj(rmsnorm(x)) for x (B, D): before attention
+std::vector<at::Tensor> attn_in(const at::Tensor& x, const at::Tensor& norm, double eps,
+                                at::TensorList ws, at::IntArrayRef codes, at::IntArrayRef rows,
+                                int64_t hq, int64_t hkv) {
+  check_x(x);
+  check_f32(norm, "norm");
+  const Table* t = current();
+  const int64_t m = x.size(0), d = x.size(1);
+  const Call call(ws, codes, rows, d, t);
+  TORCH_CHECK(call.n() % (hq + 2 * hkv) == 0, "attn_in: Q, K, V rows do not split into heads");
+  std::vector<float> h(m * d);
+  rmsnorm_rows(x.data_ptr<float>(), norm.data_ptr<float>(), eps, h.data(), m, d, t);
+  at::Tensor y = at::empty({m, call.n()}, x.options());
+  call.run(h.data(), m, d, y.data_ptr<float>(), t);
+  const int64_t dh = call.n() / (hq + 2 * hkv);
+  at::Tensor heads = y.view({m, 1, hq + 2 * hkv, dh}).transpose(1, 2);  // (B, H, 1, Dh)
+  return {heads.narrow(1, 0, hq), heads.narrow(1, hq, hkv), heads.narrow(1, hq + hkv, hkv)};
+}
+
+// x + down(silu_mul(gate_up(rmsnorm(x + o(attn))))) + o(attn) for x (B, D), attn (B, Hq, 1, Dh):
+// everything after attention
+at::Tensor attn_out(const at::Tensor& x, const at::Tensor& attn, at::TensorList ow,
+                    at::IntArrayRef oc, at::IntArrayRef orows, const at::Tensor& norm,
+                    double eps, at::TensorList gw, at::IntArrayRef gc, at::IntArrayRef grows,
+                    at::TensorList dw, at::IntArrayRef dc, at::IntArrayRef drows) {
+  check_x(x);
+  check_f32(norm, "norm");
+  const at::Tensor a = attn.contiguous();
+  check_f32(a, "attn");
+  const Table* t = current();
+  const int64_t m = x.size(0), d = x.size(1), ad = a.numel() / std::max<int64_t>(1, m);
+  TORCH_CHECK(a.numel() == m * ad, "attn_out: attention rows do not match x");
+  const Call o(ow, oc, orows, ad, t), gu(gw, gc, grows, d, t);
+  TORCH_CHECK(o.n() == d && gu.n() % 2 == 0, "attn_out: O and gate/up shapes");
+  const int64_t ffn = gu.n() / 2;
+  const Call down(dw, dc, drows, ffn, t);
+  TORCH_CHECK(down.n() == d, "attn_out: down shape");
+  at::Tensor out = at::empty({m, d}, x.options());
+  float* xo = out.data_ptr<float>();
+  const float* xi = x.data_ptr<float>();
+  std::vector<float> tmp(m * std::max(d, gu.n())), h(m * d), act(m * ffn);
+  o.run(a.data_ptr<float>(), m, ad, tmp.data(), t);
+  for (int64_t i = 0; i < m * d; i++) xo[i] = xi[i] + tmp[i];
+  rmsnorm_rows(xo, norm.data_ptr<float>(), eps, h.data(), m, d, t);
+  gu.run(h.data(), m, d, tmp.data(), t);
+  for (int64_t r = 0; r < m; r++)
+    t->silu_mul(tmp.data() + r * 2 * ffn, tmp.data() + r * 2 * ffn + ffn, act.data() + r * ffn, ffn);
+  down.run(act.data(), m, ffn, tmp.data(), t);
+  for (int64_t i = 0; i < m * d; i++) xo[i] += tmp[i];
+  return out;
+}
+
 bool has_dequant(int64_t type) {
   return type >= 0 && type < kvq::NTYPES && current()->dequant[type] != nullptr;
 }
@@ -337,6 +536,19 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("unpack(Tensor w, int type, int n, int k) -> Tensor", &unpack);
   m.def("has_x8(int type) -> bool", &has_x8);
   m.def("quantize_act(Tensor x, int kind) -> Tensor[]", &quantize_act);
+  m.def("rmsnorm(Tensor x, Tensor w, float eps) -> Tensor", &rmsnorm);
+  m.def("rope(Tensor x, Tensor cos, Tensor ssin) -> Tensor", &rope);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("attn_decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &attn_decode);
+  m.def(
+      "attn_in(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] codes, int[] rows, int hq, "
+      "int hkv) -> Tensor[]",
+      &attn_in);
+  m.def(
+      "attn_out(Tensor x, Tensor attn, Tensor[] ow, int[] oc, int[] orows, Tensor norm, "
+      "float eps, Tensor[] gw, int[] gc, int[] grows, Tensor[] dw, int[] dc, int[] drows) -> "
+      "Tensor",
+      &attn_out);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("has_gemm(int type) -> bool", &has_gemm);

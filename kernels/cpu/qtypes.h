@@ -77,8 +77,20 @@ typedef void (*Quant32Fn)(const float* x, int64_t k, int8_t* q, float* d, int32_
 // one activation row -> q8_K blocks (q, d, bsums)
 typedef void (*QuantKFn)(const float* x, int64_t k, int8_t* q, float* d, int16_t* bs);
 
+// the rest of a decode step (qstep.h)
+typedef void (*RowFn)(const float* x, const float* w, float eps, float* y, int64_t d);
+typedef void (*RopeFn)(const float* x, const float* cos, const float* ssin, float* y, int64_t d);
+typedef void (*SiluMulFn)(const float* g, const float* u, float* y, int64_t n);
+typedef void (*AttnFn)(const float* q, int g, const float* k, int64_t ks, const float* v,
+                       int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
+                       float* sm, float* scores);
+
 struct Table {
   const char* name;
+  RowFn rmsnorm;
+  RopeFn rope;
+  SiluMulFn silu_mul;
+  AttnFn attn_chunk;
   Quant32Fn quant32;
   QuantKFn quantK;
   GemmFn gemm[NTYPES];     // row-major GGUF blocks

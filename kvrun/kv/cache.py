@@ -77,7 +77,8 @@ class KVCache(KVManager):
     def _dense(self) -> DenseSeg:
         c = self.config
         return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
-                        scores=self.method.cumulative, count_pos=self.count_pos)  # fmt: skip
+                        scores=self.method.cumulative, count_pos=self.count_pos,
+                        kernels=self.rope.kernels)  # fmt: skip
 
     def _kivi(self) -> KiviLayer | None:
         lay = self.kivi_layout

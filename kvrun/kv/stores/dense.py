@@ -15,7 +15,11 @@ class DenseSeg:
     head, Hkv one per head) and accumulated fp32 scores."""
 
     def __init__(self, n_kv: int, head_dim: int, dtype, device, pos_rows: int = 0,
-                 scores: bool = False, score_rows: int | None = None, count_pos: bool = True):  # fmt: skip
+                 scores: bool = False, score_rows: int | None = None, count_pos: bool = True,
+                 kernels=None):  # fmt: skip
+        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): a decode row attends
+        # in one op over float32 K/V; None: SDPA
+        self.kernels = kernels
         # (1, Hkv, cap, D) with room: a decode step writes one slot, copying nothing
         self._k = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
         self._v = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
@@ -138,6 +142,8 @@ class DenseSeg:
         m = self.mask(q_pos, n_new, window)
         if m is None and q.shape[2] == 1 and use_triton(q):
             return dense_decode(q, self.k, self.v)[0].to(q.dtype)
+        if m is None and q.shape[2] == 1 and self.kernels is not None and q.dtype == torch.float32:
+            return self.kernels.attn_decode(q, self.k, self.v, q.shape[-1] ** -0.5)
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head
             m = m.repeat_interleave(q.shape[1] // self.k.shape[1], dim=0)
         return sdpa(q, self.k, self.v, m)
