@@ -10,6 +10,7 @@
 //   quantize_act(x, kind) -> [q, d, s or bsums]: the activation blocks a product makes
 //   rmsnorm, rope, silu_mul, attn_decode: the rest of a decode step (qstep.h), float32
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
+//   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
 //   has_gemm(code) -> bool        whether a type (| X8_FLAG) has a native product here
@@ -405,8 +406,49 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-// Attention of one query row per head: q (B, Hq, 1, D); k, v (B, Hkv, T, D) with contiguous
-// rows (a cache buffer's view); GQA: query head j reads KV head j / (Hq / Hkv). -> (B, Hq, 1, D)
+// Attention of one query row per head for one sequence: q (Hq, D) contiguous (post-RoPE); key j
+// of KV head h at k + h * khs + j * kts (values alike); GQA: query head i reads KV head
+// i / (Hq / Hkv). out (Hq, D). The keys are split into chunks over torch's threads
+// (flash-decoding), merged exactly.
+void attend_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t khs, int64_t kts,
+                 const float* v, int64_t vhs, int64_t vts, int64_t hkv, int64_t t, float scale,
+                 float* out, const Table* tab) {
+  const int g = (int)(hq / hkv);
+  for (int64_t i = 0; i < hq * d; i++) out[i] = 0.f;
+  if (t == 0) return;
+  const int64_t threads = at::get_num_threads();
+  // chunks of keys: enough tasks for the threads, each long enough to pay for itself
+  int64_t chunk = (hkv * t + 4 * threads - 1) / (4 * threads);
+  chunk = std::min<int64_t>(std::max<int64_t>(chunk, 256), t);
+  const int64_t nc = (t + chunk - 1) / chunk, tasks = hkv * nc;
+  std::vector<float> part(tasks * g * d), mx(tasks * g), sm(tasks * g);
+  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t e0) {
+    std::vector<float> scores(g * chunk);
+    for (int64_t task = b0; task < e0; task++) {
+      const int64_t c = task % nc, h = task / nc;
+      const int64_t j0 = c * chunk, n = std::min(chunk, t - j0);
+      tab->attn_chunk(q + h * g * d, g, k + h * khs + j0 * kts, kts, v + h * vhs + j0 * vts, vts, n,
+                      d, scale, part.data() + task * g * d, mx.data() + task * g,
+                      sm.data() + task * g, scores.data());
+    }
+  });
+  for (int64_t h = 0; h < hkv; h++)
+    for (int j = 0; j < g; j++) {
+      float m = -INFINITY;
+      for (int64_t c = 0; c < nc; c++) m = std::max(m, mx[(h * nc + c) * g + j]);
+      float total = 0.f;
+      float* o = out + (h * g + j) * d;
+      for (int64_t c = 0; c < nc; c++) {
+        const float w = std::exp(mx[(h * nc + c) * g + j] - m);
+        total += w * sm[(h * nc + c) * g + j];
+        const float* pp = part.data() + ((h * nc + c) * g + j) * d;
+        for (int64_t i = 0; i < d; i++) o[i] += w * pp[i];
+      }
+      for (int64_t i = 0; i < d; i++) o[i] /= total;
+    }
+}
+
+// q (B, Hq, 1, D); k, v (B, Hkv, T, D) with contiguous rows (a cache buffer's view) -> (B, Hq, 1, D)
 at::Tensor attn_decode(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
                        double scale) {
   check_f32(q_, "q");
@@ -418,45 +460,49 @@ at::Tensor attn_decode(const at::Tensor& q_, const at::Tensor& k, const at::Tens
               "attn_decode: q (B, Hq, 1, D), k and v (B, Hkv, T, D) with contiguous rows");
   const at::Tensor q = q_.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), T = k.size(2);
-  const int g = (int)(Hq / Hkv);
-  at::Tensor out = at::zeros({B, Hq, 1, D}, q.options());
-  if (T == 0) return out;
-  const int64_t threads = at::get_num_threads();
-  // chunks of keys: enough tasks for the threads, each long enough to pay for itself
-  int64_t chunk = (B * Hkv * T + 4 * threads - 1) / (4 * threads);
-  chunk = std::min<int64_t>(std::max<int64_t>(chunk, 256), T);
-  const int64_t nc = (T + chunk - 1) / chunk, tasks = B * Hkv * nc;
-  std::vector<float> part(tasks * g * D), mx(tasks * g), sm(tasks * g);
-  const Table* t = current();
-  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t e0) {
-    std::vector<float> scores(g * chunk);
-    for (int64_t task = b0; task < e0; task++) {
-      const int64_t c = task % nc, h = (task / nc) % Hkv, b = task / (nc * Hkv);
-      const int64_t j0 = c * chunk, n = std::min(chunk, T - j0);
-      const float* kp = k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1) + j0 * k.stride(2);
-      const float* vp = v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1) + j0 * v.stride(2);
-      t->attn_chunk(q.data_ptr<float>() + (b * Hq + h * g) * D, g, kp, k.stride(2), vp,
-                    v.stride(2), n, D, (float)scale, part.data() + task * g * D,
-                    mx.data() + task * g, sm.data() + task * g, scores.data());
-    }
-  });
-  float* op = out.data_ptr<float>();
+  at::Tensor out = at::empty({B, Hq, 1, D}, q.options());
   for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < Hkv; h++)
-      for (int j = 0; j < g; j++) {
-        const int64_t first = (b * Hkv + h) * nc;
-        float m = -INFINITY;
-        for (int64_t c = 0; c < nc; c++) m = std::max(m, mx[(first + c) * g + j]);
-        float total = 0.f;
-        float* o = op + (b * Hq + h * g + j) * D;
-        for (int64_t c = 0; c < nc; c++) {
-          const float w = std::exp(mx[(first + c) * g + j] - m);
-          total += w * sm[(first + c) * g + j];
-          const float* pp = part.data() + ((first + c) * g + j) * D;
-          for (int64_t i = 0; i < D; i++) o[i] += w * pp[i];
-        }
-        for (int64_t i = 0; i < D; i++) o[i] /= total;
-      }
+    attend_rows(q.data_ptr<float>() + b * Hq * D, Hq, D, k.data_ptr<float>() + b * k.stride(0),
+                k.stride(1), k.stride(2), v.data_ptr<float>() + b * v.stride(0), v.stride(1),
+                v.stride(2), Hkv, T, (float)scale, out.data_ptr<float>() + b * Hq * D, current());
+  return out;
+}
+
+// One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (cos, ssin (1, D)),
+// k and v (1, Hkv, 1, D) written to slot n of the buffers kbuf, vbuf (1, Hkv, cap, D), then q
+// attends over slots 0..n -> (1, Hq, 1, D). The same row functions as `rope` and `attn_decode`.
+at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cos, const at::Tensor& ssin, at::Tensor& kbuf,
+                              at::Tensor& vbuf, int64_t n, double scale) {
+  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin, static_cast<const at::Tensor*>(&kbuf),
+                              static_cast<const at::Tensor*>(&vbuf)})
+    check_f32(*t, "tensors");
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
+                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
+                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "rope_append_attend: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() && kbuf.size(1) == hkv &&
+                  kbuf.size(3) == d && kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 &&
+                  n < kbuf.size(2),
+              "rope_append_attend: buffers (1, Hkv, cap, D) with room for slot n");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == d && ssin.numel() == d,
+              "rope_append_attend: cos and ssin (1, D)");
+  const Table* t = current();
+  const int64_t cap = kbuf.size(2);
+  std::vector<float> qr(hq * d);
+  const float *cp = cos.data_ptr<float>(), *sp = ssin.data_ptr<float>();
+  for (int64_t h = 0; h < hq; h++)
+    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
+  float* kb = kbuf.data_ptr<float>();
+  float* vb = vbuf.data_ptr<float>();
+  for (int64_t h = 0; h < hkv; h++) {
+    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + (h * cap + n) * d, d);
+    std::memcpy(vb + (h * cap + n) * d, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
+  }
+  at::Tensor out = at::empty({1, hq, 1, d}, q.options());
+  attend_rows(qr.data(), hq, d, kb, cap * d, d, vb, cap * d, d, hkv, n + 1, (float)scale,
+              out.data_ptr<float>(), t);
   return out;
 }
 
@@ -540,6 +586,10 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor ssin) -> Tensor", &rope);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("attn_decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &attn_decode);
+  m.def(
+      "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, Tensor(a!) kbuf, "
+      "Tensor(b!) vbuf, int n, float scale) -> Tensor",
+      &rope_append_attend);
   m.def(
       "attn_in(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] codes, int[] rows, int hq, "
       "int hkv) -> Tensor[]",

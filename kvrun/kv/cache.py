@@ -56,8 +56,35 @@ class KVCache(KVManager):
         if on_select is not None and not self.pos_rows:
             self.pos_rows = config.n_kv_heads
         self._cap = 0
+        # decode rows that only store and attend (`attend`'s one-call path where it applies)
+        self._plain_decode = (
+            self.kivi_layout is None
+            and not m.cumulative
+            and not (self.n_queries and "step" in self.points)
+            and config.sliding_window is None
+            and not self.keys_pre_rope
+        )
         self.layers: list[Layer] = []
         self.reset()
+
+    def attend(self, layer, q, k, v, positions):
+        """A plain dense decode row (native step kernels, no store, no scores or positions
+        held, no per-step queries or sliding window) goes to the store in one native call;
+        everything else as KVManager.attend says."""
+        st = self.layers[layer]
+        d = st.dense
+        if (
+            d.kernels is not None
+            and k.shape[2] == 1
+            and k.shape[0] == 1
+            and not self.in_prefill
+            and not self.static
+            and self._plain_decode
+            and d.pos is None
+            and d.acc is None
+        ):
+            return d.rotate_append_attend(self.rope, q, k, v, positions)
+        return super().attend(layer, q, k, v, positions)
 
     def _position_rows(self) -> int:
         """Rows of int32 positions per slot, held (and counted) only for decode-time eviction."""

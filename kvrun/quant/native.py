@@ -30,6 +30,7 @@ from pathlib import Path
 
 _NOTE = {"text": ""}
 NAME = "kvrun_cpu.so"
+FAILED = "build-failed.txt"  # a failed build's first error, beside where the library would be
 # instruction sets beside the portable build: (name, compiler flags, /proc/cpuinfo flags needed)
 X86_ISAS = (
     ("avx2", ["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
@@ -198,8 +199,10 @@ def ops():
         return None
     isas = isas_to_build()
     where = build_dir() / _key(cxx, isas)
-    lib = where / NAME
+    lib, failed = where / NAME, where / FAILED
     try:
+        if failed.exists():  # built and failed with these sources, compiler and torch
+            raise RuntimeError(failed.read_text().strip())
         where.mkdir(parents=True, exist_ok=True)
         if not lib.exists():
             _build_locked(cxx, isas, lib)
@@ -223,7 +226,11 @@ def _build_locked(cxx: str, isas, lib: Path) -> None:
             file=sys.stderr,
             flush=True,
         )
-        _compile(cxx, isas, lib)
+        try:
+            _compile(cxx, isas, lib)
+        except RuntimeError as e:  # kept, so later runs say why without building again
+            (lib.parent / FAILED).write_text(f"{e}\n")
+            raise
 
 
 def _chosen(mod):

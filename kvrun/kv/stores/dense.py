@@ -75,6 +75,19 @@ class DenseSeg:
                 [self.acc, self.acc.new_zeros(self.acc.shape[0], k.shape[2])], dim=1
             )
 
+    def rotate_append_attend(self, rope, q, k, v, positions) -> torch.Tensor:
+        """A decode row on the native step kernels (`kernels` set; no positions or scores
+        held): q and k rotated, k and v stored in the next slot, q attending over every
+        slot, in one call; the arithmetic of `rope.apply`, `append` and `attend`."""
+        n = self._k.n
+        self.reserve(n + 1)
+        cos, _, ssin = rope._rows(positions, None)
+        out = self.kernels.rope_append_attend(
+            q, k, v, cos, ssin, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5
+        )
+        self._k.n = self._v.n = n + 1
+        return out
+
     def keep(self, idx: torch.Tensor) -> None:
         """Keep slots idx (Hkv, T') or (1, T') (same for every head), ascending."""
         _, Hkv, _, D = self._k.buf.shape
