@@ -1,6 +1,8 @@
-"""A Llama-3-8B-shaped GGUF file with random Q4_0 weights and the default model's tokenizer.
+"""A Llama-3-8B-shaped GGUF file with random Q4_0 (or Q4_K_M) weights and the default model's
+tokenizer.
 
     python bench/synth_gguf.py /tmp/llama3-8b-shape-q4_0.gguf            # 32 layers, ~4.2 GB
+    python bench/synth_gguf.py /tmp/llama3-8b-shape-q4_k_m.gguf --mix q4_k_m   # ~4.6 GB
     python bench/synth_gguf.py /tmp/small.gguf --layers 2                 # a quick check
 
 The body has Llama-3-8B's shapes (dim 4096, 32 layers, 32 query heads, 8 KV heads, head
@@ -15,6 +17,12 @@ its blocks (float16 scale + 16 bytes of nibbles, 18 bytes per 32 weights) are bu
 directly from random bytes, nothing is quantized. Scales are random in +-[0.002, 0.01]
 (random sign, so the nibbles' -0.5 mean offset cancels over blocks), i.e. weights of
 standard deviation ~0.03. Norm weights are float32 ones. The output means nothing.
+
+--mix q4_k_m gives the tensor types llama.cpp's Q4_K_M quantization chooses for a Llama:
+Q6_K for output.weight, and for attn_v and ffn_down of the layers its `use_more_bits` picks
+(the first and last eighth, and every third between), Q4_K for every other weight. The K
+blocks are random bytes too, with their float16 scales set so weights again have a standard
+deviation of a few hundredths (Q6_K's int8 sub-block scales kept within +-32).
 
 Tensors are generated and written one at a time (peak memory: about one embedding
 matrix's blocks, ~0.2 GB, plus the tokenizer metadata).
@@ -62,6 +70,47 @@ def q4_0_blocks(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     blocks[:, :, :2] = d.view(np.uint8).reshape(rows, nb, 2)  # little-endian ggml_half
     blocks[:, :, 2:] = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
     return blocks.reshape(rows, nb * Q4_0_BYTES)
+
+
+QK_K = 256
+BLOCK_BYTES = {"Q4_0": 18, "Q4_K": 144, "Q6_K": 210}
+BLOCK_ELEMS = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
+MIXES = ("q4_0", "q4_k_m")
+
+
+def k_blocks(rng: np.random.Generator, kind: str, rows: int, cols: int) -> np.ndarray:
+    """Random Q4_K or Q6_K data for a (rows, cols) weight (uint8 rows of whole blocks)."""
+    nb, size = cols // QK_K, BLOCK_BYTES[kind]
+    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    if kind == "Q4_K":  # w = d sc q - dmin m: dmin ~ 7.5 d centres the codes (0..15)
+        d = rng.uniform(1e-4, 3e-4, size=(rows, nb)).astype(np.float16)
+        dmin = (d.astype(np.float32) * rng.uniform(7.0, 8.0, size=(rows, nb))).astype(np.float16)
+        raw[..., 0:2] = d[..., None].view(np.uint8)
+        raw[..., 2:4] = dmin[..., None].view(np.uint8)
+    else:  # Q6_K: w = d sc (q - 32), int8 sub-block scales at bytes 192..207
+        raw[..., 192:208] = (
+            rng.integers(-32, 33, size=(rows, nb, 16)).astype(np.int8).view(np.uint8)
+        )
+        d = rng.uniform(1e-4, 3e-4, size=(rows, nb)).astype(np.float16)
+        raw[..., 208:210] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, nb * size)
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits (Q4_K_M)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, layers: int, mix: str) -> str:
+    """The GGML type a 2-D weight gets in the mix."""
+    if mix == "q4_0":
+        return "Q4_0"
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        return "Q6_K" if use_more_bits(layer, layers) else "Q4_K"
+    return "Q4_K"
 
 
 def tensor_plan(layers: int, vocab: int, shape: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -122,6 +171,7 @@ def write_synthetic(
     tokenizer_from: str | os.PathLike | None = None,
     seed: int = 0,
     log=None,
+    mix: str = "q4_0",
     **shape_overrides,
 ) -> dict:
     """Write the Llama-3-8B-shaped Q4_0 GGUF file (see the module docstring) to path.
@@ -146,8 +196,10 @@ def write_synthetic(
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
 
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r} (use {', '.join(MIXES)})")
     w = gguf.GGUFWriter(str(part), "llama")
-    w.add_name(f"llama3-8b-shape synthetic Q4_0 ({layers} layers, random weights)")
+    w.add_name(f"llama3-8b-shape synthetic {mix.upper()} ({layers} layers, random weights)")
     w.add_block_count(layers)
     w.add_context_length(shape["context_length"])
     w.add_embedding_length(shape["dim"])
@@ -159,7 +211,9 @@ def write_synthetic(
     w.add_rope_dimension_count(shape["head_dim"])
     w.add_key_length(shape["head_dim"])
     w.add_value_length(shape["head_dim"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(
+        gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M
+    )
     vocab = _copy_tokenizer(w, source)
     w.add_vocab_size(vocab)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -172,14 +226,15 @@ def write_synthetic(
             w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
         else:
             rows, cols = shp
-            nbytes = rows * cols // QK4_0 * Q4_0_BYTES
-            byte_shape = (rows, cols // QK4_0 * Q4_0_BYTES)  # gguf turns it into (rows, cols)
+            kind = tensor_type(name, layers, mix)
+            row_bytes = cols // BLOCK_ELEMS[kind] * BLOCK_BYTES[kind]
+            byte_shape = (rows, row_bytes)  # gguf turns it into (rows, cols)
             w.add_tensor_info(
                 name,
                 byte_shape,
                 np.dtype(np.uint8),
-                nbytes,
-                raw_dtype=gguf.GGMLQuantizationType.Q4_0,
+                rows * row_bytes,
+                raw_dtype=gguf.GGMLQuantizationType[kind],
             )
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -187,8 +242,10 @@ def write_synthetic(
     for i, (name, shp) in enumerate(plan):
         if len(shp) == 1:
             data = np.ones(shp, dtype=np.float32)
-        else:
+        elif tensor_type(name, layers, mix) == "Q4_0":
             data = q4_0_blocks(rng, *shp)
+        else:
+            data = k_blocks(rng, tensor_type(name, layers, mix), *shp)
         w.write_tensor_data(data)
         del data
         if log and (name.endswith("ffn_down.weight") or i == len(plan) - 1):
@@ -219,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
         help="GGUF file whose tokenizer.* keys are copied (default: %(default)s)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--mix", choices=MIXES, default="q4_0", help="tensor types (default: %(default)s)"
+    )
     ap.add_argument("--force", action="store_true", help="overwrite an existing file")
     args = ap.parse_args(argv)
     if Path(args.path).exists() and not args.force:
@@ -228,7 +288,12 @@ def main(argv: list[str] | None = None) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     info = write_synthetic(
-        args.path, args.layers, tokenizer_from=args.tokenizer_from, seed=args.seed, log=log
+        args.path,
+        args.layers,
+        tokenizer_from=args.tokenizer_from,
+        seed=args.seed,
+        log=log,
+        mix=args.mix,
     )
     print(
         f"wrote {info['path']}: {info['layers']} layers, vocab {info['vocab']}, "

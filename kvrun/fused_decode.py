@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .quant import blocks as qblocks
 from .quant import int4mm
 from .quant.blocks import BlockLinear
 from .quant.linear import DECODE_ROWS, PackedLinear
@@ -94,10 +95,12 @@ def bind(model) -> list[Layer] | None:
     return layers
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether the loop serves these embeddings (B, T, dim): decode rows, float32."""
+def takes(x: torch.Tensor, layers: list[Layer] | None = None) -> bool:
+    """Whether the loop serves these embeddings (B, T, dim): decode rows, float32; up to a
+    decode step's rows (int4 op), or as many as the native products take (native)."""
     B, T, _ = x.shape
-    return T == 1 and B <= DECODE_ROWS and x.dtype == torch.float32
+    rows = qblocks.native_rows() if layers and layers[0].kernels is not None else DECODE_ROWS
+    return T == 1 and B <= rows and x.dtype == torch.float32
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None, kernels=None) -> torch.Tensor:
@@ -108,7 +111,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None, kernels=Non
     alone and among others (`--parallel` keeps the tokens of N = 1)."""
     dim = x.shape[-1]
     rows = x.numel() // dim
-    if kernels is not None and rows <= DECODE_ROWS and x.device.type == "cpu":
+    if kernels is not None and rows <= qblocks.native_rows() and x.device.type == "cpu":
         y = kernels.rmsnorm(x.contiguous(), w, eps)
         return y if out is None else out.copy_(y)
     if rows > DECODE_ROWS or x.device.type not in READ_BACK:

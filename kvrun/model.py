@@ -10,9 +10,10 @@ from torch import nn
 
 from . import fused_decode
 from .config import ModelConfig
+from .quant import blocks
 from .quant.blocks import BlockEmbedding, BlockLinear, Blocks
 from .quant.choice import matmul_path
-from .quant.linear import DECODE_ROWS, PackedEmbedding, PackedLinear, Scratch
+from .quant.linear import PackedEmbedding, PackedLinear, Scratch
 from .quant.packed import Packed
 from .rope import Rope, inverse_frequencies
 
@@ -113,7 +114,7 @@ class MLP(nn.Module):
             gate, up = gu.matmul(x.to(torch.bfloat16)).chunk(2, dim=-1)
             return self.down_proj.matmul(F.silu(gate).mul_(up))
         rows = x.numel() // x.shape[-1]
-        if gu is not None and self.kernels is not None and rows <= DECODE_ROWS:
+        if gu is not None and self.kernels is not None and rows <= blocks.native_rows():
             return self.down_proj(self.kernels.silu_mul(gu(x)))  # as the fused decode does
         if gu is not None:
             gate, up = gu(x).chunk(2, dim=-1)
@@ -305,10 +306,14 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The output projection (the embedding table when tied)."""
+    def head(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """The output projection (the embedding table when tied). decode: x holds one row per
+        sequence of a decode step (a batch of them may take the fast products; prefill rows,
+        whose logits are measured, stay exact beyond a decode step's rows)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, (PackedLinear, BlockLinear)):
+        if isinstance(head, BlockLinear):
+            return head.logits(x, decode)
+        if isinstance(head, PackedLinear):
             return head.logits(x)
         return F.linear(x, head.weight)
 
@@ -318,7 +323,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         if self._fused is False:
             self._fused = fused_decode.bind(self)
-        if self._fused and self.use_fused_decode and fused_decode.takes(x):
+        if self._fused and self.use_fused_decode and fused_decode.takes(x, self._fused):
             return fused_decode.blocks(self, self._fused, x, positions, kv)
         for block in self.model.layers:
             x = block(x, positions, kv)
@@ -332,4 +337,4 @@ class Transformer(nn.Module):
         x = self.hidden(tokens, positions, kv)
         if last_only:
             x = x[:, -1:]
-        return self.head(self.model.norm(x)).float()  # (B, T, V)
+        return self.head(self.model.norm(x), decode=tokens.shape[1] == 1).float()  # (B, T, V)

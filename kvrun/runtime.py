@@ -119,6 +119,11 @@ def load_runtime(
         log(w.wtype_note)
     if w.cache_note:
         log(w.cache_note)
+    if dev.type == "cpu" and w.format == "gguf" and w.wtype == "packed":
+        from .quant import native
+
+        if native.note():  # no compiler, a failed build, KVRUN_NATIVE=off: said once
+            log(native.note())
     model = w.model
     if model is None:
         model = Transformer.from_weights(w.config, w.tensors, dev, consume=True)

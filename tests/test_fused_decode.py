@@ -54,10 +54,11 @@ def test_binds_packed_models_only(packed_runtime, default_runtime):  # noqa: F81
         assert layers[0].qkv.codes and layers[0].dt == torch.float32
     assert fused_decode.bind(default_runtime.model) is None  # dense float32 weights
     x = torch.zeros(1, 1, packed_runtime.config.dim)
-    assert fused_decode.takes(x)
-    assert not fused_decode.takes(torch.zeros(1, 2, x.shape[-1]))  # a prefill chunk
-    assert not fused_decode.takes(torch.zeros(9, 1, x.shape[-1]))  # beyond the op's rows
-    assert not fused_decode.takes(x.bfloat16())
+    assert fused_decode.takes(x, layers)
+    assert not fused_decode.takes(torch.zeros(1, 2, x.shape[-1]), layers)  # a prefill chunk
+    nine = torch.zeros(9, 1, x.shape[-1])  # beyond the int4 op's decode rows; native: within
+    assert fused_decode.takes(nine, layers) == (packed_runtime.path_name == "native")
+    assert not fused_decode.takes(x.bfloat16(), layers)
 
 
 METHODS = [("full", None), ("snapkv", "0.5"), ("kivi2", None), ("minikv", None),
@@ -145,3 +146,35 @@ def test_batched_rows_equal_each_sequence_alone(packed_runtime):  # noqa: F811
     for j, s in enumerate(sessions()):
         alone = torch.stack([s.decode(toks[j]) for toks in forced])
         assert torch.equal(batched[:, j], alone)
+
+
+@pytest.mark.parametrize("packed_runtime", ["native"], indirect=True)
+def test_wide_native_batch_equals_modules(packed_runtime, monkeypatch):  # noqa: F811
+    """Native products take a batch wider than a decode step's 8 rows through the loop too (up
+    to the native rows), bit for bit as the modules do."""
+    from kvrun.quant import blocks
+
+    monkeypatch.setattr(blocks, "native_rows", lambda: 16)
+    rt, m = packed_runtime, packed_runtime.model
+    ids = [rt.tokenizer.encode(f"Story {i}: " + TEXT[: 40 + 7 * i]) for i in range(10)]
+
+    def steps(n):
+        sessions = [Session(m, rt.tokenizer, rt.new_kv(), ubatch=64) for _ in ids]
+        for s, x in zip(sessions, ids, strict=True):
+            s.prefill(x)
+        tokens, out = list(range(5, 15)), []
+        for _ in range(n):
+            logits = Session.decode_batch(sessions, tokens)
+            tokens = logits.argmax(-1).tolist()
+            out.append(logits)
+        return torch.stack(out)
+
+    with counted(monkeypatch) as calls:
+        fast = steps(6)
+    assert len(calls) == 6 and calls[0][0] == 10
+    m.use_fused_decode = False
+    try:
+        ref = steps(6)
+    finally:
+        m.use_fused_decode = True
+    assert torch.equal(fast, ref)

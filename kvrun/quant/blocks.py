@@ -273,12 +273,14 @@ class BlockLinear(nn.Module):
         w = self.parts()[0].dequantize(idx)
         return w if self.dtype == torch.float32 else w.to(self.dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T as the output head: decode rows through the native kernels, then each row's
-        top logits (within REFINE_MARGIN of its largest, at most REFINE) recomputed from the
-        exact weights, as kvrun.quant.linear.PackedLinear.logits does for the int4 op."""
+    def logits(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """x @ W^T as the output head: decode rows (a step's, `decode`: up to `native_rows()`
+        sequences of a batch; else a decode step's few rows) through the native kernels, then
+        each row's top logits (within REFINE_MARGIN of its largest, at most REFINE) recomputed
+        from the exact weights, as kvrun.quant.linear.PackedLinear.logits does for the int4
+        op. Prefill rows beyond that stay exact (their logits are measured)."""
         rows = x.numel() // self.in_features
-        if not self.takes_native(rows, exact=True):
+        if not self.takes_native(rows, exact=not decode):
             return self._exact(x)
         y = self._native(x)
         y2, x2 = y.view(rows, -1), x.reshape(rows, -1)  # (R, N), (R, K)

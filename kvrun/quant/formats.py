@@ -77,11 +77,11 @@ def holds_blocks(wtype: str, source: str, name: str, native: bool) -> bool:
     return native or source not in EXACT_Q4 + EXACT_Q8
 
 
-def blocks_nbytes(source: str, n: int, k: int, native: bool) -> int:
-    """Bytes of a GGUF tensor held as blocks: interleaved where the native kernels have a
-    layout for its type (whole groups of 8 rows), else as the file stores them."""
+def blocks_nbytes(source: str, n: int, k: int, interleaved: bool) -> int:
+    """Bytes of a GGUF tensor held as blocks: interleaved (whole groups of 8 rows, where the
+    native kernels have a layout for its type), else as the file stores them."""
     elems, size = BLOCK_SIZES.get(source, (32, 34))
-    if native and source in X8_BYTES:
+    if interleaved and source in X8_BYTES:
         return -(-n // 8) * (k // elems) * X8_BYTES[source]
     return n * (k // elems) * size
 
@@ -138,8 +138,10 @@ def weights_plan(
     total, forms = 0, Counter()
     for hf, source, shape in tensors:
         if len(shape) == 2 and holds_blocks(wtype, source, hf, native):
-            total += blocks_nbytes(source, shape[0], shape[1], native)
-            layout = "interleaved" if native and source in X8_BYTES else "as in the file"
+            # an untied embedding table only gathers rows: it stays as the file lays it out
+            x8 = native and source in X8_BYTES and (tied or "embed_tokens" not in hf)
+            total += blocks_nbytes(source, shape[0], shape[1], x8)
+            layout = "interleaved" if x8 else "as in the file"
             forms[f"{source} blocks, {layout}"] += 1
             continue
         bits = target_bits(wtype, source, hf) if len(shape) == 2 else None
