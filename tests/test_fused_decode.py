@@ -65,7 +65,12 @@ METHODS = [("full", None), ("snapkv", "0.5"), ("kivi2", None), ("minikv", None),
            ("minicache", None), ("h2o", "0.5"), ("xkv+kivi2", "0.5")]  # fmt: skip
 
 
-@pytest.mark.parametrize("spec,budget", METHODS)
+PATH_METHODS = [("native", *m) for m in METHODS] + [
+    ("int4", *m) for m in [("full", None), ("minikv", None), ("xkv+kivi2", "0.5")]
+]
+
+
+@pytest.mark.parametrize("packed_runtime,spec,budget", PATH_METHODS, indirect=["packed_runtime"])
 def test_loop_equals_modules(packed_runtime, spec, budget, monkeypatch):  # noqa: F811
     rt = packed_runtime
     ids = rt.tokenizer.encode(TEXT * 3)[:120]

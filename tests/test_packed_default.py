@@ -175,7 +175,13 @@ METHODS = [("full", None), ("streaming", "0.25"), ("h2o", "0.25"), ("snapkv", "0
            ("snapkv+kivi2", "0.25"), ("minicache+kivi4", None), ("xkv+kivi2", "0.25")]  # fmt: skip
 
 
-@pytest.mark.parametrize("spec,budget", METHODS)
+# every method on the default path; the int4 op's path (no compiler) on a spread of them
+INT4_METHODS = [("full", None), ("snapkv", "0.25"), ("minikv", None), ("minicache", None),
+                ("kivi2", None), ("xkv+kivi2", "0.25")]  # fmt: skip
+PATH_METHODS = [("native", *m) for m in METHODS] + [("int4", *m) for m in INT4_METHODS]
+
+
+@pytest.mark.parametrize("packed_runtime,spec,budget", PATH_METHODS, indirect=["packed_runtime"])
 def test_every_kv_method_runs_on_packed_weights(
     packed_runtime, default_runtime, spec, budget, monkeypatch
 ):
