@@ -49,10 +49,27 @@ class BatchKV:
         )
 
     def _decode(self, layer, q, k, v, positions) -> torch.Tensor:
-        """A decode step of every sequence, RoPE applied once for the whole batch."""
+        """A decode step of every sequence, RoPE applied once for the whole batch (or, where
+        every cache takes its row in one native call, `plain_decode`, there)."""
         if self._flat is None or self._flat[0] is not positions:  # once per forward pass
-            self._flat = (positions, positions.reshape(-1), list(positions))
-        rope, flat, rows = self.kvs[0].rope, self._flat[1], self._flat[2]
+            flat = positions.reshape(-1)
+            self._flat = (positions, flat, list(positions), flat.tolist())
+        rope, flat, rows, ints = self.kvs[0].rope, *self._flat[1:]
+        if rope.kernels is not None and all(hasattr(kv, "plain_decode") for kv in self.kvs):
+            outs = [
+                kv.plain_decode(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], rows[b], ints[b])
+                for b, kv in enumerate(self.kvs)
+            ]
+            if all(o is not None for o in outs):
+                return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            if any(o is not None for o in outs):  # some rows went through: the rest as usual
+                for b, kv in enumerate(self.kvs):
+                    if outs[b] is None:
+                        s = slice(b, b + 1)
+                        qb, kb = rope.apply_rows(q[s], rows[b]), k[s]
+                        kb = kb if kv.keys_pre_rope else rope.apply_rows(kb, rows[b])
+                        outs[b] = kv.decode(layer, qb, kb, v[s], rows[b])
+                return torch.cat(outs, dim=0)
         qr = rope.apply_rows(q, flat)
         kr = rope.apply_rows(k, flat) if not all(kv.keys_pre_rope for kv in self.kvs) else k
         outs = []

@@ -139,6 +139,7 @@ class Engine:
         # as of the last step: sequences holding a slot, the bytes their caches hold, and what
         # full caches would hold for the same tokens (kvrun serve's /metrics reads these)
         self.active = self.kv_bytes = self.kv_bytes_full = 0
+        self.on_step: Callable[[], None] | None = None  # told at the end of every step
 
     # ------------------------------------------------------------------ admission
     def reserve(self, seq: _Seq | None, req: Request) -> int:
@@ -224,6 +225,8 @@ class Engine:
             st.wall_s = time.perf_counter() - t_start
             if self.graph is not None:
                 st.graph_steps, st.graph_captures = self.graph.static_steps, self.graph.captures
+            if self.on_step is not None:
+                self.on_step()
             yield from ready
             ready.clear()
 

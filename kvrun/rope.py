@@ -49,6 +49,7 @@ class Rope:
         # the native CPU step kernels of a model whose products run natively: decode rows
         # rotate in one op, and KV stores attend with them (kernels/cpu/qstep.h); else None
         self.kernels = None
+        self._last_pos: tuple[torch.Tensor, int] | None = None  # `position`'s last answer
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self._cos.shape[0], 256)
@@ -73,6 +74,22 @@ class Rope:
         read rows by position themselves (kernels.codebook_decode)."""
         self.reserve(n)
         return self._cos, self._sin
+
+    def signed_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and signed-sin tables (>= n, D), covering positions below n (the
+        native step kernels read a row by position themselves)."""
+        self.reserve(n)
+        return self._cos, self._ssin
+
+    def position(self, positions: torch.Tensor) -> int:
+        """The one position of a decode row's positions tensor (1,), read once per tensor:
+        every layer of a forward pass passes the same one."""
+        last = self._last_pos
+        if last is not None and last[0] is positions:
+            return last[1]
+        pos = int(positions)
+        self._last_pos = (positions, pos)
+        return pos
 
     def cos_sin(
         self, positions: torch.Tensor, bound: int | None = None

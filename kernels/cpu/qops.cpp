@@ -468,12 +468,13 @@ at::Tensor attn_decode(const at::Tensor& q_, const at::Tensor& k, const at::Tens
   return out;
 }
 
-// One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (cos, ssin (1, D)),
+// One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
+// cos, ssin tables (>= pos + 1, D)),
 // k and v (1, Hkv, 1, D) written to slot n of the buffers kbuf, vbuf (1, Hkv, cap, D), then q
 // attends over slots 0..n -> (1, Hq, 1, D). The same row functions as `rope` and `attn_decode`.
 at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& cos, const at::Tensor& ssin, at::Tensor& kbuf,
-                              at::Tensor& vbuf, int64_t n, double scale) {
+                              const at::Tensor& cos, const at::Tensor& ssin, int64_t pos,
+                              at::Tensor& kbuf, at::Tensor& vbuf, int64_t n, double scale) {
   for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin, static_cast<const at::Tensor*>(&kbuf),
                               static_cast<const at::Tensor*>(&vbuf)})
     check_f32(*t, "tensors");
@@ -486,12 +487,13 @@ at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at
                   kbuf.size(3) == d && kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 &&
                   n < kbuf.size(2),
               "rope_append_attend: buffers (1, Hkv, cap, D) with room for slot n");
-  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == d && ssin.numel() == d,
-              "rope_append_attend: cos and ssin (1, D)");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
+              "rope_append_attend: cos and ssin tables (>= pos + 1, D)");
   const Table* t = current();
   const int64_t cap = kbuf.size(2);
   std::vector<float> qr(hq * d);
-  const float *cp = cos.data_ptr<float>(), *sp = ssin.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
   for (int64_t h = 0; h < hq; h++)
     t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
   float* kb = kbuf.data_ptr<float>();
@@ -587,8 +589,8 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("attn_decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &attn_decode);
   m.def(
-      "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, Tensor(a!) kbuf, "
-      "Tensor(b!) vbuf, int n, float scale) -> Tensor",
+      "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
+      "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale) -> Tensor",
       &rope_append_attend);
   m.def(
       "attn_in(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] codes, int[] rows, int hq, "

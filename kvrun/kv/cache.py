@@ -68,23 +68,31 @@ class KVCache(KVManager):
         self.reset()
 
     def attend(self, layer, q, k, v, positions):
-        """A plain dense decode row (native step kernels, no store, no scores or positions
-        held, no per-step queries or sliding window) goes to the store in one native call;
+        """A plain dense decode row (`plain_decode`) goes to the store in one native call;
         everything else as KVManager.attend says."""
-        st = self.layers[layer]
-        d = st.dense
+        out = self.plain_decode(layer, q, k, v, positions)
+        return out if out is not None else super().attend(layer, q, k, v, positions)
+
+    def plain_decode(self, layer, q, k, v, positions, pos: int | None = None):
+        """One decode row (q, k pre-RoPE) rotated, stored and attended in one native call
+        (kvrun.kv.stores.dense.DenseSeg.rotate_append_attend), where that is all the step
+        asks: native step kernels, no store, no scores or positions held, no per-step queries
+        or sliding window. None where it does not apply."""
+        d = self.layers[layer].dense
         if (
-            d.kernels is not None
-            and k.shape[2] == 1
-            and k.shape[0] == 1
-            and not self.in_prefill
-            and not self.static
-            and self._plain_decode
-            and d.pos is None
-            and d.acc is None
+            d.kernels is None
+            or k.shape[2] != 1
+            or k.shape[0] != 1
+            or self.in_prefill
+            or self.static
+            or not self._plain_decode
+            or d.pos is not None
+            or d.acc is not None
         ):
-            return d.rotate_append_attend(self.rope, q, k, v, positions)
-        return super().attend(layer, q, k, v, positions)
+            return None
+        if pos is None:
+            pos = self.rope.position(positions)
+        return d.rotate_append_attend(self.rope, q, k, v, pos)
 
     def _position_rows(self) -> int:
         """Rows of int32 positions per slot, held (and counted) only for decode-time eviction."""

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -305,10 +306,13 @@ class Server:
         Starlette, which closes this generator) and cancel the job when it is."""
         checked = time.monotonic()
         while True:
-            try:
-                ev = await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                ev = None
+            try:  # an event already there needs no timer (a task and a handle a token)
+                ev = job.events.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    ev = None
             now = time.monotonic()
             if self.draining.is_set() and now - self.drain_t > self.s.grace:
                 job.cancel.set()
@@ -369,10 +373,17 @@ class Server:
                 elif echo:
                     yield chunk({"index": 0, "text": tok.decode(job.ids), "logprobs": None,
                                  "finish_reason": None})  # fmt: skip
+                ready: list[str] = []  # text chunks already here go out in one write
                 async for ev in self._events(request, job):
                     if ev[0] == "text":
-                        yield chunk(piece(ev[1], ev[2]))
+                        ready.append(chunk(piece(ev[1], ev[2])))
+                        if job.events.empty():
+                            yield "".join(ready)
+                            ready.clear()
                         continue
+                    if ready:
+                        yield "".join(ready)
+                        ready.clear()
                     _, result, error = ev
                     if error is not None:
                         yield f"data: {json.dumps(error_body(error, 'server_error'))}\n\n"
@@ -444,6 +455,9 @@ def _usage(done: list) -> dict:
             "kv_bytes_full": sum(r.stats.kv_bytes_full for _, r in done)}  # fmt: skip
 
 
+SWITCH_INTERVAL_S = 2e-4
+
+
 def serve(server: Server, sock, log_level: str = "warning") -> None:
     """Serve on a listening socket until SIGTERM / Ctrl-C, then close the engine thread. The
     signal starts the drain (no new requests; in-flight streams get `grace` seconds, then an
@@ -466,6 +480,10 @@ def serve(server: Server, sock, log_level: str = "warning") -> None:
                             lifespan="off", access_log=False)  # fmt: skip
     runner = Runner(config)
     server.worker.on_load_error = lambda: setattr(runner, "should_exit", True)
+    # the engine thread makes ~100 native calls a step, each letting the GIL go and taking
+    # it back; while the event loop formats and writes a token's chunk, the engine waits for
+    # the GIL up to the switch interval (5 ms by default) after each of them
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.worker.start()
     try:
         runner.run(sockets=[sock])

@@ -74,11 +74,21 @@ class Job:
     last_token: float = 0.0
     pending: list = field(default_factory=list)  # logprobs not yet sent with text
     text_parts: list[str] = field(default_factory=list)  # the text received (event loop side)
+    # the engine thread's events of this step, sent together by Worker.flush (None: at once)
+    outbox: list | None = None
 
     def post(self, *event) -> None:
         """Hand an event to the request's handler on the event loop (any thread)."""
-        if self.loop is not None and not self.loop.is_closed():
+        if self.outbox is not None:
+            self.outbox.append((self, event))
+        elif self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _deliver(batch: list) -> None:
+    """On the event loop: a step's events into their jobs' queues."""
+    for job, event in batch:
+        job.events.put_nowait(event)
 
 
 class Worker:
@@ -106,6 +116,9 @@ class Worker:
         self._lock = threading.Lock()
         self._live: set[int] = set()  # ids of jobs drawn by the engine and not yet ended
         self._jobs: dict[int, Job] = {}
+        # events posted during an engine step: one wake-up of the event loop a step, not one
+        # a token (each costs the loop a self-pipe write and the engine a GIL round trip)
+        self._outbox: list[tuple[Job, tuple]] = []
         self.thread = threading.Thread(target=self._main, name="kvrun-engine", daemon=True)
 
     def start(self) -> None:
@@ -141,6 +154,7 @@ class Worker:
             try:
                 for req, result, error in self.engine.results(self._draw(first)):
                     self._end(req.tag, result, error)
+                    self.flush()
             except _Closing:
                 return
             except Exception as e:  # noqa: BLE001 - the server keeps serving
@@ -157,6 +171,19 @@ class Worker:
             self.make_session(rt, rt.new_kv(self.default_spec)) for _ in range(self.n_parallel)
         ]
         self.engine = Engine(sessions, kv_mem=self.kv_mem)
+        self.engine.on_step = self.flush
+
+    def flush(self) -> None:
+        """Send the events posted since the last flush, one call per event loop."""
+        if not self._outbox:
+            return
+        batch, self._outbox[:] = list(self._outbox), []
+        by_loop: dict[int, tuple] = {}
+        for job, event in batch:
+            by_loop.setdefault(id(job.loop), (job.loop, []))[1].append((job, event))
+        for loop, items in by_loop.values():
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _draw(self, first: Job) -> _Draw:
         return _Draw(self, first)
@@ -169,6 +196,7 @@ class Worker:
         from ..engine import Request
 
         rt = self.runtime
+        job.outbox = self._outbox
 
         def on_start() -> None:
             self._unwait()

@@ -73,5 +73,17 @@ class Buffer:
         self.n += n
 
     def nbytes(self) -> int:
-        """Bytes of the occupied slots."""
-        return self.data.numel() * self.buf.element_size()
+        """Bytes of the occupied slots (counted without a view: caches report every step)."""
+        shape = self.buf.shape
+        per_slot = (
+            self.buf.numel() // shape[self.dim] if shape[self.dim] else _slot_elems(shape, self.dim)
+        )
+        return self.n * per_slot * self.buf.element_size()
+
+
+def _slot_elems(shape, dim: int) -> int:
+    n = 1
+    for i, d in enumerate(shape):
+        if i != dim:
+            n *= d
+    return n

@@ -75,15 +75,16 @@ class DenseSeg:
                 [self.acc, self.acc.new_zeros(self.acc.shape[0], k.shape[2])], dim=1
             )
 
-    def rotate_append_attend(self, rope, q, k, v, positions) -> torch.Tensor:
-        """A decode row on the native step kernels (`kernels` set; no positions or scores
-        held): q and k rotated, k and v stored in the next slot, q attending over every
-        slot, in one call; the arithmetic of `rope.apply`, `append` and `attend`."""
+    def rotate_append_attend(self, rope, q, k, v, pos: int) -> torch.Tensor:
+        """A decode row at position `pos` on the native step kernels (`kernels` set; no
+        positions or scores held): q and k rotated, k and v stored in the next slot, q
+        attending over every slot, in one call; the arithmetic of `rope.apply`, `append` and
+        `attend`. RoPE's rows are read from its whole tables."""
         n = self._k.n
         self.reserve(n + 1)
-        cos, _, ssin = rope._rows(positions, None)
+        cos, ssin = rope.signed_tables(pos + 1)
         out = self.kernels.rope_append_attend(
-            q, k, v, cos, ssin, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5
+            q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5
         )
         self._k.n = self._v.n = n + 1
         return out
@@ -168,7 +169,7 @@ class DenseSeg:
         return [segment_attention(q, self.k, self.v, self.mask(q_pos, n_new, window))]
 
     def nbytes(self) -> int:
-        n = self.k.numel() * self.k.element_size() * 2
+        n = self._k.nbytes() + self._v.nbytes()
         if self.pos is not None and self.count_pos:
             n += self.pos.numel() * 4
         if self.acc is not None:
