@@ -11,6 +11,7 @@
 //   rmsnorm, rope, silu_mul, attn_decode: the rest of a decode step (qstep.h), float32
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
+//   refine_top: the output head's top logits recomputed from the exact weights
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
 //   has_gemm(code) -> bool        whether a type (| X8_FLAG) has a native product here
@@ -26,6 +27,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -569,6 +571,52 @@ at::Tensor attn_out(const at::Tensor& x, const at::Tensor& attn, at::TensorList 
   return out;
 }
 
+// The output head's top logits made exact: for each row r of y (R, N) = x (R, K) @ W^T from the
+// fast products, the logits within `margin` of the row's largest (at most `most` of them, the
+// largest) are recomputed from W's exact dequantized rows (the dot product summed in double).
+void refine_top(at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, int64_t code, int64_t n,
+                int64_t k, double margin, int64_t most) {
+  check_x(x);
+  check_f32(y, "y");
+  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == n &&
+                  x.size(1) == k,
+              "refine_top: y (R, N), x (R, K)");
+  const Weight w = check_weight(wt, code, n, k);
+  const kvq::DequantFn fn = current()->dequant[w.type];
+  TORCH_CHECK(fn != nullptr, "GGUF type ", w.type, " has no native dequantization");
+  const kvq::TypeInfo ti = kvq::type_info(w.type);
+  std::vector<uint8_t> blocks(k / ti.block * ti.bytes);
+  std::vector<float> row(k);
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < y.size(0); r++) {
+    float* yr = yp + r * n;
+    const float* xr = xp + r * k;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) m = yr[j] > m ? yr[j] : m;
+    const float floor = m - (float)margin;
+    std::vector<std::pair<float, int64_t>> top;
+    for (int64_t j = 0; j < n; j++)
+      if (yr[j] > floor) top.emplace_back(yr[j], j);
+    if ((int64_t)top.size() > most) {
+      std::partial_sort(top.begin(), top.begin() + most, top.end(),
+                        [](const auto& a, const auto& b) { return a.first > b.first; });
+      top.resize(most);
+    }
+    for (const auto& [_, j] : top) {
+      const uint8_t* src = w.t->data_ptr<uint8_t>() + j * w.row_bytes;
+      if (w.x8) {
+        row_blocks(w, j, blocks.data());
+        src = blocks.data();
+      }
+      fn(src, k, row.data());
+      double acc = 0.0;
+      for (int64_t i = 0; i < k; i++) acc += (double)row[i] * (double)xr[i];
+      yr[j] = (float)acc;
+    }
+  }
+}
+
 bool has_dequant(int64_t type) {
   return type >= 0 && type < kvq::NTYPES && current()->dequant[type] != nullptr;
 }
@@ -584,6 +632,10 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("unpack(Tensor w, int type, int n, int k) -> Tensor", &unpack);
   m.def("has_x8(int type) -> bool", &has_x8);
   m.def("quantize_act(Tensor x, int kind) -> Tensor[]", &quantize_act);
+  m.def(
+      "refine_top(Tensor(a!) y, Tensor x, Tensor w, int code, int n, int k, float margin, "
+      "int most) -> ()",
+      &refine_top);
   m.def("rmsnorm(Tensor x, Tensor w, float eps) -> Tensor", &rmsnorm);
   m.def("rope(Tensor x, Tensor cos, Tensor ssin) -> Tensor", &rope);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);

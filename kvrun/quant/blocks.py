@@ -283,7 +283,12 @@ class BlockLinear(nn.Module):
         if not self.takes_native(rows, exact=not decode):
             return self._exact(x)
         y = self._native(x)
-        y2, x2 = y.view(rows, -1), x.reshape(rows, -1)  # (R, N), (R, K)
+        y2 = y.view(rows, -1)  # (R, N)
+        x2 = x.reshape(rows, -1).float().contiguous()  # (R, K)
+        if y2.dtype == torch.float32 and len(self.types) == 1:  # one native call (double sums)
+            native.ops().refine_top(y2, x2, self._ws[0], self._codes[0], self.out_features,
+                                    self.in_features, REFINE_MARGIN, REFINE)  # fmt: skip
+            return y
         for r in range(rows):
             row = y2[r]
             top = (row > row.max() - REFINE_MARGIN).nonzero().squeeze(1)  # (J,)
