@@ -64,6 +64,9 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
     \b
     Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
     GET /health (503 while the model loads), GET /metrics (Prometheus).
+    Prompts are prefilled in chunks of --ubatch tokens between the decode steps of the other
+    sequences; its default here is the rows the native CPU products take (128 or fewer), so
+    a long prompt delays them by one short chunk at a time.
     A request may pick its cache with the extension fields "kv" and "kv_budget"
     (the --kv grammar); `usage` reports kv_bytes and kv_bytes_full.
 
@@ -101,8 +104,14 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
         err_console.print(f"model {rt.config.name} ready in {rt.load_s:.1f}s", style="green")
         return rt
 
+    # a prompt's prefill chunk delays every decoding sequence's next token: unless --ubatch is
+    # given, chunks are as long as the fast products take (kvrun.quant.blocks.native_rows), so
+    # that delay stays one short chunk (vLLM bounds a step's tokens the same way)
+    own_ubatch = ctx.get_parameter_source("ubatch") is not click.core.ParameterSource.DEFAULT
+
     def make_session(rt, kv):
-        return new_session(rt, kv, kw, note=False)
+        opts = kw if own_ubatch else {**kw, "ubatch": serve_ubatch(rt, kw["ubatch"])}
+        return new_session(rt, kv, opts, note=False)
 
     settings = Settings(
         names=list(dict.fromkeys([name, Path(name).stem, Path(name).name])),
@@ -124,3 +133,12 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def serve_ubatch(rt, ubatch: int) -> int:
+    """The prefill chunk of a server's sessions when --ubatch is not given: at most the rows the
+    native products take where the model runs on them, else --ubatch's default."""
+    from ..quant.blocks import BlockLinear, native_rows
+
+    native = any(type(m) is BlockLinear and m._native_ok for m in rt.model.modules())
+    return min(ubatch, native_rows()) if native else ubatch
