@@ -174,7 +174,17 @@ def load_gguf(
         if hf is None:
             continue
         if holds_blocks(wtype, t.tensor_type.name, hf, native):
-            w = blocks_from_gguf(t)  # the file's own blocks, whatever their type
+            # the file's own blocks, whatever their type; Q and K rows in RoPE's order, and
+            # interleaved at once where the native kernels multiply by them (an untied
+            # embedding table only gathers rows)
+            heads = _qk_heads(hf, config)
+            order = None if heads is None else unpermute_qk(torch.arange(t.data.shape[0]), heads)
+            x8 = native and ("embed_tokens" not in hf or config.tie_embeddings)
+            tensors[hf] = blocks_from_gguf(t, order, interleave=x8)
+            reader.release(t)
+            if progress:
+                progress(i + 1, len(reader.tensors))
+            continue
         else:
             bits = target_bits(wtype, t.tensor_type.name, hf)
             if bits is not None and wtype != "packed":
@@ -251,6 +261,15 @@ def load_safetensors(
     return LoadedWeights(
         config, tensors, tok, root, "safetensors", types, {}, wtype, "", None, entry, cache_note
     )
+
+
+def _qk_heads(hf: str, config: ModelConfig) -> int | None:
+    """The heads a Q or K weight's rows are permuted over in GGUF (else None)."""
+    if hf.endswith("q_proj.weight"):
+        return config.n_heads
+    if hf.endswith("k_proj.weight"):
+        return config.n_kv_heads
+    return None
 
 
 def _native_here(device: torch.device | None) -> bool:

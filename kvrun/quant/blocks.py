@@ -95,12 +95,24 @@ class Blocks:
         )
 
 
-def from_gguf(t) -> Blocks:
-    """A GGUF tensor (gguf ReaderTensor) as its blocks, copied out of the memory map."""
-    data = np.asarray(t.data)
-    n = data.shape[0]
+def from_gguf(t, order: torch.Tensor | None = None, interleave: bool = False) -> Blocks:
+    """A GGUF tensor (gguf ReaderTensor) as its blocks, its rows in `order` (Q and K's RoPE
+    layout) where given, copied out of the memory map once: straight into the interleaved
+    layout where asked and the native kernels have one for the type."""
+    import warnings
+
     k = int(t.shape[0])  # GGUF lists the fastest-varying dimension first
-    return Blocks(t.tensor_type.name, n, k, torch.from_numpy(np.array(data)).view(n, -1))
+    arr = np.asarray(t.data)
+    with warnings.catch_warnings():  # a read-only map: only read here, copied below
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.from_numpy(arr).view(arr.shape[0], -1)
+    data = view if order is None else view[order]
+    b = Blocks(t.tensor_type.name, data.shape[0], k, data)
+    if interleave:
+        x8 = b.interleaved()
+        if x8 is not b:
+            return x8
+    return b if order is not None else Blocks(b.type, b.n, k, data.clone())
 
 
 def native_dot(type_name: str) -> bool:
