@@ -192,7 +192,7 @@ class Transformer(nn.Module):
             w = tensors.pop(name)
             if isinstance(w, Blocks):
                 kind = BlockEmbedding if attr == "embed_tokens" else BlockLinear
-                mod = kind([w], dtype)
+                mod = kind([w], dtype, scratch)
             else:
                 kind = PackedEmbedding if attr == "embed_tokens" else PackedLinear
                 mod = kind(w, dtype, scratch)
@@ -266,7 +266,7 @@ class Transformer(nn.Module):
             prefix = f"{name}."
             bufs = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
             if facts["kind"].startswith("block"):
-                mod = BlockLinear.restore(facts, bufs, dtype)
+                mod = BlockLinear.restore(facts, bufs, dtype, scratch)
             else:
                 mod = PackedLinear.restore(facts, bufs, dtype, scratch)
             setattr(m.get_submodule(parent), attr, mod)

@@ -45,6 +45,28 @@ def run(rt, spec, budget, ids, steps):
     return torch.stack(logits)
 
 
+def batched_steps(make_sessions, tokens: list[int], n: int) -> torch.Tensor:
+    """n batched greedy decode steps of fresh sessions, from `tokens`: the logits (n, B, V)."""
+    sessions, out = make_sessions(), []
+    for _ in range(n):
+        logits = Session.decode_batch(sessions, tokens)
+        tokens = logits.argmax(-1).tolist()
+        out.append(logits)
+    return torch.stack(out)
+
+
+def loop_and_modules(m, make_sessions, tokens, n, mp):
+    """The batched steps through the fused loop and through the modules, and the loop's calls."""
+    with counted(mp) as calls:
+        fast = batched_steps(make_sessions, tokens, n)
+    m.use_fused_decode = False
+    try:
+        ref = batched_steps(make_sessions, tokens, n)
+    finally:
+        m.use_fused_decode = True
+    return fast, ref, calls
+
+
 def test_binds_packed_models_only(packed_runtime, default_runtime):  # noqa: F811
     layers = fused_decode.bind(packed_runtime.model)
     assert layers is not None and len(layers) == packed_runtime.config.n_layers
@@ -93,27 +115,16 @@ def test_batched_rows_equal_modules(packed_runtime, monkeypatch):  # noqa: F811
     texts = [TEXT, TEXT * 2, "Once upon a time " * 5]
     specs = [("full", None), ("snapkv", "0.5"), ("kivi2", None)]
 
-    def steps(n):
-        sessions = []
+    def sessions():
+        out = []
         for text, (spec, budget) in zip(texts, specs, strict=True):
             s = Session(m, rt.tokenizer, rt.new_kv(check(spec, budget)), ubatch=64)
             s.prefill(rt.tokenizer.encode(text))
-            sessions.append(s)
-        tokens, out = [5, 6, 7], []
-        for _ in range(n):
-            logits = Session.decode_batch(sessions, tokens)
-            tokens = logits.argmax(-1).tolist()
-            out.append(logits)
-        return torch.stack(out)
+            out.append(s)
+        return out
 
-    with counted(monkeypatch) as calls:
-        fast = steps(20)
+    fast, ref, calls = loop_and_modules(m, sessions, [5, 6, 7], 20, monkeypatch)
     assert len(calls) == 20 and calls[0][0] == 3
-    m.use_fused_decode = False
-    try:
-        ref = steps(20)
-    finally:
-        m.use_fused_decode = True
     assert torch.equal(fast, ref)
 
 
@@ -163,23 +174,12 @@ def test_wide_native_batch_equals_modules(packed_runtime, monkeypatch):  # noqa:
     rt, m = packed_runtime, packed_runtime.model
     ids = [rt.tokenizer.encode(f"Story {i}: " + TEXT[: 40 + 7 * i]) for i in range(10)]
 
-    def steps(n):
-        sessions = [Session(m, rt.tokenizer, rt.new_kv(), ubatch=64) for _ in ids]
-        for s, x in zip(sessions, ids, strict=True):
+    def sessions():
+        out = [Session(m, rt.tokenizer, rt.new_kv(), ubatch=64) for _ in ids]
+        for s, x in zip(out, ids, strict=True):
             s.prefill(x)
-        tokens, out = list(range(5, 15)), []
-        for _ in range(n):
-            logits = Session.decode_batch(sessions, tokens)
-            tokens = logits.argmax(-1).tolist()
-            out.append(logits)
-        return torch.stack(out)
+        return out
 
-    with counted(monkeypatch) as calls:
-        fast = steps(6)
+    fast, ref, calls = loop_and_modules(m, sessions, list(range(5, 15)), 6, monkeypatch)
     assert len(calls) == 6 and calls[0][0] == 10
-    m.use_fused_decode = False
-    try:
-        ref = steps(6)
-    finally:
-        m.use_fused_decode = True
     assert torch.equal(fast, ref)

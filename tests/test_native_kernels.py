@@ -38,7 +38,7 @@ SCALES = {
     Q.IQ4_XS: [0],
 }  # fmt: skip
 PRODUCTS = [t for t in SCALES if t not in (Q.Q2_K, Q.Q3_K)]  # Q2_K, Q3_K: dequantized only
-INTERLEAVED = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+INTERLEAVED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 ISAS = [] if ops is None else [i for i in ("portable", "avx2", "avx512vnni", "avxvnni")]
 
 

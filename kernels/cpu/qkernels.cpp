@@ -755,6 +755,8 @@ Table make_table() {
 #endif
   t.gemm_x8[Q4_0] = gemm_x8<Q4_0>;
   t.gemm_x8[Q4_1] = gemm_x8<Q4_1>;
+  t.gemm_x8[Q5_0] = gemm_x8<Q5_0>;
+  t.gemm_x8[Q5_1] = gemm_x8<Q5_1>;
   t.gemm_x8[Q8_0] = gemm_x8<Q8_0>;
   t.gemm_x8[IQ4_NL] = gemm_x8<IQ4_NL>;
   t.gemm_x8[Q4_K] = gemm_x8<Q4_K>;

@@ -11,6 +11,8 @@
 // Per group and block index (r: row in the group 0..7; "runs" are 4 bytes of one row):
 //   Q4_0, IQ4_NL  d[8] f16 | qs: run j (0..3) of rows 0..7 (bytes 4j..4j+3)        144 bytes
 //   Q4_1          d[8] f16 | m[8] f16 | qs as Q4_0                                   160
+//   Q5_0          d[8] f16 | qh: rows 0..7 (4 bytes each) | qs as Q4_0                 176
+//   Q5_1          d[8] f16 | m[8] f16 | qh as Q5_0 | qs as Q4_0                      192
 //   Q8_0          d[8] f16 | qs: run e (0..7) of rows 0..7                            272
 //   Q4_K          d[8] | dmin[8] f16 | sc[j][r] | mn[j][r] u8 (j: sub-block 0..7)
 //                 | qs: chunk c (0..3), run e (0..7) of bytes 32c.. of rows 0..7      1184
@@ -28,8 +30,8 @@ namespace kvq {
 constexpr int X8 = 8;  // rows per group
 
 constexpr bool has_x8(int t) {
-  return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == IQ4_NL || t == Q4_K || t == Q5_K ||
-         t == Q6_K || t == IQ4_XS;
+  return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == IQ4_NL ||
+         t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS;
 }
 
 // bytes of one group's blocks at one block index
@@ -37,6 +39,8 @@ constexpr int x8_bytes(int t) {
   switch (t) {
     case Q4_0: case IQ4_NL: return 144;
     case Q4_1: return 160;
+    case Q5_0: return 176;
+    case Q5_1: return 192;
     case Q8_0: return 272;
     case Q4_K: return 1184;
     case Q5_K: return 1440;
@@ -80,6 +84,17 @@ inline void repack_x8(int t, uint8_t* dst, const uint8_t* const src[X8]) {
       interleave_runs(dst, at(0), 1, 2);
       interleave_runs(dst + 16, at(2), 1, 2);
       interleave_runs(dst + 32, at(4), 4, 4);
+      break;
+    case Q5_0:
+      interleave_runs(dst, at(0), 1, 2);
+      interleave_runs(dst + 16, at(2), 1, 4);
+      interleave_runs(dst + 48, at(6), 4, 4);
+      break;
+    case Q5_1:
+      interleave_runs(dst, at(0), 1, 2);
+      interleave_runs(dst + 16, at(2), 1, 2);
+      interleave_runs(dst + 32, at(4), 1, 4);
+      interleave_runs(dst + 64, at(8), 4, 4);
       break;
     case Q8_0:
       interleave_runs(dst, at(0), 1, 2);
@@ -138,6 +153,17 @@ inline void unpack_x8(int t, uint8_t* out, const uint8_t* src, int lane) {
       deinterleave_runs(out, src, lane, 1, 2);
       deinterleave_runs(out + 2, src + 16, lane, 1, 2);
       deinterleave_runs(out + 4, src + 32, lane, 4, 4);
+      break;
+    case Q5_0:
+      deinterleave_runs(out, src, lane, 1, 2);
+      deinterleave_runs(out + 2, src + 16, lane, 1, 4);
+      deinterleave_runs(out + 6, src + 48, lane, 4, 4);
+      break;
+    case Q5_1:
+      deinterleave_runs(out, src, lane, 1, 2);
+      deinterleave_runs(out + 2, src + 16, lane, 1, 2);
+      deinterleave_runs(out + 4, src + 32, lane, 1, 4);
+      deinterleave_runs(out + 8, src + 64, lane, 4, 4);
       break;
     case Q8_0:
       deinterleave_runs(out, src, lane, 1, 2);

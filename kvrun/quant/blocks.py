@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native, probes
-from .linear import DECODE_ROWS, REFINE, REFINE_MARGIN, SLAB_ELEMS
+from .linear import DECODE_ROWS, REFINE, REFINE_MARGIN, SLAB_ELEMS, Scratch
 
 X8_FLAG = 256  # kernels/cpu/qtypes.h: a type code plus this names the interleaved layout
 
@@ -74,11 +74,14 @@ class Blocks:
             return Blocks(self.type, r1 - r0, self.k, self.data[r0:r1])
         return Blocks(self.type, r1 - r0, self.k, self.data[r0 // 8 : -(-r1 // 8)], True)
 
-    def dequantize(self, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows idx (or all) as float32 (R, K): exactly gguf.quants.dequantize's values."""
+    def dequantize(
+        self, idx: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows idx (or all) as float32 (R, K): exactly gguf.quants.dequantize's values (into
+        `out`, a float32 buffer of R x K elements, where given and dequantized natively)."""
         ops = native.ops()
         if ops is not None and ops.has_dequant(type_id(self.type)):
-            return ops.dequant(self.data, self.code, self.n, self.k, idx)
+            return ops.dequant(self.data, self.code, self.n, self.k, idx, out).view(-1, self.k)
         import gguf
 
         raw = self.data if idx is None else self.data[idx]
@@ -156,9 +159,10 @@ class BlockLinear(nn.Module):
     whose types may differ (a Q4_K_M file's V is Q6_K beside Q4_K Q and K). One native call
     quantizes x once for all the parts."""
 
-    def __init__(self, parts: list[Blocks], dtype: torch.dtype):
+    def __init__(self, parts: list[Blocks], dtype: torch.dtype, scratch: Scratch | None = None):
         super().__init__()
         self.dtype = dtype
+        self.scratch = scratch or Scratch()  # the exact path's dequantized slabs, reused
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
         self.types = [p.type for p in parts]
@@ -212,7 +216,7 @@ class BlockLinear(nn.Module):
             return None
         if len({m.in_features for m in mods}) != 1:
             return None
-        return cls([p for m in mods for p in m.parts()], mods[0].dtype)
+        return cls([p for m in mods for p in m.parts()], mods[0].dtype, mods[0].scratch)
 
     def facts(self) -> dict:
         """What, beside its buffers, rebuilds this layer (`restore`; kvrun/quant/model_cache.py)."""
@@ -226,7 +230,9 @@ class BlockLinear(nn.Module):
         }
 
     @staticmethod
-    def restore(facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype) -> BlockLinear:
+    def restore(
+        facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: Scratch
+    ) -> BlockLinear:
         cls = BlockEmbedding if facts["kind"] == "block_embedding" else BlockLinear
         parts = [
             Blocks(t, n, facts["k"], buffers[f"b{i}"], x8)
@@ -234,7 +240,7 @@ class BlockLinear(nn.Module):
                 zip(facts["types"], facts["rows"], facts["x8"], strict=True)
             )
         ]
-        return cls(parts, dtype)
+        return cls(parts, dtype, scratch)
 
     def extra_repr(self) -> str:
         layout = "interleaved" if all(self.x8s) else "row-major" if not any(self.x8s) else "mixed"
@@ -274,7 +280,9 @@ class BlockLinear(nn.Module):
         out = []
         for p in self.parts():
             for r0 in range(0, p.n, step):
-                w = p.slab(r0, min(r0 + step, p.n)).dequantize()
+                r1 = min(r0 + step, p.n)
+                buf = self.scratch.get((r1 - r0) * k, torch.float32, xx.device)
+                w = p.slab(r0, r1).dequantize(out=buf)
                 out.append(F.linear(xx, w if self.dtype == torch.float32 else w.to(self.dtype)))
         y = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
         return y.to(x.dtype)

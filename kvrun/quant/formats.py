@@ -53,8 +53,8 @@ def target_bits(wtype: str, source: str, name: str) -> int | None:
 # GGUF types the native kernels read in the 8-row interleaved layout, and its bytes per
 # 8 rows and block (kernels/cpu/qlayout.h); other types stay as the file lays them out
 X8_BYTES = {
-    "Q4_0": 144, "IQ4_NL": 144, "Q4_1": 160, "Q8_0": 272, "Q4_K": 1184, "Q5_K": 1440,
-    "Q6_K": 1680, "IQ4_XS": 1104,
+    "Q4_0": 144, "IQ4_NL": 144, "Q4_1": 160, "Q5_0": 176, "Q5_1": 192, "Q8_0": 272,
+    "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680, "IQ4_XS": 1104,
 }  # fmt: skip
 # (elements, bytes) per block of the quantized types (gguf.GGML_QUANT_SIZES, without torch)
 BLOCK_SIZES = {
