@@ -6,7 +6,9 @@ OpenAI server, on the same GGUF file and thread count.
     python bench/serve.py --write                 # also into bench/README.md (serve markers)
     python bench/serve.py -m llama3-8b-synthetic --clients 32 --device cuda --servers kvrun-full
 
-For each server and each client count C the server is started afresh (kvrun and llama-server
+With --rounds N every setting runs N times, the servers alternating (the order flips per
+setting and round), and each row is the median round: a host whose speed drifts then hits
+every server alike. For each server and each client count C the server is started afresh (kvrun and llama-server
 with C slots, -np C; llama-cpp-python's server has one), and C clients (threads) each send
 --requests streamed chat requests one after another: a ~60-token prompt (a different one per
 request) and a --max-tokens greedy answer. Measured per setting: aggregate generated tokens per
@@ -233,11 +235,39 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def run_one(name: str, model: str, clients: int, a, env) -> dict:
+    """One server started afresh with `clients` slots, under `clients` clients: its row."""
+    port = free_port()
+    row = {"server": name, "clients": clients}
+    try:
+        srv = Running(command(name, model, port, clients, a), port, env)
+    except (RuntimeError, subprocess.CalledProcessError, SystemExit, OSError) as e:
+        log(f"  failed: {e}")
+        return row | {"error": f"start: {e}"}
+    try:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        one_request(url, "model", 999, argparse.Namespace(max_tokens=8))  # warm-up
+        row |= load(url, "model", clients, a)
+        log(f"  {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s")
+    except Exception as e:  # noqa: BLE001 - recorded, the others still run
+        row["error"] = f"{type(e).__name__}: {e}"
+        log(f"  failed: {row['error']}")
+    finally:
+        srv.stop()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF path or name (default smollm2)")
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds over every setting, servers alternating; the median is shown",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
@@ -254,32 +284,36 @@ def main() -> None:
     # a preset (llama3-8b-synthetic: real shapes, random weights) is kvrun's alone
     model = a.model if is_preset(a.model) else str(resolve(a.model, pull_missing=True, log=log))
     env = vl.thread_env(a.threads)
+    servers = a.servers.split(",")
+    clients_list = [int(c) for c in a.clients.split(",")]
+    runs: dict[tuple[str, int], list[dict]] = {}
+    failed: set[str] = set()
+    for rnd in range(a.rounds):  # servers alternate per setting, so a drifting host hits both
+        for ci, clients in enumerate(clients_list):
+            order = servers if (rnd + ci) % 2 == 0 else servers[::-1]
+            for name in [s for s in order if s not in failed]:
+                log(
+                    f"{name}: {clients} clients x {a.requests} requests (round {rnd + 1}/{a.rounds})"
+                )
+                row = run_one(name, model, clients, a, env)
+                if "error" in row and row["error"].startswith("start:"):
+                    failed.add(name)  # the next settings would fail the same way
+                runs.setdefault((name, clients), []).append(row)
     rows = []
-    for name in a.servers.split(","):
-        clients_list = [int(c) for c in a.clients.split(",")]
+    for name in servers:
         for clients in clients_list:
-            log(f"{name}: {clients} clients x {a.requests} requests")
-            port = free_port()
-            row = {"server": name, "clients": clients}
-            try:
-                srv = Running(command(name, model, port, clients, a), port, env)
-            except (RuntimeError, subprocess.CalledProcessError, SystemExit, OSError) as e:
-                rows.append(row | {"error": f"start: {e}"})
-                log(f"  failed: {e}")
-                break  # the next client counts would fail the same way
-            try:
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                one_request(url, "model", 999, argparse.Namespace(max_tokens=8))  # warm-up
-                row |= load(url, "model", clients, a)
-                log(f"  {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f} s")
-            except Exception as e:  # noqa: BLE001 - recorded, the others still run
-                row["error"] = f"{type(e).__name__}: {e}"
-                log(f"  failed: {row['error']}")
-            finally:
-                srv.stop()
+            got = runs.get((name, clients), [])
+            ok = sorted((r for r in got if "tok_s" in r), key=lambda r: r["tok_s"])
+            if not ok:
+                rows.append(got[0] if got else {"server": name, "clients": clients,
+                                                "error": "not run"})  # fmt: skip
+                continue
+            row = dict(ok[len(ok) // 2])  # the median round, with its latencies
+            row["rounds_tok_s"] = [r["tok_s"] for r in got if "tok_s" in r]
             rows.append(row)
     cmd = "python " + shlex.join(sys.argv)
-    text = f"`{cmd}` ({dt.date.today()}, {machine(torch.device(a.device))['device_name']}, {a.threads} threads)\n\n{table(rows)}"
+    rounds = f"; median of {a.rounds} rounds, servers alternating" if a.rounds > 1 else ""
+    text = f"`{cmd}` ({dt.date.today()}, {machine(torch.device(a.device))['device_name']}, {a.threads} threads{rounds})\n\n{table(rows)}"
     print(text)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
