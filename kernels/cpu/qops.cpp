@@ -18,7 +18,8 @@
 //
 // x is quantized once per call (q8_0/q8_1 and/or q8_K, as the types read them) and shared by
 // every weight in the call: Q, K and V of a layer (or gate and up) make one call even where
-// their types differ. Threads: PyTorch's own pool (at::parallel_for), over tiles of weight rows.
+// their types differ. Threads: PyTorch's own pool (at::parallel_for), over tiles of weight rows
+// handed out as threads ask (dynamic_for).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +33,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -172,6 +174,24 @@ struct ActBuffers {
   }
 };
 
+// [0, n) in chunks of at least `grain`, handed out to torch's threads as each asks for the
+// next (an atomic counter, as ggml's threads take chunks): a thread the OS holds back (a
+// server's event loop or another job on a small machine, a busy vCPU) then takes fewer chunks
+// instead of making the whole call wait for its fixed half. Each index still runs once, so
+// results do not depend on the schedule.
+template <class F>
+void dynamic_for(int64_t n, int64_t grain, const F& f) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) return f(0, n);
+  const int64_t chunk = std::max<int64_t>(grain, n / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk))
+      f(b, std::min(n, b + chunk));
+  });
+}
+
 constexpr int64_t TILE_ROWS = 16;  // weight rows a task takes (two interleaved groups)
 
 // the weights of one call, checked, with their output columns
@@ -206,7 +226,7 @@ struct Call {
     // enough tiles per task that a task is worth a thread's wake-up (~16 KB of weights)
     const int64_t tile_bytes = TILE_ROWS * k / 2;
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile_bytes));
-    at::parallel_for(0, tile_start.back(), grain, [&](int64_t b, int64_t e) {
+    dynamic_for(tile_start.back(), grain, [&](int64_t b, int64_t e) {
       size_t seg = 0;
       for (int64_t tile = b; tile < e; tile++) {
         while (tile >= tile_start[seg + 1]) seg++;
@@ -452,7 +472,7 @@ void attend_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t 
   chunk = std::min<int64_t>(std::max<int64_t>(chunk, 256), t);
   const int64_t nc = (t + chunk - 1) / chunk, tasks = hkv * nc;
   std::vector<float> part(tasks * g * d), mx(tasks * g), sm(tasks * g);
-  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t e0) {
+  dynamic_for(tasks, 1, [&](int64_t b0, int64_t e0) {
     std::vector<float> scores(g * chunk);
     for (int64_t task = b0; task < e0; task++) {
       const int64_t c = task % nc, h = task / nc;
