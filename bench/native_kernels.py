@@ -13,12 +13,12 @@ bytes read per second. Best of 5 repeats, each the mean of many products, 2 thre
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from headline import write_section
 
 HERE = Path(__file__).parent
 README = HERE / "README.md"
@@ -115,11 +115,7 @@ def main(argv=None) -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        block = f"{BEGIN}\n{text}\n{END}"
-        old = README.read_text()
-        pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-        README.write_text(pattern.sub(lambda _: block, old) if pattern.search(old)
-                          else old.rstrip("\n") + "\n\n" + block + "\n")  # fmt: skip
+        write_section(README, text, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,13 @@ import argparse
 import datetime as dt
 import json
 import math
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402
+from headline import write_section  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE / ".quant-files"
@@ -284,11 +284,7 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.write:
-        block = f"{BEGIN}\n{text}\n{END}"
-        old = README.read_text()
-        pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-        README.write_text(pattern.sub(lambda _: block, old) if pattern.search(old)
-                          else old.rstrip("\n") + "\n\n" + block + "\n")  # fmt: skip
+        write_section(README, text, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -459,50 +459,24 @@ inline __m256i iq4_levels() {
   return _mm256_set_m128i(t, t);
 }
 
+// One 32-element block of type T: its bytes, its 32 codes as bytes (Q5's fifth bits and
+// IQ4_NL's levels applied) and the dot product they take: unsigned codes for the offset
+// types (the offset comes back through the activation sums), signed for Q8_0 and IQ4_NL.
 template <int T>
-struct Dec32;
-
-template <>
-struct Dec32<Q4_0> {
-  static constexpr int BYTES = 18;
-  static __m256i codes(const uint8_t* w) { return nibbles(w + 2); }
-  static __m256i dot(__m256i q, __m256i y) { return dot_us(q, y); }
-};
-template <>
-struct Dec32<Q4_1> {
-  static constexpr int BYTES = 20;
-  static __m256i codes(const uint8_t* w) { return nibbles(w + 4); }
-  static __m256i dot(__m256i q, __m256i y) { return dot_us(q, y); }
-};
-template <>
-struct Dec32<Q5_0> {
-  static constexpr int BYTES = 22;
+struct Dec32 {
+  static constexpr int QS = T == Q4_1 ? 4 : T == Q5_0 ? 6 : T == Q5_1 ? 8 : 2;  // codes start
+  static constexpr int BYTES = T == Q8_0 ? 34 : QS + 16;
   static __m256i codes(const uint8_t* w) {
-    return _mm256_or_si256(nibbles(w + 6), fifth_bits(load_u32(w + 2)));
+    if constexpr (T == Q8_0) return _mm256_loadu_si256((const __m256i*)(w + QS));
+    else if constexpr (T == IQ4_NL) return _mm256_shuffle_epi8(iq4_levels(), nibbles(w + QS));
+    else if constexpr (T == Q5_0 || T == Q5_1)  // the 32 fifth bits just before the codes
+      return _mm256_or_si256(nibbles(w + QS), fifth_bits(load_u32(w + QS - 4)));
+    else return nibbles(w + QS);
   }
-  static __m256i dot(__m256i q, __m256i y) { return dot_us(q, y); }
-};
-template <>
-struct Dec32<Q5_1> {
-  static constexpr int BYTES = 24;
-  static __m256i codes(const uint8_t* w) {
-    return _mm256_or_si256(nibbles(w + 8), fifth_bits(load_u32(w + 4)));
+  static __m256i dot(__m256i q, __m256i y) {
+    if constexpr (T == Q8_0 || T == IQ4_NL) return dot_ss(q, y);
+    else return dot_us(q, y);
   }
-  static __m256i dot(__m256i q, __m256i y) { return dot_us(q, y); }
-};
-template <>
-struct Dec32<Q8_0> {
-  static constexpr int BYTES = 34;
-  static __m256i codes(const uint8_t* w) { return _mm256_loadu_si256((const __m256i*)(w + 2)); }
-  static __m256i dot(__m256i q, __m256i y) { return dot_ss(q, y); }
-};
-template <>
-struct Dec32<IQ4_NL> {
-  static constexpr int BYTES = 18;
-  static __m256i codes(const uint8_t* w) {
-    return _mm256_shuffle_epi8(iq4_levels(), nibbles(w + 2));
-  }
-  static __m256i dot(__m256i q, __m256i y) { return dot_ss(q, y); }
 };
 
 // one weight row against MT activation rows (i0 ..), blocks of 32
