@@ -34,7 +34,7 @@ default model's 49,152-token tokenizer; ~4.2 GB), written to PATH first if it is
 (about half a minute). At that size the matmuls dominate rather than Python overhead as on
 the 135M default model. --synthetic-tests (default pp128,tg32) run on it with the same
 alternation, warm-ups, threads and reps; the rows are labelled "llama3-8b-shape Q4_0 (same
-file)" and come with both sides' load time and peak RSS on it (kvrun's load time from the
+file)" (the file's type) and come with both sides' load time and peak RSS on it (kvrun's load time from the
 load probe, one per rep). --baseline-wtype is not applied to it (a dense float32 copy of
 an 8B body does not fit in memory). --tests '' then runs the file alone (no default-model
 tests, load/RSS rows or preset rows).
@@ -65,7 +65,7 @@ README = BENCH_DIR / "README.md"
 VENV_DIR = BENCH_DIR / ".venv-llamacpp"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYNTH_8B = "llama3-8b-synthetic"
-SAME_FILE_LABEL = "llama3-8b-shape Q4_0 (same file)"
+SAME_FILE_LABEL = "llama3-8b-shape {kind} (same file)"
 SECTION_TITLE = "## kvrun vs llama.cpp (CPU)"
 BEGIN, END = "<!-- vs-llamacpp:begin -->", "<!-- vs-llamacpp:end -->"
 MiB = 1024 * 1024
@@ -497,21 +497,39 @@ def kvrun_8b_decode(args) -> dict:
 # ---------------------------------------------------------------- the same 8B-shaped file
 
 
-def synth_label(layers: int | None) -> str:
+def synth_label(layers: int | None, kind: str = "Q4_0") -> str:
+    label = SAME_FILE_LABEL.format(kind=kind)
     if layers in (None, 32):
-        return SAME_FILE_LABEL
-    return SAME_FILE_LABEL.replace(" (", f", {layers} layers (", 1)
+        return label
+    return label.replace(" (", f", {layers} layers (", 1)
 
 
-def file_layers(path: str) -> int | None:
-    """llama.block_count of a GGUF file (None if unreadable)."""
+def file_field(path: str, key: str):
+    """One metadata value of a GGUF file (None if unreadable)."""
     try:
         import gguf
 
-        f = gguf.GGUFReader(path, "r").fields.get("llama.block_count")
-        return int(f.contents()) if f is not None else None
+        f = gguf.GGUFReader(path, "r").fields.get(key)
+        return f.contents() if f is not None else None
     except Exception:  # noqa: BLE001 - only the label depends on it
         return None
+
+
+def file_layers(path: str) -> int | None:
+    """llama.block_count of a GGUF file."""
+    n = file_field(path, "llama.block_count")
+    return int(n) if n is not None else None
+
+
+def file_kind(path: str) -> str:
+    """The file's type as llama.cpp names it (general.file_type: Q4_0, Q4_K_M, ...)."""
+    import gguf
+
+    code = file_field(path, "general.file_type")
+    try:
+        return gguf.LlamaFileType(int(code)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return "Q4_0"
 
 
 def ensure_synthetic(args) -> dict:
@@ -536,7 +554,7 @@ def ensure_synthetic(args) -> dict:
     return {
         "path": path,
         "layers": layers,
-        "label": synth_label(layers),
+        "label": synth_label(layers, file_kind(path)),
         "bytes": Path(path).stat().st_size,
         "created": created,
     }
