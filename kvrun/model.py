@@ -159,10 +159,13 @@ class Transformer(nn.Module):
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         self.rope: Rope | None = None
         self._fused: list | None | bool = False  # fused_decode.bind's layers; False: not bound
+        # a packed-cache load's weights on their way into huge pages (kvrun.quant.model_cache)
+        self.adopt = None
         self.use_fused_decode = True  # False: decode steps go through the modules (to compare)
 
     def _apply(self, fn, recurse=True):
         self._fused = False  # .to() / .cuda(): the bound tensors are stale
+        self.adopt = None  # and the mapped ones are no longer the model's
         return super()._apply(fn, recurse)
 
     @classmethod
@@ -334,6 +337,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T) at positions (T,), or (B, T) when each row is its
         own sequence (kv is then a kvrun.batch.BatchKV); only the last row if asked."""
+        if self.adopt is not None:  # copies read since the last pass take their tensors' place
+            self.adopt = self.adopt.take()
         x = self.hidden(tokens, positions, kv)
         if last_only:
             x = x[:, -1:]

@@ -80,6 +80,28 @@ def test_default_model_round_trip(cache, default_gguf):
     assert mapped.tokenizer.encode("hello world") == built.tokenizer.encode("hello world")
 
 
+def test_large_tensors_move_into_pages_of_their_own(cache, tiny, monkeypatch):
+    """A mapped entry's large tensors are copied on a background thread and take the mapped
+    ones' place at the next forward pass; the logits do not change. HUGE = 1: every packed
+    buffer counts as large here (the tiny model's are < 2 MiB)."""
+    monkeypatch.setattr(packed_cache, "HUGE", 1)
+    built, _ = _load(tiny.gguf_path)
+    mapped, _ = _load(tiny.gguf_path)
+    adopt = mapped.model.adopt
+    assert adopt is not None and adopt.items
+    before = [t.data_ptr() for t, _ in adopt.items]
+    adopt.thread.join()
+    assert torch.equal(_run(mapped), _run(built))
+    assert mapped.model.adopt is None  # all taken by the first pass after the thread ended
+    after = [t.data_ptr() for t, _ in adopt.items]
+    assert all(a != b for a, b in zip(before, after, strict=True))
+    assert torch.equal(_run(mapped), _run(built))
+
+    monkeypatch.setenv("KVRUN_PACKED_CACHE", "map")  # the mapping only (shared pages)
+    shared, _ = _load(tiny.gguf_path)
+    assert shared.model.adopt is None and torch.equal(_run(shared), _run(built))
+
+
 def test_hf_folder_quantized_at_load_is_kept_too(cache, tiny):
     built, said = _load(tiny.hf_dir, "q4")
     assert any("keeping the packed layout" in s for s in said)
@@ -161,7 +183,7 @@ def test_entries_are_safetensors_with_aligned_tensors(cache, tiny):
         for k in names:
             assert torch.equal(f.get_tensor(k), tensors[k])
     with open(entry, "rb") as f:
-        got, meta = packed_cache._read(f)
+        got, meta, _, _ = packed_cache._read(f)
     assert meta["format"] == packed_cache.FORMAT
     assert all(t.data_ptr() % packed_cache.ALIGN == 0 for t in got.values() if t.numel())
 
