@@ -13,9 +13,10 @@ OS page cache's. Then a background thread reads each tensor of 2 MiB or more int
 its own that asks the kernel for 2 MiB pages (transparent huge pages, "madvise" mode), and
 the model takes those copies at the start of its next forward pass (`Adopt`), in the thread
 that runs it, so no product ever sees a tensor change under it. Decode streams every weight
-once a token, and with a file mapping's 4 KiB pages the TLB misses cost the 8B-shape Q4_0
-file's step 7-20 % (190-202 against 203-250 ms a step, three alternated runs); the load
-itself stays a mapping (0.4 s for 4 GB), the copies arrive within seconds while it decodes.
+once a token, and the file mapping's 4 KiB pages cost TLB misses: the 8B-shape Q4_0 file's
+step took 190-250 ms mapped against 185-246 ms in 2 MiB pages (five alternated runs, 0-20 %
+apart as the host drifted). The load itself stays a mapping (0.4 s for 4 GB); the copies
+arrive within seconds (~1.5 s a GiB where the VM's memory is touched for the first time).
 KVRUN_PACKED_CACHE=map keeps the mapping only: its pages are shared by every process that
 maps the model (several workers of one model on one machine).
 <source> names the model file by its real path; <key> hashes the file's identity (size,
