@@ -129,6 +129,9 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
     from ..tasks.bench import run_bench
 
     rt = load_with_progress(kw, text=False)
+    from ..quant import model_cache
+
+    model_cache.settle(rt.model)  # time the weights as a long session holds them
     with progress_bar("bench") as bar:
         total = len(cases(settings)) * (settings.reps + 1)
         task = bar.add_task("bench", total=total)

@@ -261,6 +261,14 @@ def _info(dtype: str, shape: list[int], offset: int, n: int) -> dict:
     return {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
 
 
+def settle(model) -> None:
+    """Wait for a mapped entry's copies (`Adopt`) and put them in place: what a long session
+    runs on, before a benchmark times it."""
+    if getattr(model, "adopt", None) is not None:
+        model.adopt.thread.join()
+        model.adopt = model.adopt.take()
+
+
 def _read(f) -> tuple[dict[str, torch.Tensor], dict, mmap.mmap, dict[str, int]]:
     """The entry's tensors (mapped), its metadata, the mapping and each tensor's offset."""
     size = os.fstat(f.fileno()).st_size
