@@ -30,7 +30,12 @@ os.environ.setdefault(
     os.path.join(os.environ.get("KVRUN_CACHE") or os.path.expanduser("~/.cache/kvrun"), "native"),
 )
 
-if not os.environ.get("KVRUN_CACHE"):
+
+def pytest_configure(config):
+    """The suite's cache folder and its probe record, made once before the tests (and before
+    pytest-xdist starts its workers, which inherit the folder); nothing at import."""
+    if os.environ.get("KVRUN_CACHE"):
+        return
     import atexit
     import shutil
     import tempfile
@@ -43,10 +48,23 @@ if not os.environ.get("KVRUN_CACHE"):
     path = matmul_choice.measure_path("cpu", torch.float32, timed=False)
     probes.record(probes.matmul("cpu", "float32"), path)
 
+
 # Under pytest-xdist (`-n 2`, the README's test command) each worker computes on one thread:
 # two workers on a 2-core machine, each with two threads, would run far slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+# The fast loop (`python -m pytest -q -m "not slow"`) runs on tiny models in this process
+# only: a test that takes the pulled default model is slow wherever it is; files that start
+# processes, servers or Ray say so with `pytestmark = pytest.mark.slow`.
+SLOW_FIXTURES = {"default_gguf", "default_runtime"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(

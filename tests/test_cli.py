@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from kvrun.cli.main import COMMANDS, cli
 
+pytestmark = pytest.mark.slow  # kvrun processes
+
 
 def run(*args, input=None, env=None):
     return CliRunner().invoke(cli, list(args), input=input, env=env, catch_exceptions=False)

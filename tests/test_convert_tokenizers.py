@@ -90,6 +90,7 @@ def test_kvrun_tokens_from_the_gguf_equal_the_folders(folder):
         assert tok.encode(text) == want, text
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.skipif(not LLAMACPP_PY.exists(), reason=f"no llama-cpp-python at {LLAMACPP_PY}")
 def test_llama_cpp_reads_the_gguf_and_gives_the_same_tokens(folder):
     code = (
@@ -109,6 +110,7 @@ def test_llama_cpp_reads_the_gguf_and_gives_the_same_tokens(folder):
     reason=f"no llama.cpp converter at {LLAMACPP_CONVERT} (extract vendor/llama.cpp/"
     "{convert_hf_to_gguf.py,gguf-py,conversion} from the llama-cpp-python sdist there)",
 )
+@pytest.mark.slow  # a subprocess
 def test_metadata_keys_equal_llama_cpp_converters(folder, tmp_path):
     ref = tmp_path / "ref.gguf"
     env = dict(os.environ, PYTHONPATH=str(LLAMACPP_CONVERT.parent / "gguf-py"))

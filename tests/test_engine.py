@@ -172,6 +172,7 @@ def test_parallel_refuses_bad_options(tiny, tmp_path):
     assert r.exit_code != 0 and "--cuda-graph needs a CUDA device" in r.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_resume_after_kill_mid_batch(tiny, tmp_path):
     """kill -9 while a --parallel batch runs, then --resume: every document exactly once,
     each answer equal to an uninterrupted sequential run's."""

@@ -434,6 +434,7 @@ def test_dispatch_follows_kvrun_kernels(monkeypatch):
     assert K.use_triton(q) is False
 
 
+@pytest.mark.slow  # a subprocess
 def test_import_and_references_without_triton():
     """kvrun.kernels imports and every dispatcher answers from its reference with no triton."""
     code = """

@@ -253,6 +253,7 @@ def test_dispatch_follows_kvrun_kernels(monkeypatch):
     assert _call(cb.codebook_decode, many, slots, cos, sin)[0].shape == many.shape
 
 
+@pytest.mark.slow  # a subprocess
 def test_import_and_reference_without_triton():
     code = """
 import sys

@@ -11,6 +11,8 @@ from passkey_helpers import passkey_prompt
 from kvrun.cli.main import cli
 from kvrun.tasks.passkey import answer_matches
 
+pytestmark = pytest.mark.slow  # kvrun processes and the default model
+
 KEY = 49595
 
 

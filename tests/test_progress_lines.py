@@ -10,6 +10,8 @@ import pytest
 
 from kvrun.cli import common
 
+pytestmark = pytest.mark.slow  # kvrun processes
+
 
 @pytest.fixture
 def lines(monkeypatch, capsys):

@@ -22,7 +22,10 @@ import pytest
 from kvrun import cluster
 from kvrun.errors import KvrunError
 
-pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them all: one head, 2 CPUs
+pytestmark = [
+    pytest.mark.xdist_group("ray"),
+    pytest.mark.slow,
+]  # one worker runs them all: one head, 2 CPUs
 
 N_DOCS = 8
 WORDS = "The quick brown fox jumps over the lazy dog while the river keeps running. "

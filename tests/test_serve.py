@@ -19,6 +19,8 @@ import pytest
 
 from kvrun.server import wait_ready
 
+pytestmark = pytest.mark.slow  # a server process
+
 WEIGHTS = ["--wtype", "f32"]  # the dense reference path: what default_runtime loads
 CTX = 1024
 CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
