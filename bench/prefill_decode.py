@@ -1,4 +1,5 @@
-"""Prefill and decode speed of the full cache on one model (until `kvrun bench` lands).
+"""Prefill and decode speed of the full cache on one model, prompt lengths in one table
+(`kvrun bench` measures the same per KV method and depth).
 
     python bench/prefill_decode.py [-m smollm2] [--prompts 512,4096] [-n 64] [--reps 3]
 
