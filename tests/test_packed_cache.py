@@ -81,10 +81,11 @@ def test_default_model_round_trip(cache, default_gguf):
 
 
 def test_large_tensors_move_into_pages_of_their_own(cache, tiny, monkeypatch):
-    """A mapped entry's large tensors are copied on a background thread and take the mapped
-    ones' place at the next forward pass; the logits do not change. HUGE = 1: every packed
+    """KVRUN_PACKED_CACHE=pages: a mapped entry's large tensors are copied on a background
+    thread and take the mapped ones' place at the next forward pass; the logits do not change. HUGE = 1: every packed
     buffer counts as large here (the tiny model's are < 2 MiB)."""
     monkeypatch.setattr(packed_cache, "HUGE", 1)
+    monkeypatch.setenv("KVRUN_PACKED_CACHE", "pages")
     built, _ = _load(tiny.gguf_path)
     mapped, _ = _load(tiny.gguf_path)
     adopt = mapped.model.adopt
@@ -98,7 +99,7 @@ def test_large_tensors_move_into_pages_of_their_own(cache, tiny, monkeypatch):
     assert all(a != b for a, b in zip(before, after, strict=True))
     assert torch.equal(_run(mapped), _run(built))
 
-    monkeypatch.setenv("KVRUN_PACKED_CACHE", "map")  # the mapping only (shared pages)
+    monkeypatch.setenv("KVRUN_PACKED_CACHE", "on")  # the default: the mapping only
     shared, _ = _load(tiny.gguf_path)
     assert shared.model.adopt is None and torch.equal(_run(shared), _run(built))
 

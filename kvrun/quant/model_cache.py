@@ -9,16 +9,18 @@ on a machine writes the built model's tensors (`Transformer.state`) to
 
 (in the background while the first load goes on), and later loads map that file
 copy-on-write: nothing is read or copied until a product touches it, and the pages are the
-OS page cache's. Then a background thread reads each tensor of 2 MiB or more into memory of
-its own that asks the kernel for 2 MiB pages (transparent huge pages, "madvise" mode), and
-the model takes those copies at the start of its next forward pass (`Adopt`), in the thread
-that runs it, so no product ever sees a tensor change under it. Decode streams every weight
-once a token, and the file mapping's 4 KiB pages cost TLB misses: the 8B-shape Q4_0 file's
-step took 190-250 ms mapped against 185-246 ms in 2 MiB pages (five alternated runs, 0-20 %
-apart as the host drifted). The load itself stays a mapping (0.4 s for 4 GB); the copies
-arrive within seconds (~1.5 s a GiB where the VM's memory is touched for the first time).
-KVRUN_PACKED_CACHE=map keeps the mapping only: its pages are shared by every process that
-maps the model (several workers of one model on one machine).
+OS page cache's, shared by every process that maps the model.
+
+KVRUN_PACKED_CACHE=pages (for long sessions: kvrun serve, chat) then has a background thread
+read each packed buffer of 2 MiB or more into memory of its own that asks the kernel for
+2 MiB pages (transparent huge pages, "madvise" mode); the model takes those copies at the
+start of its next forward pass (`Adopt`), in the thread that runs it, so no product ever
+sees a tensor change under it. Decode streams every weight once a token, and the mapping's
+4 KiB pages cost TLB misses: the 8B-shape Q4_0 file's step took 190-250 ms mapped against
+185-246 ms in 2 MiB pages (five alternated runs, 0-20 % apart as the host drifted). Not the
+default: until the copies are in, the process holds both (peak RSS 5.4 against 4.1 GiB on
+that file) and the copying competes with the first prompt (first token 3.4 against 2.7 s;
+34 s once, where the VM's memory was touched for the first time).
 <source> names the model file by its real path; <key> hashes the file's identity (size,
 mtime, inode) and the facts above, so a changed model file, torch build or CPU misses and is
 built again; writing an entry removes the older ones of the same source.
@@ -71,6 +73,11 @@ HUGE = 2 << 20  # tensors this large are copied into memory of their own, in 2 M
 
 def enabled() -> bool:
     return os.environ.get("KVRUN_PACKED_CACHE", "on").lower() not in ("0", "off", "no", "false")
+
+
+def own_pages() -> bool:
+    """KVRUN_PACKED_CACHE=pages: large tensors copied into 2 MiB pages after the load."""
+    return os.environ.get("KVRUN_PACKED_CACHE", "on").lower() == "pages"
 
 
 class Adopt:
@@ -173,7 +180,7 @@ def load(path: Path, config: ModelConfig):
                 for k in offsets
                 if tensors[k].nbytes >= HUGE and id(tensors[k]) in held
             ]
-            if big and hasattr(os, "preadv") and os.environ.get("KVRUN_PACKED_CACHE") != "map":
+            if big and hasattr(os, "preadv") and own_pages():
                 model.adopt = Adopt(f.fileno(), mapping, big)
         return model
     except (Damaged, KeyError, RuntimeError, ValueError, TypeError, AttributeError, OSError) as e:
