@@ -1,8 +1,10 @@
 """Packed models kept on disk: a load maps the layout an earlier load made instead of making it again.
 
-Packing a GGUF's blocks into the CPU int4 op's layout (kvrun/quant/int4mm.py) takes ~0.5 s of the
-default model's load and ~14 s of an 8B Q4 file's, and the result depends only on the file,
-the compute dtype, --wtype, the torch build and the CPU. So the first packed load of a file
+Building a packed model (GGUF blocks copied into the native kernels' 8-row interleaving,
+kvrun/quant/blocks.py, or the int4 op's planes, kvrun/quant/int4mm.py) takes ~12 s of an 8B
+Q4_0 file's load on a 2-core machine, against 0.4 s to map the kept one (the default model:
+~0.5 s either way), and the result depends only on the file, the compute dtype, --wtype, the
+torch build and the CPU. So the first packed load of a file
 on a machine writes the built model's tensors (`Transformer.state`) to
 
     $KVRUN_CACHE/packed/<file stem>-<source>-<key>.safetensors   ($KVRUN_CACHE: ~/.cache/kvrun)
