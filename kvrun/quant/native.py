@@ -192,9 +192,9 @@ def ops():
         return _chosen(torch.ops.kvrun_cpu)
     cxx = compiler()
     if cxx is None:
-        _NOTE["text"] = (
-            "no C++ compiler (g++) found: quantized products run through PyTorch, slower; "
-            "install g++ (or set CXX) for kvrun's native CPU kernels"
+        where = f" at CXX={os.environ['CXX']}" if os.environ.get("CXX") else " found"
+        _NOTE["text"] = (  # one line, under 80 columns where it can be
+            f"no C++ compiler{where}: PyTorch's slower products run; install g++ or set CXX"
         )
         return None
     isas = isas_to_build()
