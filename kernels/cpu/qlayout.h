@@ -68,6 +68,23 @@ inline void pack_k_scales(uint8_t* out, const int sc[8], const int mn[8]) {
   }
 }
 
+// The 32-element types' blocks are fields in order (d; m; Q5's 32 fifth bits; the codes),
+// each interleaved across the 8 rows in chunks (a scale whole, codes 4 bytes at a time): a
+// field of B bytes at block offset o sits at o * 8 in the group. (bytes, chunk) per field.
+struct Field {
+  int bytes, chunk;
+};
+inline int fields32(int t, Field f[4]) {
+  switch (t) {
+    case Q4_0: case IQ4_NL: f[0] = {2, 2}; f[1] = {16, 4}; return 2;
+    case Q4_1: f[0] = {2, 2}; f[1] = {2, 2}; f[2] = {16, 4}; return 3;
+    case Q5_0: f[0] = {2, 2}; f[1] = {4, 4}; f[2] = {16, 4}; return 3;
+    case Q5_1: f[0] = {2, 2}; f[1] = {2, 2}; f[2] = {4, 4}; f[3] = {16, 4}; return 4;
+    case Q8_0: f[0] = {2, 2}; f[1] = {32, 4}; return 2;
+    default: return 0;
+  }
+}
+
 // one block index of 8 rows (src[r]: row r's block; rows past the matrix point at zeros)
 inline void repack_x8(int t, uint8_t* dst, const uint8_t* const src[X8]) {
   const uint8_t* p[X8];
@@ -75,31 +92,13 @@ inline void repack_x8(int t, uint8_t* dst, const uint8_t* const src[X8]) {
     for (int r = 0; r < X8; r++) p[r] = src[r] + off;
     return p;
   };
+  Field f[4];
+  if (const int nf = fields32(t, f)) {
+    for (int i = 0, off = 0; i < nf; off += f[i].bytes, i++)
+      interleave_runs(dst + off * X8, at(off), f[i].bytes / f[i].chunk, f[i].chunk);
+    return;
+  }
   switch (t) {
-    case Q4_0: case IQ4_NL:
-      interleave_runs(dst, at(0), 1, 2);
-      interleave_runs(dst + 16, at(2), 4, 4);
-      break;
-    case Q4_1:
-      interleave_runs(dst, at(0), 1, 2);
-      interleave_runs(dst + 16, at(2), 1, 2);
-      interleave_runs(dst + 32, at(4), 4, 4);
-      break;
-    case Q5_0:
-      interleave_runs(dst, at(0), 1, 2);
-      interleave_runs(dst + 16, at(2), 1, 4);
-      interleave_runs(dst + 48, at(6), 4, 4);
-      break;
-    case Q5_1:
-      interleave_runs(dst, at(0), 1, 2);
-      interleave_runs(dst + 16, at(2), 1, 2);
-      interleave_runs(dst + 32, at(4), 1, 4);
-      interleave_runs(dst + 64, at(8), 4, 4);
-      break;
-    case Q8_0:
-      interleave_runs(dst, at(0), 1, 2);
-      interleave_runs(dst + 16, at(2), 8, 4);
-      break;
     case Q4_K: case Q5_K: {
       const bool five = t == Q5_K;
       interleave_runs(dst, at(0), 1, 2);
@@ -144,31 +143,13 @@ inline void repack_x8(int t, uint8_t* dst, const uint8_t* const src[X8]) {
 
 // the GGUF block of row `lane` back from one block index of a group
 inline void unpack_x8(int t, uint8_t* out, const uint8_t* src, int lane) {
+  Field f[4];
+  if (const int nf = fields32(t, f)) {
+    for (int i = 0, off = 0; i < nf; off += f[i].bytes, i++)
+      deinterleave_runs(out + off, src + off * X8, lane, f[i].bytes / f[i].chunk, f[i].chunk);
+    return;
+  }
   switch (t) {
-    case Q4_0: case IQ4_NL:
-      deinterleave_runs(out, src, lane, 1, 2);
-      deinterleave_runs(out + 2, src + 16, lane, 4, 4);
-      break;
-    case Q4_1:
-      deinterleave_runs(out, src, lane, 1, 2);
-      deinterleave_runs(out + 2, src + 16, lane, 1, 2);
-      deinterleave_runs(out + 4, src + 32, lane, 4, 4);
-      break;
-    case Q5_0:
-      deinterleave_runs(out, src, lane, 1, 2);
-      deinterleave_runs(out + 2, src + 16, lane, 1, 4);
-      deinterleave_runs(out + 6, src + 48, lane, 4, 4);
-      break;
-    case Q5_1:
-      deinterleave_runs(out, src, lane, 1, 2);
-      deinterleave_runs(out + 2, src + 16, lane, 1, 2);
-      deinterleave_runs(out + 4, src + 32, lane, 1, 4);
-      deinterleave_runs(out + 8, src + 64, lane, 4, 4);
-      break;
-    case Q8_0:
-      deinterleave_runs(out, src, lane, 1, 2);
-      deinterleave_runs(out + 2, src + 16, lane, 8, 4);
-      break;
     case Q4_K: case Q5_K: {
       const bool five = t == Q5_K;
       deinterleave_runs(out, src, lane, 1, 2);
