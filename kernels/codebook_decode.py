@@ -1,4 +1,5 @@
-"""Decode attention over SpindleKV's codebook slots, the gather and RoPE fused (spindlekv.md).
+"""Decode attention over SpindleKV's codebook slots, the gather and RoPE fused
+(docs/methods/spindlekv.md).
 
 A slot (h, s) of KV head h holds two indices into codebooks of unit rows, two magnitudes, its
 position and g keep bits. Its key is RoPE(C_K[off_k[h] + idx_k] * mag_k, pos), its value

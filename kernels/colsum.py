@@ -4,9 +4,10 @@ Queries sit at the last Tq key slots (T-Tq .. T-1) and attend causally. Pass 1 i
 attention forward writing O and the fp32 log-sum-exp of every row; pass 2 is a separate
 launch over (key blocks, KV heads): each program loops over the group's query heads and the
 query blocks that reach its keys causally and sums exp(S - LSE) down the columns. Two
-launches, because one launch cannot wait for other programs' LSE rows (minikv.md decision
-3); no atomics and a fixed summation order, so the sums are deterministic. The reference
-processes blocks of 256 query rows, never holding more than one 256 x T block per head.
+launches, because one launch cannot wait for other programs' LSE rows (docs/methods/minikv.md,
+kvrun's decisions); no atomics and a fixed summation order, so the sums are deterministic. The
+reference processes blocks of 256 query rows, never holding more than one 256 x T block per
+head.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from .dense_decode import online_step
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None
 
-REF_ROWS = 256  # query rows per block of the torch reference (minikv.md step 2, CPU)
-BLOCK_M, BLOCK_N = 64, 64  # Triton tiles (minikv.md: 64 x 64)
+REF_ROWS = 256  # query rows per block of the torch reference (docs/methods/minikv.md step 2, CPU)
+BLOCK_M, BLOCK_N = 64, 64  # Triton tiles (docs/methods/minikv.md: 64 x 64)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:

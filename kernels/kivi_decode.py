@@ -1,4 +1,4 @@
-"""Decode attention over a KIVI-packed body with the dequantization fused (baselines.md 5).
+"""Decode attention over a KIVI-packed body with the dequantization fused (docs/methods/kivi.md).
 
 The body is what KiviLayer.body() holds: keys per channel in groups of G tokens, packed
 along tokens; values per token in groups of G channels, packed along channels. The Triton

@@ -1,4 +1,5 @@
-"""KIVI quantize-and-pack of a block of dense K and V (baselines.md 5), as the residual flush needs.
+"""KIVI quantize-and-pack of a block of dense K and V (docs/methods/kivi.md), as the residual
+flush needs.
 
 Keys (Hkv, n, D) are quantized per channel over groups of G consecutive tokens and packed
 along tokens; values per token over groups of G consecutive channels, packed along

@@ -99,7 +99,8 @@ def segment_attention(
 
 
 def combine(parts: list[Partial], dtype: torch.dtype) -> torch.Tensor:
-    """Partials merged exactly (baselines.md 0.10): out = sum_s exp(lse_s - lse) out_s, one cast."""
+    """Partials merged exactly (docs/methods/README.md §9): out = sum_s exp(lse_s - lse) out_s,
+    one cast."""
     if len(parts) == 1:
         return parts[0].out.to(dtype)
     lse = torch.stack([p.lse for p in parts])  # (S, B, Hq, Tq)

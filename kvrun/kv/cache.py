@@ -20,7 +20,8 @@ from .stores.kivi import KiviLayer
 
 def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -> torch.Tensor:
     """Kept slots (H, k), ascending, of scores (H, T) fp32: protected (H or 1, T) first, then the
-    best, ties to the lower slot (position order: a stable sort is baselines.md 0.7's rule)."""
+    best, ties to the lower slot (position order: a stable sort is the rule of
+    docs/methods/README.md §8)."""
     if protected is not None:
         scores = scores.masked_fill(protected, float("inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]

@@ -165,7 +165,8 @@ class Ctx:
         return self.by_kv_head(attention.pool(self.window_scores(), kind, kernel))
 
     def by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
-        """(Hq, C) -> (Hkv, C): the query heads of each KV head summed (baselines.md 0.3)."""
+        """(Hq, C) -> (Hkv, C): the query heads of each KV head summed
+        (docs/methods/README.md §3)."""
         return attention.group_sum(x, self.keys.shape[0])
 
 

@@ -1,6 +1,6 @@
 """The declaration language of the KV layer, torch-free: the options a method declares
 (`Option`), the method itself (`Method`: its options, budget rules and the callables that run
-it), --kv-budget (`Budget`, baselines.md 0.2) and --kv parsed once into a frozen `KVSpec`.
+it), --kv-budget (`Budget`, docs/methods/README.md §2), --kv parsed once into a frozen `KVSpec`.
 Grammar: NAME[:key=value,...][+NAME[:key=value,...]...], at most one selection and one store
 (`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. `--kv` is checked
 before torch is imported, so a method module keeps torch out of its top level (a scoring
@@ -146,7 +146,8 @@ class Method:
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """--kv-budget (baselines.md 0.2): an exact fraction of the tokens seen (< 1) or a count."""
+    """--kv-budget (docs/methods/README.md §2): an exact fraction of the tokens seen (< 1) or a
+    count."""
 
     value: Fraction
     text: str

@@ -1,4 +1,5 @@
-"""full: every token, uncompressed (the reference every method is measured against)."""
+"""full: every token, uncompressed (the reference every method is measured against; spec:
+docs/methods/README.md)."""
 
 from __future__ import annotations
 

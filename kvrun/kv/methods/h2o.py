@@ -1,5 +1,5 @@
 """H2O (Zhang et al., 2023, §3): heavy hitters by cumulative attention plus a recent window,
-evicted after every prefill chunk and decode step."""
+evicted after every prefill chunk and decode step (spec: docs/methods/h2o.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """KIVI (Liu et al., 2024, §3): keys quantized per channel, values per token, the newest
-`residual` tokens in full precision. A store part: alone (= full+kivi2) or under a selection."""
+`residual` tokens in full precision. A store part: alone (= full+kivi2) or under a selection
+(spec: docs/methods/kivi.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """PyramidKV (Cai et al., 2024, §3): SnapKV's selection with layer budgets decreasing
-linearly from the first layer to the last (arithmetic schedule, same mean)."""
+linearly from the first layer to the last (arithmetic schedule, same mean; spec:
+docs/methods/pyramidkv.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ..spec import SNAP, Method, Option, largest_remainder
 
 
 def score(ctx):
-    """SnapKV's votes (baselines.md 3): window attention, pooled, summed per KV head."""
+    """SnapKV's votes (docs/methods/snapkv.md): window attention, pooled, summed per KV head."""
     return ctx.window_votes(ctx.opt["pool"], ctx.opt["kernel"])
 
 

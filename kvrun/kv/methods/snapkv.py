@@ -1,5 +1,6 @@
 """SnapKV (Li et al., 2024, §4): the last `window` prompt queries vote for earlier tokens,
-votes are pooled, and each KV head keeps its top-k plus the window at the end of the prefill."""
+votes are pooled, and each KV head keeps its top-k plus the window at the end of the prefill
+(spec: docs/methods/snapkv.md)."""
 
 from __future__ import annotations
 

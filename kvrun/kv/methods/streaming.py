@@ -1,5 +1,6 @@
 """StreamingLLM (Xiao et al., 2024, §3.2): the first tokens as attention sinks plus a window
-of the most recent ones, evicted after every prefill chunk and decode step."""
+of the most recent ones, evicted after every prefill chunk and decode step
+(spec: docs/methods/streaming.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """MiniCache (Liu et al., 2024, §3): layer pairs from the middle of the model up share one
 SLERP-merged direction per token, each layer keeping its own norms; the most distinct
-tokens are retained unmerged. It keeps every token, so it takes no token budget."""
+tokens are retained unmerged. It keeps every token, so it takes no token budget
+(spec: docs/methods/minicache.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """MiniKV (Sharma et al., 2024, §3-4): heavy hitters by the prompt's cumulative attention
 plus a recent window, selected once per turn at the end of the prefill, stored in 2-bit
-KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hitters."""
+KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hitters
+(spec: docs/methods/minikv.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SpindleKV (§3 of the paper): per-query-head observation-window scores, per-layer eviction
 ratios growing linearly with depth, and per-layer codebooks that replace kept keys and values
-by an index when a codeword is similar enough."""
+by an index when a codeword is similar enough (spec: docs/methods/spindlekv.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """XKV (§3-4 of the paper): observation-window attention scores per layer, per-layer budgets
 by a global greedy allocation (budget mode) or the fewest tokens keeping a target share of
-the attention mass (target mode), planned by a scoring pass or at the end of the prefill."""
+the attention mass (target mode), planned by a scoring pass or at the end of the prefill
+(spec: docs/methods/xkv.md)."""
 
 from __future__ import annotations
 
