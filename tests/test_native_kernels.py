@@ -202,6 +202,19 @@ def test_threads_and_stacked_types_agree(isa):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], alone)
 
 
+def test_products_run_on_torchs_threads():
+    """A parallel region in the library runs on as many of torch's threads as are set (built
+    without OpenMP, at::parallel_for would silently run on the calling thread alone)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ops.threads_used() == 1
+        torch.set_num_threads(2)  # more threads than cores still run as asked
+        assert ops.threads_used() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_isas_agree_closely():
     """Every instruction set gives the same products up to float32 summation order."""
     k, n = 512, 33

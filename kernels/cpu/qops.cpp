@@ -15,6 +15,7 @@
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
 //   has_gemm(code) -> bool        whether a type (| X8_FLAG) has a native product here
+//   threads_used() -> int         how many of torch's threads one parallel region here runs on
 //
 // x is quantized once per call (q8_0/q8_1 and/or q8_K, as the types read them) and shared by
 // every weight in the call: Q, K and V of a layer (or gate and up) make one call even where
@@ -35,6 +36,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -671,6 +673,16 @@ bool has_dequant(int64_t type) {
 
 bool has_x8(int64_t type) { return type >= 0 && type < kvq::NTYPES && kvq::has_x8((int)type); }
 
+// How many of torch's threads take part in one of our parallel regions (dynamic_for's): the
+// build's check that at::parallel_for here runs on torch's pool and not on the calling thread
+// alone (which it silently does when this file is compiled without OpenMP).
+int64_t threads_used() {
+  const int64_t n = at::get_num_threads();
+  std::vector<int> seen(n, 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  return std::accumulate(seen.begin(), seen.end(), int64_t{0});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvrun_cpu, m) {
@@ -706,4 +718,5 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("has_gemm(int type) -> bool", &has_gemm);
   m.def("has_dequant(int type) -> bool", &has_dequant);
+  m.def("threads_used() -> int", &threads_used);
 }

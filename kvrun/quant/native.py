@@ -42,6 +42,9 @@ X86_ISAS = (
     ("avxvnni", ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
 )
 COMMON = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-DNDEBUG"]
+# how the library is put together beyond COMMON (bumped when that changes, so old builds are
+# not reused): 2 = qops.cpp with OpenMP, linked to torch's own runtime
+RECIPE = 2
 
 
 def source_dir() -> Path:
@@ -103,6 +106,7 @@ def _key(cxx: str, isas: list[tuple[str, list[str]]]) -> str:
     h.update(version.encode())
     h.update(_torch_version().encode())
     h.update(repr(isas).encode())
+    h.update(repr((COMMON, RECIPE)).encode())
     h.update(str(sorted(cpu_flags())).encode())
     return h.hexdigest()[:16]
 
@@ -120,10 +124,39 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     from torch.utils import cpp_extension
 
     inc = [f"-I{p}" for p in cpp_extension.include_paths()]
-    lib = str(Path(torch.__file__).parent / "lib")
+    lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     link = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-    return [*inc, abi], link
+    omp = _torch_openmp(lib)
+    if omp is None:
+        return [*inc, abi], link
+    # at::parallel_for is inline: under torch's OpenMP backend it is an `omp parallel` region
+    # compiled into qops.cpp itself, which runs on one thread unless qops.cpp is built with
+    # OpenMP. The region must run on torch's pool, so the runtime linked is the one torch
+    # loads (by path, never the compiler's own copy: two runtimes would be two pools).
+    return [*inc, abi, "-fopenmp"], [*link, str(omp)]
+
+
+def _torch_openmp(lib: Path) -> Path | None:
+    """The OpenMP runtime torch's parallel_for runs on (libgomp / libomp / libiomp5 beside
+    libtorch, or the one libtorch_cpu names), or None where torch's backend is not OpenMP."""
+    import torch
+
+    if "OpenMP" not in torch.__config__.parallel_info().split("backend:", 1)[-1].split("\n")[0]:
+        return None
+    for pattern in ("libgomp*.so*", "libiomp5*.so*", "libomp*.so*", "libomp*.dylib"):
+        found = sorted(lib.glob(pattern))
+        if found:
+            return found[0]
+    try:  # a torch that uses the system's runtime (distribution builds)
+        out = subprocess.run(["ldd", str(lib / "libtorch_cpu.so")], capture_output=True, text=True)
+    except OSError:
+        return None
+    for line in out.stdout.splitlines():
+        name, _, rest = line.strip().partition(" => ")
+        if "omp" in name and rest.split(" (")[0].startswith("/"):
+            return Path(rest.split(" (")[0])
+    return None
 
 
 def _compile(cxx: str, isas, out: Path) -> None:
