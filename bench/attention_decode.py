@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from harness import alternate, clock, md_head, md_row
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
 
@@ -56,24 +57,22 @@ def main() -> None:
     print(
         f"ms per {LAYERS} layers x {args.seqs} sequences, {args.threads} threads, median of {args.reps}"
     )
-    print("| keys | " + " | ".join(fs) + " | " + " | ".join(f"{n} / bmm" for n in fs) + " |")
-    print("| ---: " * (2 * len(fs) + 1) + "|")
+    head = md_head(["keys", *fs, *(f"{n} / bmm" for n in fs)], "r" * (2 * len(fs) + 1))
+    print("\n".join(head))
     for n in (int(x) for x in args.keys.split(",")):
         kv = [(torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g))
               for _ in range(LAYERS * args.seqs)]  # fmt: skip
         ref = fs["bmm"](*kv[0])
         for f in fs.values():  # same result, and a warm-up
             torch.testing.assert_close(f(*kv[0]), ref, rtol=1e-4, atol=1e-5)
-        times = {name: [] for name in fs}
-        for _ in range(args.reps):
-            for name, f in fs.items():
-                t = time.perf_counter()
-                for k, v in kv:
-                    f(k, v)
-                times[name].append((time.perf_counter() - t) * 1e3)
-        ms = {name: statistics.median(ts) for name, ts in times.items()}
+
+        def step(f, kv=kv) -> float:  # seconds of one step: every layer's (and sequence's) K/V
+            return clock(lambda: [f(k, v) for k, v in kv])
+
+        times = alternate({name: partial(step, f) for name, f in fs.items()}, args.reps)
+        ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         cells = [f"{ms[x]:.2f}" for x in fs] + [f"{ms[x] / ms['bmm']:.2f}x" for x in fs]
-        print(f"| {n} | " + " | ".join(cells) + " |")
+        print(md_row([n, *cells]))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import torch
+from harness import timed
 from torch.profiler import ProfilerActivity, profile
 
 from kvrun.generate import Session
@@ -105,12 +106,7 @@ def products(model, reps: int) -> None:
     logits = fused_decode.Product(op.planes, op.sz, head.group)  # the head's product, unrefined
 
     def ms(fn) -> float:
-        for _ in range(10):
-            fn()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
+        return timed(fn, reps=1, warmup=10, inner=reps).best * 1e3
 
     n = 4 * len(layers)
     print(f"int4 products alone, {torch.get_num_threads()} threads, {reps} reps:")

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from headline import write_section
+from harness import alternate, md_head, md_row, utc_now, write_section
 
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- first-token:begin -->", "<!-- first-token:end -->"
@@ -132,19 +132,18 @@ def main() -> None:
             hog = subprocess.Popen([sys.executable, "-c", HOG, str(a.threads)])
             time.sleep(3)
         try:
-            for rep in range(a.reps):
-                for name, run in tools.items():
-                    got = run()
-                    results.setdefault((condition, name), []).append(got)
-                    print(f"{condition} | {name} | rep {rep + 1}: {got}", file=sys.stderr)
+
+            def shown(name: str, rep: int, got: dict, condition: str = condition) -> None:
+                print(f"{condition} | {name} | rep {rep + 1}: {got}", file=sys.stderr)
+
+            runs = alternate(tools, a.reps, each=shown)
+            results.update({(condition, name): got for name, got in runs.items()})
         finally:
             if hog:
                 hog.kill()
                 hog.wait()
-    lines = [
-        "| condition | tool | load (s) | first token (s) | load + first token (s) | prompt tokens |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+    lines = md_head(["condition", "tool", "load (s)", "first token (s)",
+                     "load + first token (s)", "prompt tokens"], "llrrrr")  # fmt: skip
     for (condition, name), runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
@@ -153,8 +152,8 @@ def main() -> None:
         load = statistics.median(r["load_s"] for r in ok)
         ttft = statistics.median(r["ttft_s"] for r in ok)
         both = statistics.median(r["load_s"] + r["ttft_s"] for r in ok)
-        lines.append(f"| {condition} | {name} | {load:.2f} | {ttft:.2f} | {both:.2f} | "
-                     f"{ok[0]['prompt_tokens']} |")  # fmt: skip
+        lines.append(md_row([condition, name, f"{load:.2f}", f"{ttft:.2f}", f"{both:.2f}",
+                             ok[0]["prompt_tokens"]]))  # fmt: skip
     import torch
 
     from kvrun.tasks.bench import machine
@@ -169,7 +168,7 @@ def main() -> None:
         [
             f"## Load and first token, kvrun next to llama.cpp (CPU, {name})",
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- date: {utc_now()}",
             f"- machine: {m['device_name']}, {a.threads} threads, torch {m['torch']}",
             f"- command: `python bench/first_token.py {shlex.join(argv)}`",
             f"- model: {Path(model).name}; a {ok[0]['prompt_tokens']}-token raw prompt, greedy; "

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import alternate, log, md_head, md_row, utc_now, write_section
+
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.kv import REGISTRY, check
@@ -82,10 +84,6 @@ def args() -> argparse.Namespace:
     if bad:
         ap.error(f"unknown part {sorted(bad)[0]!r}: choose from {', '.join(PARTS)}")
     return a
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def passkey_accuracy(rt, configs, a, res: Results, part: str) -> dict:
@@ -146,16 +144,24 @@ def speed(rt, configs, a) -> dict:
     a machine that speeds up or slows down over the run (a shared host does, by 2x over an
     hour) moves every row alike and the "vs full" ratios stay fair. The first round warms
     each row up."""
-    rounds: dict = {}
-    for r in range(a.reps):
-        for cfg in configs if r % 2 == 0 else configs[::-1]:
-            s = BenchSettings(0, a.n, (a.depth,), 1, (cfg.method,), (cfg.budget,), a.seed,
-                              specs=(cfg.spec,))  # fmt: skip
-            row = bench_row(rt, cfg.method, cfg.spec, a.depth, s, warmup=r == 0)
-            rounds.setdefault((cfg.method, cfg.budget), []).append(row)
-            log(f"speed, round {r + 1}/{a.reps}: {cfg.label} {row['decode_tok_s']:.1f} tok/s")
+    warmed: set = set()
+
+    def one(cfg) -> dict:
+        s = BenchSettings(0, a.n, (a.depth,), 1, (cfg.method,), (cfg.budget,), a.seed,
+                          specs=(cfg.spec,))  # fmt: skip
+        first = cfg.label not in warmed  # the first round
+        warmed.add(cfg.label)
+        return bench_row(rt, cfg.method, cfg.spec, a.depth, s, warmup=first)
+
+    def shown(label: str, r: int, row: dict) -> None:
+        log(f"speed, round {r + 1}/{a.reps}: {label} {row['decode_tok_s']:.1f} tok/s")
+
+    by_label = {cfg.label: cfg for cfg in configs}
+    runners = {label: lambda cfg=cfg: one(cfg) for label, cfg in by_label.items()}
+    rounds = alternate(runners, a.reps, flip=True, each=shown)
     out = {}
-    for key, rows in rounds.items():
+    for label, rows in rounds.items():
+        key = (by_label[label].method, by_label[label].budget)
         tg = [x for row in rows for x in row["decode_tok_s_reps"]]
         out[key] = {**rows[-1], "reps": len(tg), **rep_stats("decode_tok_s", tg)}
     return out
@@ -199,12 +205,11 @@ def settings(spec) -> str:
 
 
 def table(configs, acc, after, kl, rows) -> list[str]:
-    lines = [
-        "| method | settings (scorer / allocator / store) | budget | KV bytes | pass key "
-        "| pass key, question after | KL vs full (nats) | KV bytes / full | decode tok/s "
-        "| vs full |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    lines = md_head(
+        ["method", "settings (scorer / allocator / store)", "budget", "KV bytes", "pass key",
+         "pass key, question after", "KL vs full (nats)", "KV bytes / full", "decode tok/s",
+         "vs full"], "llrrrrrrrr",
+    )  # fmt: skip
     full = rows[("full", None)]["decode_tok_s"]
     for cfg in configs:
         key = (cfg.method, cfg.budget)
@@ -212,24 +217,12 @@ def table(configs, acc, after, kl, rows) -> list[str]:
         ca, na = after[key]
         r = rows[key]
         k = f"{kl[key]:.4f}" if key in kl else "-"
-        lines.append(
-            f"| {cfg.method} | {settings(cfg.spec)} | {budget_label(cfg, r)} | {mib(r['kv_bytes'])} "
-            f"| {c}/{n} ({c / n:.0%}) | {ca}/{na} ({ca / na:.0%}) | {k} | "
-            f"{r['kv_ratio']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / full:.2f}x |"
-        )
+        lines.append(md_row([
+            cfg.method, settings(cfg.spec), budget_label(cfg, r), mib(r["kv_bytes"]),
+            f"{c}/{n} ({c / n:.0%})", f"{ca}/{na} ({ca / na:.0%})", k, f"{r['kv_ratio']:.3f}",
+            f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / full:.2f}x",
+        ]))  # fmt: skip
     return lines
-
-
-def write_section(path: Path, body: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the text between the markers (the headline's by default), or append it."""
-    old = path.read_text(encoding="utf-8") if path.exists() else "# kvrun benchmarks\n"
-    section = f"{begin}\n{body}\n{end}"
-    if begin in old and end in old:
-        head, _, rest = old.partition(begin)
-        new = head + section + rest.partition(end)[2]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(new, encoding="utf-8")
 
 
 class Results:
@@ -343,8 +336,7 @@ def main() -> None:
         [
             "## Headline" + (" (--quick smoke run)" if a.quick else ""),
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"{seconds:.0f} s of measuring",
+            f"- date: {utc_now()}, {seconds:.0f} s of measuring",
             f"- machine: {m['device_name']} ({m['device']}), {dt}, {m['threads']} threads, "
             f"torch {m['torch']}, {m['platform']}",
             f"- model: {rt.config.name or rt.path.name} ({rt.path.name})",
@@ -365,7 +357,7 @@ def main() -> None:
         ]
     )
     print(body)
-    write_section(Path(a.out), body)
+    write_section(Path(a.out), body, BEGIN, END)
     log(f"wrote {a.out}")
 
 

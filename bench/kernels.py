@@ -24,10 +24,10 @@ import os
 import platform
 import statistics
 import sys
-import time
 from functools import partial
 
 import torch
+from harness import timed
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM peak by GPU name (SXM parts)
 L2_DEFEAT_BYTES = 256 * 2**20
@@ -109,14 +109,7 @@ def time_cuda(calls: list, reps: int, warmup: int, graph: bool) -> float:
 
 
 def time_cpu(call, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return timed(call, reps, warmup).median * 1e3
 
 
 # ----------------------------------------------------------------------------- modes

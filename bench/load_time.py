@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import sys
 
+from harness import alternate, md_head, md_row
+
 
 def run(tree: str, model: str, wtype: str) -> tuple[float, int]:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
@@ -49,15 +51,12 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="smollm2")
     ap.add_argument("--wtype", default="auto")
     a = ap.parse_args()
-    got: dict[str, list[tuple[float, int]]] = {t: [] for t in a.trees}
-    for _ in range(a.reps):
-        for t in a.trees:
-            got[t].append(run(t, a.model, a.wtype))
-    print("| checkout | load s (median) | peak mem MiB (median) |\n| --- | ---: | ---: |")
+    got = alternate({t: lambda t=t: run(t, a.model, a.wtype) for t in a.trees}, a.reps)
+    print("\n".join(md_head(["checkout", "load s (median)", "peak mem MiB (median)"], "lrr")))
     for t, rows in got.items():
         load = statistics.median(r[0] for r in rows)
         mem = statistics.median(r[1] for r in rows) / 2**20
-        print(f"| {t} | {load:.2f} | {mem:.0f} |")
+        print(md_row([t, f"{load:.2f}", f"{mem:.0f}"]))
 
 
 if __name__ == "__main__":

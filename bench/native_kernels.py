@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from headline import write_section
+from harness import timed, write_section
 
 HERE = Path(__file__).parent
 README = HERE / "README.md"
@@ -40,18 +40,6 @@ def blocks(kind: str, n: int, k: int, rng) -> torch.Tensor:
         raw[..., off : off + 2] = (rng.uniform(0.001, 0.01, (n, k // elems)).astype(np.float16)
                                    [..., None].view(np.uint8))  # fmt: skip
     return torch.from_numpy(raw.reshape(n, -1))
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best
 
 
 def main(argv=None) -> None:
@@ -106,7 +94,7 @@ def main(argv=None) -> None:
                         ops.qmm(x, [ws[i[0]]], [code], [n])
 
                     reps = max(5, int(4e7 // (n * k * max(1, r // 4))))
-                    s = timed(one, reps)
+                    s = timed(one, reps=5, warmup=3, inner=reps).best
                     parts.append(f"{s * 1e6:.0f} us {data.numel() / s / 1e9:.1f} GB/s")
                 cells.append(" / ".join(parts))
             lines.append(f"| {isa} | {kind} | {n} x {k} | " + " | ".join(cells) + " |")

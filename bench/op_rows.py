@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 from pathlib import Path
 
 import torch
-from headline import write_section
+from harness import md_head, md_row, timed, utc_now, write_section
 
 from kvrun.quant import int4mm
 from kvrun.quant.choice import _probe
@@ -38,24 +37,13 @@ SHAPES = {
 }
 
 
-def best(fn, reps: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(BENCH / "README.md"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lines = ["| layer | " + " | ".join(f"{r} rows" for r in ROWS) + " |"]
-    lines.append("| --- |" + " ---: |" * len(ROWS))
+    lines = md_head(["layer", *(f"{r} rows" for r in ROWS)], "l" + "r" * len(ROWS))
     for label, (n, k) in SHAPES.items():
         lin = _probe(n, k, torch.device("cpu"), torch.float32)
         lin.use_int4pack()
@@ -66,16 +54,16 @@ def main() -> None:
             x = torch.randn(rows, k)
             via_op = functools.partial(int4mm.mm, x, op.planes, op.sz, lin.group)
             exact = functools.partial(lin._dequant_planes_linear, x)
-            cells.append(f"{best(exact, reps) / best(via_op, reps):.2f}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            ratio = timed(exact, reps, warmup=1).best / timed(via_op, reps, warmup=1).best
+            cells.append(f"{ratio:.2f}")
+        lines.append(md_row([label, *cells]))
         print(lines[-1], flush=True)
     probe = _measure_op_rows(torch.float32)
     body = "\n".join(
         [
             "## Short prefills: the int4 op against the exact path (CPU)",
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {a.threads} threads, "
-            f"torch {torch.__version__}",
+            f"- date: {utc_now()}; {a.threads} threads, torch {torch.__version__}",
             "- command: `python bench/op_rows.py`",
             "- cells: time of the exact path (int4 planes dequantized to float32 + MKL) / time of "
             "the int4 op, for a product of that many rows; above 1 the op is faster",

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from headline import write_section
+from harness import md_head, utc_now, write_section
 
 from kvrun.generate import Session
 from kvrun.kv import check
@@ -123,11 +123,13 @@ def main() -> None:
             )
             print(rows[-1], file=sys.stderr, flush=True)
     m = machine(rt.model.device)
+    head = md_head(["--kv", "--parallel", "wall s", "prefill s", "decode s", "documents / min",
+                    "decode tok/s (aggregate)", "speedup", "tokens = N 1"], "lrrrrrrrl")  # fmt: skip
     body = "\n".join(
         [
             "## Batched generation (--parallel)",
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- date: {utc_now()}",
             f"- machine: {m['device_name']} ({m['device']}), {m['threads']} threads, "
             f"torch {m['torch']}",
             f"- model: {rt.path.name}, {str(rt.model.dtype).removeprefix('torch.')} "
@@ -136,9 +138,7 @@ def main() -> None:
             f"- {len(docs)} documents of {a.doc_tokens} tokens, one question each, greedy, "
             f"up to {a.n} tokens per answer; wall = the whole batch (prefill and decode)",
             "",
-            "| --kv | --parallel | wall s | prefill s | decode s | documents / min "
-            "| decode tok/s (aggregate) | speedup | tokens = N 1 |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            *head,
             *rows,
             "",
             "Prefill chunks do not batch (one sequence's chunk a step, already a GEMM of "

@@ -25,7 +25,6 @@ llama.cpp runs in bench/vs_llamacpp.py's virtual environment (built on first use
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import subprocess
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402
-from headline import write_section  # noqa: E402
+from harness import cpu_model, log, md_head, torch_version, utc_now, write_section  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE / ".quant-files"
@@ -74,10 +73,6 @@ for p in range(first - 1, len(ids) - 1):
     nll.append(m + math.log(np.exp(row - m).sum()) - row[ids[p + 1]])
 print(json.dumps({"nll": sum(nll) / len(nll)}))
 """
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def quantize(src: Path, kind: str) -> Path:
@@ -213,6 +208,9 @@ def pct(x: float, ref: float) -> str:
 
 
 def table(rows: list[dict], meta: dict) -> str:
+    head = md_head(["file", "exact ppl", "kvrun ppl", "kvrun decode-step ppl", "llama.cpp ppl",
+                    "kvrun tg tok/s", "llama.cpp tg tok/s", "kvrun / llama.cpp",
+                    "kvrun weights / file tensors"], "l" + "r" * 8)  # fmt: skip
     lines = [
         "## The files people download (CPU)",
         "",
@@ -226,9 +224,7 @@ def table(rows: list[dict], meta: dict) -> str:
         f"{meta['tg']} after {meta['tg_prompt']} prompt tokens, median of {meta['reps']}, "
         "tools alternating",
         "",
-        "| file | exact ppl | kvrun ppl | kvrun decode-step ppl | llama.cpp ppl | kvrun tg "
-        "tok/s | llama.cpp tg tok/s | kvrun / llama.cpp | kvrun weights / file tensors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *head,
     ]
     for r in rows:
         tg = r.get("tg", {})
@@ -274,8 +270,8 @@ def main(argv=None) -> None:
             continue
         log(json.dumps(rows[-1]))
     meta = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": vl.cpu_model(), "threads": args.threads, "torch": vl.torch_version(),
+        "date": utc_now(),
+        "cpu": cpu_model(), "threads": args.threads, "torch": torch_version(),
         "llamacpp": version, "text": args.text, "tg": args.tg, "tg_prompt": args.tg_prompt,
         "reps": args.reps, "command": "python bench/quant_files.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip

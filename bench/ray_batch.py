@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from headline import write_section
+from harness import md_head, md_row, utc_now, write_section
 
 BEGIN, END = "<!-- ray:begin -->", "<!-- ray:end -->"
 README = Path(__file__).with_name("README.md")
@@ -117,16 +117,13 @@ def main() -> None:
         rows.append((w, le, ls, re_, rs, same))
         print(f"W={w}: local {le:.1f} ({ls:.1f} steady) docs/min, ray {re_:.1f} ({rs:.1f})",
               file=sys.stderr)  # fmt: skip
-    lines = [
-        "| parallelism | local docs/min (end to end / steady) | Ray docs/min (end to end / "
-        "steady) | Ray / local (end to end / steady) | same answers |",
-        "| ---: | ---: | ---: | ---: | --- |",
-    ]
+    lines = md_head(["parallelism", "local docs/min (end to end / steady)",
+                     "Ray docs/min (end to end / steady)", "Ray / local (end to end / steady)",
+                     "same answers"], "rrrrl")  # fmt: skip
     for w, le, ls, re_, rs, same in rows:
-        lines.append(
-            f"| {w} | {le:.1f} / {ls:.1f} | {re_:.1f} / {rs:.1f} | {re_ / le:.2f} / "
-            f"{rs / ls if ls else 0:.2f} | {'yes' if same else 'NO'} |"
-        )
+        lines.append(md_row([w, f"{le:.1f} / {ls:.1f}", f"{re_:.1f} / {rs:.1f}",
+                             f"{re_ / le:.2f} / {rs / ls if ls else 0:.2f}",
+                             "yes" if same else "NO"]))  # fmt: skip
     import torch
 
     from kvrun.tasks.bench import machine
@@ -136,7 +133,7 @@ def main() -> None:
         [
             "## kvrun longdoc on Ray against the local run",
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- date: {utc_now()}",
             f"- machine: {machine(torch.device('cpu'))['device_name']}, {cpus} CPUs, torch "
             f"{torch.__version__}",
             f"- command: `python bench/ray_batch.py {shlex.join(argv)}`",

@@ -48,6 +48,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402 - the llama.cpp build helpers live there
+from harness import log, write_section  # noqa: E402
 
 from kvrun.server import wait_ready  # noqa: E402
 
@@ -73,10 +74,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------ servers
@@ -318,8 +315,6 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.write:
-        from headline import write_section
-
         write_section(README, f"## kvrun serve under load\n\n{text}", BEGIN, END)
 
 

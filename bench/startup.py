@@ -11,14 +11,13 @@ ratio to importing torch alone, and goes into bench/README.md between startup ma
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from headline import write_section
+from harness import md_head, md_row, timed, utc_now, write_section
 
 from kvrun.tasks.bench import machine
 
@@ -41,12 +40,6 @@ CASES = [
 ]  # fmt: skip
 
 
-def timed(cmd: list[str]) -> float:
-    t = time.perf_counter()
-    subprocess.run(cmd, capture_output=True, check=False)
-    return time.perf_counter() - t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -54,10 +47,10 @@ def main() -> None:
     a = ap.parse_args()
     rows, base = [], None
     for name, cmd in CASES:
-        timed(cmd)  # warm-up
-        t = statistics.median(timed(cmd) for _ in range(a.reps))
+        run = functools.partial(subprocess.run, cmd, capture_output=True, check=False)
+        t = timed(run, a.reps, warmup=1).median
         base = base or t
-        rows.append(f"| `{name}` | {t:.2f} | {t / base:.2f} |")
+        rows.append(md_row([f"`{name}`", f"{t:.2f}", f"{t / base:.2f}"]))
         print(rows[-1], file=sys.stderr, flush=True)
     import torch
 
@@ -66,13 +59,11 @@ def main() -> None:
         [
             "## Start-up of commands that run no model",
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"{m['device_name']}, torch {m['torch']}",
+            f"- date: {utc_now()}, {m['device_name']}, torch {m['torch']}",
             f"- command: `python bench/startup.py {shlex.join(sys.argv[1:])}`; median of "
             f"{a.reps} fresh processes after a warm-up",
             "",
-            "| command | wall s | vs `import torch` |",
-            "| --- | ---: | ---: |",
+            *md_head(["command", "wall s", "vs `import torch`"], "lrr"),
             *rows,
         ]
     )

@@ -44,7 +44,6 @@ tests, load/RSS rows or preset rows).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -60,6 +59,18 @@ import time
 import venv
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path (tests)
+from harness import (  # noqa: E402
+    alternate,
+    cpu_flags,
+    cpu_model,
+    log,
+    machine,
+    torch_version,
+    utc_now,
+    write_section,
+)
+
 BENCH_DIR = Path(__file__).resolve().parent
 README = BENCH_DIR / "README.md"
 VENV_DIR = BENCH_DIR / ".venv-llamacpp"
@@ -74,15 +85,6 @@ MiB = 1024 * 1024
 GGML_X86 = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
             "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
             "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}  # fmt: skip
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    m = re.search(r"^flags\s*:(.*)$", text, re.M)
-    return set(m.group(1).split()) if m else set()
 
 
 def llamacpp_cmake() -> str:
@@ -175,10 +177,6 @@ print(json.dumps({"load_s": load_s, "peak_rss_bytes": rss}))
 
 class Failed(Exception):
     """A measurement that did not produce a number; str() is the one-line reason."""
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def one_line(text: str, limit: int = 160) -> str:
@@ -397,19 +395,21 @@ def run_tests(args, tests: list[tuple[str, int]]) -> dict:
     results = {}
     for kind, n in tests:
         name = f"{kind}{n}"
-        runs = {t: [] for t in tools(args)}
-        for rep in range(args.reps):
-            for tool in runs:
-                if tool == "kvrun":
-                    r = attempt(kvrun_test, args, kind, n)
-                elif tool == "llama.cpp":
-                    r = attempt(llamacpp_run, args, kind, n, n_ctx)
-                else:  # "kvrun <wtype>": the baseline path, side by side
-                    r = attempt(kvrun_test, args, kind, n, tool.split()[1])
-                runs[tool].append(r)
-                shown = r.get("failed") or f"{r['tok_s']:.1f} tok/s"
-                log(f"{name} rep {rep + 1}/{args.reps} {tool}: {shown}")
-        results[name] = runs
+        runners = {}
+        for tool in tools(args):
+            if tool == "kvrun":
+                runners[tool] = lambda k=kind, n=n: attempt(kvrun_test, args, k, n)
+            elif tool == "llama.cpp":
+                runners[tool] = lambda k=kind, n=n: attempt(llamacpp_run, args, k, n, n_ctx)
+            else:  # "kvrun <wtype>": the baseline path, side by side
+                w = tool.split()[1]
+                runners[tool] = lambda k=kind, n=n, w=w: attempt(kvrun_test, args, k, n, w)
+
+        def shown(tool: str, rep: int, r: dict, name: str = name) -> None:
+            got = r.get("failed") or f"{r['tok_s']:.1f} tok/s"
+            log(f"{name} rep {rep + 1}/{args.reps} {tool}: {got}")
+
+        results[name] = alternate(runners, args.reps, each=shown)
     return results
 
 
@@ -538,8 +538,6 @@ def ensure_synthetic(args) -> dict:
     path = str(Path(args.synthetic_8b).expanduser())
     created = None
     if not Path(path).is_file():
-        if str(BENCH_DIR) not in sys.path:
-            sys.path.insert(0, str(BENCH_DIR))
         from synth_gguf import write_synthetic
 
         log(f"writing {path} ({args.synthetic_layers} layers, random Q4_0) ...")
@@ -661,22 +659,6 @@ def table(results: dict, mem: dict, synth: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def torch_version() -> str:
-    code = "import torch; print(torch.__version__)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    return res.stdout.strip() or "unknown"
-
-
 def kvrun_settings(results: dict) -> str:
     for runs in results.values():
         for r in runs["kvrun"]:
@@ -708,18 +690,6 @@ def section(args, meta: dict, results: dict, mem: dict, synth: dict | None = Non
         table(results, mem, synth),
     ]
     return "\n".join(lines)
-
-
-def write_readme(text: str) -> None:
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = README.read_text() if README.exists() else "# kvrun benchmarks\n"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: block, old)
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    README.write_text(new)
-    log(f"wrote the section into {README}")
 
 
 # ---------------------------------------------------------------- main
@@ -792,8 +762,9 @@ def main(argv: list[str] | None = None) -> None:
     raw_argv = sys.argv[1:] if argv is None else argv
     version, build_s = ensure_llamacpp()
     meta = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "cpu": cpu_model(),
+        "machine": machine(gpu=False),  # ISA flags, cores, RAM: what the ratios depend on
         "torch": torch_version(),
         "llamacpp": version,
         "llamacpp_build_s": build_s,
@@ -811,7 +782,8 @@ def main(argv: list[str] | None = None) -> None:
     text = section(args, meta, results, mem, synth)
     print(text)
     if args.write:
-        write_readme(text)
+        write_section(README, text, BEGIN, END)
+        log(f"wrote the section into {README}")
     if args.json:
         raw = {"meta": meta, "args": vars(args), "results": results, "memory": mem}
         if synth is not None:
