@@ -128,7 +128,7 @@ def main() -> None:
     print(text)
     if a.write:
         sys.path.insert(0, str(BENCH))
-        from headline import write_section
+        from harness import write_section
 
         write_section(README, f"## lm-evaluation-harness against kvrun serve\n\n{text}", BEGIN, END)
 
