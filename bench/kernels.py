@@ -25,9 +25,12 @@ import platform
 import statistics
 import sys
 from functools import partial
+from pathlib import Path
 
 import torch
-from harness import timed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path (gpu_smoke)
+from harness import timed  # noqa: E402
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM peak by GPU name (SXM parts)
 L2_DEFEAT_BYTES = 256 * 2**20
