@@ -53,7 +53,7 @@ class NativeProduct(NamedTuple):
         return self.qmm(x if x.is_contiguous() else x.contiguous(), self.ws, self.codes, self.rows)
 
 
-class Layer(NamedTuple):
+class FusedLayer(NamedTuple):
     norm1: torch.Tensor  # (dim,) input_layernorm
     qkv: Product | NativeProduct  # dim -> (Hq + 2 Hkv) D
     o: Product | NativeProduct  # Hq D -> dim
@@ -75,7 +75,7 @@ def _product(mod) -> Product | NativeProduct | None:
     return None if op is None else Product(op.planes, op.sz, mod.group)
 
 
-def bind(model) -> list[Layer] | None:
+def bind(model) -> list[FusedLayer] | None:
     """The flat layers of `model`, or None where the loop does not apply (dense or CUDA
     products, Q/K/V or gate/up not stacked, a compute dtype other than float32)."""
     if model.dtype != torch.float32 or model.device.type != "cpu":
@@ -91,11 +91,11 @@ def bind(model) -> list[Layer] | None:
         native = type(qkv) is NativeProduct
         dt = torch.float32 if native else torch.bfloat16
         kernels = block.mlp.kernels if native else None
-        layers.append(Layer(norm1, qkv, o, norm2, gate_up, down, dt, kernels))
+        layers.append(FusedLayer(norm1, qkv, o, norm2, gate_up, down, dt, kernels))
     return layers
 
 
-def takes(x: torch.Tensor, layers: list[Layer] | None = None) -> bool:
+def takes(x: torch.Tensor, layers: list[FusedLayer] | None = None) -> bool:
     """Whether the loop serves these embeddings (B, T, dim): decode rows, float32; up to a
     decode step's rows (int4 op), or as many as the native products take (native)."""
     B, T, _ = x.shape
@@ -127,7 +127,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out=None, kernels=Non
     return torch.mul(torch.mul(x, w), scale, out=out)
 
 
-def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.Tensor:
+def blocks(model, layers: list[FusedLayer], x: torch.Tensor, positions, kv) -> torch.Tensor:
     """x (B, 1, dim) through every block: the arithmetic of Block.forward (float32 residual
     and norms; bfloat16 into and out of the int4 op, as `PackedLinear.matmul` casts; float32
     through the native kernels)."""
@@ -153,7 +153,7 @@ def blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv) -> torch.
     return x
 
 
-def _native_blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv, kernels):
+def _native_blocks(model, layers: list[FusedLayer], x: torch.Tensor, positions, kv, kernels):
     """`blocks` for native products: a layer is two native calls around the KV manager's
     attention (kernels/cpu/qops.cpp attn_in, attn_out), doing Block.forward's arithmetic op for
     op (the modules call the same native norms, products and SiLU x up)."""
@@ -167,6 +167,6 @@ def _native_blocks(model, layers: list[Layer], x: torch.Tensor, positions, kv, k
         qkv, o, gu, dn = L.qkv, L.o, L.gate_up, L.down
         q, k, v = attn_in(x2, L.norm1, eps, qkv.ws, qkv.codes, qkv.rows, hq, hkv)
         out = kv.attend(i, q, k, v, positions)  # (B, Hq, 1, D)
-        x2 = attn_out(x2, out, o.ws, o.codes, o.rows, L.norm2, eps, gu.ws, gu.codes, gu.rows,
-                      dn.ws, dn.codes, dn.rows)  # fmt: skip
+        mlp = (gu.ws, gu.codes, gu.rows, dn.ws, dn.codes, dn.rows)
+        x2 = attn_out(x2, out, o.ws, o.codes, o.rows, L.norm2, eps, *mlp)
     return x2.view(B, T, dim)

@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .quant import blocks
 from .quant.blocks import BlockEmbedding, BlockLinear, Blocks
 from .quant.choice import matmul_path
-from .quant.linear import PackedEmbedding, PackedLinear, Scratch
+from .quant.linear import DequantBuffers, PackedEmbedding, PackedLinear
 from .quant.packed import Packed
 from .rope import Rope, inverse_frequencies
 
@@ -189,7 +189,7 @@ class Transformer(nn.Module):
         packed = [k for k in tensors if isinstance(tensors[k], (Packed, Blocks))]
         with torch.device("meta"):
             m = cls(config)
-        scratch = Scratch()  # one set of dequantization buffers for every packed layer
+        scratch = DequantBuffers()  # one set of dequantization buffers for every packed layer
         for name in packed:  # popped one by one: the module holds the only reference
             parent, _, attr = name.removesuffix(".weight").rpartition(".")
             w = tensors.pop(name)
@@ -263,7 +263,7 @@ class Transformer(nn.Module):
         for name in layout["empty"]:
             parent, _, attr = name.rpartition(".")
             setattr(m.get_submodule(parent), attr, None)
-        scratch = Scratch()
+        scratch = DequantBuffers()
         for name, facts in layout["packed"].items():
             parent, _, attr = name.rpartition(".")
             prefix = f"{name}."

@@ -367,9 +367,9 @@ def test_synthetic_preset_packed_without_floats():
 def test_scratch_dequantize_equals_reference(bits):
     """The fast in-place dequantization (int32 nibble masks, reused buffers) against
     Packed.dequantize, for whole tensors, row slices and gathered rows, twice (reuse)."""
-    from kvrun.quant.linear import Scratch
+    from kvrun.quant.linear import DequantBuffers
 
-    sc = Scratch()
+    sc = DequantBuffers()
     p = quantize(torch.randn(48, 192, generator=torch.Generator().manual_seed(4)), bits)
     for part in (p, p.rows(slice(5, 20)), p.rows(torch.tensor([3, 3, 40, 0]))):
         for _ in range(2):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native, probes
-from .linear import DECODE_ROWS, REFINE, REFINE_MARGIN, SLAB_ELEMS, Scratch
+from .linear import DECODE_ROWS, REFINE, REFINE_MARGIN, SLAB_ELEMS, DequantBuffers
 
 X8_FLAG = 256  # kernels/cpu/qtypes.h: a type code plus this names the interleaved layout
 
@@ -159,10 +159,12 @@ class BlockLinear(nn.Module):
     whose types may differ (a Q4_K_M file's V is Q6_K beside Q4_K Q and K). One native call
     quantizes x once for all the parts."""
 
-    def __init__(self, parts: list[Blocks], dtype: torch.dtype, scratch: Scratch | None = None):
+    def __init__(
+        self, parts: list[Blocks], dtype: torch.dtype, scratch: DequantBuffers | None = None
+    ):
         super().__init__()
         self.dtype = dtype
-        self.scratch = scratch or Scratch()  # the exact path's dequantized slabs, reused
+        self.scratch = scratch or DequantBuffers()  # the exact path's dequantized slabs, reused
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
         self.types = [p.type for p in parts]
@@ -231,7 +233,7 @@ class BlockLinear(nn.Module):
 
     @staticmethod
     def restore(
-        facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: Scratch
+        facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: DequantBuffers
     ) -> BlockLinear:
         cls = BlockEmbedding if facts["kind"] == "block_embedding" else BlockLinear
         parts = [
@@ -306,8 +308,9 @@ class BlockLinear(nn.Module):
         y2 = y.view(rows, -1)  # (R, N)
         x2 = x.reshape(rows, -1).float().contiguous()  # (R, K)
         if y2.dtype == torch.float32 and len(self.types) == 1:  # one native call (double sums)
-            native.ops().refine_top(y2, x2, self._ws[0], self._codes[0], self.out_features,
-                                    self.in_features, REFINE_MARGIN, REFINE)  # fmt: skip
+            n, k = self.out_features, self.in_features
+            ws, codes = self._ws[0], self._codes[0]
+            native.ops().refine_top(y2, x2, ws, codes, n, k, REFINE_MARGIN, REFINE)
             return y
         for r in range(rows):
             row = y2[r]

@@ -52,7 +52,7 @@ class OpArgs(NamedTuple):
     cuda: bool
 
 
-class Scratch:
+class DequantBuffers:
     """Reused buffers for dequantized slabs: fresh multi-megabyte tensors per product cost
     more in page faults than the dequantization itself. One per model, shared by its layers."""
 
@@ -115,13 +115,13 @@ class PackedLinear(nn.Module):
     back and dequantize them exactly, since MKL on a dense slab beats the op there.
     """
 
-    def __init__(self, p: Packed, dtype: torch.dtype, scratch: Scratch | None = None):
+    def __init__(self, p: Packed, dtype: torch.dtype, scratch: DequantBuffers | None = None):
         super().__init__()
         self.bits, self.group, self.source, self.exact = p.bits, p.group, p.source, p.exact
         self.out_features, self.in_features = p.shape
         self.dtype = dtype
         self.path = "dequant"
-        self.scratch = scratch or Scratch()
+        self.scratch = scratch or DequantBuffers()
         self.register_buffer("codes", p.codes)
         self.register_buffer("scale", p.scale)
         self.register_buffer("zero", p.zero)
@@ -132,14 +132,18 @@ class PackedLinear(nn.Module):
         """What, beside its buffers (state_dict), rebuilds this layer (`restore`)."""
         return {
             "kind": "embedding" if isinstance(self, PackedEmbedding) else "linear",
-            "bits": self.bits, "group": self.group, "source": self.source, "exact": self.exact,
-            "shape": [self.out_features, self.in_features], "path": self.path,
+            "bits": self.bits,
+            "group": self.group,
+            "source": self.source,
+            "exact": self.exact,
+            "shape": [self.out_features, self.in_features],
+            "path": self.path,
             "planes": self.n_planes,
-        }  # fmt: skip
+        }
 
     @staticmethod
     def restore(
-        facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: Scratch
+        facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: DequantBuffers
     ) -> PackedLinear:
         """The layer `facts()` and its buffers describe, as it was (kvrun/quant/model_cache.py)."""
         cls = PackedEmbedding if facts["kind"] == "embedding" else PackedLinear
@@ -252,7 +256,7 @@ class PackedLinear(nn.Module):
         """The exact dense rows idx (R,) -> (R, K) in the compute dtype."""
         if self.codes is None:  # CPU int4 planes: gather the rows' codes from them
             q = int4mm.codes_cpu(self._planes()[0], idx)
-            return Scratch.scaled_new(q, *self._scale_zero(idx), self.dtype)
+            return DequantBuffers.scaled_new(q, *self._scale_zero(idx), self.dtype)
         return self.packed.rows(idx).dequantize(self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,10 +393,10 @@ class PackedEmbedding(PackedLinear):
 
 
 def dequant_linear(
-    x: torch.Tensor, p: Packed, dtype: torch.dtype, scratch: Scratch | None = None
+    x: torch.Tensor, p: Packed, dtype: torch.dtype, scratch: DequantBuffers | None = None
 ) -> torch.Tensor:
     """x @ dequantize(p)^T, a slab of rows at a time (scratch <= SLAB_ELEMS elements)."""
-    scratch = scratch or Scratch()
+    scratch = scratch or DequantBuffers()
     n, k = p.shape
     step = max(1, SLAB_ELEMS // k)
     if step >= n:

@@ -150,11 +150,16 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
         st = os.stat(f)
         ident.append([f, st.st_size, st.st_mtime_ns, st.st_ino])
     facts = {
-        "format": FORMAT, "files": ident, "dtype": str(dtype), "wtype": wtype,
-        "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-        "block_rows": int4mm.block_rows(), "path": matmul_path("cpu", dtype),
+        "format": FORMAT,
+        "files": ident,
+        "dtype": str(dtype),
+        "wtype": wtype,
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "block_rows": int4mm.block_rows(),
+        "path": matmul_path("cpu", dtype),
         "native": native.ops() is not None,  # GGUF blocks interleaved for the native kernels
-    }  # fmt: skip
+    }
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
     source = hashlib.sha256(real[0].encode()).hexdigest()[:8]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(real[0]).stem)[:48]
@@ -207,8 +212,8 @@ def save(path: Path, model, log: Callable[[str], None]) -> None:
         log(f"packed layout not kept in {path.parent}: {e.strerror or e}")
         return
     if free - size < KEEP_FREE:
-        log(f"packed layout not kept: {size / 2**20:,.0f} MiB would leave less than 1 GiB free "
-            f"in {path.parent}")  # fmt: skip
+        mib = f"{size / 2**20:,.0f} MiB"
+        log(f"packed layout not kept: {mib} would leave less than 1 GiB free in {path.parent}")
         return
     meta = {"format": FORMAT, "layout": layout}
     thread = threading.Thread(target=_keep, args=(path, tensors, meta, log), name="packed-cache")
