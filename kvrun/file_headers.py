@@ -195,8 +195,8 @@ class _Header:
             why = "a big-endian GGUF (not supported)" if swapped in (2, 3) else f"version {version}"
             raise KvrunError(f"unsupported GGUF: {why}; kvrun reads little-endian GGUF v2 and v3")
         n_tensors, n_kv = self.take("Q"), self.take("Q")
-        meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors,
-                                "GGUF.kv_count": n_kv}  # fmt: skip
+        meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors}
+        meta["GGUF.kv_count"] = n_kv
         for _ in range(n_kv):
             key = self.string()
             meta[key] = self.value(self.take("I"))
@@ -263,9 +263,10 @@ def safetensors_damage(path: Path) -> str | None:
     cut = sorted(
         (tuple(info["data_offsets"][:2]), name)
         for name, info in header.items()
-        if isinstance(info, dict) and len(info.get("data_offsets") or ()) == 2
+        if isinstance(info, dict)
+        and len(info.get("data_offsets") or ()) == 2
         and info["data_offsets"][1] > data
-    )  # fmt: skip
+    )
     if not cut:
         return None
     (start, end), name = cut[0]

@@ -76,9 +76,12 @@ def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend
 
 
 def _spm_backend(
-    tokens: list[str], scores: Sequence[float], types: Sequence[int], unk: str | None,
+    tokens: list[str],
+    scores: Sequence[float],
+    types: Sequence[int],
+    unk: str | None,
     normalizer: Mapping[str, Any],
-) -> _Backend:  # fmt: skip
+) -> _Backend:
     """SentencePiece BPE (tokenizer.ggml.model 'llama'): the best-scored pair merges first.
     normalizer: add_dummy_prefix, and from a tokenizer.model also precompiled_charsmap and
     remove_extra_whitespaces (which GGUF does not carry and llama.cpp ignores)."""
@@ -183,9 +186,16 @@ class Tokenizer:
     """Text <-> token ids, special tokens, end-of-generation ids and the chat template."""
 
     def __init__(
-        self, backend: _Backend, *, bos_id: int | None, eos_id: int | None, stop_ids: set[int],
-        add_bos: bool, add_eos: bool = False, chat_template: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        backend: _Backend,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        stop_ids: set[int],
+        add_bos: bool,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
         self._tok = backend
         self.bos_id, self.eos_id = bos_id, eos_id
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -266,11 +276,14 @@ class Tokenizer:
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text("utf-8")
         return cls(
-            backend, bos_id=bos, eos_id=eos, stop_ids=set(gen_eos),
+            backend,
+            bos_id=bos,
+            eos_id=eos,
+            stop_ids=set(gen_eos),
             add_bos=bool(config.get("add_bos_token", default_bos)) and bos is not None,
             add_eos=bool(config.get("add_eos_token", False)) and eos is not None,
             chat_template=template,
-        )  # fmt: skip
+        )
 
     @cached_property
     def _plain(self) -> _Backend:

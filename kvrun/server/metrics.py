@@ -12,9 +12,11 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "kvrun_requests", "Requests by outcome: ok, error, rejected (400/503), cancelled",
-            ["outcome"], registry=r,
-        )  # fmt: skip
+            "kvrun_requests",
+            "Requests by outcome: ok, error, rejected (400/503), cancelled",
+            ["outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("kvrun_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("kvrun_generated_tokens", "Tokens generated", registry=r)
         self.active = Gauge("kvrun_sequences_active", "Sequences holding a slot", registry=r)
@@ -26,13 +28,17 @@ class Metrics:
             "kvrun_kv_bytes_full", "Bytes full caches would hold for the same tokens", registry=r
         )
         self.ttft_hist = Histogram(
-            "kvrun_time_to_first_token_seconds", "From arrival to the first generated token",
-            buckets=LATENCY, registry=r,
-        )  # fmt: skip
+            "kvrun_time_to_first_token_seconds",
+            "From arrival to the first generated token",
+            buckets=LATENCY,
+            registry=r,
+        )
         self.itl_hist = Histogram(
-            "kvrun_inter_token_latency_seconds", "Between successive tokens of a sequence",
-            buckets=LATENCY, registry=r,
-        )  # fmt: skip
+            "kvrun_inter_token_latency_seconds",
+            "Between successive tokens of a sequence",
+            buckets=LATENCY,
+            registry=r,
+        )
 
     # called from the engine thread (prometheus-client's metrics are thread-safe)
     def ttft(self, seconds: float) -> None:

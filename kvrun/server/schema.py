@@ -58,9 +58,13 @@ class Sampling(_Body):
 
     def config(self) -> SamplingConfig:
         return SamplingConfig(
-            self.temperature, self.top_k, self.top_p, self.min_p,
-            self.repeat_penalty, self.repeat_last_n,
-        )  # fmt: skip
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.repeat_penalty,
+            self.repeat_last_n,
+        )
 
     def unsupported(self) -> str | None:
         """Why this body asks for something kvrun serve does not do (400), or None."""
@@ -126,8 +130,12 @@ class CompletionBody(Sampling):
         return list(p)
 
 
-def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
-               param: str | None = None) -> dict[str, Any]:  # fmt: skip
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -60,7 +60,7 @@ def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
             ubatch=s.ubatch,
             context=s.ctx_size,
             graph=graph,
-        )  # fmt: skip
+        )
         for _ in range(s.parallel)
     ]
     sess, kv = sessions[0], sessions[0].kv

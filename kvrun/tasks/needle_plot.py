@@ -26,9 +26,12 @@ def plot_heatmaps(path: str, records: list[dict], configs, lengths, depths) -> N
     cols = min(n, 3)
     rows = -(-n // cols)
     fig, axes = plt.subplots(
-        rows, cols, figsize=(1.2 + 0.9 * len(lengths) * cols, 0.8 + 0.55 * len(depths) * rows),
-        squeeze=False, constrained_layout=True,
-    )  # fmt: skip
+        rows,
+        cols,
+        figsize=(1.2 + 0.9 * len(lengths) * cols, 0.8 + 0.55 * len(depths) * rows),
+        squeeze=False,
+        constrained_layout=True,
+    )
     image = None
     for ax, cfg in zip(axes.flat, configs, strict=False):
         cells = nd.heat(records, cfg)

@@ -247,9 +247,9 @@ def score_windows(
             lp = _logprobs(rows[0])
             lp_ref = lp if len(rows) == 1 else _logprobs(rows[1])
             target = windows[i][context + j]
-            for out, x in zip(acc[i], (-lp[target], -lp_ref[target],
-                                       (lp_ref.exp() * (lp_ref - lp)).sum(),
-                                       lp.argmax() == lp_ref.argmax()), strict=True):  # fmt: skip
+            kl = (lp_ref.exp() * (lp_ref - lp)).sum()
+            agree = lp.argmax() == lp_ref.argmax()
+            for out, x in zip(acc[i], (-lp[target], -lp_ref[target], kl, agree), strict=True):
                 out.append(x)
         if j + 1 < n:
             feed = [windows[i][context + j] for i in owners]
@@ -264,7 +264,7 @@ def score_windows(
     return [
         Scores(
             *(torch.stack(x).tolist() for x in a), prefill_s=(t1 - t0) / k, decode_s=(t2 - t1) / k
-        )  # fmt: skip
+        )
         for a in acc
     ]
 
