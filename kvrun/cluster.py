@@ -11,6 +11,7 @@ optional dependency (`pip install 'kvrun[ray]'`), imported only here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -19,8 +20,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import KvrunError
+from .options import ModelOptions, RayOptions
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
 
 IN_FLIGHT = 2  # calls queued per worker: the next one waits on the worker, not on the driver
 RAY_MISSING = "--ray needs Ray: pip install 'kvrun[ray]' (or pip install ray)"
@@ -76,22 +82,19 @@ def reachable(address: str, timeout: float = 5.0) -> None:
         ) from None
 
 
-def start(ray_opts: tuple, kw: dict, setup: Callable, args_of: Callable[[dict], dict],
-          echo: Callable[[str], None]) -> tuple[Pool, dict]:  # fmt: skip
-    """Join or start Ray, start the workers, wait for one: (pool, its facts). ray_opts:
-    (--ray, --workers, --cpus-per-worker, --retries); kw: the command's model options (a
-    model path that exists here goes to the workers as an absolute path); args_of(kw): the
-    keyword arguments of `setup` on each worker."""
-    address, workers, cpus_per_worker, retries = ray_opts
-    ray = connect(address)
-    lay = layout(ray, workers, cpus_per_worker)
-    model = kw.get("model")
-    if model and Path(model).exists():  # a path here: the same path on the workers' nodes
-        kw = {**kw, "model": str(Path(model).absolute())}
-    gpu = ", 1 GPU" if lay.num_gpus else ""
-    echo(f"ray: starting {lay.workers} workers ({lay.num_cpus} CPUs{gpu} each; cluster: "
-         f"{lay.cluster})")  # fmt: skip
-    pool = Pool(ray, lay, setup, args_of(kw), retries, echo)
+def start(
+    opts: RayOptions, setup: Callable, model: ModelOptions, args: dict, echo: Callable[[str], None]
+) -> tuple[Pool, dict]:
+    """Join or start Ray, start the workers, wait for one: (pool, its facts). Each worker
+    runs setup(model=model, **args); a model path that exists here goes to the workers as an
+    absolute path."""
+    ray = connect(opts.address)
+    lay = layout(ray, opts.workers, opts.cpus_per_worker)
+    if model.name and Path(model.name).exists():  # a path here: the same on the workers' nodes
+        model = dataclasses.replace(model, name=str(Path(model.name).absolute()))
+    each = f"{lay.num_cpus} CPUs" + (", 1 GPU" if lay.num_gpus else "")
+    echo(f"ray: starting {lay.workers} workers ({each} each; cluster: {lay.cluster})")
+    pool = Pool(ray, lay, setup, {"model": model, **args}, opts.retries, echo)
     try:
         return pool, pool.wait_ready()
     except BaseException:
@@ -100,7 +103,7 @@ def start(ray_opts: tuple, kw: dict, setup: Callable, args_of: Callable[[dict], 
 
 
 @dataclass(frozen=True)
-class Layout:
+class WorkerLayout:
     """How many workers, and what each asks of the cluster."""
 
     workers: int
@@ -109,7 +112,7 @@ class Layout:
     cluster: str  # what the cluster has, for messages
 
 
-def layout(ray, workers: int | None, cpus_per_worker: int | None) -> Layout:
+def layout(ray, workers: int | None, cpus_per_worker: int | None) -> WorkerLayout:
     """One worker per GPU on a GPU cluster; on CPUs, one per --cpus-per-worker CPUs (default 2,
     or the CPUs shared out among --workers)."""
     res = ray.cluster_resources()
@@ -120,7 +123,7 @@ def layout(ray, workers: int | None, cpus_per_worker: int | None) -> Layout:
         if n > gpus:
             raise KvrunError(f"--workers {n}: the cluster has {gpus} GPUs (one worker per GPU)")
         per = cpus_per_worker or max(1, min(4, cpus // n))
-        return Layout(n, per, 1, have)
+        return WorkerLayout(n, per, 1, have)
     if cpus_per_worker is None:
         cpus_per_worker = max(1, cpus // workers) if workers else max(1, min(2, cpus))
     n = workers or max(1, cpus // cpus_per_worker)
@@ -129,7 +132,29 @@ def layout(ray, workers: int | None, cpus_per_worker: int | None) -> Layout:
             f"{n} workers x {cpus_per_worker} CPUs do not fit the cluster's {cpus} CPUs; "
             "lower --workers or --cpus-per-worker"
         )
-    return Layout(n, cpus_per_worker, 0, have)
+    return WorkerLayout(n, cpus_per_worker, 0, have)
+
+
+def load_model(model: ModelOptions) -> Runtime:
+    """The command's model on a Ray worker, resolved on the worker's node, quietly; a model
+    the node lacks says where it must be."""
+    from .model_store import models_dir
+    from .runtime import load_runtime
+
+    try:
+        return load_runtime(
+            model.name,
+            model.dtype,
+            model.device,
+            pull_missing=False,
+            log=lambda m: None,
+            wtype=model.wtype,
+        )
+    except KvrunError as e:
+        raise KvrunError(
+            f"{e} (each worker loads the model on its own node: give a path on storage every "
+            f"node sees, or a name in that node's models folder, here {models_dir()})"
+        ) from None
 
 
 def node_ip() -> str:
@@ -141,10 +166,10 @@ def node_ip() -> str:
         return "?"
 
 
-class Worker:
+class RayWorker:
     """One model and the command's sessions on a node (made a Ray actor by `Pool`).
 
-    `setup(kind, args)` builds what the command needs (kvrun.cli.longdoc.worker_setup or
+    `setup(**args)` builds what the command needs (kvrun.tasks.longdoc_run.worker_setup or
     kvrun.cli.needle.worker_setup): it returns (handler, facts), handler(items) -> results.
     A failure to load or set up is returned by `ready()` as text, not raised, so the driver can
     say which node it was."""
@@ -183,8 +208,8 @@ class Worker:
             )
 
     def ready(self) -> dict:
-        return {"node": self.node, "pid": self.pid, "error": self.error, "facts": self.facts,
-                "note": self.note}  # fmt: skip
+        facts = {"node": self.node, "pid": self.pid, "error": self.error, "facts": self.facts}
+        return {**facts, "note": self.note}
 
     def run(self, items: list) -> list:
         return self.handler(items, self.node)
@@ -214,11 +239,18 @@ class Pool:
     items: (key, item) pairs, key naming the item across resends; on_event(text) is told
     worker news (ready, failed to start, lost)."""
 
-    def __init__(self, ray, lay: Layout, setup: Callable, args: dict, retries: int,
-                 on_event: Callable[[str], None]):  # fmt: skip
+    def __init__(
+        self,
+        ray,
+        lay: WorkerLayout,
+        setup: Callable,
+        args: dict,
+        retries: int,
+        on_event: Callable[[str], None],
+    ):
         self.ray, self.lay, self.setup, self.args = ray, lay, setup, args
         self.retries, self.on_event = retries, on_event
-        self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(Worker)
+        self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(RayWorker)
         self.slots: list[_Slot] = []
         self.stats = PoolStats()
         self.facts: dict = {}
@@ -351,8 +383,8 @@ class Pool:
             self.slots.remove(slot)
             self.stats.lost += 1
             where = slot.info.get("node", "?")
-            self.on_event(f"worker {slot.index} on node {where} lost ({type(err).__name__}); "
-                          "its documents go again")  # fmt: skip
+            lost = f"worker {slot.index} on node {where} lost ({type(err).__name__})"
+            self.on_event(f"{lost}; its documents go again")
             try:
                 self.ray.kill(slot.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone

@@ -13,6 +13,11 @@ sequences that are decoding for more than one chunk. With --cuda-graph a decode 
 static one, replayed from a CUDA graph per batch-size bucket and members
 (kvrun.graph.BatchGraph) where every member's method has a static form; others run eagerly.
 
+Requests come from an Intake, polled at every step while the engine holds no request (the
+one it holds waits for a slot): a request that arrives while a batch runs (kvrun serve's)
+joins that batch. The run ends once the intake has none and no sequence is active; a list or
+a generator of requests is an intake drawn as slots free up.
+
 Per sequence the engine does what Session.generate does (the same sampling, history, stop
 tokens, streamed text and stats), so greedy outputs equal a sequential run's (up to the float
 reordering of a B-row product). A request that fails (a prompt that does not fit, a method
@@ -32,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -74,6 +79,26 @@ class Request:
     def prompt(self) -> list[int]:
         """Every prompt token, the question's included."""
         return list(self.ids) + list(self.question or [])
+
+
+@runtime_checkable
+class Intake(Protocol):
+    """Where an engine run takes its requests from."""
+
+    def poll(self) -> Request | None:
+        """The next request that has arrived, or None when none waits now. Called at every
+        engine step while the engine holds no request; after a None the engine asks again at
+        its next step while sequences are active, and ends once none are."""
+
+
+class IterIntake:
+    """An Intake over an iterable of requests, each built as the engine polls for it."""
+
+    def __init__(self, requests: Iterable[Request]):
+        self.it = iter(requests)
+
+    def poll(self) -> Request | None:
+        return next(self.it, None)
 
 
 @dataclass
@@ -158,7 +183,7 @@ class Engine:
     # ------------------------------------------------------------------------ run
     def run(
         self,
-        requests: Iterable[Request],
+        requests: Intake | Iterable[Request],
         finish: Callable[[Request, Result | None, str | None], None],
     ) -> EngineStats:
         """Generate every request; finish(request, result, None) or (request, None, error)
@@ -168,11 +193,11 @@ class Engine:
         return self.stats
 
     def results(
-        self, requests: Iterable[Request]
+        self, requests: Intake | Iterable[Request]
     ) -> Iterator[tuple[Request, Result | None, str | None]]:
         """`run` as a generator: (request, result, error) as each request ends (after the
-        engine step it ended in); requests are drawn lazily as slots free up."""
-        waiting = _Lookahead(requests)
+        engine step it ended in); requests are polled as slots free up (Intake)."""
+        waiting = _Next(requests if isinstance(requests, Intake) else IterIntake(requests))
         free = list(self.sessions)
         active: list[_Seq] = []
         st = self.stats
@@ -191,11 +216,11 @@ class Engine:
                 return
             ready.append((seq.req, self._result(seq), None))
 
-        while waiting or active:
+        while waiting.peek() is not None or active:
             for q in [q for q in active if q.req.cancelled and q.req.cancelled()]:
                 q.stats.stop_reason = "cancelled"
                 end(q)
-            while free and waiting:  # admission
+            while free and waiting.peek() is not None:  # admission
                 req = waiting.peek()
                 if not self._fits(req, active):
                     if active:
@@ -356,29 +381,26 @@ class Engine:
         s.pending = []
         req = seq.req
         return Result(
-            "".join(seq.text), list(seq.out), stats, req.prompt,
+            "".join(seq.text),
+            list(seq.out),
+            stats,
+            req.prompt,
             logprobs=seq.logprobs if req.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if req.prompt_logprobs is not None else None,
-        )  # fmt: skip
+        )
 
 
-class _Lookahead:
-    """An iterator with one item of lookahead: requests are built only as slots free up."""
+class _Next:
+    """The next request to admit: polled from the intake while none is held."""
 
-    _EMPTY = object()
+    def __init__(self, intake: Intake):
+        self.intake, self.req = intake, None
 
-    def __init__(self, items: Iterable):
-        self.it, self.head = iter(items), self._EMPTY
+    def peek(self) -> Request | None:
+        if self.req is None:
+            self.req = self.intake.poll()
+        return self.req
 
-    def __bool__(self) -> bool:
-        if self.head is self._EMPTY:
-            self.head = next(self.it, self._EMPTY)
-        return self.head is not self._EMPTY
-
-    def peek(self):
-        return self.head if self else None
-
-    def pop(self):
-        item = self.peek()
-        self.head = self._EMPTY
-        return item
+    def pop(self) -> Request | None:
+        req, self.req = self.peek(), None
+        return req

@@ -120,6 +120,91 @@ def test_memory_admission_holds_a_tiny_limit(tiny_rt, one_thread):
     assert [got[i] for i in range(3)] == want
 
 
+def test_a_request_that_arrives_mid_batch_joins_it(tiny_rt, one_thread):
+    """The engine polls its intake at every step: a request that arrives while another is
+    decoding takes the free slot at once and decodes in the same steps; both give their
+    sequential tokens."""
+    rt, spec = tiny_rt, check("full")
+    ids = [rt.tokenizer.encode(f"Doc {i}. " + tiny_models.TEXT) for i in range(2)]
+    want = sequential(rt, spec, ids, 12)
+    assert len(want[0]) == 12  # the first runs to its limit: it is active when the other comes
+    log = []
+
+    def request(i: int) -> Request:
+        started = lambda: log.append(("start", i))  # noqa: E731
+        token = lambda tok, entry: log.append(("token", i))  # noqa: E731
+        return Request(ids[i], 12, GREEDY, 0, i, on_start=started, on_token=token)
+
+    class Arrivals:
+        """The first request at once; the second once the first has three tokens."""
+
+        def __init__(self):
+            self.late = request(1)
+            self.now = [request(0)]
+
+        def poll(self):
+            if self.late is not None and log.count(("token", 0)) >= 3:
+                self.now.append(self.late)
+                self.late = None
+            return self.now.pop(0) if self.now else None
+
+    sessions = [Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=128) for _ in range(2)]
+    engine = Engine(sessions)
+    got = {}
+    for req, result, error in engine.results(Arrivals()):
+        assert error is None
+        got[req.tag] = result.tokens
+        log.append(("end", req.tag))
+    assert got == {0: want[0], 1: want[1]}
+    assert log.index(("start", 1)) < log.index(("end", 0))
+    assert log.index(("token", 1)) < log.index(("end", 0))  # decoded beside the first
+    assert engine.stats.max_active == 2
+
+
+def test_the_server_engine_thread_takes_jobs_that_arrive_mid_batch(tiny_rt, one_thread):
+    """kvrun serve's engine thread: a job submitted while another decodes (here, from the
+    first one's first token) joins the running batch rather than waiting for it to end."""
+    import threading
+
+    from kvrun.server.worker import EngineThread, HttpJob, StopText
+
+    rt, spec = tiny_rt, check("full")
+    ids = [rt.tokenizer.encode(f"Doc {i}. " + tiny_models.TEXT) for i in range(2)]
+    want = sequential(rt, spec, ids, 12)
+    jobs = [HttpJob(x, 12, GREEDY, 0, spec, stop=StopText([])) for x in ids]
+    ended: dict[int, tuple] = {}
+    both = threading.Event()
+
+    class Metrics:
+        def ttft(self, seconds: float) -> None:
+            if not jobs[1].submitted:  # the first job's first token: the second arrives
+                worker.submit(jobs[1])
+
+        def itl(self, seconds: float) -> None:
+            pass
+
+        def ended(self, job, result, error) -> None:
+            ended[jobs.index(job)] = (time.perf_counter(), result, error)
+            if len(ended) == 2:
+                both.set()
+
+    def session(rt, kv):
+        return Session(rt.model, rt.tokenizer, kv, ubatch=128)
+
+    worker = EngineThread(lambda: rt, 2, None, session, Metrics(), spec)
+    worker.start()
+    try:
+        assert worker.ready.wait(60), worker.load_error
+        worker.submit(jobs[0])
+        assert both.wait(120)
+    finally:
+        worker.close()
+    assert [ended[i][2] for i in range(2)] == [None, None]
+    assert [ended[i][1].tokens for i in range(2)] == want
+    assert jobs[1].started < ended[0][0]  # it held a slot while the first still decoded
+    assert worker.engine.stats.max_active == 2
+
+
 def run_cli(*args):
     base = ["longdoc", "--device", "cpu", "--dtype", "float32"]
     return CliRunner().invoke(GROUP, base + list(args), catch_exceptions=False)

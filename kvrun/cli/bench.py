@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import click
 
+from ..kv import check
+from ..options import KVGridOptions, ModelOptions
 from ..presets import is_preset, preset_config
+from ..progress import progress_bar
+from ..report import human_bytes
 from ..tasks.bench_settings import (
     BenchSettings,
     cases,
@@ -13,16 +17,12 @@ from ..tasks.bench_settings import (
     parse_counts,
 )
 from .common import (
-    check_kv,
     dump_json,
     graph_option,
-    human_bytes,
     kv_options,
     load_with_progress,
     model_options,
     parallel_option,
-    progress_bar,
-    set_debug,
 )
 
 
@@ -82,8 +82,9 @@ def markdown(result: dict) -> str:
 @click.option("-r", "--reps", default=5, show_default=True, help="Timed reps per row.")
 @click.option("-s", "--seed", default=0, show_default=True, help="Seed of the random token ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (settings + rows).")
-@click.pass_context
-def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
+def bench(
+    n_prompt, n_gen, depths, reps, seed, as_json, parallel, model: ModelOptions, kv: KVGridOptions
+):
     """Measure prefill and decode speed, KV bytes and memory for KV methods and depths.
 
     For every method x budget x depth: fill a fresh cache with D random tokens (one
@@ -109,30 +110,29 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
     kvrun bench -p 0 -n 128 --kv full --cuda-graph        # decode steps as one CUDA graph
     kvrun bench -p 0 -n 64 -d 1000 --kv full --parallel 8 # tg: 8 sequences' aggregate tok/s
     """
-    set_debug(ctx, kw.pop("debug"))
     settings = BenchSettings(
         n_prompt=n_prompt,
         n_gen=n_gen,
         depths=parse_counts(depths, "-d/--n-depth"),
         reps=reps,
-        methods=tuple(kw["kv"]),
-        budgets=parse_budgets(kw["kv_budget"]),
+        methods=tuple(kv.methods),
+        budgets=parse_budgets(kv.budgets),
         seed=seed,
-        ubatch=kw["ubatch"],
-        ctx_size=kw["ctx_size"],
-        cuda_graph=kw["cuda_graph"],
-        specs=tuple(check_kv({"kv": m}) for m in kw["kv"]),
-        parallel=kw.pop("parallel"),
+        ubatch=model.ubatch,
+        ctx_size=model.ctx_size,
+        cuda_graph=model.cuda_graph,
+        specs=tuple(check(m) for m in kv.methods),
+        parallel=parallel,
     )
-    _check_before_loading(settings, kw)
+    _check_before_loading(settings, model)
     # the common loader checks a single --kv; ours were checked above
     from ..tasks.bench import run_bench
 
-    rt = load_with_progress(kw, text=False)
+    rt = load_with_progress(model, text=False)
     from ..quant import model_cache
 
     model_cache.settle(rt.model)  # time the weights as a long session holds them
-    with progress_bar("bench") as bar:
+    with progress_bar("bench", quiet=model.quiet) as bar:
         total = len(cases(settings)) * (settings.reps + 1)
         task = bar.add_task("bench", total=total)
         result = run_bench(
@@ -144,9 +144,9 @@ def bench(ctx, n_prompt, n_gen, depths, reps, seed, as_json, **kw):
         click.echo(markdown(result))
 
 
-def _check_before_loading(s: BenchSettings, kw: dict) -> None:
+def _check_before_loading(s: BenchSettings, model: ModelOptions) -> None:
     """Every input error in one line before the model loads (presets know their context)."""
-    context = kw["ctx_size"] or None
-    if context is None and is_preset(kw["model"]):
-        context = preset_config(kw["model"]).context_length
+    context = model.ctx_size or None
+    if context is None and is_preset(model.name):
+        context = preset_config(model.name).context_length
     check_settings(s, context)

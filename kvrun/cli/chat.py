@@ -8,18 +8,16 @@ import sys
 import click
 
 from ..errors import ContextOverflow
+from ..options import KVOptions, ModelOptions, SamplingOptions
+from ..progress import err_console
+from ..report import stats_line
 from .common import (
-    check_kv,
-    err_console,
     graph_option,
     kv_options,
     load_with_progress,
     model_options,
     new_session,
-    sampling_from,
     sampling_options,
-    set_debug,
-    stats_line,
 )
 
 HELP = "commands: /reset (new conversation), /stats (last reply's numbers), /exit; Ctrl-C stops a reply"
@@ -61,19 +59,17 @@ class _StopFlag:
     type=click.IntRange(min=-1),
     help="Max tokens per reply (-1 = until the model ends its turn).",
 )
-@click.pass_context
-def chat(ctx, system, n_predict, **kw):
+def chat(system, n_predict, model: ModelOptions, kv: KVOptions, sampling: SamplingOptions):
     """Chat with a model, streaming replies; history is kept in the KV cache.
 
     \b
     kvrun chat
     kvrun chat -m llama3-8b --system "Answer briefly." --temp 0.7
     """
-    set_debug(ctx, kw.pop("debug"))
-    sampling, seed = sampling_from(kw)
-    spec = check_kv(kw)
-    rt = load_with_progress(kw)
-    session = new_session(rt, rt.new_kv(spec), kw)
+    config, seed = sampling.resolve()
+    spec = kv.spec()
+    rt = load_with_progress(model)
+    session = new_session(rt, rt.new_kv(spec), model)
     from ..chat import Conversation
 
     conv = Conversation(session, system)
@@ -116,7 +112,7 @@ def chat(ctx, system, n_predict, **kw):
                 result = conv.reply(
                     text,
                     n_predict=n_predict,
-                    sampling=sampling,
+                    sampling=config,
                     seed=seed + turn,
                     on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
                     should_stop=stop,

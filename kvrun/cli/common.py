@@ -1,43 +1,74 @@
-"""Options and output shared by the commands: model loading, sampling flags, the stats line."""
+"""The commands' shared options, each group built once into its typed object
+(kvrun/options.py), and what every command does with them: check, load, read."""
 
 from __future__ import annotations
 
 import functools
 import json
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..config import SamplingConfig
 from ..errors import KvrunError
-from ..kv import REGISTRY, KVSpec
+from ..kv import REGISTRY
+from ..options import (
+    KVGridOptions,
+    KVOptions,
+    ModelOptions,
+    ParallelOptions,
+    RayOptions,
+    SamplingOptions,
+)
+from ..progress import err_console, progress_bar
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs a model
-    from ..generate import Session, Stats
+    from ..generate import Session
     from ..runtime import Runtime
 
-err_console = Console(stderr=True, highlight=False)
+
+def _grouped(name: str, build: Callable[[dict], object], options: list):
+    """A decorator adding click options whose values reach the command as one object, `name`:
+    build(params) pops them from click's parameters and makes it."""
+
+    def deco(f):
+        @functools.wraps(f)
+        def command(*args, **params):
+            params[name] = build(params)
+            return f(*args, **params)
+
+        for opt in reversed(options):
+            command = opt(command)
+        return command
+
+    return deco
+
+
+def _model(params: dict) -> ModelOptions:
+    """Sets --debug and OpenMP's spinning for this machine (kvrun/openmp.py, before torch
+    loads), then the ModelOptions (--cuda-graph where the command has graph_option)."""
+    from .. import openmp
+
+    openmp.tune()
+    set_debug(click.get_current_context(), params.pop("debug"))
+    return ModelOptions(
+        name=params.pop("model"),
+        dtype=params.pop("dtype"),
+        wtype=params.pop("wtype"),
+        device=params.pop("device"),
+        ctx_size=params.pop("ctx_size"),
+        ubatch=params.pop("ubatch"),
+        cuda_graph=params.pop("cuda_graph", False),
+        quiet=params.pop("quiet"),
+    )
 
 
 def model_options(f):
-    """-m/--model, --dtype, --wtype, --device, -c, --ubatch, --debug, --quiet; the command
-    first sets OpenMP's spinning for this machine (kvrun/openmp.py), before torch loads."""
-
-    body = f
-
-    @functools.wraps(body)
-    def command(*args, **kwargs):
-        from .. import openmp
-
-        openmp.tune()
-        return body(*args, **kwargs)
-
-    f = command
+    """-m/--model, --dtype, --wtype, --device, -c, --ubatch, --debug, --quiet (and graph_option's
+    --cuda-graph) as one ModelOptions, `model`; the command first sets OpenMP's spinning for this
+    machine (kvrun/openmp.py), before torch loads."""
     opts = [
         click.option(
             "-m",
@@ -83,9 +114,7 @@ def model_options(f):
         click.option("--debug", is_flag=True, hidden=True),
         quiet_option,
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    return _grouped("model", _model, opts)(f)
 
 
 def graph_option(f):
@@ -102,30 +131,27 @@ def graph_option(f):
     )(f)
 
 
-def new_session(rt: Runtime, kv, kw: dict, note: bool = True) -> Session:
-    """A Session with the command's --ubatch, -c and --cuda-graph; notes why a requested graph
-    is not used (unless note is False: the other slots of a --parallel batch)."""
-    from ..generate import Session
-
-    graph = "on" if kw.get("cuda_graph") else "off"
-    session = Session(
-        rt.model, rt.tokenizer, kv, ubatch=kw["ubatch"], context=kw["ctx_size"], graph=graph
-    )
+def new_session(rt: Runtime, kv, model: ModelOptions, note: bool = True) -> Session:
+    """model.session(rt, kv), noting why a requested graph is not used (unless note is False:
+    the other slots of a --parallel batch)."""
+    session = model.session(rt, kv)
     if session.graph_note and note:
         err_console.print(session.graph_note, style="yellow")
     return session
 
 
 def parallel_options(f):
-    """--parallel N and --kv-mem: documents run N at once (kvrun.engine)."""
-    f = click.option(
+    """--parallel N and --kv-mem as one ParallelOptions, `parallel`: documents run N at once
+    (kvrun.engine)."""
+    kv_mem = click.option(
         "--kv-mem",
         default=None,
         metavar="SIZE",
         help="Admit a new sequence only while every active sequence's KV cache can still "
         "fit SIZE: bytes (512M, 4G) or a fraction of free memory (0.5). Default: no limit.",
-    )(f)
-    return parallel_option(f)
+    )
+    build = lambda p: ParallelOptions(p.pop("parallel"), p.pop("kv_mem"))  # noqa: E731
+    return _grouped("parallel", build, [parallel_option, kv_mem])(f)
 
 
 def parallel_option(f):
@@ -141,44 +167,9 @@ def parallel_option(f):
     )(f)
 
 
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_mem(text: str | None, device) -> int | None:
-    """--kv-mem: None, bytes with an optional K/M/G/T suffix, or a fraction (0, 1] of the
-    memory free now (CUDA: the device's; CPU: MemAvailable)."""
-    if text is None:
-        return None
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        value = -1.0
-    if value <= 0 or (not unit and value != int(value) and value > 1):
-        raise KvrunError(f"--kv-mem {text}: give bytes (512M, 4G, 1000000) or a fraction (0.5)")
-    if unit or value > 1:
-        return int(value * _UNITS[unit])
-    return int(value * free_memory(device))
-
-
-def free_memory(device) -> int:
-    """Bytes free for new allocations: the CUDA device's, or the system's MemAvailable."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise KvrunError("--kv-mem as a fraction needs /proc/meminfo; give bytes (4G) instead")
-
-
 def kv_options(multiple: bool = False):
-    """--kv and --kv-budget; with multiple=True both may be given several times (grids)."""
+    """--kv and --kv-budget as one KVOptions, `kv`; with multiple=True (a KVGridOptions) --kv
+    may be given several times and --kv-budget is a comma list (grids)."""
     kv_help = (
         f"KV cache method: {', '.join(REGISTRY)}; stack with + (snapkv+kivi2, minicache+kivi4), "
         "options with : (snapkv:window=64). See `kvrun kv list`."
@@ -191,9 +182,8 @@ def kv_options(multiple: bool = False):
         kv_help += " Repeat for several methods."
         budget_help += " Comma-separated for several budgets."
 
-    def deco(f):
-        f = click.option("--kv-budget", "kv_budget", default=None, metavar="B", help=budget_help)(f)
-        return click.option(
+    opts = [
+        click.option(
             "--kv",
             "kv",
             default=("full",) if multiple else "full",
@@ -201,13 +191,16 @@ def kv_options(multiple: bool = False):
             show_default=True,
             metavar="METHOD",
             help=kv_help,
-        )(f)
-
-    return deco
+        ),
+        click.option("--kv-budget", "kv_budget", default=None, metavar="B", help=budget_help),
+    ]
+    cls = KVGridOptions if multiple else KVOptions
+    return _grouped("kv", lambda p: cls(p.pop("kv"), p.pop("kv_budget")), opts)
 
 
 def ray_options(f):
-    """--ray [ADDRESS], --workers, --cpus-per-worker, --retries: the batch on a Ray cluster."""
+    """--ray [ADDRESS], --workers, --cpus-per-worker, --retries as one RayOptions, `ray`: the
+    batch on a Ray cluster."""
     opts = [
         click.option(
             "--ray",
@@ -243,9 +236,8 @@ def ray_options(f):
             "is not).",
         ),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    fields = ("ray_address", "workers", "cpus_per_worker", "retries")
+    return _grouped("ray", lambda p: RayOptions(*(p.pop(k) for k in fields)), opts)(f)
 
 
 def question_after_option(f):
@@ -260,7 +252,8 @@ def question_after_option(f):
 
 
 def sampling_options(f=None, *, temp: float = 0.8):
-    """llama.cpp's sampling flags and defaults; `@sampling_options(temp=0)` makes a command greedy."""
+    """llama.cpp's sampling flags and defaults as one SamplingOptions, `sampling`;
+    `@sampling_options(temp=0)` makes a command greedy."""
     if f is None:
         return lambda g: sampling_options(g, temp=temp)
     opts = [
@@ -296,127 +289,15 @@ def sampling_options(f=None, *, temp: float = 0.8):
         ),
         click.option("-s", "--seed", default=-1, show_default=True, type=int, help="-1 = random."),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def sampling_from(kw: dict) -> tuple[SamplingConfig, int]:
-    """SamplingConfig and a concrete seed (a random one is drawn and reported for -1)."""
-    cfg = SamplingConfig(
-        kw["temp"], kw["top_k"], kw["top_p"], kw["min_p"], kw["repeat_penalty"], kw["repeat_last_n"]
-    )
-    seed = kw["seed"]
-    if seed < 0:
-        import random
-
-        seed = random.SystemRandom().randrange(2**31)
-    return cfg, seed
+    fields = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+    build = lambda p: SamplingOptions(*(p.pop(k) for k in fields))  # noqa: E731
+    return _grouped("sampling", build, opts)(f)
 
 
 def set_debug(ctx: click.Context, debug: bool) -> None:
+    """--debug on a command: tracebacks instead of one-line errors (kvrun.cli.main)."""
     if debug:
         ctx.find_root().ensure_object(dict)["debug"] = True
-
-
-def progress_bar(description: str, bytes_mode: bool = False):
-    """A transient progress bar on stderr when it is a terminal; else plain progress lines
-    every few seconds (LineProgress), none with --quiet."""
-    if not sys.stderr.isatty():
-        return LineProgress(bytes_mode)
-    cols = [TextColumn("{task.description}"), BarColumn()]
-    cols += [DownloadColumn()] if bytes_mode else [TextColumn("{task.completed}/{task.total}")]
-    cols.append(TimeRemainingColumn())
-    return Progress(*cols, console=err_console, transient=True)
-
-
-QUIET = {"on": False}  # --quiet: no progress lines off a terminal
-
-
-def quiet_option(f):
-    """--quiet: long commands print no progress lines when stderr is not a terminal."""
-    return click.option(
-        "--quiet",
-        is_flag=True,
-        expose_value=False,
-        callback=lambda ctx, param, v: QUIET.update(on=bool(v)),
-        help="No progress lines on stderr (printed every few seconds when stderr is not a "
-        "terminal: logs, pipes).",
-    )(f)
-
-
-class LineProgress:
-    """progress_bar off a terminal, as llama.cpp logs: for each visible task one plain line
-    on stderr every EVERY seconds (what, how far, rate, time so far), and one when a task that
-    ran that long ends. The subset of rich's Progress the commands use."""
-
-    EVERY = 5.0
-
-    def __init__(self, bytes_mode: bool = False):
-        self.bytes_mode, self.tasks = bytes_mode, {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def add_task(self, description: str, total=None, visible: bool = True, **_) -> int:
-        now = time.monotonic()
-        i = len(self.tasks)
-        self.tasks[i] = {"description": description, "total": total, "completed": 0,
-                         "visible": visible, "t0": now, "shown": now, "ended": False}  # fmt: skip
-        return i
-
-    def update(self, task: int, completed=None, total=None, description=None, visible=None,
-               advance=None, **_) -> None:  # fmt: skip
-        t = self.tasks[task]
-        for key, v in (("completed", completed), ("total", total), ("visible", visible)):
-            if v is not None:
-                t[key] = v
-        if description is not None:
-            t["description"] = description
-        if advance:
-            t["completed"] += advance
-        self._report(t)
-
-    def advance(self, task: int, advance: float = 1) -> None:
-        self.update(task, advance=advance)
-
-    def _report(self, t: dict) -> None:
-        if QUIET["on"] or not t["visible"]:
-            return
-        now = time.monotonic()
-        done = t["total"] is not None and t["completed"] >= t["total"]
-        if done and (t["ended"] or now - t["t0"] < self.EVERY):
-            return
-        if not done and now - t["shown"] < self.EVERY:
-            return
-        t["shown"], t["ended"] = now, done
-        print(self.line(t, now), file=sys.stderr, flush=True)
-
-    def line(self, t: dict, now: float) -> str:
-        elapsed = max(now - t["t0"], 1e-9)
-        n, total = t["completed"], t["total"]
-        fmt = human_bytes if self.bytes_mode else (lambda x: f"{x:g}")
-        where = f"{fmt(n)}/{fmt(total)} ({n / total:.0%})" if total else fmt(n)
-        rate = f"{human_bytes(n / elapsed)}/s" if self.bytes_mode else f"{n / elapsed:.2f}/s"
-        state = "done in" if total and n >= total else "elapsed"
-        return f"{t['description']}: {where}, {rate}, {state} {elapsed:.0f} s"
-
-
-def check_kv(kw: dict) -> KVSpec:
-    """--kv and --kv-budget validated into the spec every later step receives (before the
-    model is loaded: a bad method or budget costs no load)."""
-    from ..kv import check
-
-    return check(kw["kv"], kw.get("kv_budget"))
 
 
 def needs_text(model: str | None) -> None:
@@ -430,100 +311,48 @@ def needs_text(model: str | None) -> None:
         )
 
 
-def load_on_worker(load: dict) -> Runtime:
-    """The command's model on a Ray worker (kvrun.cluster), resolved on the worker's node,
-    quietly; a model the node lacks says where it must be."""
-    from ..model_store import models_dir
-    from ..runtime import load_runtime
+def load_with_progress(
+    model: ModelOptions, pull_missing: bool = True, text: bool = True
+) -> Runtime:
+    """Load the model of the common options, with a progress bar on a terminal.
 
-    try:
-        return load_runtime(load["model"], load["dtype"], load["device"], pull_missing=False,
-                            log=lambda m: None, wtype=load["wtype"])  # fmt: skip
-    except KvrunError as e:
-        raise KvrunError(
-            f"{e} (each worker loads the model on its own node: give a path on storage every "
-            f"node sees, or a name in that node's models folder, here {models_dir()})"
-        ) from None
-
-
-def load_with_progress(kw: dict, pull_missing: bool = True, text: bool = True) -> Runtime:
-    """Load the model named by the common options, with a progress bar on a terminal.
-
-    Commands validate --kv themselves first (check_kv), before paying for the load; with
+    Commands validate --kv themselves first (KVOptions.spec), before paying for the load; with
     text (every command but bench) a synthetic preset is refused before it is made.
     """
     from ..runtime import load_runtime, pick_device
 
     if text:
-        needs_text(kw["model"])
+        needs_text(model.name)
 
-    if kw.get("cuda_graph") and pick_device(kw["device"]).type != "cuda":
+    if model.cuda_graph and pick_device(model.device).type != "cuda":
         raise KvrunError("--cuda-graph needs a CUDA device (--device cuda)")  # before the load
-    with progress_bar("loading") as bar:
+    with progress_bar("loading", quiet=model.quiet) as bar:
         task = bar.add_task("loading model", total=None)
         rt = load_runtime(
-            kw["model"],
-            kw["dtype"],
-            kw["device"],
+            model.name,
+            model.dtype,
+            model.device,
             pull_missing=pull_missing,
             log=lambda m: err_console.print(f"[dim]{m}[/]"),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
-            wtype=kw.get("wtype", "auto"),
+            wtype=model.wtype,
         )
     return rt
 
 
-def prefill_progress(total_tokens: int, ubatch: int):
-    """A context manager yielding a progress callback for long prefills (None for short ones)."""
-    if total_tokens <= 2 * ubatch or not sys.stderr.isatty():
-        return _NullProgress()
-    return _PrefillProgress(total_tokens)
+def quiet_option(f):
+    """--quiet: long commands print no progress lines when stderr is not a terminal."""
+    return click.option(
+        "--quiet",
+        is_flag=True,
+        help="No progress lines on stderr (printed every few seconds when stderr is not a "
+        "terminal: logs, pipes).",
+    )(f)
 
 
-class _NullProgress:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _PrefillProgress:
-    def __init__(self, total: int):
-        self.bar = progress_bar("prefill")
-        self.total = total
-
-    def __enter__(self):
-        self.bar.__enter__()
-        task = self.bar.add_task("prefill", total=self.total)
-        return functools.partial(self._update, task)
-
-    def _update(self, task, done, total):
-        self.bar.update(task, completed=done, total=total)
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def stats_line(s: Stats, load_s: float | None = None) -> str:
-    """The one line every run ends with (load time first when given, as llama.cpp does)."""
-    ratio = s.kv_bytes / s.kv_bytes_full if s.kv_bytes_full else 1.0
-    load = f"load {load_s:.2f} s | " if load_s is not None else ""
-    first = f", first token {s.ttft_s:.2f} s" if s.ttft_s else ""
-    return (
-        f"{load}prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s{first} | "
-        f"gen {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | "
-        f"KV {human_bytes(s.kv_bytes)} held / {human_bytes(s.kv_bytes_full)} full ({ratio:.1%}) | "
-        f"peak mem {human_bytes(s.peak_mem_bytes)}"
-    )
+def debugging(ctx: click.Context) -> bool:
+    """Whether --debug was given (to the group or the command)."""
+    return bool((ctx.find_root().obj or {}).get("debug"))
 
 
 def dump_json(obj: dict) -> None:

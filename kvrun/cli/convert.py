@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from ..model_store import resolve
-from .common import err_console, progress_bar, quiet_option
+from ..progress import err_console, progress_bar
+from .common import quiet_option
 
 
 @click.command()
@@ -22,7 +23,7 @@ from .common import err_console, progress_bar, quiet_option
 )
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @quiet_option
-def convert(src, dst, outtype, force):
+def convert(src, dst, outtype, force, quiet):
     """Convert a GGUF model to an HF safetensors directory, or an HF directory to GGUF.
 
     \b
@@ -32,7 +33,7 @@ def convert(src, dst, outtype, force):
     path = resolve(src)
     from ..convert import convert as run_convert  # torch, once SRC is known to exist
 
-    with progress_bar("convert") as bar:
+    with progress_bar("convert", quiet=quiet) as bar:
         task = bar.add_task("converting", total=None)
         out = run_convert(
             path,

@@ -9,20 +9,18 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
+from ..options import KVOptions, ModelOptions, SamplingOptions
+from ..progress import prefill_progress
+from ..report import stats_line
 from .common import (
-    check_kv,
     dump_json,
     graph_option,
     kv_options,
     load_with_progress,
     model_options,
     new_session,
-    prefill_progress,
     read_stdin,
-    sampling_from,
     sampling_options,
-    set_debug,
-    stats_line,
 )
 
 
@@ -71,8 +69,17 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 )
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-@click.pass_context
-def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
+def generate(
+    prompt,
+    file,
+    n_predict,
+    chat,
+    system,
+    as_json,
+    model: ModelOptions,
+    kv: KVOptions,
+    sampling: SamplingOptions,
+):
     """Generate text from a prompt.
 
     \b
@@ -80,11 +87,10 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
     kvrun generate -f report.txt -p "Summarize the report above." --temp 0
     cat notes.txt | kvrun generate --raw -n 128
     """
-    set_debug(ctx, kw.pop("debug"))
-    sampling, seed = sampling_from(kw)
+    config, seed = sampling.resolve()
     text = read_prompt(prompt, file)
-    spec = check_kv(kw)
-    rt = load_with_progress(kw)
+    spec = kv.spec()
+    rt = load_with_progress(model)
     tok = rt.tokenizer
     use_chat = chat if chat is not None else tok.chat_template is not None
     if use_chat:
@@ -94,12 +100,12 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
         ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
     else:
         ids = tok.encode(text)
-    session = new_session(rt, rt.new_kv(spec), kw)
+    session = new_session(rt, rt.new_kv(spec), model)
     session.check_fits(len(ids))
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    with prefill_progress(len(ids), kw["ubatch"]) as progress:
+    with prefill_progress(len(ids), model.ubatch) as progress:
         result = session.generate(
-            ids, n_predict, sampling, seed=seed, on_text=on_text, progress=progress
+            ids, n_predict, config, seed=seed, on_text=on_text, progress=progress
         )
     s = result.stats
     if as_json:
@@ -119,7 +125,7 @@ def generate(ctx, prompt, file, n_predict, chat, system, as_json, **kw):
                     "dtype": str(rt.model.dtype).removeprefix("torch."),
                     "wtype": rt.weights.wtype,
                     "device": str(rt.model.device),
-                    **dataclasses.asdict(sampling),
+                    **dataclasses.asdict(config),
                 },
             }
         )

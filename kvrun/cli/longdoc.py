@@ -5,32 +5,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from ..errors import KvrunError
+from ..options import KVOptions, ModelOptions, ParallelOptions, RayOptions, SamplingOptions
+from ..progress import PrefillBar, progress_bar
+from ..report import stats_line
 from ..tasks import longdoc as task
+from ..tasks.longdoc_run import LocalRunner, LongdocOptions, absolute_paths, start_ray
 from .common import (
-    check_kv,
+    debugging,
     graph_option,
     kv_options,
-    load_on_worker,
     load_with_progress,
     model_options,
     needs_text,
     new_session,
     parallel_options,
-    parse_mem,
-    progress_bar,
     question_after_option,
     ray_options,
     read_stdin,
-    sampling_from,
     sampling_options,
-    set_debug,
-    stats_line,
 )
 
 
@@ -93,9 +90,25 @@ from .common import (
 @question_after_option
 @ray_options
 @click.pass_context
-def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_predict, chat,
-            template, question_after, ray_address, workers, cpus_per_worker, retries,
-            **kw):  # fmt: skip
+def longdoc(
+    ctx,
+    files,
+    question,
+    summarize,
+    jsonl,
+    out,
+    resume,
+    truncate,
+    n_predict,
+    chat,
+    template,
+    question_after,
+    model: ModelOptions,
+    kv: KVOptions,
+    parallel: ParallelOptions,
+    sampling: SamplingOptions,
+    ray: RayOptions,
+):
     """Answer a question about long documents, or summarize them, on a fresh KV cache each.
 
     Documents longer than the context (minus the prompt and -n) are cut on tokens by
@@ -121,7 +134,6 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --ray   (on a Ray cluster)
     cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
     """
-    set_debug(ctx, kw.pop("debug"))
     out = None if out == "-" else out
     if files and jsonl:
         raise KvrunError("give FILEs or --jsonl IN, not both")
@@ -135,118 +147,56 @@ def longdoc(ctx, files, question, summarize, jsonl, out, resume, truncate, n_pre
         raise KvrunError("--resume needs --out OUT (the file to continue)")
     if out and not Path(out).absolute().parent.is_dir():
         raise KvrunError(f"cannot write --out {out}: its folder does not exist")
-    if ray_address and not jsonl:
+    if ray.address and not jsonl:
         raise KvrunError("--ray runs a batch: give --jsonl IN (and --out OUT)")
-    if ray_address:
+    if ray.address:
         from ..cluster import import_ray
 
         import_ray()  # missing Ray is said before anything else is read
-        needs_text(kw["model"])
-    docs = None if ray_address else _read_docs(files, jsonl)
+        needs_text(model.name)
+    docs = None if ray.address else _read_docs(files, jsonl)
     done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
-    sampling, seed = sampling_from(kw)
-    opts = {
-        "templates": {t: task.load_template(t, template) for t in ("question", "summarize")},
-        "question": question,
-        "summarize": summarize,
-        "chat": chat,
-        "template": template,
-        "n_predict": n_predict,
-        "truncate": truncate,
-        "sampling": sampling,
-        "seed": seed,
-        "question_after": question_after,
-    }
-    spec = check_kv(kw)
-    debug = bool((ctx.find_root().obj or {}).get("debug"))
-    if ray_address:
+    config, seed = sampling.resolve()
+    opts = LongdocOptions(
+        templates={t: task.load_template(t, template) for t in ("question", "summarize")},
+        question=question,
+        summarize=summarize,
+        chat=chat,
+        template=template,
+        n_predict=n_predict,
+        truncate=truncate,
+        sampling=config,
+        seed=seed,
+        question_after=question_after,
+    )
+    spec = kv.spec()
+    if ray.address:
         if note:
             click.echo(note, err=True)
-        ray = (ray_address, workers, cpus_per_worker, retries)
-        return _longdoc_ray(ctx, ray, jsonl, out, done, kw, opts, debug)
-    rt = load_with_progress(kw)
-    parallel, kv_mem = kw.pop("parallel"), parse_mem(kw.pop("kv_mem"), rt.model.device)
-    sessions = [new_session(rt, rt.new_kv(spec), kw, note=i == 0) for i in range(parallel)]
-    settings = _settings(rt, sessions[0], opts)
-    job = _job(opts, sessions[0].kv.describe(), settings, debug)
+        return _longdoc_ray(ctx, jsonl, out, done, opts, model, kv, parallel, ray)
+    rt = load_with_progress(model)
+    kv_mem = parallel.kv_mem_bytes(rt.model.device)
+    sessions = [new_session(rt, rt.new_kv(spec), model, note=i == 0) for i in range(parallel.n)]
+    settings = opts.settings(rt, sessions[0])
+    job = opts.job(sessions[0].kv.describe(), settings, debugging(ctx))
     if note:
         click.echo(note, err=True)
-    run = _Runner(sessions, kv_mem)
+    run = LocalRunner(sessions, kv_mem)
     if jsonl or out:
-        failed = _run_records(ctx, run, docs, job, out, done)
+        failed = _run_records(ctx, run, docs, job, out, done, model.quiet, len(docs))
     else:
         click.echo("settings: " + json.dumps({"kv": job.kv, **settings}), err=True)
         failed = _run_text(run, docs, job)
-    if run.stats is not None:
-        click.echo(run.summary(), err=True)
+    summary = run.summary()
+    if summary is not None:
+        click.echo(summary, err=True)
     if failed:
         raise KvrunError(f"{failed} of {len(docs)} documents failed (their errors are above)")
 
 
-def _settings(rt, session, opts: dict) -> dict:
-    """The run's settings, repeated in every record."""
-    tok = rt.tokenizer
-    return {
-        "model": str(rt.path),
-        "model_name": rt.config.name,
-        "seed": opts["seed"],
-        "n_predict": opts["n_predict"],
-        "truncate": opts["truncate"],
-        "chat": opts["chat"] if opts["chat"] is not None else tok.chat_template is not None,
-        "template": opts["template"] or "builtin",
-        "question_after": opts["question_after"],
-        "ctx_size": session.context,
-        "ubatch": session.ubatch,
-        "dtype": str(rt.model.dtype).removeprefix("torch."),
-        "wtype": rt.weights.wtype,
-        "device": str(rt.model.device),
-        **dataclasses.asdict(opts["sampling"]),
-    }
-
-
-def _job(opts: dict, kv: dict, settings: dict, debug: bool) -> task.Job:
-    o = opts
-    return task.Job(
-        o["templates"], o["question"], o["summarize"], settings["chat"], o["n_predict"],
-        o["truncate"], o["sampling"], o["seed"], kv, settings, debug=debug,
-        question_after=o["question_after"],
-    )  # fmt: skip
-
-
-def worker_setup(load: dict, kv: dict, opts: dict):
-    """On a Ray worker (kvrun.cluster): the model, the command's sessions and its Job.
-    Returns (handler, facts): handler(docs, node) -> their records, in order."""
-    spec = check_kv(kv)
-    rt = load_on_worker(load)
-    sessions = [new_session(rt, rt.new_kv(spec), load, note=False) for _ in range(load["parallel"])]
-    settings = _settings(rt, sessions[0], opts)
-    job = _job(opts, sessions[0].kv.describe(), settings, debug=False)
-    kv_mem = parse_mem(load["kv_mem"], rt.model.device)
-
-    def handler(docs: list, node: str) -> list[dict]:
-        if len(sessions) == 1:
-            recs = [task.process(sessions[0], d, job) for d in docs]
-        else:
-            got = {}
-            task.run_parallel(sessions, docs, job, lambda r: got.__setitem__(r["line"], r),
-                              set(), lambda d, r: None, kv_mem)  # fmt: skip
-            recs = [got[d.line] for d in docs]
-        for r in recs:
-            r["node"] = node
-        return recs
-
-    return handler, {"settings": settings, "kv": job.kv}
-
-
-def _longdoc_ray(ctx, ray_opts, jsonl, out, done, kw, opts, debug) -> None:
+def _longdoc_ray(ctx, jsonl, out, done, opts, model, kv, parallel, ray) -> None:
     """The --jsonl batch on Ray workers: documents streamed to them, lines written as they
     come back, in the local run's format (plus "node")."""
-    from .. import cluster
-
-    def args_of(load: dict) -> dict:
-        return {"load": load, "kv": {"kv": load["kv"], "kv_budget": load.get("kv_budget")},
-                "opts": opts}  # fmt: skip
-
     if jsonl == "-":
         lines, total = (line.rstrip("\n") for line in sys.stdin), None
     else:  # an unreadable input fails before any worker starts
@@ -256,64 +206,17 @@ def _longdoc_ray(ctx, ray_opts, jsonl, out, done, kw, opts, debug) -> None:
             raise KvrunError(f"cannot read --jsonl {jsonl}: {e.strerror}") from None
         lines = task.jsonl_lines(jsonl)
     echo = lambda m: click.echo(m, err=True)  # noqa: E731
-    pool, facts = cluster.start(ray_opts, kw, worker_setup, args_of, echo)
+    run, job = start_ray(ray, model, kv, parallel, opts, debugging(ctx), echo)
     try:
-        job = _job(opts, facts["kv"], facts["settings"], debug)
-        run = _RayRunner(pool, kw["parallel"])
-        failed = _run_records(ctx, run, _absolute_paths(task.iter_docs(lines)), job, out, done,
-                              total)  # fmt: skip
+        docs = absolute_paths(task.iter_docs(lines))
+        failed = _run_records(ctx, run, docs, job, out, done, model.quiet, total)
     finally:
-        pool.close()
+        run.close()
     click.echo(run.summary(), err=True)
     if not run.done and not done:
         raise KvrunError(f"--jsonl {jsonl} holds no documents")
     if failed:
         raise KvrunError(f"{failed} of {run.done} documents failed (their errors are above)")
-
-
-def _absolute_paths(docs):
-    """Relative "path" fields are taken from this directory, wherever the worker runs."""
-    for doc in docs:
-        if doc.path is not None:
-            doc.path = str(Path(doc.path).absolute())
-        yield doc
-
-
-class _RayRunner:
-    """_Runner's interface over a kvrun.cluster.Pool: `chunk` documents per call."""
-
-    def __init__(self, pool, chunk: int):
-        self.pool, self.chunk, self.done = pool, chunk, 0
-
-    def __call__(self, docs, job, write, done, start, finish) -> int:
-        failed = 0
-
-        def on_result(doc, rec) -> None:
-            nonlocal failed
-            write(rec)
-            failed += rec["error"] is not None
-            self.done += 1
-            finish(doc, rec)
-
-        def items():
-            for doc in task._todo(docs, done, finish):
-                if doc.error:  # a bad input line: its record here, no worker needed
-                    on_result(doc, task.process(None, doc, job))
-                    continue
-                key = task.doc_key(doc.id) if doc.id is not None else f"line {doc.line}"
-                yield key, doc
-
-        for doc, rec, error in self.pool.stream(items(), self.chunk):
-            on_result(doc, rec if error is None else task.error_record(doc, job, error))
-        return failed
-
-    def describe(self) -> str:
-        wall = time.monotonic() - self.pool.t0 if self.pool.t0 else 0.0
-        rate = f"{60 * self.done / wall:.1f}/min" if wall > 0 and self.done else "-/min"
-        return f"documents  {rate}  workers {self.pool.alive}/{self.pool.lay.workers}"
-
-    def summary(self) -> str:
-        return self.pool.summary(self.done, "documents")
 
 
 def _read_docs(files, jsonl) -> list[task.Doc]:
@@ -341,42 +244,10 @@ def _stats(rec: dict):
     return Stats(**{f.name: rec[f.name] for f in dataclasses.fields(Stats)})
 
 
-class _Runner:
-    """One session (documents in order, answers streamed) or several (kvrun.engine)."""
-
-    def __init__(self, sessions, kv_mem):
-        self.sessions, self.kv_mem, self.stats = sessions, kv_mem, None
-
-    @property
-    def parallel(self) -> bool:
-        return len(self.sessions) > 1
-
-    def __call__(self, docs, job, write, done, start, finish) -> int:
-        if not self.parallel:
-            return task.run_batch(self.sessions[0], docs, job, write, done, start, finish)
-        failed, self.stats = task.run_parallel(
-            self.sessions, docs, job, write, done, finish, self.kv_mem
-        )
-        return failed
-
-    def summary(self) -> str:
-        s = self.stats
-        graph = f", {s.graph_steps} static, {s.graph_captures} graphs" if s.graph_steps else ""
-        return (
-            f"parallel {len(self.sessions)}: {s.sequences} sequences in {s.wall_s:.1f} s "
-            f"({60 * s.sequences / s.wall_s:.1f}/min); decode {s.decode_tok_s:.1f} tok/s "
-            f"aggregate ({s.decode_steps} batched steps{graph}, {s.decode_s:.1f} s), prefill "
-            f"{s.prefill_tokens} tok in {s.prefill_s:.1f} s; up to {s.max_active} at once, "
-            f"peak KV {s.peak_kv_bytes / 2**20:.1f} MiB"
-            if s.wall_s
-            else f"parallel {len(self.sessions)}: nothing to run"
-        )
-
-
 def _run_text(run, docs, job) -> int:
     """Answers streamed to stdout under a header (with --parallel: printed whole as each
     document finishes); stats (or the error) on stderr."""
-    prefill = _PrefillBar(run.sessions[0].ubatch)
+    prefill = PrefillBar(run.sessions[0].ubatch)
 
     def start(doc):
         click.echo(f"==> {doc.id} <==")
@@ -401,9 +272,9 @@ def _run_text(run, docs, job) -> int:
     return run(docs, job, lambda rec: None, set(), start, finish)
 
 
-def _run_records(ctx, run, docs, job, out, done, total=None) -> int:
-    """One JSON line per document to OUT (appended, flushed each) or stdout; a bar over docs
-    (total: their number where docs is a stream)."""
+def _run_records(ctx, run, docs, job, out, done, quiet: bool, total: int | None) -> int:
+    """One JSON line per document to OUT (appended, flushed each) or stdout; a bar over the
+    `total` documents (None: not known, a stream on stdin; no lines off a terminal when quiet)."""
     try:
         sink = open(out, "a", encoding="utf-8") if out else sys.stdout  # noqa: SIM115
     except OSError as e:
@@ -421,9 +292,8 @@ def _run_records(ctx, run, docs, job, out, done, total=None) -> int:
         sink.flush()
         written += 1
 
-    with progress_bar("documents") as bar:
-        describe = getattr(run, "describe", None)
-        docs_task = bar.add_task("documents", total=len(docs) if total is None else total)
+    with progress_bar("documents", quiet=quiet) as bar:
+        docs_task = bar.add_task("documents", total=total)
         prefill_task = bar.add_task("prefill", total=None, visible=False)
 
         def start(doc):
@@ -432,8 +302,9 @@ def _run_records(ctx, run, docs, job, out, done, total=None) -> int:
         def finish(doc, rec):
             bar.update(prefill_task, visible=False)
             bar.advance(docs_task)
-            if describe:
-                bar.update(docs_task, description=describe())
+            label = run.describe()
+            if label:
+                bar.update(docs_task, description=label)
             if rec is not None:
                 line = f"error: {rec['error']}" if rec["error"] else stats_line(_stats(rec))
                 name = doc.id if doc.id is not None else f"line {doc.line}"
@@ -448,25 +319,3 @@ def _run_records(ctx, run, docs, job, out, done, total=None) -> int:
         finally:
             if out:
                 sink.close()
-
-
-class _PrefillBar:
-    """A prefill bar for text mode, shown for long prompts and gone before the answer streams."""
-
-    def __init__(self, ubatch: int):
-        self.ubatch, self.bar = ubatch, None
-
-    def __call__(self, n: int, total: int) -> None:
-        if self.bar is None:
-            if total <= 2 * self.ubatch or not sys.stderr.isatty():
-                return
-            self.bar = progress_bar("prefill").__enter__()
-            self.task = self.bar.add_task("prefill", total=total)
-        self.bar.update(self.task, completed=n)
-        if n >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None

@@ -8,21 +8,19 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import KvrunError
+from ..kv import check
+from ..options import KVGridOptions, ModelOptions, RayOptions
+from ..progress import err_console, progress_bar
 from ..tasks import needle as nd
 from ..tasks.passkey import filler_units, read_haystack
 from .common import (
-    check_kv,
-    err_console,
     kv_options,
-    load_on_worker,
     load_with_progress,
     model_options,
     needs_text,
     parallel_option,
-    progress_bar,
     question_after_option,
     ray_options,
-    set_debug,
 )
 
 
@@ -88,10 +86,8 @@ def summary_table(summary: list[dict], trials: int, configs=None) -> Table:
     labels = [budget_text(c) for c in configs] if configs else [s["budget"] or "-" for s in summary]
     for s, budget in zip(summary, labels, strict=True):
         acc = f"[{_color(s['accuracy'])}] {s['accuracy']:.1%} [/]" if s["trials"] else "-"
-        t.add_row(
-            s["method"], budget, acc, f"{s['kv_ratio']:.1%}",
-            f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.1f}", str(s["trials"]),
-        )  # fmt: skip
+        rates = f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.1f}"
+        t.add_row(s["method"], budget, acc, f"{s['kv_ratio']:.1%}", *rates, str(s["trials"]))
     return t
 
 
@@ -171,7 +167,27 @@ def summary_table(summary: list[dict], trials: int, configs=None) -> Table:
 @question_after_option
 @ray_options
 @click.pass_context
-def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, needle_text, question, answer, json_path, plot, question_after, ray_address, workers, cpus_per_worker, retries, **kw):  # fmt: skip
+def needle(
+    ctx,
+    mode,
+    lengths,
+    depths,
+    trials,
+    seed,
+    n_predict,
+    chat,
+    haystack,
+    needle_text,
+    question,
+    answer,
+    json_path,
+    plot,
+    question_after,
+    parallel,
+    model: ModelOptions,
+    kv: KVGridOptions,
+    ray: RayOptions,
+):
     """Needle retrieval accuracy over prompt lengths x depths x KV methods.
 
     \b
@@ -183,42 +199,46 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     kvrun needle --mode niah --haystack essay.txt --needle "The secret code is tulip." \\
         --question "What is the secret code?" --answer tulip --lengths 2k,4k
     """
-    set_debug(ctx, kw.pop("debug"))
-    parallel = kw.pop("parallel")
     n_predict = n_predict or (12 if mode == "passkey" else 32)
     depth_list = nd.parse_depths(depths)
     if lengths is not None:
         nd.parse_lengths(lengths)
     units = _haystack_units(mode, haystack, needle_text, question, answer)
-    methods = list(kw.pop("kv"))
-    configs = nd.kv_configs([(m, check_kv({"kv": m})) for m in methods], kw.get("kv_budget"))
+    configs = nd.kv_configs([(m, check(m)) for m in kv.methods], kv.budgets)
     if plot:
         from ..tasks.needle_plot import require_matplotlib
 
         require_matplotlib()
-    if lengths is not None and kw["ctx_size"]:
-        nd.pick_lengths(lengths, kw["ctx_size"], n_predict)
-    grid = {
-        "mode": mode, "units": units, "seed": seed, "needle_text": needle_text or "",
-        "question": question or "", "answer": answer or "", "question_after": question_after,
-        "chat": chat, "lengths": lengths, "n_predict": n_predict, "parallel": parallel,
-        "methods": methods,
-    }  # fmt: skip
+    if lengths is not None and model.ctx_size:
+        nd.pick_lengths(lengths, model.ctx_size, n_predict)
+    grid = nd.GridOptions(
+        mode,
+        units,
+        seed,
+        lengths,
+        n_predict,
+        chat,
+        parallel,
+        needle=needle_text or "",
+        question=question or "",
+        answer=answer or "",
+        question_after=question_after,
+    )
     pool = None
-    if ray_address:
-        needs_text(kw["model"])
-        pool, facts = _ray_pool((ray_address, workers, cpus_per_worker, retries), kw, grid)
-        context, length_list, model = facts["context"], facts["lengths"], facts["model"]
+    if ray.address:
+        needs_text(model.name)
+        pool, facts = _ray_pool(ray, model, kv, grid)
+        context, length_list, about = facts["context"], facts["lengths"], facts["model"]
     else:
-        rt = load_with_progress(kw)
-        context, length_list, task = _setup(rt, configs, kw, grid)
-        model = nd.model_facts(rt)
+        rt = load_with_progress(model)
+        context, length_list, task = grid.setup(rt, configs, model.ctx_size)
+        about = nd.model_facts(rt)
     cells = nd.grid(length_list, depth_list, trials)
     niah = {"needle": needle_text, "question": question, "answer": answer}
     doc = {
         "task": "needle",
         "settings": nd.settings_from(
-            model,
+            about,
             mode=mode,
             seed=seed,
             lengths=length_list,
@@ -230,10 +250,10 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
             question_after=question_after,
             kv=[{"method": c.method, "budget": c.budget} for c in configs],
             ctx_size=context,
-            ubatch=kw["ubatch"],
+            ubatch=model.ubatch,
             haystack=haystack,
             **(niah if mode == "niah" else {}),
-        ),  # fmt: skip
+        ),
         "complete": False,
         "summary": [],
         "trials": [],
@@ -250,7 +270,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
     save(False)  # an unwritable --json fails now, before any trial
     interrupted = False
     try:
-        with progress_bar("needle") as bar:
+        with progress_bar("needle", quiet=model.quiet) as bar:
             task_id = bar.add_task("needle", total=total)
 
             def on_start(cell, cfg):
@@ -259,7 +279,7 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
 
             if pool is None:
                 source = nd.run_grid(
-                    rt, task, configs, cells, n_predict, kw["ubatch"], context, on_start, parallel
+                    rt, task, configs, cells, n_predict, model.ubatch, context, on_start, parallel
                 )
             else:
                 source = _ray_grid(pool, cells, bar, task_id)
@@ -293,34 +313,15 @@ def needle(ctx, mode, lengths, depths, trials, seed, n_predict, chat, haystack, 
         err_console.print(f"[dim]trials written to {json_path}[/]")
 
 
-def _setup(rt, configs, kw: dict, g: dict):
-    """The grid's context, lengths and task on a loaded model (here, or on a Ray worker):
-    what only the model can tell (head_dim vs. KIVI group, the prompt's own length) fails now."""
-    context = kw["ctx_size"] or rt.config.context_length
-    length_list = nd.pick_lengths(g["lengths"], context, g["n_predict"])
-    for cfg in configs:
-        rt.new_kv(cfg.spec)
-    tok = rt.tokenizer
-
-    def encode(text: str) -> list[int]:
-        if g["chat"]:
-            text = tok.render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-        return tok.encode(text)
-
-    task = nd.NeedleTask(g["mode"], g["units"], encode, g["seed"], g["needle_text"],
-                         g["question"], g["answer"], g["question_after"])  # fmt: skip
-    task.check_fits(min(length_list))
-    return context, length_list, task
-
-
-def worker_setup(load: dict, grid: dict):
+def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
     facts): handler(cells, node) -> each cell's records, every config, in grid order."""
-    configs = [(m, check_kv({"kv": m})) for m in grid["methods"]]
-    configs = nd.kv_configs(configs, load.get("kv_budget"))
-    rt = load_on_worker(load)
-    context, length_list, task = _setup(rt, configs, load, grid)
-    n, ubatch, parallel = grid["n_predict"], load["ubatch"], grid["parallel"]
+    from ..cluster import load_model
+
+    configs = nd.kv_configs([(m, check(m)) for m in kv.methods], kv.budgets)
+    rt = load_model(model)
+    context, length_list, task = grid.setup(rt, configs, model.ctx_size)
+    n, ubatch, parallel = grid.n_predict, model.ubatch, grid.parallel
 
     def handler(items: list, node: str) -> list[list[dict]]:  # items: (index, cell)
         return [
@@ -332,15 +333,12 @@ def worker_setup(load: dict, grid: dict):
     return handler, facts
 
 
-def _ray_pool(ray_opts, kw: dict, grid: dict):
+def _ray_pool(ray: RayOptions, model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     """Ray workers for the grid, started and one of them ready: (pool, its facts)."""
     from .. import cluster
 
-    def args_of(load: dict) -> dict:
-        return {"load": load, "grid": grid}
-
     echo = lambda m: err_console.print(m, highlight=False)  # noqa: E731
-    return cluster.start(ray_opts, kw, worker_setup, args_of, echo)
+    return cluster.start(ray, worker_setup, model, {"kv": kv, "grid": grid}, echo)
 
 
 def _ray_grid(pool, cells, bar, task_id):

@@ -6,18 +6,17 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..options import KVOptions, ModelOptions
+from ..progress import progress_bar
+from ..report import human_bytes
 from ..tasks.perplexity import Report, check_context, check_file, evaluate, file_tokens
 from .common import (
-    check_kv,
     dump_json,
-    human_bytes,
     kv_options,
     load_with_progress,
     model_options,
     parallel_option,
-    progress_bar,
     read_text,
-    set_debug,
 )
 
 
@@ -48,8 +47,9 @@ from .common import (
     help="Non-overlapping windows of N+E tokens spread evenly over the file (K).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.pass_context
-def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
+def perplexity(
+    file, context, eval_tokens, windows, as_json, parallel, model: ModelOptions, kv: KVOptions
+):
     """Perplexity of a text file through a KV method, with KL and top-1 agreement to the full cache.
 
     Each window prefills N tokens through the method (prefill-time compression runs, in
@@ -66,31 +66,28 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
     kvrun perplexity -f book.txt --kv streaming --kv-budget 256 --context 2048 --json
     kvrun perplexity -f wiki.test.raw --windows 8 --parallel 4   (4 windows per decode step)
     """
-    set_debug(ctx, kw.pop("debug"))
-    parallel = kw.pop("parallel")
     text = read_text(file)
-    spec = check_kv(kw)
-    if kw["ctx_size"]:
-        check_context(context, eval_tokens, kw["ctx_size"], True)
-    rt = load_with_progress(kw)
+    spec = kv.spec()
+    if model.ctx_size:
+        check_context(context, eval_tokens, model.ctx_size, True)
+    rt = load_with_progress(model)
     tok = rt.tokenizer
     # checked after the load: reading a GGUF's metadata twice would cost as much as failing late
     check_context(
-        context, eval_tokens, kw["ctx_size"] or rt.config.context_length, bool(kw["ctx_size"])
+        context, eval_tokens, model.ctx_size or rt.config.context_length, bool(model.ctx_size)
     )
     tokens = file_tokens(tok, text)
     check_file(len(tokens), context, eval_tokens, windows, "stdin" if file == "-" else file)
 
-    from ..generate import Session
-
-    def pair() -> tuple[Session, Session | None]:
-        new = lambda kv: Session(rt.model, tok, kv, ubatch=kw["ubatch"], context=kw["ctx_size"])  # noqa: E731
-        return new(rt.new_kv(spec)), None if spec.is_full else new(rt.new_kv())
+    def pair():
+        """A session through the method, and one through the full cache (None with --kv full)."""
+        through = model.session(rt, rt.new_kv(spec))
+        return through, None if spec.is_full else model.session(rt, rt.new_kv())
 
     method, ref = pair()
     more = [pair() for _ in range(min(parallel, windows) - 1)]
     bos = tok.bos_id if tok.add_bos else None
-    with progress_bar("perplexity") as bar:
+    with progress_bar("perplexity", quiet=model.quiet) as bar:
         task = bar.add_task(f"window 1/{windows}", total=windows * (context + eval_tokens))
 
         def on_window(w):
@@ -110,7 +107,7 @@ def perplexity(ctx, file, context, eval_tokens, windows, as_json, **kw):
         )
     settings = {
         "file": file,
-        "kv_budget": kw["kv_budget"],
+        "kv_budget": kv.budget,
         "context": context,
         "eval_tokens": eval_tokens,
         "windows": windows,
@@ -149,21 +146,13 @@ def print_report(report: Report, kv: dict, settings: dict) -> None:
         table.add_column(name, justify="right")
     for w in report.windows:
         kv_share = w.kv_bytes / w.kv_bytes_full if w.kv_bytes_full else 1.0
-        table.add_row(
-            str(w.index), str(w.start), f"{w.nll:.4f}", f"{w.ppl:.3f}", f"{w.ppl_full:.3f}",
-            f"{w.kl:.5f}", f"{w.top1:.1%}", f"{kv_share:.1%}",
-        )  # fmt: skip
+        scores = _scores(w.nll, w.ppl, w.ppl_full, w.kl, w.top1)
+        table.add_row(str(w.index), str(w.start), *scores, f"{kv_share:.1%}")
     table.add_section()
-    table.add_row(
-        "mean", "", f"{s['nll']:.4f}", f"{s['ppl']:.3f}", f"{s['ppl_full']:.3f}",
-        f"{s['kl']:.5f}", f"{s['top1']:.1%}", f"{s['kv_ratio']:.1%}",
-    )  # fmt: skip
-    sp = s["spread"]
+    mean = _scores(*(s[k] for k in _SCORES))
+    table.add_row("mean", "", *mean, f"{s['kv_ratio']:.1%}")
     for stat in ("std", "min", "max"):
-        table.add_row(
-            stat, "", f"{sp['nll'][stat]:.4f}", f"{sp['ppl'][stat]:.3f}",
-            f"{sp['ppl_full'][stat]:.3f}", f"{sp['kl'][stat]:.5f}", f"{sp['top1'][stat]:.1%}", "",
-        )  # fmt: skip
+        table.add_row(stat, "", *_scores(*(s["spread"][k][stat] for k in _SCORES)), "")
     out = Console(highlight=False, soft_wrap=True)
     out.print(table, soft_wrap=False)
     out.print(
@@ -171,6 +160,14 @@ def print_report(report: Report, kv: dict, settings: dict) -> None:
         f"KL {s['kl']:.5f} nats | top-1 {s['top1']:.2%} | KV {human_bytes(s['kv_bytes'])} held / "
         f"{human_bytes(s['kv_bytes_full'])} full ({s['kv_ratio']:.1%})"
     )
+
+
+_SCORES = ("nll", "ppl", "ppl_full", "kl", "top1")
+
+
+def _scores(nll: float, ppl: float, ppl_full: float, kl: float, top1: float) -> list[str]:
+    """A row's NLL, PPL, PPL full, KL and top-1 cells."""
+    return [f"{nll:.4f}", f"{ppl:.3f}", f"{ppl_full:.3f}", f"{kl:.5f}", f"{top1:.1%}"]
 
 
 def timing_line(r: Report, windows: int, with_ref: bool) -> str:

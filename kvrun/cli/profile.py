@@ -18,14 +18,9 @@ from ..kv.methods.xkv.profile import (
     load_profile,
     save_profile,
 )
-from .common import (
-    dump_json,
-    load_with_progress,
-    model_options,
-    progress_bar,
-    read_text,
-    set_debug,
-)
+from ..options import ModelOptions
+from ..progress import progress_bar
+from .common import dump_json, load_with_progress, model_options, read_text
 
 
 @click.command()
@@ -64,8 +59,7 @@ from .common import (
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the profile JSON instead of the table."
 )
-@click.pass_context
-def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
+def profile(files, out, kv, kv_budget, as_json, model: ModelOptions):
     """Plan XKV's per-layer KV budgets on sample texts and save them as a profile.
 
     Each sample runs XKV's planning (the scoring pass when it fits one --ubatch, else a
@@ -78,7 +72,6 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     kvrun profile -f q1.txt -o qa.json --kv xkv:window=16 --kv-budget 0.1
     kvrun generate -f contract.txt --kv xkv:profile=legal.json --kv-budget 0.2
     """
-    set_debug(ctx, kw.pop("debug"))
     spec, budget = _check_kv(kv, kv_budget)
     texts = [read_text(f) for f in files]
     o = spec.select_opts
@@ -89,18 +82,17 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
     old = load_profile(out_path) if out_path.exists() else None
     if old is not None:  # shape checks that need no model; n_layers and model come after loading
         check_profile(old, out, old.n_layers, "", o["window"], o["pool"], units)
-    from ..generate import Session  # torch, once the input is known to be good
-    from ..kv import build
+    from ..kv import build  # torch, once the input is known to be good
 
-    rt = load_with_progress(kw)
+    rt = load_with_progress(model)
     if old is not None:
         check_profile(old, out, rt.config.n_layers, rt.config.name, o["window"], o["pool"], units)
     # planning only: no profile of its own, no store
     plain = dataclasses.replace(
-        spec, select_opts={**o, "profile": "", "profile_update": False}, store=None, store_opts={}
+        spec, select=spec.select.replace(profile="", profile_update=False), store=None
     )
     kv_mgr = build(plain, rt.config, rt.model.rope, rt.model.device, rt.model.dtype)
-    session = Session(rt.model, rt.tokenizer, kv_mgr, ubatch=kw["ubatch"], context=kw["ctx_size"])
+    session = model.session(rt, kv_mgr)
     samples = []
     for f, text in zip(files, texts, strict=True):
         ids = rt.tokenizer.encode(text)
@@ -111,7 +103,7 @@ def profile(ctx, files, out, kv, kv_budget, as_json, **kw):
         samples.append(ids)
     values, lengths = [], []
     prof = old
-    with progress_bar("profiling") as bar:
+    with progress_bar("profiling", quiet=model.quiet) as bar:
         task = bar.add_task("profiling", total=len(samples))
         for ids in samples:
             a = _plan(session, kv_mgr, ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -9,17 +10,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from .common import (
-    check_kv,
-    err_console,
-    graph_option,
-    kv_options,
-    model_options,
-    new_session,
-    parallel_options,
-    parse_mem,
-    set_debug,
-)
+from ..options import KVOptions, ModelOptions, ParallelOptions
+from ..progress import err_console
+from .common import graph_option, kv_options, model_options, new_session, parallel_options
 
 
 @click.command()
@@ -54,11 +47,29 @@ from .common import (
     type=click.FloatRange(0),
     help="Seconds streams in flight get after SIGTERM / Ctrl-C before they end with an error.",
 )
-@click.option("--max-body", default=8, show_default=True, type=click.IntRange(1),
-              help="Largest request body, in MiB (413 beyond).")  # fmt: skip
+@click.option(
+    "--max-body",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Largest request body, in MiB (413 beyond).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (uvicorn's access log).")
 @click.pass_context
-def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw):
+def serve(
+    ctx,
+    host,
+    port,
+    api_key,
+    queue,
+    alias,
+    grace,
+    max_body,
+    verbose,
+    model: ModelOptions,
+    kv: KVOptions,
+    parallel: ParallelOptions,
+):
     """Serve the model over OpenAI's HTTP API, with a KV method per request.
 
     \b
@@ -75,32 +86,36 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
     curl localhost:8080/v1/chat/completions -d '{"model": "smollm2",
       "messages": [{"role": "user", "content": "Hi"}], "kv": "kivi2"}'
     """
-    set_debug(ctx, kw.pop("debug"))
-    spec = check_kv(kw)  # a bad --kv fails before the load
+    spec = kv.spec()  # a bad --kv fails before the load
     from ..model_store import DEFAULT_MODEL, resolve
     from ..presets import is_preset
     from ..runtime import load_runtime, pick_device
     from ..server.app import Server, Settings
     from ..server.app import serve as run
     from ..server.metrics import Metrics
-    from ..server.worker import Worker
+    from ..server.worker import EngineThread
 
-    parallel = kw.pop("parallel")
-    kv_mem = parse_mem(kw.pop("kv_mem"), pick_device(kw["device"]))  # before the load
+    kv_mem = parallel.kv_mem_bytes(pick_device(model.device))  # before the load
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err_console.print(
             f"warning: binding {host} without --api-key: anyone who can reach it can use it",
             style="yellow",
         )
-    name = alias or kw["model"] or DEFAULT_MODEL
+    name = alias or model.name or DEFAULT_MODEL
     # a missing file or unknown name fails here, in one line, before the port is taken
-    model_path = kw["model"] if is_preset(kw["model"]) else str(resolve(kw["model"], True))
+    model_path = model.name if is_preset(model.name) else str(resolve(model.name, True))
 
     def load():
-        rt = load_runtime(model_path, kw["dtype"], kw["device"], pull_missing=True,
-                          log=lambda m: err_console.print(f"[dim]{m}[/]"), wtype=kw["wtype"])  # fmt: skip
-        settings.context = kw["ctx_size"] or rt.config.context_length
+        rt = load_runtime(
+            model_path,
+            model.dtype,
+            model.device,
+            pull_missing=True,
+            log=lambda m: err_console.print(f"[dim]{m}[/]"),
+            wtype=model.wtype,
+        )
+        settings.context = model.ctx_size or rt.config.context_length
         err_console.print(f"model {rt.config.name} ready in {rt.load_s:.1f}s", style="green")
         return rt
 
@@ -110,19 +125,24 @@ def serve(ctx, host, port, api_key, queue, alias, grace, max_body, verbose, **kw
     own_ubatch = ctx.get_parameter_source("ubatch") is not click.core.ParameterSource.DEFAULT
 
     def make_session(rt, kv):
-        opts = kw if own_ubatch else {**kw, "ubatch": serve_ubatch(rt, kw["ubatch"])}
-        return new_session(rt, kv, opts, note=False)
+        ubatch = model.ubatch if own_ubatch else serve_ubatch(rt, model.ubatch)
+        return new_session(rt, kv, dataclasses.replace(model, ubatch=ubatch), note=False)
 
     settings = Settings(
         names=list(dict.fromkeys([name, Path(name).stem, Path(name).name])),
-        default_kv=kw["kv"], default_budget=kw.get("kv_budget"), context=kw["ctx_size"] or 0,
-        api_key=api_key, queue=queue, max_body=max_body * 2**20, grace=grace,
-    )  # fmt: skip
+        default_kv=kv.method,
+        default_budget=kv.budget,
+        context=model.ctx_size or 0,
+        api_key=api_key,
+        queue=queue,
+        max_body=max_body * 2**20,
+        grace=grace,
+    )
     metrics = Metrics()
-    worker = Worker(load, parallel, kv_mem, make_session, metrics, spec)
+    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec)
     server = Server(settings, worker, metrics)
     err_console.print(
-        f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel})"
+        f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel.n})"
     )
     try:
         sock = socket.create_server((host, port), family=_family(host))

@@ -3,7 +3,7 @@
 
 Everything here runs on the event loop and never calls torch: a request is validated
 (pydantic, the --kv grammar, the context, --kv-mem), tokenized, and handed to the engine
-thread as Jobs; their text comes back through an asyncio queue per request. Errors are
+thread as HttpJobs; their text comes back through an asyncio queue per request. Errors are
 OpenAI's error objects; the server stays up after any of them.
 """
 
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from ..errors import KvrunError
 from .metrics import Metrics
 from .schema import ChatBody, CompletionBody, error_body, validation_message
-from .worker import Job, StopText, Worker
+from .worker import EngineThread, HttpJob, StopText
 
 log = logging.getLogger("kvrun.serve")
 
@@ -47,8 +47,17 @@ class Settings:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param=None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):  # fmt: skip
+    """An OpenAI error object with its HTTP status (kind: its "type")."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param=None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.kind, self.headers = kind, headers
@@ -62,7 +71,7 @@ def _error(e: ApiError) -> JSONResponse:
 class Server:
     """The application and what its handlers share (settings, worker, metrics, draining)."""
 
-    def __init__(self, settings: Settings, worker: Worker, metrics: Metrics):
+    def __init__(self, settings: Settings, worker: EngineThread, metrics: Metrics):
         self.s, self.worker, self.metrics = settings, worker, metrics
         self.draining = threading.Event()  # set on SIGTERM / Ctrl-C
         self.drain_t = 0.0
@@ -103,30 +112,30 @@ class Server:
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given.lower().startswith("bearer ") else ""
         if not secrets.compare_digest(token.encode(), key.encode()):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                           "invalid_api_key", kind="authentication_error")  # fmt: skip
+            msg = "invalid or missing API key (Authorization: Bearer KEY)"
+            raise ApiError(401, msg, "invalid_api_key", kind="authentication_error")
 
     def _ready(self) -> None:
         w = self.worker
         if w.load_error:
             raise ApiError(503, f"the model failed to load: {w.load_error}", kind="server_error")
         if not w.ready.is_set():
-            raise ApiError(503, "the model is still loading; retry shortly", "loading",
-                           kind="server_error", headers={"Retry-After": "2"})  # fmt: skip
+            msg = "the model is still loading; retry shortly"
+            raise ApiError(503, msg, "loading", kind="server_error", headers={"Retry-After": "2"})
         if self.draining.is_set():
             raise ApiError(503, "the server is shutting down", "shutting_down", kind="server_error")
 
     async def _body(self, request: Request, model: type[BaseModel]) -> Any:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.s.max_body:
-            raise ApiError(413, f"the body is {int(size)} bytes; the limit is {self.s.max_body}",
-                           "request_too_large")  # fmt: skip
+            msg = f"the body is {int(size)} bytes; the limit is {self.s.max_body}"
+            raise ApiError(413, msg, "request_too_large")
         raw = bytearray()
         async for part in request.stream():
             raw += part
             if len(raw) > self.s.max_body:
-                raise ApiError(413, f"the body is over the limit of {self.s.max_body} bytes",
-                               "request_too_large")  # fmt: skip
+                msg = f"the body is over the limit of {self.s.max_body} bytes"
+                raise ApiError(413, msg, "request_too_large")
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -139,8 +148,8 @@ class Server:
             msg, param = validation_message(e)
             raise ApiError(422, msg, "invalid_value", param) from None
         if body.model not in self.s.names:
-            raise ApiError(404, f"model {body.model!r} is not served here (serving: "
-                           f"{', '.join(self.s.names)})", "model_not_found", "model")  # fmt: skip
+            msg = f"model {body.model!r} is not served here (serving: {', '.join(self.s.names)})"
+            raise ApiError(404, msg, "model_not_found", "model")
         why = body.unsupported()
         if why:
             raise ApiError(400, why, "unsupported", "n" if "n >" in why else None)
@@ -150,21 +159,24 @@ class Server:
         from ..kv import check
 
         kv = body.kv if body.kv is not None else self.s.default_kv
-        budget = body.kv_budget if body.kv_budget is not None else (
-            self.s.default_budget if body.kv is None else None
-        )  # fmt: skip
+        budget = body.kv_budget
+        if budget is None and body.kv is None:  # the server's budget goes with its method
+            budget = self.s.default_budget
         try:
             return check(kv, budget)
         except KvrunError as e:
             raise ApiError(400, str(e), "invalid_kv", "kv") from None
 
-    def _job(self, body, ids: list[int], n_predict: int, spec, logprobs=None,
-             prompt_logprobs=None) -> Job:  # fmt: skip
+    def _job(
+        self, body, ids: list[int], n_predict: int, spec, logprobs=None, prompt_logprobs=None
+    ) -> HttpJob:
         ctx = self.s.context
         if len(ids) > ctx:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens but the context is {ctx}; "
-                           "shorten it or start the server with a larger -c",
-                           "context_length_exceeded", "messages")  # fmt: skip
+            msg = (
+                f"the prompt is {len(ids)} tokens but the context is {ctx}; shorten it or start "
+                "the server with a larger -c"
+            )
+            raise ApiError(400, msg, "context_length_exceeded", "messages")
         if not ids:
             raise ApiError(400, "the prompt is empty", "empty_prompt", "prompt")
         w = self.worker
@@ -172,20 +184,30 @@ class Server:
         limit = w.kv_mem
         need = w.engine.per_token * (len(ids) + n) if w.engine is not None else 0
         if limit is not None and need > limit:
-            raise ApiError(400, f"its KV cache may need {need / 2**20:.1f} MiB ({len(ids)} prompt "
-                           f"+ {n} tokens at full size) but --kv-mem is {limit / 2**20:.1f} MiB; "
-                           "ask for fewer max_tokens or shorten the prompt",
-                           "kv_mem_exceeded")  # fmt: skip
-        return Job(ids, n_predict, body.config(), body.seed, spec,
-                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                   stop=StopText(body.stop))  # fmt: skip
+            msg = (
+                f"its KV cache may need {need / 2**20:.1f} MiB ({len(ids)} prompt + {n} tokens at "
+                f"full size) but --kv-mem is {limit / 2**20:.1f} MiB; ask for fewer max_tokens or "
+                "shorten the prompt"
+            )
+            raise ApiError(400, msg, "kv_mem_exceeded")
+        return HttpJob(
+            ids,
+            n_predict,
+            body.config(),
+            body.seed,
+            spec,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop=StopText(body.stop),
+        )
 
-    def _submit(self, jobs: list[Job]) -> None:
+    def _submit(self, jobs: list[HttpJob]) -> None:
         w = self.worker
         if w.waiting + len(jobs) > self.s.queue + max(0, w.n_parallel - w.engine.active):
-            raise ApiError(503, f"the queue is full ({w.waiting} requests waiting); retry later",
-                           "queue_full", kind="server_error",
-                           headers={"Retry-After": "1"})  # fmt: skip
+            msg = f"the queue is full ({w.waiting} requests waiting); retry later"
+            raise ApiError(
+                503, msg, "queue_full", kind="server_error", headers={"Retry-After": "1"}
+            )
         loop = asyncio.get_running_loop()
         for job in jobs:
             job.loop, job.events = loop, asyncio.Queue()
@@ -219,10 +241,15 @@ class Server:
     async def models(self, request: Request) -> Response:
         async def go(request):
             self._ready()  # 503 while the model loads, as llama-server
-            data = [{"id": self.s.names[0], "object": "model", "created": self.created,
-                     "owned_by": "kvrun", "context_length": self.s.context,
-                     "kv": self.s.default_kv}]  # fmt: skip
-            return JSONResponse({"object": "list", "data": data})
+            model = {
+                "id": self.s.names[0],
+                "object": "model",
+                "created": self.created,
+                "owned_by": "kvrun",
+                "context_length": self.s.context,
+                "kv": self.s.default_kv,
+            }
+            return JSONResponse({"object": "list", "data": [model]})
 
         return await self._guard(request, go)
 
@@ -241,8 +268,8 @@ class Server:
         try:
             prompt = tok.render_chat(msgs, add_generation_prompt=True)
         except KvrunError as e:
-            raise ApiError(400, f"the chat template failed on these messages: {e}",
-                           "template_error", "messages") from None  # fmt: skip
+            msg = f"the chat template failed on these messages: {e}"
+            raise ApiError(400, msg, "template_error", "messages") from None
         ids = tok.encode(prompt)
         job = self._job(body, ids, body.limit(), spec, logprobs=body.alternatives())
         self._submit([job])
@@ -252,8 +279,12 @@ class Server:
             return self._stream(request, [job], rid, "chat", usage)
         result = await self._wait(request, job)
         message = {"role": "assistant", "content": "".join(job.text_parts)}
-        choice = {"index": 0, "message": message, "finish_reason": _finish(job, result),
-                  "logprobs": self._chat_logprobs(result.logprobs)}  # fmt: skip
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": _finish(job, result),
+            "logprobs": self._chat_logprobs(result.logprobs),
+        }
         return JSONResponse(self._envelope(rid, "chat.completion", [choice], [(job, result)]))
 
     async def _completions(self, request: Request) -> Response:
@@ -273,8 +304,8 @@ class Server:
                 ids = tok.encode(p)
             else:
                 if any(t < 0 or t >= vocab for t in p):
-                    raise ApiError(400, f"a prompt token id is outside the vocabulary (0..{vocab - 1})",
-                                   "invalid_value", "prompt")  # fmt: skip
+                    msg = f"a prompt token id is outside the vocabulary (0..{vocab - 1})"
+                    raise ApiError(400, msg, "invalid_value", "prompt")
                 ids = list(p)
             echo_lp = body.logprobs if body.echo else None
             jobs.append(self._job(body, ids, body.limit(), spec, body.logprobs, echo_lp))
@@ -294,12 +325,14 @@ class Server:
             if body.logprobs is not None:
                 entries = (result.prompt_logprobs or []) if body.echo else []
                 lp = self._text_logprobs(job, entries, result.logprobs or [], body.echo)
-            choices.append({"index": i, "text": prompt_text + text, "logprobs": lp,
-                            "finish_reason": _finish(job, result)})  # fmt: skip
+            text = prompt_text + text
+            choices.append(
+                {"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(job, result)}
+            )
         return JSONResponse(self._envelope(rid, "text_completion", choices, done))
 
     # ------------------------------------------------------------------ results
-    async def _events(self, request: Request, job: Job, poll: bool = False):
+    async def _events(self, request: Request, job: HttpJob, poll: bool = False):
         """The job's events as they come. Once the server drains, after the grace period, the
         job is cancelled and an ApiError ends the response (a final error event for a stream).
         poll: ask whether the client is gone (a plain response; a stream learns it from
@@ -316,8 +349,8 @@ class Server:
             now = time.monotonic()
             if self.draining.is_set() and now - self.drain_t > self.s.grace:
                 job.cancel.set()
-                raise ApiError(503, "the server is shutting down", "shutting_down",
-                               kind="server_error")  # fmt: skip
+                msg = "the server is shutting down"
+                raise ApiError(503, msg, "shutting_down", kind="server_error")
             if poll and now - checked > 0.25:
                 checked = now
                 if await request.is_disconnected():
@@ -331,48 +364,59 @@ class Server:
             if ev[0] == "end":
                 return
 
-    async def _wait(self, request: Request, job: Job):
+    async def _wait(self, request: Request, job: HttpJob):
         try:
             async for ev in self._events(request, job, poll=True):
                 if ev[0] == "end":
                     _, result, error = ev
-                    if error is not None:
-                        raise ApiError(500 if "failed" in error else 400, error,
-                                       kind="server_error" if "failed" in error else
-                                       "invalid_request_error")  # fmt: skip
+                    if error is not None and "failed" in error:  # the engine's fault
+                        raise ApiError(500, error, kind="server_error")
+                    if error is not None:  # the request's
+                        raise ApiError(400, error)
                     return result
         finally:
             job.cancel.set()  # a no-op once it ended; frees the slot if the handler is cut off
         raise ApiError(500, "the engine ended the request without a result", kind="server_error")
 
-    def _stream(self, request: Request, jobs: list[Job], rid: str, kind: str, usage: bool,
-                echo: bool = False) -> StreamingResponse:  # fmt: skip
+    def _stream(
+        self,
+        request: Request,
+        jobs: list[HttpJob],
+        rid: str,
+        kind: str,
+        usage: bool,
+        echo: bool = False,
+    ) -> StreamingResponse:
         job = jobs[0]
         tok = self.worker.runtime.tokenizer
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choice: dict | None, extra: dict | None = None) -> str:
-            data = {"id": rid, "object": obj, "created": int(time.time()),
-                    "model": self.s.names[0], "choices": [] if choice is None else [choice]}  # fmt: skip
-            data.update(extra or {})
+            data = {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": self.s.names[0],
+                "choices": [] if choice is None else [choice],
+                **(extra or {}),
+            }
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         def piece(text: str, entries, finish=None) -> dict:
             if kind == "chat":
                 lp = self._chat_logprobs(entries) if job.logprobs is not None else None
-                return {"index": 0, "delta": {"content": text} if text or finish is None else {},
-                        "logprobs": lp, "finish_reason": finish}  # fmt: skip
+                delta = {"content": text} if text or finish is None else {}
+                return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             lp = self._text_logprobs(job, [], entries, False) if job.logprobs is not None else None
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
         async def gen():
             try:
+                none = {"logprobs": None, "finish_reason": None}
                 if kind == "chat":
-                    yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None})  # fmt: skip
+                    yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, **none})
                 elif echo:
-                    yield chunk({"index": 0, "text": tok.decode(job.ids), "logprobs": None,
-                                 "finish_reason": None})  # fmt: skip
+                    yield chunk({"index": 0, "text": tok.decode(job.ids), **none})
                 ready: list[str] = []  # text chunks already here go out in one write
                 async for ev in self._events(request, job):
                     if ev[0] == "text":
@@ -398,12 +442,18 @@ class Server:
             finally:
                 job.cancel.set()
 
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+        headers = {"Cache-Control": "no-cache"}
+        return StreamingResponse(gen(), media_type="text/event-stream", headers=headers)
 
     def _envelope(self, rid: str, obj: str, choices: list, done: list) -> dict:
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.s.names[0],
-                "choices": choices, "usage": _usage(done)}  # fmt: skip
+        return {
+            "id": rid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.s.names[0],
+            "choices": choices,
+            "usage": _usage(done),
+        }
 
     def _token(self, t: int) -> str:
         return self.worker.runtime.tokenizer.decode([t])
@@ -413,14 +463,15 @@ class Server:
             return None
         out = []
         for e in entries:
-            s = self._token(e.token)
-            top = [{"token": (a := self._token(t)), "logprob": v, "bytes": list(a.encode())}
-                   for t, v in e.top]  # fmt: skip
-            out.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
-                        "top_logprobs": top})  # fmt: skip
+            top = [self._chat_entry(t, v) for t, v in e.top]
+            out.append({**self._chat_entry(e.token, e.logprob), "top_logprobs": top})
         return {"content": out}
 
-    def _text_logprobs(self, job: Job, prompt_entries, entries, echo: bool) -> dict:
+    def _chat_entry(self, token: int, logprob: float) -> dict:
+        s = self._token(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+    def _text_logprobs(self, job: HttpJob, prompt_entries, entries, echo: bool) -> dict:
         """The completions endpoint's logprobs: tokens, token_logprobs, top_logprobs,
         text_offset; with echo the prompt's tokens first (the first one without a value)."""
         tokens, values, tops = [], [], []
@@ -437,11 +488,15 @@ class Server:
         for s in texts:
             offsets.append(at)
             at += len(s)
-        return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": texts,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
-def _finish(job: Job, result) -> str:
+def _finish(job: HttpJob, result) -> str:
     if job.stop.hit or result.stats.stop_reason == "eos":
         return "stop"
     return "length"
@@ -450,9 +505,13 @@ def _finish(job: Job, result) -> str:
 def _usage(done: list) -> dict:
     p = sum(r.stats.prompt_tokens for _, r in done)
     c = sum(r.stats.generated_tokens for _, r in done)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "kv_bytes": sum(r.stats.kv_bytes for _, r in done),
-            "kv_bytes_full": sum(r.stats.kv_bytes_full for _, r in done)}  # fmt: skip
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "kv_bytes": sum(r.stats.kv_bytes for _, r in done),
+        "kv_bytes_full": sum(r.stats.kv_bytes_full for _, r in done),
+    }
 
 
 SWITCH_INTERVAL_S = 2e-4
@@ -475,9 +534,13 @@ def serve(server: Server, sock, log_level: str = "warning") -> None:
                 self.force_exit = True  # a second signal: now
             self.should_exit = True  # not kept in _captured_signals: no re-raise
 
-    config = uvicorn.Config(server.app, log_level=log_level,
-                            timeout_graceful_shutdown=int(server.s.grace) + 5,
-                            lifespan="off", access_log=False)  # fmt: skip
+    config = uvicorn.Config(
+        server.app,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(server.s.grace) + 5,
+        lifespan="off",
+        access_log=False,
+    )
     runner = Runner(config)
     server.worker.on_load_error = lambda: setattr(runner, "should_exit", True)
     # the engine thread makes ~100 native calls a step, each letting the GIL go and taking

@@ -1,9 +1,10 @@
 """The engine thread of kvrun serve: it loads the model, owns every torch call, and runs the
 continuous-batching engine (kvrun.engine) on the requests the HTTP side hands it.
 
-The two sides meet in a `Job`: the HTTP handler builds it (prompt ids, sampling, the cache
-to build) and `submit`s it to a thread-safe inbox; the engine thread draws jobs from the inbox
-as slots free up and reports each one's text, tokens and end back to the event loop with
+The two sides meet in an `HttpJob`: the HTTP handler builds it (prompt ids, sampling, the
+cache to build) and `submit`s it to a thread-safe inbox; the engine polls the inbox at every
+step (`_Inbox`, the engine's Intake) and admits jobs as slots free up, so a job that arrives
+while a batch runs joins it; each one's text, tokens and end go back to the event loop with
 `loop.call_soon_threadsafe`, into the job's asyncio queue. Stop strings are found here, as the
 text arrives, so a sequence that hits one ends within the same engine step; a job whose client
 is gone is cancelled and its slot is free by the next step.
@@ -43,8 +44,8 @@ class StopText:
         if cut >= 0:
             self.hit, self.held = True, ""
             return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])),
-                   default=0)  # fmt: skip
+        ends = (k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k]))
+        keep = max(ends, default=0)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
@@ -54,7 +55,7 @@ class StopText:
 
 
 @dataclass
-class Job:
+class HttpJob:
     """One sequence of one HTTP request, shared by the event loop and the engine thread."""
 
     ids: list[int]
@@ -74,7 +75,8 @@ class Job:
     last_token: float = 0.0
     pending: list = field(default_factory=list)  # logprobs not yet sent with text
     text_parts: list[str] = field(default_factory=list)  # the text received (event loop side)
-    # the engine thread's events of this step, sent together by Worker.flush (None: at once)
+    # the engine thread's events of this step, sent together by EngineThread.flush (None:
+    # each posted at once)
     outbox: list | None = None
 
     def post(self, *event) -> None:
@@ -91,22 +93,29 @@ def _deliver(batch: list) -> None:
         job.events.put_nowait(event)
 
 
-class Worker:
+class EngineThread:
     """The engine thread. `load` builds the runtime (in the thread, so the server answers
     /health with 503 meanwhile); `submit` queues a job; `close` ends the thread.
 
     make_session(runtime, kv) -> Session builds each slot's session; metrics: an object with
     ttft(seconds), itl(seconds), ended(job, result, error)."""
 
-    def __init__(self, load: Callable[[], Any], n_parallel: int, kv_mem: int | None,
-                 make_session, metrics, default_spec) -> None:  # fmt: skip
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        n_parallel: int,
+        kv_mem: int | None,
+        make_session,
+        metrics,
+        default_spec,
+    ) -> None:
         self._load = load
         self.n_parallel = n_parallel
         self.kv_mem = kv_mem  # bytes (--kv-mem), None: no limit
         self.make_session = make_session  # (runtime, kv) -> Session
         self.metrics = metrics
         self.default_spec = default_spec
-        self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self.inbox: queue.Queue[HttpJob | None] = queue.Queue()
         self.runtime = None
         self.engine = None
         self.load_error: str | None = None
@@ -115,17 +124,17 @@ class Worker:
         self.waiting = 0  # submitted, not yet holding a slot
         self._lock = threading.Lock()
         self._live: set[int] = set()  # ids of jobs drawn by the engine and not yet ended
-        self._jobs: dict[int, Job] = {}
+        self._jobs: dict[int, HttpJob] = {}
         # events posted during an engine step: one wake-up of the event loop a step, not one
         # a token (each costs the loop a self-pipe write and the engine a GIL round trip)
-        self._outbox: list[tuple[Job, tuple]] = []
+        self._outbox: list[tuple[HttpJob, tuple]] = []
         self.thread = threading.Thread(target=self._main, name="kvrun-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     # --------------------------------------------------------------- the HTTP side
-    def submit(self, job: Job) -> None:
+    def submit(self, job: HttpJob) -> None:
         with self._lock:
             self.waiting += 1
         job.submitted = time.perf_counter()
@@ -152,7 +161,7 @@ class Worker:
             if first is None:
                 return
             try:
-                for req, result, error in self.engine.results(self._draw(first)):
+                for req, result, error in self.engine.results(_Inbox(self, first)):
                     self._end(req.tag, result, error)
                     self.flush()
             except _Closing:
@@ -185,14 +194,11 @@ class Worker:
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(_deliver, items)
 
-    def _draw(self, first: Job) -> _Draw:
-        return _Draw(self, first)
-
     def _unwait(self) -> None:
         with self._lock:
             self.waiting -= 1
 
-    def _request(self, job: Job):
+    def _request(self, job: HttpJob):
         from ..engine import Request
 
         rt = self.runtime
@@ -224,13 +230,21 @@ class Worker:
                 job.pending = []
 
         return Request(
-            list(job.ids), job.n_predict, job.sampling, seed=job.seed, tag=job, on_text=on_text,
-            new_kv=lambda: rt.new_kv(job.spec), logprobs=job.logprobs,
-            prompt_logprobs=job.prompt_logprobs, on_start=on_start, on_token=on_token,
+            list(job.ids),
+            job.n_predict,
+            job.sampling,
+            seed=job.seed,
+            tag=job,
+            on_text=on_text,
+            new_kv=lambda: rt.new_kv(job.spec),
+            logprobs=job.logprobs,
+            prompt_logprobs=job.prompt_logprobs,
+            on_start=on_start,
+            on_token=on_token,
             cancelled=job.cancel.is_set,
-        )  # fmt: skip
+        )
 
-    def _end(self, job: Job, result, error: str | None, drawn: bool = True) -> None:
+    def _end(self, job: HttpJob, result, error: str | None, drawn: bool = True) -> None:
         if drawn and id(job) not in self._live:  # failed before it took a slot
             self._unwait()
         self._live.discard(id(job))
@@ -246,26 +260,25 @@ class Worker:
         job.post("end", result, error)
 
 
-class _Draw:
-    """The requests for Engine.results: the first job, then whatever the inbox holds right now
-    (the engine asks again every step while it has work, so later requests join the batch;
-    an empty inbox ends the iteration, and the engine thread waits for the next job)."""
+class _Inbox:
+    """The engine's Intake (kvrun.engine) over the inbox: the first job, then at every step
+    whatever the inbox holds right now, so jobs that arrive while a batch runs join it. When
+    the inbox is empty and no sequence is active the engine's run ends, and the engine thread
+    waits for the next job; drawing the shutdown mark raises _Closing."""
 
-    def __init__(self, worker: Worker, first: Job):
-        self.worker, self.first = worker, first
+    def __init__(self, engine: EngineThread, first: HttpJob):
+        self.engine, self.first = engine, first
 
-    def __iter__(self) -> _Draw:
-        return self
-
-    def __next__(self):
-        w = self.worker
+    def poll(self):
+        """The next job's Request, None while the inbox is empty (engine.Intake.poll)."""
+        w = self.engine
         while True:
             job, self.first = self.first, None
             if job is None:
                 try:
                     job = w.inbox.get_nowait()
                 except queue.Empty:
-                    raise StopIteration from None
+                    return None
                 if job is None:
                     raise _Closing
             if job.cancel.is_set():  # its client left while it waited

@@ -34,7 +34,7 @@ class Doc:
 
 
 @dataclass(frozen=True)
-class Job:
+class LongdocJob:
     """What every document of a run is asked, and how; `settings` go into every record."""
 
     templates: dict  # "question" | "summarize" -> template text with a {document} slot
@@ -51,6 +51,9 @@ class Job:
     # the document's turn is compressed before the question (the template's part after the
     # document) arrives as a turn of its own (kvpress's "question not in context")
     question_after: bool = False
+
+
+Job = LongdocJob  # the name bench/parallel.py still uses (bench/ is edited on its own)
 
 
 def load_template(task: str, path: str | None = None) -> str:
@@ -172,7 +175,7 @@ def build_prompt(tokenizer, template, question, text, chat, context, n_predict, 
     return before + kept + after, dropped
 
 
-def empty_record(doc: Doc, job: Job, question: str | None = None) -> dict:
+def empty_record(doc: Doc, job: LongdocJob, question: str | None = None) -> dict:
     """A record with every field present (results None); `task` follows the question."""
     task = "question" if question else "summarize" if job.summarize else None
     rec = {"id": doc.id, "line": doc.line, "task": task, "question": question}
@@ -181,7 +184,7 @@ def empty_record(doc: Doc, job: Job, question: str | None = None) -> dict:
     return rec
 
 
-def prepare(session, doc: Doc, job: Job) -> tuple[dict, list[int], list[int] | None, int]:
+def prepare(session, doc: Doc, job: LongdocJob) -> tuple[dict, list[int], list[int] | None, int]:
     """The record to fill, the prompt ids, the question turn's ids (--question-after: the
     template's part after the document; else None) and the document tokens dropped; a
     KvrunError when the document cannot be asked (no question, unreadable, no room)."""
@@ -191,9 +194,15 @@ def prepare(session, doc: Doc, job: Job) -> tuple[dict, list[int], list[int] | N
     rec = empty_record(doc, job, question)
     text, template = read_document(doc), job.templates[rec["task"]]
     ids, dropped = build_prompt(
-        session.tokenizer, template, question, text,
-        job.chat, session.context, job.n_predict, job.truncate,
-    )  # fmt: skip
+        session.tokenizer,
+        template,
+        question,
+        text,
+        job.chat,
+        session.context,
+        job.n_predict,
+        job.truncate,
+    )
     if not job.question_after:
         return rec, ids, None, dropped
     _, after = prompt_frame(session.tokenizer, template, question, job.chat)
@@ -207,7 +216,7 @@ def complete(rec: dict, result, dropped: int) -> dict:
     return rec
 
 
-def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
+def answer_document(session, doc: Doc, job: LongdocJob, on_text=None, progress=None) -> dict:
     """Answer one document on a fresh cache; its record, or a KvrunError."""
     import torch
 
@@ -216,19 +225,24 @@ def answer_document(session, doc: Doc, job: Job, on_text=None, progress=None) ->
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     result = session.generate(
-        ids, job.n_predict, job.sampling, seed=job.seed, on_text=on_text, progress=progress,
+        ids,
+        job.n_predict,
+        job.sampling,
+        seed=job.seed,
+        on_text=on_text,
+        progress=progress,
         question=question,
-    )  # fmt: skip
+    )
     return complete(rec, result, dropped)
 
 
-def error_record(doc: Doc, job: Job, msg: str) -> dict:
+def error_record(doc: Doc, job: LongdocJob, msg: str) -> dict:
     """A document's record carrying only its error, on one line."""
     rec = empty_record(doc, job, doc.question or job.default_question)
     return {**rec, "error": " ".join(msg.split())}
 
 
-def process(session, doc: Doc, job: Job, on_text=None, progress=None) -> dict:
+def process(session, doc: Doc, job: LongdocJob, on_text=None, progress=None) -> dict:
     """answer_document, with any failure turned into a record whose error is one line."""
     if doc.error:
         return {**empty_record(doc, job, doc.question), "error": doc.error}
@@ -289,7 +303,7 @@ def prepare_results(path: Path, resume: bool) -> tuple[set[str], str | None]:
     return done, note
 
 
-def _todo(docs: list[Doc], done: set[str], finish):
+def todo(docs: list[Doc], done: set[str], finish):
     """The docs to answer, in order: keys in `done` are skipped (finish(doc, None)); a
     repeated id gets an error."""
     seen = set()
@@ -305,13 +319,15 @@ def _todo(docs: list[Doc], done: set[str], finish):
         yield doc
 
 
-def run_batch(session, docs: list[Doc], job: Job, write, done: set[str], start, finish) -> int:
+def run_batch(
+    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish
+) -> int:
     """Answer docs in order on one session (a fresh cache each), skipping keys in `done`; a
     repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
     answer; write(record), then finish(doc, record or None when skipped), after. Returns the
     number of documents that failed."""
     failed = 0
-    for doc in _todo(docs, done, finish):
+    for doc in todo(docs, done, finish):
         rec = process(session, doc, job, *start(doc))
         write(rec)
         failed += rec["error"] is not None
@@ -320,7 +336,7 @@ def run_batch(session, docs: list[Doc], job: Job, write, done: set[str], start, 
 
 
 def run_parallel(
-    sessions, docs: list[Doc], job: Job, write, done: set[str], finish, kv_mem=None
+    sessions, docs: list[Doc], job: LongdocJob, write, done: set[str], finish, kv_mem=None
 ) -> tuple[int, object]:
     """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching).
     Records are written as documents finish, which is not input order; a document that
@@ -337,7 +353,7 @@ def run_parallel(
         finish(doc, rec)
 
     def requests():
-        for doc in _todo(docs, done, finish):
+        for doc in todo(docs, done, finish):
             if doc.error:
                 fail(doc, doc.error)
                 continue

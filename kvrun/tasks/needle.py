@@ -169,9 +169,15 @@ class NeedleTask:
         needle = self.needle_text(expected.get("key", 0))
         try:
             return passkey.fit_prompt(
-                self.encode, self.units, cell.length, cell.depth / 100, needle,
-                self._prefix, self._suffix, self.offset(cell.trial),
-            )  # fmt: skip
+                self.encode,
+                self.units,
+                cell.length,
+                cell.depth / 100,
+                needle,
+                self._prefix,
+                self._suffix,
+                self.offset(cell.trial),
+            )
         except ValueError as e:
             raise KvrunError(f"--lengths {cell.length} is too short: {e}") from None
 
@@ -193,6 +199,52 @@ class NeedleTask:
         return passkey.answer_found(reply, expected["answer"])
 
 
+@dataclass(frozen=True)
+class GridOptions:
+    """What the command line asks of every trial, known before a model loads; `setup` makes
+    the grid's task on a loaded model (here, or on a Ray worker)."""
+
+    mode: str  # "passkey" | "niah"
+    units: list[str]  # haystack sentences
+    seed: int
+    lengths: str | None  # --lengths as given (None: LADDER cut to the context)
+    n_predict: int
+    chat: bool
+    parallel: int  # trials decoded together (kvrun.engine)
+    needle: str = ""
+    question: str = ""
+    answer: str = ""
+    question_after: bool = False
+
+    def setup(self, rt, configs: list[KvConfig], ctx_size: int):
+        """(context, lengths, task) on a loaded model: what only the model can tell (head_dim
+        vs. KIVI group, the prompt's own length) fails now."""
+        context = ctx_size or rt.config.context_length
+        lengths = pick_lengths(self.lengths, context, self.n_predict)
+        for cfg in configs:
+            rt.new_kv(cfg.spec)
+        tok = rt.tokenizer
+
+        def encode(text: str) -> list[int]:
+            if self.chat:
+                msg = [{"role": "user", "content": text}]
+                text = tok.render_chat(msg, add_generation_prompt=True)
+            return tok.encode(text)
+
+        task = NeedleTask(
+            self.mode,
+            self.units,
+            encode,
+            self.seed,
+            self.needle,
+            self.question,
+            self.answer,
+            self.question_after,
+        )
+        task.check_fits(min(lengths))
+        return context, lengths, task
+
+
 def run_grid(
     rt,
     task: NeedleTask,
@@ -207,8 +259,9 @@ def run_grid(
     """One record per (cell, config), in grid order, each with a fresh KV manager; with
     parallel > 1, that many trials decode together (kvrun.engine), records still in order."""
     if parallel > 1:
-        yield from _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start,
-                                 parallel)  # fmt: skip
+        yield from _run_parallel(
+            rt, task, configs, cells, n_predict, ubatch, context, on_start, parallel
+        )
         return
     from ..generate import Session
 
@@ -256,13 +309,18 @@ def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start
     def requests():
         for tag in _trials(task, configs, cells, on_start):
             ids, question = task.turns(tag[3])
-            yield Request(ids, n_predict, GREEDY, task.seed, tag, question=question,
-                          new_kv=lambda spec=tag[1].spec: rt.new_kv(spec))  # fmt: skip
+            yield Request(
+                ids,
+                n_predict,
+                GREEDY,
+                task.seed,
+                tag,
+                question=question,
+                new_kv=lambda spec=tag[1].spec: rt.new_kv(spec),
+            )
 
     sessions = [
-        Session(
-            rt.model, rt.tokenizer, rt.new_kv(configs[0].spec), ubatch=ubatch, context=context
-        )  # fmt: skip
+        Session(rt.model, rt.tokenizer, rt.new_kv(configs[0].spec), ubatch=ubatch, context=context)
         for _ in range(parallel)
     ]
     order = {}
