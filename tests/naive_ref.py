@@ -22,7 +22,7 @@ import math
 import torch
 from test_kv_methods import new_kv, tap
 
-PAD = 2**31 - 1  # kvzip:heads=layer stores padding slots at this position (reported as -1)
+PAD = 2**31 - 1  # kvzip:scope=layer stores padding slots at this position (reported as -1)
 
 
 def is_pad(p: int) -> bool:

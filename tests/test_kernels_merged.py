@@ -180,7 +180,7 @@ def count_calls(monkeypatch) -> list:
 
 E2E = [
     "minicache:gamma=0.3",
-    "minicache:gamma=0.3,granularity=token",
+    "minicache:gamma=0.3,scope=layer",
     "minicache:gamma=0.2,decode_retain=1",  # retained rows also added while decoding
     "minicache:start=0,retain=topk:0.25,retain_rule=paper",
 ]
@@ -223,7 +223,7 @@ def test_decode_logits_equal_the_restore_path(monkeypatch, spec):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("spec", ["minicache:gamma=0.3", "minicache:gamma=0.3,granularity=token"])
+@pytest.mark.parametrize("spec", ["minicache:gamma=0.3", "minicache:gamma=0.3,scope=layer"])
 def test_decode_with_triton_kernels(monkeypatch, spec):
     """KVRUN_KERNELS=triton: merged_decode and dense_decode in Triton (interpreted on CPU)."""
     m, P, steps = model6(), 40, 2

@@ -17,7 +17,7 @@ from kv_helpers import pyramid_budgets_compat
 from kvrun.errors import KvrunError
 from kvrun.kv.attention import attention_colsum, group_sum, pool, window_scores
 from kvrun.kv.cache import keep_indices
-from kvrun.kv.methods.pyramidkv import budgets
+from kvrun.kv.methods.pyramidkv import PyramidKV
 from kvrun.kv.spec import Budget
 
 NEG = float("-inf")
@@ -65,7 +65,7 @@ def window_votes(qw, k, kernel: int, kind: str) -> torch.Tensor:
 
 def pyramid_budgets(B: int, n: int, window: int, n_layers: int, beta: int) -> list[int]:
     """PyramidKV's allocator as declared (kvrun/kv/methods/pyramidkv.py)."""
-    return budgets({"window": window, "beta": beta}, B, n, n_layers)
+    return PyramidKV(window=window, beta=beta).budgets(B, n, n_layers)
 
 
 def ref_topk(scores: torch.Tensor, k: int) -> list[list[int]]:

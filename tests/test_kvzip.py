@@ -6,7 +6,7 @@ n, n + 1, ... on a copy of the full-history cache (attending exactly to everythi
 the pass's own earlier tokens); per layer, take the pass queries' softmax over the turn's
 slots and the pass's own keys (causal), the max over the G query heads of each KV head and
 over every pass row, then keep per KV head the top B(n) slots, the first `sinks` positions
-always kept (ties to the lower position). `heads=layer` gives the layer's Hkv * B(n) slots to
+always kept (ties to the lower position). `scope=layer` gives the layer's Hkv * B(n) slots to
 the best (head, slot) pairs instead. The prompts here are shorter than one 2048-token chunk.
 
 The real cache runs through Session (as the CLI does) or the tests' `drive`, observed through
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def opts_of(spec: str) -> tuple[int, str]:
     o = dict(x.split("=") for x in spec.partition(":")[2].split(",") if x)
-    return int(o.get("sinks", 4)), o.get("heads", "uniform")
+    return int(o.get("sinks", 4)), "layer" if o.get("scope") == "layer" else "uniform"
 
 
 class KvzipRule:
@@ -102,7 +102,7 @@ class KvzipRule:
                     kept, margin = keep_top(s, B - len(earlier[hk]), forced)
                     picked.append(sorted(kept))
                     h.margins.append(margin)
-            else:  # heads=layer: the layer's Hkv * B(n) slots to the best (position, head)
+            else:  # scope=layer: the layer's Hkv * B(n) slots to the best (position, head)
                 s = {(p, hk): x for hk, d in enumerate(per_head) for p, x in d.items()}
                 pin = [(p, hk) for hk in range(h.Hkv) for p in forced]
                 room = h.Hkv * B - sum(len(e) for e in earlier)
@@ -141,7 +141,7 @@ def predict_from(events):
 
 def expected_nbytes(w: Watch, c, heads: str) -> int:
     """kvzip.md: sum_l T_l * (2 * Hkv * D * e + 4 * Hkv * [heads = layer]), T_l the layer's
-    largest head count (every head the same under heads=uniform)."""
+    largest head count (every head the same under scope=head)."""
     per_slot = 2 * c.n_kv_heads * c.head_dim * E + (4 * c.n_kv_heads if heads == "layer" else 0)
     return sum(max(len(r) for r in rows) * per_slot for rows in w.held)
 
@@ -182,8 +182,8 @@ CASES = [
     (4, "kvzip", "20", False),
     (6, "kvzip", "0.3", False),
     (4, "kvzip:sinks=2", "0.25", True),
-    (4, "kvzip:heads=layer", "0.3", True),
-    (6, "kvzip:heads=layer", "20", False),
+    (4, "kvzip:scope=layer", "0.3", True),
+    (6, "kvzip:scope=layer", "20", False),
 ]
 
 
@@ -231,7 +231,7 @@ def test_kvzip_matches_naive_oracle(n_heads, spec, budget, use_session):
 
 
 def test_kvzip_later_turn_scores_the_new_turn_only():
-    """Two chat turns (heads=uniform): the second pass runs over the second turn's ids at
+    """Two chat turns (scope=head): the second pass runs over the second turn's ids at
     positions n, n + 1, ... attending to everything held; the first turn's kept slots and its
     decode tokens stay as they are; the new turn's slots are scored by the softmax over the
     turn's slots and the pass's own tokens, and fill the budget up to B(n) over every token
@@ -260,7 +260,7 @@ def test_kvzip_later_turn_scores_the_new_turn_only():
             assert len(r2) == B and 0 < len([p for p in r2 if p >= n1]) < 40
 
 
-@pytest.mark.parametrize("spec", ["kvzip", "kvzip:heads=layer"])
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip:scope=layer"])
 def test_naive_oracle_covering_budget_equals_full(spec):
     """The oracle itself: with a budget covering every token nothing is evicted and the logits
     are the full cache's; its pass scores are probabilities (at most 1, and the pass's first
@@ -281,10 +281,10 @@ def test_naive_oracle_covering_budget_equals_full(spec):
             assert sorted(s) == list(range(N)) and all(0 < x <= 1 for x in s.values())
 
 
-@pytest.mark.parametrize("spec", ["kvzip", "kvzip:heads=layer"])
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip:scope=layer"])
 def test_kvzip_covering_budget_equals_full(spec):
     """--kv-budget 4096 covers every token: the full cache's logits, every position kept,
-    nbytes() by the formula (heads=layer adds an int32 position per slot and head)."""
+    nbytes() by the formula (scope=layer adds an int32 position per slot and head)."""
     m = tiny()
     c = m.config
     ids = prompt(N, seed=41)

@@ -263,7 +263,7 @@ class Shadow:
         self.gamma = opts.get("gamma", 0.05)
         self.rule = opts.get("retain_rule", "distinct")
         self.retain = opts.get("retain", "range")
-        self.token = opts.get("granularity") == "token"
+        self.token = opts.get("scope") == "layer"
         self.decode_retain = opts.get("decode_retain", False)
         self.window = window
         L = model.config.n_layers
@@ -349,7 +349,7 @@ class Shadow:
 
 SHADOW_CASES = [
     ("minicache", {}),
-    ("minicache:gamma=0.3,granularity=token,decode_retain=1", {"gamma": 0.3, "granularity": "token",
+    ("minicache:gamma=0.3,scope=layer,decode_retain=1", {"gamma": 0.3, "scope": "layer",
                                                                "decode_retain": True}),
     ("minicache:retain=topk:0.1,retain_rule=paper,slerp_t=0.4,decode_retain=1",
      {"retain": "topk:0.1", "retain_rule": "paper", "slerp_t": 0.4, "decode_retain": True}),
@@ -441,7 +441,7 @@ def expected_bytes(c, spec: dict, P: int, n_gen: int, nr: list[int], in_prefill:
     """methods/minicache.md "What is stored", with e = 4 (fp32); in_prefill = tokens of the
     first turn seen so far, before end_prefill (exact buffers held, nothing merged)."""
     H, Dh = c.n_kv_heads, c.head_dim
-    g, m = (1, H * Dh) if spec.get("granularity") == "token" else (H, Dh)
+    g, m = (1, H * Dh) if spec.get("scope") == "layer" else (H, Dh)
     pairs = ref_pairs(c.n_layers, spec.get("start", -1))
     n_plain = c.n_layers - 2 * len(pairs)
     bits, G, R = spec.get("kivi", (16, 0, 0))
@@ -467,8 +467,8 @@ def expected_bytes(c, spec: dict, P: int, n_gen: int, nr: list[int], in_prefill:
 
 BYTE_CASES = [
     ("minicache", {}),
-    ("minicache:granularity=token,decode_retain=1,gamma=0.4",
-     {"granularity": "token", "decode_retain": True}),
+    ("minicache:scope=layer,decode_retain=1,gamma=0.4",
+     {"scope": "layer", "decode_retain": True}),
     ("minicache:store=kivi4,kivi_residual=64,gamma=0.3", {"kivi": (4, 32, 64)}),
     ("minicache:kivi_residual=64+kivi2:residual=64", {"kivi": (2, 32, 64)}),  # the stack wins
     ("minicache:start=0+kivi4:residual=32", {"start": 0, "kivi": (4, 32, 32)}),

@@ -2,8 +2,8 @@
 
 The oracle (naive_ref.Naive with `tova_rule`) keeps the full float64 history per layer and, at
 the prefill end and after every decode step, takes the newest query's softmax over the slots
-held, averages it over all query heads (`heads=layer`) or over each KV head's group
-(`heads=kv`), always keeps the newest token and keeps the top B(n) (ties to the lower
+held, averages it over all query heads (`scope=layer`) or over each KV head's group
+(`scope=head`), always keeps the newest token and keeps the top B(n) (ties to the lower
 position). The real cache is observed through its debug hook and a tap on attend
 (naive_ref.Watch): every attention output, every kept set and the logits are compared.
 """
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def heads_of(spec: str) -> str:
-    return "kv" if "heads=kv" in spec else "layer"
+    return "kv" if "scope=head" in spec else "layer"
 
 
 def tova_scores(q, K, held, G, heads):
     """Per KV head, {position: score} for the newest query q (Hq, D) over the held positions
     (rows per KV head) of keys K (Hkv, N, D): softmax per query head, then the mean over all
-    query heads (heads=layer, the same scores for every KV head) or over the head's group."""
+    query heads (scope=layer, the same scores for every KV head) or over the head's group."""
     Hq, D = q.shape
     A = []
     for h in range(Hq):
@@ -39,7 +39,7 @@ def tova_scores(q, K, held, G, heads):
         A.append(torch.softmax(K[h // G, idx] @ q[h] / math.sqrt(D), dim=0))
     Hkv = Hq // G
     if heads == "layer":
-        assert all(r == held[0] for r in held), "heads=layer holds one set per layer"
+        assert all(r == held[0] for r in held), "scope=layer holds one set per layer"
         s = torch.stack(A).mean(dim=0).tolist()
         return [dict(zip(held[0], s, strict=True))] * Hkv
     out = []
@@ -107,10 +107,10 @@ def bytes_check(w: Watch, budget: str, heads: str, c):
 CASES = [
     (4, "tova", "0.3"),
     (4, "tova", "20"),
-    (4, "tova:heads=kv", "0.3"),
-    (4, "tova:heads=kv", "20"),
+    (4, "tova:scope=head", "0.3"),
+    (4, "tova:scope=head", "20"),
     (6, "tova", "0.3"),
-    (6, "tova:heads=kv", "17"),
+    (6, "tova:scope=head", "17"),
 ]
 
 
@@ -133,13 +133,13 @@ def test_tova_matches_naive_oracle(n_heads, spec, budget):
     assert counted == ["prefill"] + ["step"] * STEPS
     if heads == "layer":
         assert all(r == rows[0] for *_, rows in events for r in rows)
-    else:  # KV heads choose apart (otherwise heads=kv would be tested no better than layer)
+    else:  # KV heads choose apart (otherwise scope=head would be tested no better than layer)
         assert any(rows[0] != rows[1] for *_, rows in events)
     # the evictions reach back into the prompt, not only the newest tokens
     assert any(min(set(range(N)) - set(rows[0])) < N // 2 for *_, rows in events)
 
 
-@pytest.mark.parametrize("spec,budget", [("tova", "0.3"), ("tova:heads=kv", "20")])
+@pytest.mark.parametrize("spec,budget", [("tova", "0.3"), ("tova:scope=head", "20")])
 def test_tova_later_turn(spec, budget):
     """Two chat turns: the second prompt is attended exactly over what the first turn kept,
     then compressed at its end to B(n) over every token seen (from its last query)."""
@@ -154,7 +154,7 @@ def test_tova_later_turn(spec, budget):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("n_heads,spec", [(4, "tova"), (4, "tova:heads=kv"), (6, "tova")])
+@pytest.mark.parametrize("n_heads,spec", [(4, "tova"), (4, "tova:scope=head"), (6, "tova")])
 def test_naive_oracle_covering_budget_equals_full(n_heads, spec):
     """The oracle itself: with a budget covering every token it evicts nothing and gives the
     full cache's logits (the masked reference is the full cache)."""
@@ -169,7 +169,7 @@ def test_naive_oracle_covering_budget_equals_full(n_heads, spec):
     assert len(points(ref.events)) == m.config.n_layers * (1 + STEPS)
 
 
-@pytest.mark.parametrize("spec", ["tova", "tova:heads=kv"])
+@pytest.mark.parametrize("spec", ["tova", "tova:scope=head"])
 def test_tova_covering_budget_equals_full(spec):
     m = tiny()
     ids = prompt(N, seed=21)
@@ -184,7 +184,7 @@ def test_tova_covering_budget_equals_full(spec):
     assert w.kv.nbytes() == c.n_layers * n * (2 * c.n_kv_heads * c.head_dim * E + 4 * R)
 
 
-@pytest.mark.parametrize("spec", ["tova", "tova:heads=kv"])
+@pytest.mark.parametrize("spec", ["tova", "tova:scope=head"])
 def test_tova_ties_go_to_the_lower_position(spec):
     """Hand-made: zero queries give every held slot the same score, so each point keeps the
     newest token and the B - 1 lowest positions (one layer fed directly, no model)."""
@@ -205,15 +205,15 @@ def test_tova_ties_go_to_the_lower_position(spec):
 @pytest.mark.parametrize("G", [2, 4])
 @pytest.mark.parametrize("budget", ["20", "0.25"])
 def test_tova_kv_heads_gqa_duplication_selects_as_mha(G, budget):
-    """baselines.md 0.8.4 for heads=kv: G identical query heads per KV head keep exactly what
+    """baselines.md 0.8.4 for scope=head: G identical query heads per KV head keep exactly what
     the MHA layer with that one head keeps."""
     g = torch.Generator().manual_seed(25)
     n, n_prompt = 90, 70
     q = 2 * torch.randn(1, 2, n, 32, generator=g)
     k = torch.randn(1, 2, n, 32, generator=g)
     v = torch.randn(1, 2, n, 32, generator=g)
-    kv1, ev1 = layer_kv("tova:heads=kv", budget, 2)
-    kvG, evG = layer_kv("tova:heads=kv", budget, 2 * G)
+    kv1, ev1 = layer_kv("tova:scope=head", budget, 2)
+    kvG, evG = layer_kv("tova:scope=head", budget, 2 * G)
     feed(kv1, q, k, v, n_prompt, 16)
     feed(kvG, q.repeat_interleave(G, dim=1), k, v, n_prompt, 16)
     pick = [e for e in ev1 if e[1] != "chunk"]

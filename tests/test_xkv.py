@@ -412,7 +412,7 @@ def expected_selection(Q, K, held, rows, budget, opts, n, n_layers):
     kept = []
     for layer in range(n_layers):
         w, s = scores[layer]
-        per_head = [w] * HKV if opts.get("select") == "layer" else s
+        per_head = [w] * HKV if opts.get("scope") == "layer" else s
         rows_ = []
         for hk, h in enumerate(held[layer]):
             ctx = sorted(range(C[layer]), key=lambda j, r=per_head[hk]: (-r[j], j))[: nl[layer]]
@@ -425,7 +425,7 @@ SELECT_CASES = [
     ("xkv", "0.3", 4, 1000),  # two-pass, G = 2
     ("xkv", "0.3", 6, 16),  # chunked: deferred, G = 3
     ("xkv:plan=deferred,pool=max:7", "40", 4, 1000),
-    ("xkv:select=layer", "0.25", 4, 1000),
+    ("xkv:scope=layer", "0.25", 4, 1000),
     ("xkv:min_tokens=0,pool=none", "0.2", 4, 1000),
     ("xkv:target=0.6", None, 6, 1000),
 ]
@@ -450,7 +450,7 @@ def test_selection_matches_dense_reference(spec, budget, n_heads, ubatch):
         assert all(set(range(n - 8, n)) <= set(r) for r in rows)  # the window, every head
         assert all(len(r) == nl[layer] + 8 for r in rows)
     assert nl[0] != nl[1]  # the layers really get different budgets
-    if "select=layer" in spec:
+    if "scope=layer" in spec:
         assert all(r[0] == r[1] for *_, r in ev)
     else:
         assert any(r[0] != r[1] for *_, r in ev)  # KV heads select independently
@@ -480,7 +480,7 @@ def test_later_turn_reselects_all_slots_with_total_budget():
 # --- 8. plan equivalence ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     "opts,budget,stack",
-    [("", "0.3", ""), ("select=layer,", "0.2", ""), ("pool=max:7,min_tokens=0,", "50", ""),
+    [("", "0.3", ""), ("scope=layer,", "0.2", ""), ("pool=max:7,min_tokens=0,", "50", ""),
      ("target=0.7,", None, ""), ("budget_scope=context,alloc=loop,", "0.15", ""),
      ("", "0.3", "+kivi2")],
 )  # fmt: skip

@@ -19,8 +19,8 @@ def build(spec: KVSpec, config, rope, device, dtype, **kw):
     """The cache for `spec` on a model with `config` (kw: the debug hook on_select)."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"build takes a KVSpec from kvrun.kv.check, not {type(spec).__name__}")
-    if spec.select.cache is not None:
-        return spec.select.cache(spec, config, rope, device, dtype, **kw)
+    if spec.select.cache:
+        return spec.select.make_cache(spec, config, rope, device, dtype, **kw)
     from .cache import KVCache
 
     return KVCache(spec, config, rope, device, dtype, **kw)

@@ -32,17 +32,13 @@ def kivi_of(c, e: int, layout: dict, store) -> int:
     return kivi(c, e, layout, store.body_len, store.tail_len)
 
 
-def composed(per_slot=lambda c, o: 0):
-    """A driver-run method's formula: per layer, dense slots at 2 * Hkv * D * e plus per_slot(c, o)
+def composed(kv, per_slot: int = 0) -> int:
+    """A driver-run method's formula: per layer, dense slots at 2 * Hkv * D * e plus `per_slot`
     bytes (positions, scores), and a KIVI store by `kivi`."""
-
-    def nbytes(spec, kv) -> int:
-        c, e, o = kv.config, elem(kv), spec.select_opts
-        total = 0
-        for st in kv.layers:
-            total += st.dense.length * (dense(c, 1, e) + per_slot(c, o))
-            if st.kivi is not None:
-                total += kivi_of(c, e, kv.kivi_layout, st.kivi)
-        return total
-
-    return nbytes
+    c, e = kv.config, elem(kv)
+    total = 0
+    for st in kv.layers:
+        total += st.dense.length * (dense(c, 1, e) + per_slot)
+        if st.kivi is not None:
+            total += kivi_of(c, e, kv.kivi_layout, st.kivi)
+    return total

@@ -48,11 +48,11 @@ class KVCache(KVManager):
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
         self.kivi_layout = spec.kivi()
         self.selects = not spec.keeps_all
-        self.points = m.points(o)
-        self.n_queries = m.queries(o)
+        self.points = m.points
+        self.n_queries = m.queries
         # full keeps every token at its position: a sliding window can mask by slot
         self.slot_positions = spec.keeps_all and self.kivi_layout is None
-        self.pos_rows = self._position_rows()
+        self.pos_rows = self.position_rows()
         self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
         if on_select is not None and not self.pos_rows:
             self.pos_rows = config.n_kv_heads
@@ -95,26 +95,36 @@ class KVCache(KVManager):
             pos = self.rope.position(positions)
         return d.rotate_append_attend(self.rope, q, k, v, pos)
 
-    def _position_rows(self) -> int:
-        """Rows of int32 positions per slot, held (and counted) only for decode-time eviction."""
-        m, o = self.method, self.opt
-        if not m.evicts_at_decode(o):
+    def position_rows(self) -> int:
+        """Rows of int32 positions per slot (0, 1 or Hkv), held and counted only for decode-time
+        eviction; a subclass that masks by position (padding) overrides it."""
+        m = self.method
+        if not m.evicts_at_decode:
             return 0
-        return 1 if m.per_layer(o) else self.config.n_kv_heads
+        return 1 if m.per_layer else self.config.n_kv_heads
 
     def reset(self) -> None:
         super().reset()
         old = self.layers  # dense buffers are rewound, not reallocated (a graph reads them)
-        self.layers = [Layer(old[i].dense if old else self._dense(), self._kivi())
-                       for i in range(self.config.n_layers)]  # fmt: skip
+        self.layers = [
+            Layer(old[i].dense if old else self._dense(), self._kivi())
+            for i in range(self.config.n_layers)
+        ]
         for st in old:
             st.dense.rewind()
 
     def _dense(self) -> DenseSeg:
         c = self.config
-        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
-                        scores=self.method.cumulative, count_pos=self.count_pos,
-                        kernels=self.rope.kernels)  # fmt: skip
+        return DenseSeg(
+            c.n_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            self.pos_rows,
+            scores=self.method.cumulative,
+            count_pos=self.count_pos,
+            kernels=self.rope.kernels,
+        )
 
     def _kivi(self) -> KiviLayer | None:
         lay = self.kivi_layout
@@ -218,12 +228,13 @@ class KVCache(KVManager):
         m, o, L = self.method, self.opt, self.config.n_layers
         T = self.layers[0].dense.length
         B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
-        budgets = m.budgets(o, B, T, L) if m.budgets else [B] * L
+        budgets = m.budgets(B, T, L)
         for i, st in enumerate(self.layers):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and (st.queries is not None or not self.n_queries):
-                ctx = Ctx(i, o, self.config, d.k[0], d.v[0], st.queries, d.pos, d.acc,
-                          self.seen, Bl)  # fmt: skip
+                ctx = Ctx(
+                    i, o, self.config, d.k[0], d.v[0], st.queries, d.pos, d.acc, self.seen, Bl
+                )
                 d.keep(self.top(m.score(ctx), d.length, Bl))
             if d.pos is not None:
                 self.report(i, point, d.pos)
@@ -233,21 +244,23 @@ class KVCache(KVManager):
         if scores.shape[1] < T:
             pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
             scores = torch.cat([scores, pad], dim=1)
-        first, last = self.method.sinks(self.opt), self.method.recent(self.opt, k)
+        first, last = self.method.sinks, self.method.kept_recent(k)
         protected = None
         if first or last:
             j = torch.arange(T, device=scores.device)
             protected = ((j < first) | (j >= T - last))[None]
         return keep_indices(scores, protected, k)
 
-    def _decode_seg(self, i: int) -> StaticSegment:
+    def decode_segment(self, i: int) -> StaticSegment:
+        """The store layer i's decode tokens go to: what the static (CUDA-graph) step writes
+        and attends (a subclass that keeps decode tokens elsewhere overrides it)."""
         st = self.layers[i]
         return st.kivi if st.kivi is not None else st.dense
 
     def static_unsupported(self) -> str | None:
         if "step" in self.points:
             return f"{self.name} evicts at every decode step"
-        seg = self._decode_seg(0)
+        seg = self.decode_segment(0)
         if isinstance(seg, DenseSeg) and (seg.pos is not None or seg.acc is not None):
             return f"{self.name} keeps positions or scores per slot"
         return None
@@ -263,20 +276,20 @@ class KVCache(KVManager):
     def make_static(self, capacity: int) -> None:
         self._cap = max(self._cap, capacity)
         for i in range(len(self.layers)):
-            self._decode_seg(i).room(self._cap - self.seen)  # positions up to cap - 1
+            self.decode_segment(i).room(self._cap - self.seen)  # positions up to cap - 1
         self.rope.reserve(self._cap)
         self.static = True
 
     def static_buffers(self) -> tuple:
-        segs = (self._decode_seg(i) for i in range(len(self.layers)))
+        segs = (self.decode_segment(i) for i in range(len(self.layers)))
         return (self._cap, *(seg.static_key() + (seg.end - self.seen,) for seg in segs))
 
     def after_static_step(self) -> None:
         for i in range(len(self.layers)):  # the step wrote its token at the segment's end
-            self._decode_seg(i).advance()
+            self.decode_segment(i).advance()
 
     def decode_static(self, layer, q, k, v, positions) -> torch.Tensor:
-        seg = self._decode_seg(layer)
+        seg = self.decode_segment(layer)
         slot = positions + (seg.end - self.seen)  # (1,) this token's slot in the segment
         return combine(seg.attend_static(q, k, v, slot), self.dtype)
 

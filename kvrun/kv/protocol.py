@@ -3,12 +3,17 @@ driver hands a method. The model calls, for one sequence (kvrun/batch.py runs B)
 
     kv.begin_prefill(n)                       # a prompt (or a new chat turn) of n tokens
     for each chunk of at most --ubatch tokens:
-        out = kv.attend(layer, q, k, v, pos)  # every layer, in order
-        kv.end_chunk(n_chunk)
-    kv.end_prefill()
+        out = kv.attend(layer, q, k, v, pos)  # every layer, in order: -> prefill(...)
+        kv.end_chunk(n_chunk)                 # -> at_chunk(n_chunk)
+    kv.end_prefill()                          # -> at_prefill()
     for each generated token:
-        out = kv.attend(layer, q, k, v, pos)  # every layer, one token
-        kv.end_step()
+        out = kv.attend(layer, q, k, v, pos)  # every layer, one token: -> decode(...)
+        kv.end_step()                         # -> at_step()
+
+The calls on the left are the model's and are not overridden: they keep the counters (`seen`,
+`in_prefill`) and then call the hook on the right, which is what a cache implements. So a cache
+that replaces its parent's behaviour at a point never skips the bookkeeping, and the counters
+read the same in every hook (`seen` includes the chunk or step just attended).
 """
 
 from __future__ import annotations
@@ -81,11 +86,13 @@ class KVManager:
         context reconstruction): prefills with a manager of their own that keep nothing."""
         return []
 
+    # -- the hooks a cache implements (called by end_chunk, end_prefill, end_step) --
     def at_chunk(self, n_tokens: int) -> None:
-        """After every layer attended over a prefill chunk (tokens seen include it)."""
+        """After every layer attended over a prefill chunk (`seen` includes it)."""
 
     def at_prefill(self) -> None:
-        """The prefill of a turn is complete (prefill-time selection, merging, coding)."""
+        """The prefill of a turn is complete (prefill-time selection, merging, coding);
+        `select_turn` says whether this turn selects."""
 
     def at_step(self) -> None:
         """After every layer attended over one decode token (decode-time eviction, flushes)."""
@@ -115,9 +122,18 @@ class KVManager:
             return self.prefill(layer, qr, kr, v, positions)
         return self.decode(layer, qr, kr, v, positions)
 
-    # A cache implements prefill and decode(layer, q, k, v, positions), q and k post-RoPE unless
-    # keys_pre_rope; a static form adds make_static, capacity, decode_static, static_buffers,
-    # static_step_ok and after_static_step (kvrun/kv/cache.py).
+    def prefill(self, layer, q, k, v, positions) -> torch.Tensor:
+        """A prefill chunk in one layer: q (1, Hq, T, D) and k (1, Hkv, T, D) post-RoPE (k
+        pre-RoPE where keys_pre_rope), v, positions (T,); store them as the method says and
+        return the attention output (1, Hq, T, D) over everything the layer keeps."""
+        raise NotImplementedError
+
+    def decode(self, layer, q, k, v, positions) -> torch.Tensor:
+        """One decode token in one layer (T = 1), as `prefill`."""
+        raise NotImplementedError
+
+    # A static decode form (CUDA graphs) adds make_static, capacity, decode_static,
+    # static_buffers, static_step_ok and after_static_step (kvrun/kv/cache.py).
     def static_unsupported(self) -> str | None:
         """Why decode steps cannot be static (captured in a CUDA graph), or None when they can."""
         return f"the {self.name} cache has no static decode form"

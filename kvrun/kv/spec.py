@@ -1,17 +1,18 @@
-"""The declaration language of the KV layer, torch-free: the options a method declares
-(`Option`), the method itself (`Method`: its options, budget rules and the callables that run
-it), --kv-budget (`Budget`, docs/methods/README.md §2), --kv parsed once into a frozen `KVSpec`.
-Grammar: NAME[:key=value,...][+NAME[:key=value,...]...], at most one selection and one store
-(`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. `--kv` is checked
-before torch is imported, so a method module keeps torch out of its top level (a scoring
-method needs none; a cache factory imports it)."""
+"""The declaration language of the KV layer, torch-free: a method is a class (`Method`) whose
+options are typed class attributes (`Option`); --kv-budget is a `Budget`
+(docs/methods/README.md §2); --kv is parsed once into a frozen `KVSpec` holding the configured
+methods. Grammar: NAME[:key=value,...][+NAME[:key=value,...]...], at most one selection and one
+store (`snapkv:window=64+kivi2:group=16`); the rules are the methods' declarations. `--kv` is
+checked before torch is imported, so a method module keeps torch out of its top level (a
+scoring method needs none; a cache of its own is named by `Method.cache` and imported when
+built)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
@@ -19,19 +20,64 @@ from typing import Any
 from ..errors import KvrunError
 
 
-@dataclass(frozen=True, slots=True)
 class Option:
-    """One typed option: a default, a help text and the checks a value must pass."""
+    """One typed option of a method, declared as a class attribute of the method:
 
-    name: str
-    default: Any
-    help: str
-    lo: float | None = None
-    hi: float | None = None
-    choices: tuple = ()
-    odd: bool = False
-    # a rule the fields above cannot say, given ("method:option", value); raises KvrunError
-    valid: Callable[[str, Any], None] | None = None
+        window = Option(32, "observation window: the last w prompt queries vote", lo=1)
+
+    On a configured method (an instance) the attribute is the option's value; on the class it
+    is this declaration. The type is the default's (bool, int, float or str); `lo`/`hi`,
+    `choices`, `odd` and `valid` (a rule the others cannot say, given ("method:option", value),
+    raising KvrunError) are checked when --kv is parsed. `was` is an older name still accepted
+    for one release, with `was_values` mapping its older values."""
+
+    __slots__ = (
+        "name",
+        "default",
+        "help",
+        "lo",
+        "hi",
+        "choices",
+        "odd",
+        "valid",
+        "was",
+        "was_values",
+    )
+
+    def __init__(
+        self,
+        default: Any,
+        help: str,
+        *,
+        lo: float | None = None,
+        hi: float | None = None,
+        choices: tuple = (),
+        odd: bool = False,
+        valid: Callable[[str, Any], None] | None = None,
+        was: str = "",
+        was_values: Mapping[str, str] | None = None,
+    ):
+        self.name = ""
+        self.default, self.help, self.lo, self.hi = default, help, lo, hi
+        self.choices, self.odd, self.valid = tuple(choices), odd, valid
+        self.was, self.was_values = was, dict(was_values or {})
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else obj._values[self.name]
+
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(f"{self.name} is fixed once --kv is parsed (use .replace())")
+
+    def __repr__(self) -> str:
+        return f"Option({self.name}={self.default!r})"
+
+    def copy(self, **changes) -> Option:
+        """This declaration with some fields changed (a subclass's other default)."""
+        fields = {k: getattr(self, k) for k in self.__slots__ if k != "name"}
+        return Option(**{**fields, **changes})
 
     def parse(self, part: str, text: str) -> Any:
         """The value of `text` for this option, or a one-line error naming what is valid."""
@@ -74,74 +120,169 @@ def pooling(where: str, text: str) -> None:
         raise KvrunError(f"{where}={text} is not valid: use none, avg:K or max:K with K odd")
 
 
-# the observation-window options shared by SnapKV and PyramidKV (SnapKV §4.2)
-SNAP = (
-    Option("window", 32, "observation window: the last w prompt queries vote", lo=1),
-    Option("kernel", 7, "pooling kernel over the votes", lo=1, odd=True),
-    Option("pool", "max", "pooling", choices=("max", "avg")),
-    Option("chunked", False, "also compress after every prefill chunk (bounded peak memory)"),
-)
-# a KIVI layout (KIVI §3): group size and full-precision residual
-KIVI = (
-    Option("group", 32, "tokens (keys) / channels (values) sharing a scale and zero point", lo=1),
-    Option("residual", 128, "newest tokens kept in full precision", lo=1),
-)
-
-
-Opts = Mapping[str, Any]
+# `scope`, the one name for "one kept set (or statistic) per KV head, or one for the layer"
+SCOPES = ("head", "layer")
 NEVER: frozenset[str] = frozenset()
-_zero: Callable[..., int] = lambda *_: 0  # noqa: E731
 
 
-@dataclass(frozen=True, slots=True)
 class Method:
-    """One named part of --kv: a selection method ('select') or a store ('store')."""
+    """One named part of --kv: a selection method (kind "select") or a store ("store").
 
-    name: str
-    kind: str  # "select" | "store"
-    summary: str
+    A method is a class; its options are `Option` class attributes, and an instance is the
+    method configured by one --kv (`SnapKV(window=64)`: `.window` is 64). Constants are class
+    attributes; what depends on the options is a property or a method of the same name. The
+    driver (kvrun/kv/cache.py) runs a selection from `score` and the attributes below it; a
+    method with a cache of its own names it in `cache`. Declarations import no torch: `--kv` is
+    checked, and `kvrun kv list` printed, before torch loads."""
+
+    name: str = ""
+    kind: str = "select"
+    summary: str = ""
     # how `kvrun kv list` describes it: (scorer, selector, allocator, store) and when it runs
     axes: tuple[str, str, str, str] = ("none", "all", "uniform", "dense")
     runs_at: str = "never"
-    options: tuple[Option, ...] = ()
-    # P: tokens the selection always keeps (sinks + window), the floor of any budget
-    protected: Callable[[Opts], int] = _zero
-    # whether --kv-budget means anything; `budget_refused`: the error if given one (empty: ignored)
+    options: tuple[Option, ...] = ()  # every Option of the class and its bases, in order
+
+    # --kv-budget: whether it means anything; the error if given where it does not ("":
+    # ignored); B when none is given (None: the method's own)
     takes_budget: bool = True
     budget_refused: str = ""
-    default_budget: str | None = "0.2"  # B when --kv-budget is not given (None: the method's own)
-    # cross-option and budget rules beyond each option's own (raises KvrunError)
-    rule: Callable[[Opts, Any], None] = lambda o, budget: None
-    # a selection with its own store: stacking a store is refused with this text (or f(opts))
-    own_store: str | Callable[[Opts], str] = ""
+    default_budget: str | None = "0.2"
+    # a selection with its own store: stacking a store is refused with this text
+    own_store: str = ""
     # the KIVI layout {bits, group, residual} this part stores in, or None
-    kivi: Callable[[Opts], dict | None] = lambda o: None
+    kivi: dict | None = None
     # options reproducing full with a budget of every token (or alone, with no default budget)
     lossless: str = ""
-    # (spec, cache) -> bytes by the spec's formula (kvrun/kv/bytes.py); stores: None
-    nbytes: Callable[[Any, Any], int] | None = None
+    # "module:Class" of a cache of the method's own, relative to the declaring package ("":
+    # the driver, KVCache)
+    cache: str = ""
 
+    # -- what the driver runs (KVCache) --
     # score(ctx) -> (Hkv or 1, C) fp32, higher kept, for the C <= T oldest held slots (the newer
     # T - C are kept); one row: the same slots for every KV head. None: nothing is selected
     score: Callable[[Any], Any] | None = None
     # where score() selects: "chunk", "prefill" (turn's end), "step" (positions kept per slot)
-    points: Callable[[Opts], frozenset[str]] = lambda o: NEVER
-    queries: Callable[[Opts], int] = _zero  # the newest queries of the turn kept for score()
+    points: frozenset[str] = NEVER
+    queries: int = 0  # the newest queries of the turn kept for score() (ctx.queries)
     cumulative: bool = False  # accumulate attention column sums over every query (ctx.attention)
-    per_layer: Callable[[Opts], bool] = lambda o: False  # one kept set for every KV head
-    sinks: Callable[[Opts], int] = _zero  # first slots always kept
-    recent: Callable[[Opts, int], int] = _zero  # (opts, B) -> newest slots always kept
-    # (opts, B, T, n_layers) -> per-layer budgets; None: B in every layer
-    budgets: Callable[[Opts, int, int, int], list[int]] | None = None
-    # (spec, config, rope, device, dtype, **kw) -> a cache of the method's own; None: the driver
-    cache: Callable[..., Any] | None = None
+    scope: str = "head"  # "layer": one kept set for every KV head of a layer
+    sinks: int = 0  # first slots always kept
+    newest: int = 0  # newest slots always kept, whatever the budget
 
-    def defaults(self) -> dict:
-        return {o.name: o.default for o in self.options}
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        found: dict[str, Option] = {}
+        for klass in reversed(cls.__mro__):
+            for key, value in vars(klass).items():
+                if isinstance(value, Option):
+                    found[key] = value
+                elif key in found:  # a subclass turned the option into a constant
+                    del found[key]
+        cls.options = tuple(found.values())
 
-    def evicts_at_decode(self, opts: Opts) -> bool:
+    def __init__(self, **values):
+        known = {o.name: o for o in self.options}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise TypeError(f"{self.name} has no option {', '.join(sorted(unknown))}")
+        object.__setattr__(self, "_values", {k: values.get(k, o.default) for k, o in known.items()})
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return {o.name: o.default for o in cls.options}
+
+    def values(self) -> Mapping[str, Any]:
+        """The options' values, read-only."""
+        return MappingProxyType(self._values)
+
+    def replace(self, **changes) -> Method:
+        return type(self)(**{**self._values, **changes})
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._values == self._values
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(self._values.items())))
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"{type(self).__name__}({opts})"
+
+    # -- derived from the above unless a method says otherwise --
+    @property
+    def protected(self) -> int:
+        """P: tokens the selection always keeps (sinks + newest), the floor of any budget."""
+        return self.sinks + self.newest
+
+    @property
+    def evicts_at_decode(self) -> bool:
         """Single tokens leave at decode steps (a quantized body cannot lose one)."""
-        return "step" in self.points(opts)
+        return "step" in self.points
+
+    @property
+    def per_layer(self) -> bool:
+        return self.scope == "layer"
+
+    def kept_recent(self, budget: int) -> int:
+        """The newest slots kept at a layer budget (by default the `newest` always kept)."""
+        return self.newest
+
+    def budgets(self, budget: int, n: int, n_layers: int) -> list[int]:
+        """Per-layer budgets for a mean `budget` over `n` slots (an allocator overrides it)."""
+        return [budget] * n_layers
+
+    def check(self, budget) -> None:
+        """Rules across options and the budget beyond each option's own (raises KvrunError)."""
+
+    def slot_bytes(self, config) -> int:
+        """Bytes per held slot beyond dense K and V (positions, scores), for `nbytes`."""
+        return 0
+
+    def nbytes(self, kv) -> int:
+        """The spec's byte formula from what `kv` holds (counts, never its tensors): per layer,
+        dense slots at 2 * Hkv * D * e + slot_bytes, a KIVI store by its formula. A method
+        with a cache of its own overrides it (kvrun/kv/bytes.py has the parts)."""
+        from .bytes import composed
+
+        return composed(kv, self.slot_bytes(kv.config))
+
+    def make_cache(self, spec: KVSpec, config, rope, device, dtype, **kw):
+        """The method's own cache (`cache`), built for `spec`."""
+        import importlib
+        import sys
+
+        module, _, cls = self.cache.partition(":")
+        anchor = sys.modules[type(self).__module__].__package__
+        return getattr(importlib.import_module(module, anchor), cls)(
+            spec, config, rope, device, dtype, **kw
+        )
+
+
+class ObservationWindow(Method):
+    """SnapKV's observation window (SnapKV §4.2), shared by SnapKV and PyramidKV: the last
+    `window` prompt queries vote for the older slots, votes pooled per query head and summed
+    per KV head; the window itself is kept."""
+
+    window = Option(32, "observation window: the last w prompt queries vote", lo=1)
+    kernel = Option(7, "pooling kernel over the votes", lo=1, odd=True)
+    pool = Option("max", "pooling", choices=("max", "avg"))
+    chunked = Option(False, "also compress after every prefill chunk (bounded peak memory)")
+
+    @property
+    def points(self) -> frozenset[str]:
+        return frozenset({"prefill", "chunk"} if self.chunked else {"prefill"})
+
+    @property
+    def queries(self) -> int:
+        return self.window
+
+    @property
+    def newest(self) -> int:
+        return self.window
+
+    def score(self, ctx):
+        return ctx.window_votes(self.pool, self.kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,22 +340,25 @@ def largest_remainder(shares: list[Fraction], total: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:
-    """A validated --kv: one selection and at most one store, with options, and the --kv-budget."""
+    """A validated --kv: one selection and at most one store, each a configured Method, and
+    the --kv-budget."""
 
     select: Method
-    select_opts: Mapping[str, Any] = field(default_factory=dict)
     store: Method | None = None
-    store_opts: Mapping[str, Any] = field(default_factory=dict)
     budget: Budget | None = None
 
-    def __post_init__(self):  # options are read-only once validated
-        for name in ("select_opts", "store_opts"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+    @property
+    def select_opts(self) -> Mapping[str, Any]:
+        return self.select.values()
+
+    @property
+    def store_opts(self) -> Mapping[str, Any]:
+        return self.store.values() if self.store else MappingProxyType({})
 
     @property
     def keeps_all(self) -> bool:
         """The selection keeps every token as the driver stores it (full)."""
-        return self.select.score is None and self.select.cache is None
+        return self.select.score is None and not self.select.cache
 
     @property
     def name(self) -> str:
@@ -233,7 +377,7 @@ class KVSpec:
     @property
     def protected(self) -> int:
         """P: tokens the selection always keeps (sinks + window), the floor of any budget."""
-        return self.select.protected(self.select_opts)
+        return self.select.protected
 
     def budget_or_default(self) -> Budget | None:
         """The budget the selection runs at: --kv-budget, else the method's default."""
@@ -245,7 +389,7 @@ class KVSpec:
     def kivi(self) -> dict | None:
         """KIVI layout {bits, group, residual} (a stacked store's over the selection's), or None
         where nothing is quantized (none, or bits=16)."""
-        kv = self.store.kivi(self.store_opts) if self.store else self.select.kivi(self.select_opts)
+        kv = self.store.kivi if self.store else self.select.kivi
         return kv if kv is not None and kv["bits"] != 16 else None
 
     def with_budget(self, budget: str | float | Budget | None) -> KVSpec:
@@ -256,7 +400,7 @@ class KVSpec:
             if sel.budget_refused:
                 raise KvrunError(sel.budget_refused)
             b = None  # nothing is selected: the budget is ignored
-        sel.rule(self.select_opts, b)
+        sel.check(b)
         if b is not None:
             b.check(self.protected, sel.name)
         return dataclasses.replace(self, budget=b)
@@ -268,55 +412,64 @@ class KVSpec:
         return out
 
 
-def parse(text: str, registry: Mapping[str, Method], budget=None) -> KVSpec:
+def _options(cls: type[Method], name: str, text: str) -> dict:
+    """NAME's `key=value,...` as option values (older spellings mapped to the current ones)."""
+    known = {o.name: o for o in cls.options}
+    older = {o.was: o for o in cls.options if o.was}
+    values = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key in older:  # accepted for one release: `kvrun kv list` shows the current name
+            opt = older[key]
+            key, value = opt.name, opt.was_values.get(value, value)
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise KvrunError(f"unknown option {key!r} for {name} (valid: {valid})")
+        if not eq:
+            raise KvrunError(f"option {name}:{key} needs a value ({key}=...)")
+        values[key] = known[key].parse(name, value)
+    return values
+
+
+def parse(text: str, registry: Mapping[str, type[Method]], budget=None) -> KVSpec:
     """--kv (and --kv-budget) validated against the registry, errors as one-line KvrunErrors; a
     spec naming no selection runs the registry's first (full)."""
-    select: tuple[Method, dict] | None = None
-    store: tuple[Method, dict] | None = None
+    select: Method | None = None
+    store: Method | None = None
     for raw in str(text).split("+"):
         name, _, opts_text = raw.strip().partition(":")
         name = name.strip().lower()
-        part = registry.get(name)
-        if part is None:
+        cls = registry.get(name)
+        if cls is None:
             raise KvrunError(
                 f"unknown KV method {name!r} (available: {', '.join(registry)}; see `kvrun kv list`)"
             )
-        opts = part.defaults()
-        known = {o.name: o for o in part.options}
-        for item in filter(None, (s.strip() for s in opts_text.split(","))):
-            key, eq, value = item.partition("=")
-            key = key.strip()
-            if key not in known:
-                valid = ", ".join(known) or "none"
-                raise KvrunError(f"unknown option {key!r} for {name} (valid: {valid})")
-            if not eq:
-                raise KvrunError(f"option {name}:{key} needs a value ({key}=...)")
-            opts[key] = known[key].parse(name, value.strip())
+        part = cls(**_options(cls, name, opts_text))
         if part.kind == "select":
             if select is not None:
                 names = lambda kind: [m.name for m in registry.values() if m.kind == kind]  # noqa: E731
                 raise KvrunError(
-                    f"cannot stack two selection methods ({select[0].name} and {name}); stack "
+                    f"cannot stack two selection methods ({select.name} and {name}); stack "
                     f"one selection ({', '.join(names('select'))}) with one store "
                     f"({'/'.join(names('store'))})"
                 )
-            select = (part, opts)
+            select = part
         else:
             if store is not None:
-                raise KvrunError(f"cannot stack two stores ({store[0].name} and {name})")
-            store = (part, opts)
-    sel, sel_opts = select or (next(iter(registry.values())), {})
-    own = sel.own_store(sel_opts) if callable(sel.own_store) else sel.own_store
-    if store and own:
+                raise KvrunError(f"cannot stack two stores ({store.name} and {name})")
+            store = part
+    sel = select or next(iter(registry.values()))()
+    if store and sel.own_store:
         raise KvrunError(
-            f"{sel.name} cannot be stacked with {store[0].name}: it has its own store ({own})"
+            f"{sel.name} cannot be stacked with {store.name}: it has its own store ({sel.own_store})"
         )
-    if store and sel.evicts_at_decode(sel_opts) and store[0].kivi(store[1])["bits"] != 16:
+    if store and sel.evicts_at_decode and store.kivi["bits"] != 16:
         raise KvrunError(
-            f"{sel.name}+{store[0].name} is not supported: decode-time eviction cannot remove "
+            f"{sel.name}+{store.name} is not supported: decode-time eviction cannot remove "
             "single tokens from a quantized body; use snapkv or pyramidkv with a KIVI store"
         )
-    spec = KVSpec(sel, sel_opts, *(store or (None, {})))
+    spec = KVSpec(sel, store)
     _check_layout(spec)
     return spec.with_budget(budget)
 

@@ -1,40 +1,40 @@
 """The registry of KV methods, in `kvrun kv list` order; a new method is one module declaring a
-`Method` and one line below ("Writing a KV method" in docs/)."""
+`Method` subclass and one line below (docs/writing-a-kv-method.md)."""
 
 from __future__ import annotations
 
 from ..spec import Method
-from . import (
-    full,
-    h2o,
-    kivi,
-    knorm,
-    kvzip,
-    minicache,
-    minikv,
-    pyramidkv,
-    snapkv,
-    spindlekv,
-    streaming,
-    tova,
-    xkv,
-)
+from .full import Full
+from .h2o import H2O
+from .kivi import KIVI2, KIVI4
+from .knorm import KNorm
+from .kvzip import KVzip
+from .minicache import MiniCache
+from .minikv import MiniKV, MiniKVPyramid
+from .pyramidkv import PyramidKV
+from .snapkv import SnapKV
+from .spindlekv import SpindleKV
+from .streaming import Streaming
+from .tova import TOVA
+from .xkv import XKV
 
-REGISTRY: dict[str, Method] = {
+REGISTRY: dict[str, type[Method]] = {
     m.name: m
     for m in (
-        full.METHOD,
-        streaming.METHOD,
-        h2o.METHOD,
-        snapkv.METHOD,
-        pyramidkv.METHOD,
-        tova.METHOD,
-        knorm.METHOD,
-        kvzip.METHOD,
-        *minikv.METHODS,
-        xkv.METHOD,
-        minicache.METHOD,
-        spindlekv.METHOD,
-        *kivi.METHODS,
+        Full,
+        Streaming,
+        H2O,
+        SnapKV,
+        PyramidKV,
+        TOVA,
+        KNorm,
+        KVzip,
+        MiniKV,
+        MiniKVPyramid,
+        XKV,
+        MiniCache,
+        SpindleKV,
+        KIVI2,
+        KIVI4,
     )
 }

@@ -4,29 +4,26 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ..spec import KIVI, Method, Option
+from ..spec import Method, Option
 
 
-def _layout(o) -> dict:
-    return {"bits": o["bits"], "group": o["group"], "residual": o["residual"]}
+class KIVI2(Method):
+    name = "kivi2"
+    kind = "store"
+    summary = "KIVI 2-bit: keys per channel, values per token, fp tail"
+    axes = ("none", "all", "uniform", "kivi")
+    runs_at = "tail flush"
+    bits = Option(2, "code width (16 = no quantization)", choices=(2, 4, 16))
+    group = Option(32, "tokens (keys) / channels (values) sharing a scale and zero point", lo=1)
+    residual = Option(128, "newest tokens kept in full precision", lo=1)
+    lossless = "bits=16"
+
+    @property
+    def kivi(self) -> dict:
+        return {"bits": self.bits, "group": self.group, "residual": self.residual}
 
 
-KIVI2 = Method(
-    "kivi2",
-    "store",
-    "KIVI 2-bit: keys per channel, values per token, fp tail",
-    axes=("none", "all", "uniform", "kivi"),
-    runs_at="tail flush",
-    options=(Option("bits", 2, "code width (16 = no quantization)", choices=(2, 4, 16)),) + KIVI,
-    kivi=_layout,
-    lossless="bits=16",
-)
-KIVI4 = replace(
-    KIVI2,
-    name="kivi4",
-    summary="KIVI 4-bit: keys per channel, values per token, fp tail",
-    options=(replace(KIVI2.options[0], default=4),) + KIVI,
-)
-METHODS = (KIVI2, KIVI4)
+class KIVI4(KIVI2):
+    name = "kivi4"
+    summary = "KIVI 4-bit: keys per channel, values per token, fp tail"
+    bits = KIVI2.bits.copy(default=4)

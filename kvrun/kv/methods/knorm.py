@@ -4,26 +4,22 @@ Compression"): each KV head keeps the keys with the lowest L2 norm at the end of
 
 from __future__ import annotations
 
-from ..bytes import composed
 from ..spec import Method, Option
 
 
-def score(ctx):
-    """Low-norm keys draw high attention: the negated L2 norm of each held key (RoPE rotates
-    pairs of dimensions, so the post-RoPE norm is the key's own)."""
-    return -ctx.keys.float().norm(dim=-1)  # (Hkv, T)
+class KNorm(Method):
+    name = "knorm"
+    summary = "KNorm: the keys with the lowest L2 norm, per KV head, at the end of the prefill"
+    axes = ("key norm", "top-k + window", "uniform", "dense")
+    runs_at = "prefill-end"
+    window = Option(0, "newest tokens always kept", lo=0)
+    points = frozenset({"prefill"})
 
+    @property
+    def newest(self) -> int:
+        return self.window
 
-METHOD = Method(
-    "knorm",
-    "select",
-    "KNorm: the keys with the lowest L2 norm, per KV head, at the end of the prefill",
-    axes=("key norm", "top-k + window", "uniform", "dense"),
-    runs_at="prefill-end",
-    options=(Option("window", 0, "newest tokens always kept", lo=0),),
-    protected=lambda o: o["window"],
-    score=score,
-    points=lambda o: frozenset({"prefill"}),
-    recent=lambda o, B: o["window"],
-    nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
-)
+    def score(self, ctx):
+        """Low-norm keys draw high attention: the negated L2 norm of each held key (RoPE rotates
+        pairs of dimensions, so the post-RoPE norm is the key's own)."""
+        return -ctx.keys.float().norm(dim=-1)  # (Hkv, T)

@@ -4,25 +4,14 @@ votes are pooled, and each KV head keeps its top-k plus the window at the end of
 
 from __future__ import annotations
 
-from ..bytes import composed
-from ..spec import SNAP, Method
+from ..spec import ObservationWindow
 
 
-def score(ctx):
-    """Ctx.window_votes (§4.2); the window itself is kept."""
-    return ctx.window_votes(ctx.opt["pool"], ctx.opt["kernel"])
+class SnapKV(ObservationWindow):
+    """The window's votes (ObservationWindow.score); bytes: sum_l 2 * Hkv * T_l * D * e (a
+    stacked KIVI store by its formula)."""
 
-
-METHOD = Method(
-    "snapkv",
-    "select",
-    "SnapKV: observation-window votes, max-pooled, top-k per KV head",
-    axes=("window", "top-k + window", "uniform", "dense"),
-    runs_at="prefill-end",
-    options=SNAP,
-    protected=lambda o: o["window"],
-    score=score,
-    points=lambda o: frozenset({"prefill", "chunk"} if o["chunked"] else {"prefill"}),
-    queries=lambda o: o["window"],
-    nbytes=composed(),  # sum_l 2 * Hkv * T_l * D * e (a stacked KIVI store by its formula)
-)
+    name = "snapkv"
+    summary = "SnapKV: observation-window votes, max-pooled, top-k per KV head"
+    axes = ("window", "top-k + window", "uniform", "dense")
+    runs_at = "prefill-end"

@@ -14,9 +14,18 @@ class DenseSeg:
     """K/V slots per KV head, with optional int32 positions (pos_rows: 0 none, 1 shared by every
     head, Hkv one per head) and accumulated fp32 scores."""
 
-    def __init__(self, n_kv: int, head_dim: int, dtype, device, pos_rows: int = 0,
-                 scores: bool = False, score_rows: int | None = None, count_pos: bool = True,
-                 kernels=None):  # fmt: skip
+    def __init__(
+        self,
+        n_kv: int,
+        head_dim: int,
+        dtype,
+        device,
+        pos_rows: int = 0,
+        scores: bool = False,
+        score_rows: int | None = None,
+        count_pos: bool = True,
+        kernels=None,
+    ):
         # the model's native CPU step kernels (kvrun.rope.Rope.kernels): a decode row attends
         # in one op over float32 K/V; None: SDPA
         self.kernels = kernels

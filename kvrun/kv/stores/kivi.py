@@ -31,8 +31,16 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
 class KiviLayer:
     """One layer's KIVI store: a packed body (oldest Tq tokens), a dense tail (newest Tr)."""
 
-    def __init__(self, n_kv_heads: int, head_dim: int, bits: int, group: int, residual: int,
-                 dtype: torch.dtype, device: torch.device | str):  # fmt: skip
+    def __init__(
+        self,
+        n_kv_heads: int,
+        head_dim: int,
+        bits: int,
+        group: int,
+        residual: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"kivi: bits {bits} must be 1, 2, 4 or 8 (32/bits codes per int32)")
         per = 32 // bits
@@ -60,8 +68,15 @@ class KiviLayer:
     def of(cls, layout: dict, config, dtype, device, where: str) -> KiviLayer:
         """A layer's store in a spec's KIVI layout; a misfit is a one-line error naming `where`."""
         try:
-            return cls(config.n_kv_heads, config.head_dim, layout["bits"], layout["group"],
-                       layout["residual"], dtype, device)  # fmt: skip
+            return cls(
+                config.n_kv_heads,
+                config.head_dim,
+                layout["bits"],
+                layout["group"],
+                layout["residual"],
+                dtype,
+                device,
+            )
         except ValueError as e:
             raise KvrunError(f"{where}: {e}") from None
 
@@ -105,8 +120,9 @@ class KiviLayer:
         tk, tv = self.tail()
         # (Hkv, D, n*b/32), (Hkv, D, n/G) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on CUDA
         packed = kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G)
-        for buf, x in zip((self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed,
-                          strict=True):  # fmt: skip
+        for buf, x in zip(
+            (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed, strict=True
+        ):
             buf.append(x)
         self._tk.drop_front(n)
         self._tv.drop_front(n)

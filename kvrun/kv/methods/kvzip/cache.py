@@ -1,6 +1,6 @@
 """KVzip's cache (KVzip §3; kvpress's chunked scoring): the driver's store, a reconstruction pass
 per chunk of each turn ("Repeat the previous context" and the chunk, after the turn), and top-B
-per KV head (heads=uniform) or the layer's Hkv * B best (head, slot) pairs (heads=layer)."""
+per KV head (scope=head) or the layer's Hkv * B best (head, slot) pairs (scope=layer)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from ...stores.dense import DenseSeg
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk repeated after NEXT
-PAD = 2**31 - 1  # the position of a padding slot (heads=layer): after every query
+PAD = 2**31 - 1  # the position of a padding slot (scope=layer): after every query
 QUERY_BLOCK = 64  # pass queries scored at a time
 
 
-class KVzip(KVCache):
+class KVzipCache(KVCache):
     """KVzip on the driver: reconstruction scores, then top-k per KV head (or per layer)."""
 
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
-        self.heads = spec.select_opts["heads"]
+        self.scope = spec.select.scope
         super().__init__(spec, config, rope, device, dtype, on_select)
 
     def reset(self) -> None:
@@ -33,8 +33,8 @@ class KVzip(KVCache):
         self.turn = 0
         self.scores: list[torch.Tensor | None] = [None] * self.config.n_layers  # (Hkv, t) fp32
 
-    def _position_rows(self) -> int:
-        return self.config.n_kv_heads if self.heads == "layer" else 0  # padding is masked
+    def position_rows(self) -> int:
+        return self.config.n_kv_heads if self.scope == "layer" else 0  # padding is masked
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
@@ -76,7 +76,7 @@ class KVzip(KVCache):
                 base = d.length - self.turn  # the turn's slots are the newest
                 s[:, base:] = z
                 s[:, base : base + max(0, self.opt["sinks"] - start)] = float("inf")
-                if self.heads == "layer":
+                if self.scope == "layer":
                     self._keep_layer(d, s, B)
                 else:
                     d.keep(keep_indices(s, None, B))
@@ -112,12 +112,13 @@ class Reconstruct(KVManager):
 
     name = "kvzip-reconstruction"
 
-    def __init__(self, owner: KVzip, a: int, b: int):
+    def __init__(self, owner: KVzipCache, a: int, b: int):
         super().__init__(owner.config, owner.rope, owner.device, owner.dtype)
         self.owner, self.a, self.b = owner, a, b
         c = owner.config
-        self.own = [DenseSeg(c.n_kv_heads, c.head_dim, owner.dtype, owner.device)
-                    for _ in range(c.n_layers)]  # fmt: skip
+        self.own = [
+            DenseSeg(c.n_kv_heads, c.head_dim, owner.dtype, owner.device) for _ in range(c.n_layers)
+        ]
 
     def prefill(self, layer, q, k, v, positions):
         st, own, T = self.owner.layers[layer], self.own[layer], k.shape[2]

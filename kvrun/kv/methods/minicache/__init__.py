@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from ....errors import KvrunError
 from ...bytes import dense, elem, kivi_of
-from ...spec import Method, Option
+from ...spec import SCOPES, Method, Option
 
 
-def retain(where: str, r: str) -> None:
+def check_retain(where: str, r: str) -> None:
     if r == "range":
         return
     kind, _, f = r.partition(":")
@@ -22,73 +22,74 @@ def retain(where: str, r: str) -> None:
         raise KvrunError(f"{where}={r} is not valid: use range or topk:F with F in 0..1")
 
 
-OPTIONS = (
-    Option("start", -1, "first merged layer S (-1 = L//2): pairs (l-1, l), odd l >= S", lo=-1),
-    Option("slerp_t", 0.6, "SLERP weight of the later layer", lo=0.0, hi=1.0),
-    Option("gamma", 0.05, "retention threshold, a fraction of the distance range", lo=0.0, hi=1.0),
-    Option("retain_rule", "distinct", "distinct = keep the most distinct; paper = as printed",
-           choices=("distinct", "paper")),
-    Option("retain", "range", "range (gamma rule) or topk:F (a fixed fraction F of the prompt)",
-           valid=retain),
-    Option("granularity", "head", "norm/angle per (token, KV head) or per token",
-           choices=("head", "token")),
-    Option("decode_retain", False, "retain decode tokens above the prefill threshold"),
-    Option("sin_eps", 1e-6, "SLERP to LERP fallback threshold", lo=0.0),
-    Option("store", "fp16", "kivi4 = the paper's 4-bit store under the merge (= minicache+kivi4)",
-           choices=("fp16", "kivi4")),
-    Option("kivi_group", 32, "KIVI group with store=kivi4", lo=1),
-    Option("kivi_residual", 128, "KIVI residual with store=kivi4", lo=1),
-)  # fmt: skip
-
-
-def _layout(o) -> dict | None:
-    kivi4 = {"bits": 4, "group": o["kivi_group"], "residual": o["kivi_residual"]}
-    return kivi4 if o["store"] == "kivi4" else None
-
-
-def nbytes(spec, kv) -> int:
-    """The spec's total: unpaired layers as stored (dense K, V or KIVI); per pair and per K
-    and V, E (dense, or one KIVI store for E_K and E_V), both layers' norms (g, T), the
-    retained rows (an int32 index and the exact rows of both layers, m wide each) with the
-    int64 group offsets, and with decode_retain the fp32 prefill threshold per group."""
-    c, e, layout = kv.config, elem(kv), kv.kivi_layout  # the KIVI store of E, or None
-    total = 0
-    for st in kv.plain.values():
-        total += kivi_of(c, e, layout, st) if layout else dense(c, st.length, e)
-    for p in kv.pairs:
-        if p.k is None:  # nothing merged yet
-            continue
-        if layout:
-            total += kivi_of(c, e, layout, p.kivi)
-        for h in (p.k, p.v):
-            total += 0 if layout else dense(c, p.length, e) // 2
-            total += 2 * kv.layout.g * p.length * e
-            total += h.ridx.numel() * (4 + 2 * kv.layout.m * e) + 8 * (kv.layout.g + 1)
-            total += 4 * kv.layout.g if h.thr is not None else 0
-    return total
-
-
-def make_cache(spec, config, rope, device, dtype, **kw):
-    from .cache import MiniCacheKV
-
-    return MiniCacheKV(spec, config, rope, device, dtype, **kw)
-
-
-METHOD = Method(
-    "minicache",
-    "select",
-    "MiniCache: cross-layer SLERP merge of layer pairs from the middle up, norms per layer",
-    axes=("none", "merge layer pairs, retain distinct rows", "uniform", "merged"),
-    runs_at="prefill-end; decode pairs merged",
-    options=OPTIONS,
-    takes_budget=False,
-    budget_refused=(
+class MiniCache(Method):
+    name = "minicache"
+    summary = (
+        "MiniCache: cross-layer SLERP merge of layer pairs from the middle up, norms per layer"
+    )
+    axes = ("none", "merge layer pairs, retain distinct rows", "uniform", "merged")
+    runs_at = "prefill-end; decode pairs merged"
+    start = Option(-1, "first merged layer S (-1 = L//2): pairs (l-1, l), odd l >= S", lo=-1)
+    slerp_t = Option(0.6, "SLERP weight of the later layer", lo=0.0, hi=1.0)
+    gamma = Option(0.05, "retention threshold, a fraction of the distance range", lo=0.0, hi=1.0)
+    retain_rule = Option(
+        "distinct",
+        "distinct = keep the most distinct; paper = as printed",
+        choices=("distinct", "paper"),
+    )
+    retain = Option(
+        "range",
+        "range (gamma rule) or topk:F (a fixed fraction F of the prompt)",
+        valid=check_retain,
+    )
+    scope = Option(
+        "head",
+        "norm/angle per (token, KV head), or per token for the layer",
+        choices=SCOPES,
+        was="granularity",
+        was_values={"token": "layer"},
+    )
+    decode_retain = Option(False, "retain decode tokens above the prefill threshold")
+    sin_eps = Option(1e-6, "SLERP to LERP fallback threshold", lo=0.0)
+    store = Option(
+        "fp16",
+        "kivi4 = the paper's 4-bit store under the merge (= minicache+kivi4)",
+        choices=("fp16", "kivi4"),
+    )
+    kivi_group = Option(32, "KIVI group with store=kivi4", lo=1)
+    kivi_residual = Option(128, "KIVI residual with store=kivi4", lo=1)
+    takes_budget = False
+    budget_refused = (
         "minicache has no token budget (it merges layers, it keeps every token); drop "
         "--kv-budget, or stack a store (minicache+kivi4) for more compression"
-    ),
-    default_budget=None,
-    kivi=_layout,
-    lossless="retain=topk:1.0,decode_retain=true",  # every token retained unmerged
-    nbytes=nbytes,
-    cache=make_cache,
-)
+    )
+    default_budget = None
+    lossless = "retain=topk:1.0,decode_retain=true"  # every token retained unmerged
+    cache = ".cache:MiniCacheKV"
+
+    @property
+    def kivi(self) -> dict | None:
+        if self.store != "kivi4":
+            return None
+        return {"bits": 4, "group": self.kivi_group, "residual": self.kivi_residual}
+
+    def nbytes(self, kv) -> int:
+        """The spec's total: unpaired layers as stored (dense K, V or KIVI); per pair and per K
+        and V, E (dense, or one KIVI store for E_K and E_V), both layers' norms (g, T), the
+        retained rows (an int32 index and the exact rows of both layers, m wide each) with the
+        int64 group offsets, and with decode_retain the fp32 prefill threshold per group."""
+        c, e, layout = kv.config, elem(kv), kv.kivi_layout  # the KIVI store of E, or None
+        total = 0
+        for st in kv.plain.values():
+            total += kivi_of(c, e, layout, st) if layout else dense(c, st.length, e)
+        for p in kv.pairs:
+            if p.k is None:  # nothing merged yet
+                continue
+            if layout:
+                total += kivi_of(c, e, layout, p.kivi)
+            for h in (p.k, p.v):
+                total += 0 if layout else dense(c, p.length, e) // 2
+                total += 2 * kv.layout.g * p.length * e
+                total += h.ridx.numel() * (4 + 2 * kv.layout.m * e) + 8 * (kv.layout.g + 1)
+                total += 4 * kv.layout.g if h.thr is not None else 0
+        return total

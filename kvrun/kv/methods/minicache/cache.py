@@ -1,7 +1,7 @@
 """MiniCache (§4 of the paper): pairs (l-1, l), odd l >= S, keep per token and KV head one
 SLERP-merged direction E for K and for V, each layer's norms, and the most distinct rows exact;
 other layers keep a plain cache; E and they may sit in KIVI (minicache+kivi4). kvrun's decisions
-beyond the paper: norm, angle and retention per (token, KV head) (granularity=token: per token);
+beyond the paper: norm, angle and retention per (token, KV head) (scope=layer: per token);
 decode tokens merged, never retained (decode_retain=1: beyond the prefill threshold); merging in
 fp32, E quantized after it. Slot index = position (nothing is evicted)."""
 
@@ -31,7 +31,7 @@ class MiniCacheKV(KVManager):
         self.kivi_layout = spec.kivi()
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim
-        self.layout = Layout(o["granularity"] == "token", self.H, self.D)
+        self.layout = Layout(o["scope"] == "layer", self.H, self.D)
         self.pair_list = pairing(c.n_layers, o["start"])
         self.role = {}  # layer -> (pair number, is the later layer l)
         for i, (a, b) in enumerate(self.pair_list):
@@ -121,8 +121,9 @@ class MiniCacheKV(KVManager):
             if not window or self.seen + kr.shape[2] <= window:
                 return combine(st.partials(qr, positions, kr.shape[2], window), self.dtype)
             kd, vd = st.dequantized()  # a sliding window: mask by position over the dequantized
-            return dense_attention(qr, kd[None].to(self.dtype), vd[None].to(self.dtype),
-                                   positions, k_pos, window)  # fmt: skip
+            return dense_attention(
+                qr, kd[None].to(self.dtype), vd[None].to(self.dtype), positions, k_pos, window
+            )
         st.append(kr, v, positions)  # a DenseSeg: slot = position
         k_pos = torch.arange(st.length, device=self.device)
         return dense_attention(qr, st.k, st.v, positions, k_pos, window)

@@ -181,7 +181,8 @@ class Pair:
 
 @dataclass
 class Layout:
-    """A pair's groups g: the KV heads (granularity=head, m = D) or one per token (m = Hkv*D)."""
+    """A pair's groups g: the KV heads (scope=head, m = D) or one per token for the whole layer
+    (scope=layer, m = Hkv*D)."""
 
     token: bool
     H: int
@@ -240,7 +241,7 @@ class Layout:
 
     def override(self, half: Half, T: int):
         """(map (Hkv, T) int32 | None, 1/||E|| fp32 | None) of one half, once for layers a and b:
-        each retained (head, token)'s row (-1: restore); 1/||E|| per token (granularity=token) or
+        each retained (head, token)'s row (-1: restore); 1/||E|| per token (scope=layer) or
         (Hkv, T) where the torch reference runs. Step scratch, not in nbytes."""
         e, inv = half.e.data, None  # (Hkv, T, D)
         if self.token or not use_triton(e):

@@ -94,7 +94,7 @@ def dense_colsum(q, k, v, per_head: bool = False):
     return Partial(out[None], lse[None]), (col if per_head else group_sum(col, Hkv))
 
 
-class MiniKV(KVCache):
+class MiniKVCache(KVCache):
     """MiniKV on the driver: its own attention with column sums, selection and flushes."""
 
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
@@ -108,14 +108,24 @@ class MiniKV(KVCache):
     def reset(self) -> None:
         super().reset()
         c, dense = self.config, self.kivi_layout is None  # quant=none: turns held dense
-        self.held = [DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense
-                     else None for _ in range(c.n_layers)]  # fmt: skip
+        self.held = [
+            DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense else None
+            for _ in range(c.n_layers)
+        ]
 
     def _dense(self) -> DenseSeg:
         c = self.config
         rows = c.n_heads if self.opt["gqa_agg"] == "max" else None
-        return DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, self.pos_rows,
-                        scores=True, score_rows=rows, count_pos=self.count_pos)  # fmt: skip
+        return DenseSeg(
+            c.n_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            self.pos_rows,
+            scores=True,
+            score_rows=rows,
+            count_pos=self.count_pos,
+        )
 
     def _window_ok(self, st: Layer) -> bool:
         return False  # the store keeps no positions
@@ -130,8 +140,9 @@ class MiniKV(KVCache):
         else:
             older = []
         d = st.dense
-        part, col = prompt_colsum(q, d.k, d.v, older, self.opt["gqa_agg"] == "max",
-                                  self.opt["colsum"])  # fmt: skip
+        part, col = prompt_colsum(
+            q, d.k, d.v, older, self.opt["gqa_agg"] == "max", self.opt["colsum"]
+        )
         d.acc += col
         return combine(older + [part], self.dtype)
 
@@ -169,7 +180,7 @@ class MiniKV(KVCache):
             if d.pos is not None:
                 self.report(i, point, d.pos)
 
-    def _decode_seg(self, i: int):
+    def decode_segment(self, i: int):
         st = self.layers[i]
         return st.kivi if st.kivi is not None else self.held[i]
 

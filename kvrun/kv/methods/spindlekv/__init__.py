@@ -7,59 +7,53 @@ from __future__ import annotations
 from ...bytes import elem
 from ...spec import Method, Option, pooling
 
-OPTIONS = (
-    Option("window", 32, "observation-window queries, always kept", lo=1),
-    Option("beta", 0.05, "smallest layer ratio; alpha = (1 + beta)/2", lo=0.0, hi=1.0),
-    Option("schedule", "linear", "per-layer ratios", choices=("linear", "flat")),
-    Option("pool", "none", "pooling of the scores: none, avg:K or max:K", valid=pooling),
-    Option("score_norm", "length", "length = divide by (t - a)", choices=("length", "none")),
-    Option("gqa", "qhead", "qhead = per query head, union + mask; mean = per KV head",
-           choices=("qhead", "mean")),
-    Option("codebook", True, "off = store the kept pre-RoPE K and V densely"),
-    Option("theta_k", 0.98, "cosine threshold for keys", lo=-1.0, hi=2.0),
-    Option("theta_v", 0.95, "cosine threshold for values", lo=-1.0, hi=2.0),
-    Option("codebook_scope", "layer", "one codebook per layer or per KV head", choices=("layer", "head")),
-    Option("index", "auto", "index width", choices=("auto", "int16-strict", "int32")),
-    Option("cb_block", 4096, "tile size of the similarity blocks", lo=1),
-    Option("decode_codebook", True, "off = decode tokens stored densely"),
-    Option("report", "exact", "paper = also report r1*r2*r3", choices=("exact", "paper")),
-)  # fmt: skip
 
+class SpindleKV(Method):
+    name = "spindlekv"
+    summary = "SpindleKV: linear per-layer eviction budgets + per-layer codebooks of K and V"
+    axes = ("window", "top-k + window (per query head)", "spindle", "codebook")
+    runs_at = "prefill-end; decode tokens coded"
+    window = Option(32, "observation-window queries, always kept", lo=1)
+    beta = Option(0.05, "smallest layer ratio; alpha = (1 + beta)/2", lo=0.0, hi=1.0)
+    schedule = Option("linear", "per-layer ratios", choices=("linear", "flat"))
+    pool = Option("none", "pooling of the scores: none, avg:K or max:K", valid=pooling)
+    score_norm = Option("length", "length = divide by (t - a)", choices=("length", "none"))
+    gqa = Option(
+        "qhead",
+        "qhead = per query head, union + mask; mean = per KV head",
+        choices=("qhead", "mean"),
+    )
+    codebook = Option(True, "off = store the kept pre-RoPE K and V densely")
+    theta_k = Option(0.98, "cosine threshold for keys", lo=-1.0, hi=2.0)
+    theta_v = Option(0.95, "cosine threshold for values", lo=-1.0, hi=2.0)
+    codebook_scope = Option(
+        "layer", "one codebook per layer or per KV head", choices=("layer", "head")
+    )
+    index = Option("auto", "index width", choices=("auto", "int16-strict", "int32"))
+    cb_block = Option(4096, "tile size of the similarity blocks", lo=1)
+    decode_codebook = Option(True, "off = decode tokens stored densely")
+    report = Option("exact", "paper = also report r1*r2*r3", choices=("exact", "paper"))
+    own_store = "codebook; spindlekv:codebook=off for dense"
+    lossless = "codebook=off"
+    cache = ".cache:SpindleKVCache"
 
-def nbytes(spec, kv) -> int:
-    """sum over layers of e * d * (|C_K| + |C_V|) + Hkv * S_c * (i_K + i_V + 2e + 4 + nb)
-    + Hkv * S_d * (2e * d + 4 + nb): codebook entries, then per coded slot two indices (2 or
-    4 bytes, the int32 switch) and two magnitudes, per dense slot pre-RoPE K and V, and per
-    slot an int32 position and ceil(g/8) mask bytes; padding slots count."""
-    c, e = kv.config, elem(kv)
-    nb = -(-(c.n_heads // c.n_kv_heads) // 8)
-    total = 0
-    for st in kv.layers:
-        s_c = 0 if st.pos_c is None else st.pos_c.shape[1]
-        s_d = 0 if st.pos_d is None else st.pos_d.shape[1]
-        i_k, i_v = (t.itemsize for t in st.idx_dtype)
-        total += e * c.head_dim * sum(b.n for b in st.books_k + st.books_v)
-        total += c.n_kv_heads * s_c * (i_k + i_v + 2 * e + 4 + nb)
-        total += c.n_kv_heads * s_d * (2 * e * c.head_dim + 4 + nb)
-    return total
+    @property
+    def newest(self) -> int:
+        return self.window
 
-
-def make_cache(spec, config, rope, device, dtype, **kw):
-    from .cache import SpindleKV
-
-    return SpindleKV(spec, config, rope, device, dtype, **kw)
-
-
-METHOD = Method(
-    "spindlekv",
-    "select",
-    "SpindleKV: linear per-layer eviction budgets + per-layer codebooks of K and V",
-    axes=("window", "top-k + window (per query head)", "spindle", "codebook"),
-    runs_at="prefill-end; decode tokens coded",
-    options=OPTIONS,
-    protected=lambda o: o["window"],
-    own_store="codebook; spindlekv:codebook=off for dense",
-    lossless="codebook=off",
-    nbytes=nbytes,
-    cache=make_cache,
-)
+    def nbytes(self, kv) -> int:
+        """sum over layers of e * d * (|C_K| + |C_V|) + Hkv * S_c * (i_K + i_V + 2e + 4 + nb)
+        + Hkv * S_d * (2e * d + 4 + nb): codebook entries, then per coded slot two indices (2 or
+        4 bytes, the int32 switch) and two magnitudes, per dense slot pre-RoPE K and V, and per
+        slot an int32 position and ceil(g/8) mask bytes; padding slots count."""
+        c, e = kv.config, elem(kv)
+        nb = -(-(c.n_heads // c.n_kv_heads) // 8)
+        total = 0
+        for st in kv.layers:
+            s_c = 0 if st.pos_c is None else st.pos_c.shape[1]
+            s_d = 0 if st.pos_d is None else st.pos_d.shape[1]
+            i_k, i_v = (t.itemsize for t in st.idx_dtype)
+            total += e * c.head_dim * sum(b.n for b in st.books_k + st.books_v)
+            total += c.n_kv_heads * s_c * (i_k + i_v + 2 * e + 4 + nb)
+            total += c.n_kv_heads * s_d * (2 * e * c.head_dim + 4 + nb)
+        return total

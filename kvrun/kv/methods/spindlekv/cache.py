@@ -104,7 +104,7 @@ def union_slots(keep: torch.Tensor) -> Slots:
     return Slots(rel, valid, pack_bits(bits.transpose(1, 2)))
 
 
-class SpindleKV(KVManager):
+class SpindleKVCache(KVManager):
     """SpindleKV on the cache contract; no kept positions for the debug hook (ragged unions)."""
 
     # the model's keys arrive before RoPE: the store rotates at each slot's own position
@@ -232,7 +232,7 @@ class SpindleKV(KVManager):
         return d
 
 
-def paper_ratios(kv: SpindleKV) -> dict:
+def paper_ratios(kv: SpindleKVCache) -> dict:
     """Eq. 15's r = r1 * r2 * r3 per layer: r1 tokens kept per query head / seen, r2 codebook
     entries / vectors they stand for, r3 = (d + int_bits / (elem_bits + 1)) / d. It prices indices
     and magnitudes at the codebook fraction, so it understates bytes."""

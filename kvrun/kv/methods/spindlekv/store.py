@@ -410,13 +410,27 @@ class CodedLayer:
         if self.pos_c is not None:
             (bk, ok), (bv, ov) = self.shelf_k.table(), self.shelf_v.table()
             mask = None if self.all_bits else self.mask_c
-            out, lse = codebook_decode(q, bk, self.idx_k, self.mag_k, bv, self.idx_v, self.mag_v,
-                                       self.pos_c, cos, sin, mask, ok, ov)  # fmt: skip
+            out, lse = codebook_decode(
+                q,
+                bk,
+                self.idx_k,
+                self.mag_k,
+                bv,
+                self.idx_v,
+                self.mag_v,
+                self.pos_c,
+                cos,
+                sin,
+                mask,
+                ok,
+                ov,
+            )
             parts.append(Partial(out, lse))
         if self.pos_d is not None:
             mask = None if self.all_bits else self.mask_d
-            out, lse = codebook_decode(q, self.k_d, None, None, self.v_d, None, None, self.pos_d,
-                                       cos, sin, mask)  # fmt: skip
+            out, lse = codebook_decode(
+                q, self.k_d, None, None, self.v_d, None, None, self.pos_d, cos, sin, mask
+            )
             parts.append(Partial(out, lse))
         return parts
 
@@ -453,8 +467,19 @@ class CodedLayer:
 
     def nbytes(self) -> int:
         books = sum(b.nbytes() for b in self.books_k + self.books_v)
-        stored = (self.idx_k, self.idx_v, self.mag_k, self.mag_v, self.pos_c, self.mask_c,
-                  self.k_d, self.v_d, self.pos_d, self.mask_d, self.qwin)  # fmt: skip
+        stored = (
+            self.idx_k,
+            self.idx_v,
+            self.mag_k,
+            self.mag_v,
+            self.pos_c,
+            self.mask_c,
+            self.k_d,
+            self.v_d,
+            self.pos_d,
+            self.mask_d,
+            self.qwin,
+        )
         held = 0 if self.turn_k is None else self.turn_k.nbytes() + self.turn_v.nbytes()
         return books + sum(nbytes_of(t) for t in stored) + held
 

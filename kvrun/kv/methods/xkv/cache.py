@@ -6,6 +6,7 @@ each layer evicts right after its attention: the peak is one full layer plus com
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,7 +53,23 @@ def layer_scores(
     return w, s
 
 
-class XKV(KVCache):
+@dataclass(slots=True)
+class Turn:
+    """Where XKV's planning stands within one turn's prefill (a new one at each begin_prefill)."""
+
+    n_tokens: int = 0  # the turn's prompt length
+    first: bool = True  # the sequence's first turn: a scoring-pass plan or a profile applies
+    # budgets known before the prefill: a one-chunk prefill evicts each layer after attending
+    evict_now: bool = False
+    done: list[bool] = field(default_factory=list)  # layers evicted during the prefill
+    scores: list[torch.Tensor | None] = field(default_factory=list)  # the plan's, until used
+
+    @classmethod
+    def start(cls, n_tokens: int, first: bool, n_layers: int) -> Turn:
+        return cls(n_tokens, first, False, [False] * n_layers, [None] * n_layers)
+
+
+class XKVCache(KVCache):
     """XKV on the driver: its own allocator, scores and planning over the driver's store."""
 
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
@@ -67,14 +84,10 @@ class XKV(KVCache):
 
     def reset(self) -> None:
         super().reset()
-        L = self.config.n_layers
         self.allocation: Allocation | None = None
-        self._plan: tuple[Allocation, list[torch.Tensor]] | None = None  # from a scoring pass
-        self._scores: list[torch.Tensor | None] = [None] * L  # the plan's selection scores
-        self._evict_now = False
-        self._done = [False] * L
-        self._prefill_n = 0
-        self._first = True
+        # a scoring pass's allocation and selection scores, for the prefill that follows it
+        self.pending: tuple[Allocation, list[torch.Tensor]] | None = None
+        self.turn = Turn.start(0, True, self.config.n_layers)
         self.layer_budgets: list[int] | None = None  # n_i + ows after the last prefill
 
     def planning_pass(self, when, ids, tokenizer) -> list[Pass]:
@@ -82,7 +95,7 @@ class XKV(KVCache):
         layer exact to its last chunk, kvrun's rule); none with a usable profile or a window."""
         if when != "before":
             return []
-        self._plan = None
+        self.pending = None
         n_tokens, sw = len(ids), self.config.sliding_window
         if (
             self.opt["plan"] != "two-pass"
@@ -126,7 +139,7 @@ class XKV(KVCache):
         """End of pass 1: allocate, keep the selection scores for the real prefill."""
         a = self._allocate(w, t, min(self.window, t), "two-pass", t)
         self.allocation = a
-        self._plan = (a, sel)
+        self.pending = (a, sel)
         self._record_profile(a)
 
     def _record_profile(self, a: Allocation) -> None:
@@ -146,15 +159,14 @@ class XKV(KVCache):
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
         L = self.config.n_layers
-        self._prefill_n, self._first = n_tokens, self.seen == 0
-        self._done, self._scores, self._evict_now = [False] * L, [None] * L, False
-        plan, self._plan = self._plan, None
+        turn = self.turn = Turn.start(n_tokens, self.seen == 0, L)
+        plan, self.pending = self.pending, None
         self.allocation = None
-        if not self._first:
+        if not turn.first:
             return  # later turns: deferred over the slots held (as snapkv)
         if plan is not None and plan[0].t == n_tokens:
-            self.allocation, self._scores = plan[0], list(plan[1])
-            self._evict_now = True
+            self.allocation, turn.scores = plan[0], list(plan[1])
+            turn.evict_now = True
             return
         prof = self._usable_profile()
         if prof is not None:
@@ -167,25 +179,26 @@ class XKV(KVCache):
                 prof.values, prof.units, n_tokens, N, self.floor, C, self.target > 0
             )
             self.allocation = Allocation(n, n_tokens, rows, "profile")
-            self._evict_now = True
+            turn.evict_now = True
 
     def prefill(self, layer, q, k, v, positions):
         out = super().prefill(layer, q, k, v, positions)
-        if self._evict_now and k.shape[2] == self._prefill_n:
+        turn = self.turn
+        if turn.evict_now and k.shape[2] == turn.n_tokens:
             # one-chunk prefill with budgets known: this layer is final, evict it now
             st = self.layers[layer]
-            score = self._scores[layer]
+            score = turn.scores[layer]
             if score is None:
                 score = self._selection_score(st)
             self._keep(st, score, self.allocation.n[layer])
-            self._scores[layer], st.queries = None, None
-            self._done[layer] = True
+            turn.scores[layer], st.queries = None, None
+            turn.done[layer] = True
         return out
 
     def _selection_score(self, st) -> torch.Tensor:
-        """s_{i,h} (Hkv, C), or w_i (1, C) for select=layer."""
+        """s_{i,h} (Hkv, C), or w_i (1, C) for scope=layer."""
         w, s = layer_scores(st.queries, st.dense.k[0], self.pool)
-        return w[None] if self.opt["select"] == "layer" else s
+        return w[None] if self.opt["scope"] == "layer" else s
 
     def _keep(self, st, score: torch.Tensor, n_ctx: int) -> None:
         """The top-n_ctx context slots by score (ties: lower position) plus the window."""
@@ -195,7 +208,8 @@ class XKV(KVCache):
 
     def select(self, point: str) -> None:
         """At end_prefill: deferred scoring, allocation and eviction of the layers not done."""
-        todo = [i for i, done in enumerate(self._done) if not done]
+        turn, L = self.turn, self.config.n_layers
+        todo = [i for i, done in enumerate(turn.done) if not done]
         if todo:
             kivi = self.layers[0].kivi is not None
             # dense store: all slots held, budget from all tokens seen; KIVI: this turn only
@@ -208,32 +222,30 @@ class XKV(KVCache):
             qwin = self.layers[todo[0]].queries
             rows = qwin.shape[1] if qwin is not None else 0
             if self.allocation is None and scores:
-                w = [
-                    scores[i][0] if i in scores else torch.zeros(0) for i in range(len(self._done))
-                ]
+                w = [scores[i][0] if i in scores else torch.zeros(0) for i in range(L)]
                 self.allocation = self._allocate(w, n, rows, "deferred", n)
-                if self._first:
+                if turn.first:
                     self._record_profile(self.allocation)
             elif self.allocation is None:  # nothing to evict: the turn fits in the window
                 C = [st.dense.length - rows for st in self.layers]
                 self.allocation = Allocation(C, n, rows, "deferred")
             for i in scores:
                 w, s = scores[i]
-                sel = w[None] if self.opt["select"] == "layer" else s
+                sel = w[None] if self.opt["scope"] == "layer" else s
                 self._keep(self.layers[i], sel, self.allocation.n[i])
         a = self.allocation
         self.layer_budgets = [n + a.window for n in a.n]
-        self._scores = [None] * len(self._done)
-        self._evict_now = False
+        turn.scores = [None] * L
+        turn.evict_now = False
         for i, st in enumerate(self.layers):
             if st.dense.pos is not None:
                 self.report(i, point, st.dense.pos)
 
     def nbytes(self) -> int:
         """Cache bytes plus the plan's selection scores while held across calls (0.6)."""
-        held = list(self._scores)
-        if self._plan is not None:
-            held += self._plan[1]
+        held = list(self.turn.scores)
+        if self.pending is not None:
+            held += self.pending[1]
         return super().nbytes() + sum(x.numel() * x.element_size() for x in held if x is not None)
 
     def describe(self) -> dict:
@@ -251,7 +263,7 @@ class _ScoringPass(KVManager):
 
     name = "xkv-scoring-pass"
 
-    def __init__(self, owner: XKV):
+    def __init__(self, owner: XKVCache):
         super().__init__(owner.config, owner.rope, owner.device, owner.dtype)
         L = owner.config.n_layers
         self.owner = owner
@@ -268,7 +280,7 @@ class _ScoringPass(KVManager):
         qw = torch.cat([qr.new_empty(qr.shape[1], 0, qr.shape[3]), qr[0]], dim=1)[:, -rows:]
         w, s = layer_scores(qw, seg.k[0], o.pool)
         self.w[layer] = w
-        self.sel[layer] = w[None] if o.opt["select"] == "layer" else s
+        self.sel[layer] = w[None] if o.opt["scope"] == "layer" else s
         return out
 
     def nbytes(self) -> int:

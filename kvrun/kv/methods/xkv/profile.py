@@ -28,9 +28,16 @@ class Profile:
     count: int
 
     def to_json(self) -> dict:
-        return {"method": "xkv", "model": self.model, "n_layers": self.n_layers,
-                "window": self.window, "pool": self.pool, "units": self.units,
-                self.units: self.values, "count": self.count}  # fmt: skip
+        return {
+            "method": "xkv",
+            "model": self.model,
+            "n_layers": self.n_layers,
+            "window": self.window,
+            "pool": self.pool,
+            "units": self.units,
+            self.units: self.values,
+            "count": self.count,
+        }
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -53,20 +60,32 @@ def load_profile(path: str | Path) -> Profile:
         return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
     ok = (
-        units in ("fractions", "tokens") and isinstance(L, int) and L > 0
-        and isinstance(values, list) and len(values) == L
+        units in ("fractions", "tokens")
+        and isinstance(L, int)
+        and L > 0
+        and isinstance(values, list)
+        and len(values) == L
         and all(number(x) and x >= 0 for x in values)
         and (units == "tokens" or all(x <= 1 for x in values))
-        and isinstance(count, int) and count >= 1
-        and isinstance(obj.get("window", 8), int) and isinstance(obj.get("pool", "avg:7"), str)
-    )  # fmt: skip
+        and isinstance(count, int)
+        and count >= 1
+        and isinstance(obj.get("window", 8), int)
+        and isinstance(obj.get("pool", "avg:7"), str)
+    )
     if not ok:
         raise KvrunError(
             f"{where} is malformed (need n_layers, {units}: one number >= 0 per "
             "layer, count); make a new one with `kvrun profile`"
         )
-    return Profile(str(obj.get("model", "")), L, obj.get("window", 8), obj.get("pool", "avg:7"),
-                   units, [float(x) for x in values], count)  # fmt: skip
+    return Profile(
+        str(obj.get("model", "")),
+        L,
+        obj.get("window", 8),
+        obj.get("pool", "avg:7"),
+        units,
+        [float(x) for x in values],
+        count,
+    )
 
 
 def check_profile(
