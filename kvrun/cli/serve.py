@@ -155,10 +155,16 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+# a prefill chunk's rows in a server step: the native products take longer chunks (prefill), but
+# every decoding sequence waits for the chunk, so a step's prefill stays this short
+SERVE_CHUNK_ROWS = 128
+
+
 def serve_ubatch(rt, ubatch: int) -> int:
     """The prefill chunk of a server's sessions when --ubatch is not given: at most the rows the
-    native products take where the model runs on them, else --ubatch's default."""
+    native products take where the model runs on them (and SERVE_CHUNK_ROWS), else --ubatch's
+    default."""
     from ..quant.blocks import BlockLinear, native_rows
 
     native = any(type(m) is BlockLinear and m._native_ok for m in rt.model.modules())
-    return min(ubatch, native_rows()) if native else ubatch
+    return min(ubatch, native_rows(), SERVE_CHUNK_ROWS) if native else ubatch

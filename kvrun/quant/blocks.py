@@ -126,14 +126,15 @@ def native_dot(type_name: str) -> bool:
 
 @functools.cache
 def native_rows() -> int:
-    """CPU: the most rows a product takes through the native kernels (decode steps and short
-    prefill chunks); longer ones dequantize and multiply with F.linear (MKL), which wins on
-    many rows. Timed once per machine on a 1536 x 576 Q4_0 layer (kvrun/quant/probes.py)."""
-    probe = "native rows cpu"
+    """CPU: the most rows a product takes through the native kernels (decode steps and prefill
+    chunks up to 512 rows, where they beat the exact path); longer ones dequantize and
+    multiply with F.linear (MKL). Timed once per machine and native build on a 1536 x 576 Q4_0
+    layer (kvrun/quant/probes.py)."""
+    probe = f"native rows cpu {native.build_key()}"  # a new build measures again
     return int(probes.measured(probe, lambda: str(_measure_native_rows()), str.isdigit))
 
 
-NATIVE_ROW_STEPS = (16, 24, 32, 48, 64, 96, 128)
+NATIVE_ROW_STEPS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def _measure_native_rows() -> int:

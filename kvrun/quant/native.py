@@ -111,6 +111,13 @@ def _key(cxx: str, isas: list[tuple[str, list[str]]]) -> str:
     return h.hexdigest()[:16]
 
 
+def build_key() -> str:
+    """The key of the native build this machine uses ('' without a compiler): what a measured
+    crossover depends on beside torch and the CPU."""
+    cxx = compiler()
+    return _key(cxx, isas_to_build()) if cxx else ""
+
+
 def _torch_version() -> str:
     """torch's version without importing it (`kvrun info` imports no torch)."""
     try:
