@@ -75,7 +75,7 @@ def run(rt, spec, docs, a, parallel: int) -> tuple[float, dict, float, float, in
         for _ in range(parallel)
     ]
     templates = {t: task.load_template(t) for t in ("question", "summarize")}
-    job = task.Job(templates, "What is this text about? Answer in detail.", False,
+    job = task.LongdocJob(templates, "What is this text about? Answer in detail.", False,
                    rt.tokenizer.chat_template is not None, a.n, "middle",
                    SamplingConfig(temp=0.0), 0, {}, {})  # fmt: skip
     recs = []

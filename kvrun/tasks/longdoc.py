@@ -53,9 +53,6 @@ class LongdocJob:
     question_after: bool = False
 
 
-Job = LongdocJob  # the name bench/parallel.py still uses (bench/ is edited on its own)
-
-
 def load_template(task: str, path: str | None = None) -> str:
     """prompts/longdoc_<task>.txt, or the user's template file; one final newline is dropped."""
     try:
