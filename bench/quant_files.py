@@ -11,7 +11,9 @@ into bench/.quant-files/. Then, per file:
 
 - perplexity on the same 256 tokens (the last 256 of the first 1,024 tokens of --text, one
   1,024-token context): the exact model (the same file dequantized to float32 and run by HF
-  transformers, `gguf_file=`), kvrun (its prefill: chunks of 512 rows, the exact products),
+  transformers, `gguf_file=`), kvrun (its prefill: chunks of 512 rows, the products that
+  kvrun.quant.blocks.native_rows() sends through the native kernels, 8-bit activations as
+  llama.cpp's, the others exact),
   kvrun's decode steps (the first 768 tokens prefilled, the 256 fed one decode step at a time:
   the fast products, 8-bit activations as llama.cpp's) and llama.cpp (`logits_all`, n_batch
   512); the same token ids for all;
@@ -219,7 +221,8 @@ def table(rows: list[dict], meta: dict) -> str:
         f"- command: `{meta['command']}`",
         f"- perplexity of the last {SCORED} of the first {CONTEXT} tokens of {meta['text']}, "
         "one context; exact: the file dequantized to float32 in HF transformers; kvrun: its "
-        "prefill (512-row chunks, exact products); kvrun decode: those tokens fed as decode "
+        "prefill (512-row chunks; 8-bit activations where the native kernels take them, as "
+        "llama.cpp); kvrun decode: those tokens fed as decode "
         "steps (8-bit activations, as llama.cpp); decode tok/s: tg"
         f"{meta['tg']} after {meta['tg_prompt']} prompt tokens, median of {meta['reps']}, "
         "tools alternating",
