@@ -61,9 +61,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     rows = [int(r) for r in args.rows.split(",")]
-    lines = [
-        "## Native CPU kernels: one product (kvrun/quant/native.py)",
-        "",
+    lines = [  # no heading: README's "Native CPU kernels" section introduces the table
         f"`python bench/native_kernels.py --isa {args.isa} --rows {args.rows}` "
         f"({time.strftime('%Y-%m-%d')}, {args.threads} threads; weights cycled through "
         f"{'copies past the last-level cache' if args.dram else 'one copy'}). us per product "

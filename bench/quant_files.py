@@ -214,8 +214,6 @@ def table(rows: list[dict], meta: dict) -> str:
                     "kvrun tg tok/s", "llama.cpp tg tok/s", "kvrun / llama.cpp",
                     "kvrun weights / file tensors"], "l" + "r" * 8)  # fmt: skip
     lines = [
-        "## The files people download (CPU)",
-        "",
         f"- date: {meta['date']}; machine: {meta['cpu']}, {meta['threads']} threads; "
         f"torch {meta['torch']}; llama-cpp-python {meta['llamacpp']}",
         f"- command: `{meta['command']}`",
