@@ -259,32 +259,6 @@ class Method:
         )
 
 
-class ObservationWindow(Method):
-    """SnapKV's observation window (SnapKV §4.2), shared by SnapKV and PyramidKV: the last
-    `window` prompt queries vote for the older slots, votes pooled per query head and summed
-    per KV head; the window itself is kept."""
-
-    window = Option(32, "observation window: the last w prompt queries vote", lo=1)
-    kernel = Option(7, "pooling kernel over the votes", lo=1, odd=True)
-    pool = Option("max", "pooling", choices=("max", "avg"))
-    chunked = Option(False, "also compress after every prefill chunk (bounded peak memory)")
-
-    @property
-    def points(self) -> frozenset[str]:
-        return frozenset({"prefill", "chunk"} if self.chunked else {"prefill"})
-
-    @property
-    def queries(self) -> int:
-        return self.window
-
-    @property
-    def newest(self) -> int:
-        return self.window
-
-    def score(self, ctx):
-        return ctx.window_votes(self.pool, self.kernel)
-
-
 @dataclass(frozen=True, slots=True)
 class Budget:
     """--kv-budget (docs/methods/README.md §2): an exact fraction of the tokens seen (< 1) or a
