@@ -190,14 +190,16 @@ class KVCache(KVManager):
         for st in self.layers:
             st.queries = None
 
-    def at_chunk(self, n_tokens: int) -> None:
+    def end_chunk(self, n_tokens: int) -> None:
+        super().end_chunk(n_tokens)
         if "chunk" in self.points and self.select_turn:
             self.select("chunk")
         if self.kivi_layout is not None and not self.selects:
             for st in self.layers:
                 st.kivi.flush(self.kivi_layout["residual"])
 
-    def at_prefill(self) -> None:
+    def end_prefill(self) -> None:
+        super().end_prefill()
         if "prefill" in self.points and self.select_turn:
             self.select("prefill")
         for st in self.layers:  # the turn's kept tokens enter the store in position order
@@ -211,7 +213,8 @@ class KVCache(KVManager):
         """Tokens quantized at once at a prefill's end: whole residuals (the newest stay dense)."""
         return self.kivi_layout["residual"]
 
-    def at_step(self) -> None:
+    def end_step(self) -> None:
+        super().end_step()
         if "step" in self.points:
             self.select("step")
             for st in self.layers:

@@ -3,17 +3,15 @@ driver hands a method. The model calls, for one sequence (kvrun/batch.py runs B)
 
     kv.begin_prefill(n)                       # a prompt (or a new chat turn) of n tokens
     for each chunk of at most --ubatch tokens:
-        out = kv.attend(layer, q, k, v, pos)  # every layer, in order: -> prefill(...)
-        kv.end_chunk(n_chunk)                 # -> at_chunk(n_chunk)
-    kv.end_prefill()                          # -> at_prefill()
+        out = kv.attend(layer, q, k, v, pos)  # every layer, in order: prefill(...)
+        kv.end_chunk(n_chunk)
+    kv.end_prefill()
     for each generated token:
-        out = kv.attend(layer, q, k, v, pos)  # every layer, one token: -> decode(...)
-        kv.end_step()                         # -> at_step()
+        out = kv.attend(layer, q, k, v, pos)  # every layer, one token: decode(...)
+        kv.end_step()
 
-The calls on the left are the model's and are not overridden: they keep the counters (`seen`,
-`in_prefill`) and then call the hook on the right, which is what a cache implements. So a cache
-that replaces its parent's behaviour at a point never skips the bookkeeping, and the counters
-read the same in every hook (`seen` includes the chunk or step just attended).
+One method per event: a cache that acts at an event overrides it and calls super() first
+(KVManager keeps the counters there).
 """
 
 from __future__ import annotations
@@ -65,37 +63,26 @@ class KVManager:
         self.in_prefill = True
         self.select_turn = select
 
+    # Each event is one method. A cache that acts at an event overrides it and calls super()
+    # first: the base keeps the counters, so every override sees them the same way (`seen`
+    # includes the chunk or step just attended; `in_prefill` is False at the prefill's end;
+    # `select_turn` is the turn's until the next begin_prefill).
     def end_chunk(self, n_tokens: int) -> None:
         """All layers have attended over the last prefill chunk of `n_tokens`."""
         self.seen += n_tokens
-        self.at_chunk(n_tokens)
 
     def end_prefill(self) -> None:
-        """The prefill is complete: prefill-time methods compress here."""
-        self.at_prefill()
+        """The prefill is complete: prefill-time selection, merging and coding happen here."""
         self.in_prefill = False
-        self.select_turn = True
 
     def end_step(self) -> None:
-        """All layers have attended over one decode token."""
+        """All layers have attended over one decode token (decode-time eviction, flushes)."""
         self.seen += 1
-        self.at_step()
 
     def planning_pass(self, when: str, ids: Sequence[int], tokenizer) -> list[Pass]:
         """Passes to run "before" the turn `ids`' prefill or "after" it (XKV's scoring pass, a
         context reconstruction): prefills with a manager of their own that keep nothing."""
         return []
-
-    # -- the hooks a cache implements (called by end_chunk, end_prefill, end_step) --
-    def at_chunk(self, n_tokens: int) -> None:
-        """After every layer attended over a prefill chunk (`seen` includes it)."""
-
-    def at_prefill(self) -> None:
-        """The prefill of a turn is complete (prefill-time selection, merging, coding);
-        `select_turn` says whether this turn selects."""
-
-    def at_step(self) -> None:
-        """After every layer attended over one decode token (decode-time eviction, flushes)."""
 
     def report(self, layer: int, point: str, positions: torch.Tensor) -> None:
         """The debug hook: the positions (1 or Hkv, T) a layer keeps after a point."""

@@ -158,5 +158,6 @@ class Reconstruct(KVManager):
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.own)
 
-    def at_prefill(self) -> None:
+    def end_prefill(self) -> None:
+        super().end_prefill()
         self.own = []  # the pass keeps nothing

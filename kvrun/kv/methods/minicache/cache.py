@@ -128,13 +128,15 @@ class MiniCacheKV(KVManager):
         k_pos = torch.arange(st.length, device=self.device)
         return dense_attention(qr, st.k, st.v, positions, k_pos, window)
 
-    def at_chunk(self, n_tokens: int) -> None:
+    def end_chunk(self, n_tokens: int) -> None:
+        super().end_chunk(n_tokens)
         if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
             for st in self.plain.values():
                 st.flush(self.kivi_layout["group"])
 
-    def at_prefill(self) -> None:
+    def end_prefill(self) -> None:
         """A turn's tokens are merged at the end of its prefill."""
+        super().end_prefill()
         for p in self.pairs:
             if p.exact is not None:
                 (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
@@ -174,7 +176,8 @@ class MiniCacheKV(KVManager):
                 pair.kivi.flush(self.kivi_layout["group"])  # prefill flush unit U = G
         pair.length += n
 
-    def at_step(self) -> None:
+    def end_step(self) -> None:
+        super().end_step()
         if self.kivi_layout is not None:
             r = self.kivi_layout["residual"]
             stores = list(self.plain.values()) + [p.kivi for p in self.pairs]

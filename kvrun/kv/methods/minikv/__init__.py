@@ -39,6 +39,7 @@ class MiniKV(Method):
     report = Option(
         "exact", "paper = also report the paper's App. I size", choices=("exact", "paper")
     )
+    points = frozenset({"prefill"})  # selects once per turn (the cache's own select)
     default_budget = None  # heavy + recent shares of the prompt unless --kv-budget
     own_store = "2-bit KIVI; minikv:quant=none for dense, minikv:group=,residual= for its layout"
     lossless = "quant=none,recent=1.0"  # with no --kv-budget: the window is the prompt

@@ -157,16 +157,16 @@ class MiniKVCache(KVCache):
             st.kivi.flush(r)
         return combine(st.kivi.partials(q, positions, k.shape[2], None), self.dtype)
 
-    def at_prefill(self) -> None:
-        if self.select_turn:
-            self.select("prefill")
+    def end_prefill(self) -> None:
+        """The driver's: the selection, then the kept tokens into the 2-bit store in position
+        order (in whole groups, `_flush_unit`); with quant=none they join the turns held."""
+        super().end_prefill()
         for st, held in zip(self.layers, self.held, strict=True):
-            if st.kivi is not None and st.dense.length:
-                k, v = st.dense.take()  # selected tokens enter the store in position order
-                st.kivi.append(k[0], v[0])
-                st.kivi.flush(self.kivi_layout["group"])  # whole groups (flush unit G)
-            elif held is not None and st.dense.length:
+            if st.kivi is None and held is not None and st.dense.length:
                 held.append(*st.dense.take(), torch.empty(0))
+
+    def _flush_unit(self) -> int:
+        return self.kivi_layout["group"]  # whole groups (flush unit G)
 
     def select(self, point: str) -> None:
         """Heavy hitters and the recent window of the turn, per layer and KV head."""

@@ -151,8 +151,9 @@ class SpindleKVCache(KVManager):
             self._counts = (t, spindle_keep(t, B, self.window, L, self.beta, self.opt["schedule"]))
         return self._counts[1]
 
-    def at_prefill(self) -> None:
+    def end_prefill(self) -> None:
         """Layers still held (a chunked prefill) are compressed here."""
+        super().end_prefill()
         for i, st in enumerate(self.layers):
             if st.turn_n:
                 self.compress(i, st.turn_k.data, st.turn_v.data, st.qwin)

@@ -286,5 +286,6 @@ class _ScoringPass(KVManager):
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.w + self.sel if x is not None)
 
-    def at_prefill(self) -> None:
+    def end_prefill(self) -> None:
+        super().end_prefill()
         self.owner._adopt_plan(self.w, self.sel, self.seen)
