@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import KvrunError
+from .bytes import composed
 
 
 class Option:
@@ -243,8 +244,6 @@ class Method:
         """The spec's byte formula from what `kv` holds (counts, never its tensors): per layer,
         dense slots at 2 * Hkv * D * e + slot_bytes, a KIVI store by its formula. A method
         with a cache of its own overrides it (kvrun/kv/bytes.py has the parts)."""
-        from .bytes import composed
-
         return composed(kv, self.slot_bytes(kv.config))
 
     def make_cache(self, spec: KVSpec, config, rope, device, dtype, **kw):
