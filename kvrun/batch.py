@@ -54,7 +54,7 @@ class BatchKV:
         if self._flat is None or self._flat[0] is not positions:  # once per forward pass
             flat = positions.reshape(-1)
             self._flat = (positions, flat, list(positions), flat.tolist())
-        rope, flat, rows, ints = self.kvs[0].rope, *self._flat[1:]
+        rope, flat, rows, ints = self.kvs[0].rope.at(layer), *self._flat[1:]
         if rope.kernels is not None and all(hasattr(kv, "plain_decode") for kv in self.kvs):
             outs = [
                 kv.plain_decode(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], rows[b], ints[b])

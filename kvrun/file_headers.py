@@ -27,25 +27,47 @@ GGUF_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# the parts of the other families' blocks (HF's names); the fused ones are split at load
+GGUF_BLOCK_MORE = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: Q, K, V in one weight
+}
+GGUF_BLOCK_ARCH = {  # where a family's name means another part than Llama's
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up in one weight
+}
 GGUF_TOP = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
     "rope_freqs": "rope_freqs",
+    "rope_factors_long": "rope_factors_long",  # Phi-3's LongRoPE factors
+    "rope_factors_short": "rope_factors_short",
 }
+ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # not the model's own
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def gguf_name_to_hf(name: str) -> str | None:
+def block_parts(arch: str) -> dict[str, str]:
+    """llama.cpp block part -> HF part for a family."""
+    return {**GGUF_BLOCK, **GGUF_BLOCK_MORE, **GGUF_BLOCK_ARCH.get(arch, {})}
+
+
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     """Map a llama.cpp tensor name to the canonical (HF) name; None when unknown."""
     m = _BLK.match(name)
     if m:
         block, part, kind = m.groups()
-        hf = GGUF_BLOCK.get(part)
+        hf = block_parts(arch).get(part)
         return f"model.layers.{block}.{hf}.{kind}" if hf else None
     stem, _, kind = name.rpartition(".")
     hf = GGUF_TOP.get(stem)
-    return f"{hf}.{kind}" if hf and hf != "rope_freqs" else hf
+    return f"{hf}.{kind}" if hf and hf not in ROPE_TENSORS else hf
 
 
 @dataclass(frozen=True)

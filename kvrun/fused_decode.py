@@ -78,7 +78,7 @@ def _product(mod) -> Product | NativeProduct | None:
 def bind(model) -> list[FusedLayer] | None:
     """The flat layers of `model`, or None where the loop does not apply (dense or CUDA
     products, Q/K/V or gate/up not stacked, a compute dtype other than float32)."""
-    if model.dtype != torch.float32 or model.device.type != "cpu":
+    if model.dtype != torch.float32 or model.device.type != "cpu" or not plain(model.config):
         return None
     layers = []
     for block in model.model.layers:
@@ -93,6 +93,12 @@ def bind(model) -> list[FusedLayer] | None:
         kernels = block.mlp.kernels if native else None
         layers.append(FusedLayer(norm1, qkv, o, norm2, gate_up, down, dt, kernels))
     return layers
+
+
+def plain(c) -> bool:
+    """Whether a model's blocks are Llama's, which the loop does (no biases, Q/K norms,
+    sandwich norms, GeGLU or softmax scale of the other families: those take the modules)."""
+    return not (c.qkv_bias or c.qk_norm or c.sandwich_norms or c.act != "silu" or c.attn_scale)
 
 
 def takes(x: torch.Tensor, layers: list[FusedLayer] | None = None) -> bool:

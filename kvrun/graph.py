@@ -36,7 +36,7 @@ KEEP = 16  # captured batch steps kept (least recently replayed dropped first)
 def static_unsupported(kv) -> str | None:
     """Why `kv` cannot decode in a graph, or None when it can. Static steps attend over every
     slot up to a length, so a sliding window that masks by position rules them out for all."""
-    if kv.config.sliding_window:
+    if kv.config.any_window:
         return "a sliding-window model masks by position"
     return kv.static_unsupported()
 

@@ -1,4 +1,9 @@
-"""The Llama-family decoder: embed -> blocks -> norm -> head. Attention goes through a KV manager."""
+"""The decoder: embed -> blocks -> norm -> head. Attention goes through a KV manager.
+
+Llama's blocks, with what the other families add switched on by the config: Q/K/V biases
+(Qwen 2), per-head Q/K norms (Qwen 3, Gemma 3), norms after attention and the MLP, GeGLU, a
+scaled embedding, Gemma's softmax scale and soft-capped logits (Gemma 3), partial rotary
+(Phi-4-mini), and one RoPE per kind of layer (Gemma 3's local and global layers)."""
 
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ from .quant.blocks import BlockEmbedding, BlockLinear, Blocks
 from .quant.choice import matmul_path
 from .quant.linear import DequantBuffers, PackedEmbedding, PackedLinear
 from .quant.packed import Packed
-from .rope import Rope, inverse_frequencies
+from .rope import Rope, RopeSet, inverse_frequencies, magnitudes, rotary_order
 
 ROPE_KEY = "rope.inv_freq"  # RoPE's inverse frequencies among the tensors of `state()`
+ROPE_LOCAL_KEY = "rope.local_inv_freq"  # Gemma 3's local layers' own
 
 
 def release_freed_memory() -> None:
@@ -63,6 +69,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.qkv: PackedLinear | BlockLinear | None = None  # Q, K, V stacked (`fuse`)
+        n_qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        # Qwen 2: the Q, K, V biases, stacked (the loaders' q/k/v_proj.bias, `from_weights`)
+        self.bias = nn.Parameter(torch.zeros(n_qkv)) if c.qkv_bias else None
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        # Gemma 3's softmax scale, folded into Q (the managers attend at 1/sqrt(head_dim))
+        self.q_scale = None if c.attn_scale is None else c.attn_scale * c.head_dim**0.5
 
     def fuse(self) -> None:
         """Stack packed Q, K, V into one layer where they are packed alike (or all blocks)."""
@@ -74,13 +87,25 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.c
+        kvd = c.n_kv_heads * c.head_dim
         if self.qkv is not None:
-            kvd = c.n_kv_heads * c.head_dim
-            q, k, v = self.qkv(x).split([c.n_heads * c.head_dim, kvd, kvd], dim=-1)
+            qkv = self.qkv(x)
+            if self.bias is not None:
+                qkv = qkv + self.bias
+            q, k, v = qkv.split([c.n_heads * c.head_dim, kvd, kvd], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            if self.bias is not None:
+                bq, bk, bv = self.bias.split([c.n_heads * c.head_dim, kvd, kvd])
+                q, k, v = q + bq, k + bk, v + bv
+        q = q.view(B, T, c.n_heads, c.head_dim)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        q = q.transpose(1, 2)  # (B, Hq, T, D)
+        k = k.transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         out = kv.attend(self.layer, q, k, v, positions)  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim)
@@ -97,6 +122,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
         self.gate_up: PackedLinear | BlockLinear | None = None  # gate and up stacked (`fuse`)
         self.kernels = None  # the native step kernels, in models whose products run natively
+        self.gelu = c.act == "gelu_tanh"  # Gemma's GeGLU (tanh GELU), else SiLU
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def fuse(self) -> None:
         """Stack packed gate and up into one layer where they are packed alike (or all blocks)."""
@@ -112,7 +141,7 @@ class MLP(nn.Module):
             # activation stays bfloat16 between them (silu and the product rounded there)
             # and the residual add promotes the bfloat16 result
             gate, up = gu.matmul(x.to(torch.bfloat16)).chunk(2, dim=-1)
-            return self.down_proj.matmul(F.silu(gate).mul_(up))
+            return self.down_proj.matmul(self.act(gate).mul_(up))
         rows = x.numel() // x.shape[-1]
         if gu is not None and self.kernels is not None and rows <= blocks.native_rows():
             return self.down_proj(self.kernels.silu_mul(gu(x)))  # as the fused decode does
@@ -120,7 +149,7 @@ class MLP(nn.Module):
             gate, up = gu(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -128,11 +157,22 @@ class Block(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
         self.self_attn = Attention(c, layer)
+        # Llama: the norm before the MLP; Gemma 3 (sandwich norms): the norm of attention's
+        # output, with two more around the MLP (HF's names, each family's own meaning)
         self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.sandwich = c.sandwich_norms
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(c.dim, c.norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(c.dim, c.norm_eps)
         self.mlp = MLP(c)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         # the branches may return bfloat16 (products of the CPU int4 op): x keeps its dtype
+        if self.sandwich:
+            a = self.self_attn(self.input_layernorm(x), positions, kv)
+            x = torch.add(x, self.post_attention_layernorm(a))
+            m = self.mlp(self.pre_feedforward_layernorm(x))
+            return torch.add(x, self.post_feedforward_layernorm(m))
         x = torch.add(x, self.self_attn(self.input_layernorm(x), positions, kv))
         return torch.add(x, self.mlp(self.post_attention_layernorm(x)))
 
@@ -185,6 +225,8 @@ class Transformer(nn.Module):
         pass it; without it a packed model sits in memory twice during the conversion)."""
         tensors = tensors if consume else dict(tensors)
         rope_freqs = tensors.pop("rope_freqs", None)
+        _stack_biases(tensors, config)
+        _rotary_rows(tensors, config)
         dtype = tensors["model.norm.weight"].dtype
         packed = [k for k in tensors if isinstance(tensors[k], (Packed, Blocks))]
         with torch.device("meta"):
@@ -226,7 +268,7 @@ class Transformer(nn.Module):
             release_freed_memory()
         elif isinstance(head, BlockLinear):
             head.interleave()
-        m.rope = Rope(inverse_frequencies(config, rope_freqs), device, dtype)
+        m.rope = _ropes(config, inverse_frequencies(config, rope_freqs), None, device, dtype)
         m.use_native_step()
         return m
 
@@ -235,6 +277,8 @@ class Transformer(nn.Module):
         the layout that `from_state` rebuilds it from: each packed layer's facts and the
         submodules stacking emptied (kvrun/quant/model_cache.py keeps the two on disk)."""
         tensors = {**self.state_dict(), ROPE_KEY: self.rope.inv_freq}
+        if isinstance(self.rope, RopeSet):
+            tensors[ROPE_LOCAL_KEY] = self.rope.local_inv
         packed = {
             n: m.facts()
             for n, m in self.named_modules()
@@ -255,6 +299,7 @@ class Transformer(nn.Module):
         RuntimeError or ValueError where they do not fit the config."""
         tensors = dict(tensors)
         inv_freq = tensors.pop(ROPE_KEY)
+        local_inv = tensors.pop(ROPE_LOCAL_KEY, None)
         if not any(k.startswith("lm_head.") for k in tensors):  # as the loaders decided
             config = config.replace(tie_embeddings=True)
         dtype = tensors["model.norm.weight"].dtype
@@ -278,7 +323,7 @@ class Transformer(nn.Module):
         for mod in m.modules():
             if isinstance(mod, (PackedLinear, BlockLinear)):
                 mod._bind()  # the op's arguments from the buffers as assigned
-        m.rope = Rope(inv_freq, torch.device("cpu"), dtype)
+        m.rope = _ropes(config, inv_freq, local_inv, torch.device("cpu"), dtype)
         m.use_native_step()
         return m
 
@@ -298,7 +343,7 @@ class Transformer(nn.Module):
         kernels = native_kernels.ops() if native else None
         self.rope.kernels = kernels
         for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP)):
+            if isinstance(m, RMSNorm) or (isinstance(m, MLP) and not m.gelu):
                 m.kernels = kernels
 
     @property
@@ -315,15 +360,20 @@ class Transformer(nn.Module):
         whose logits are measured, stay exact beyond a decode step's rows)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, BlockLinear):
-            return head.logits(x, decode)
-        if isinstance(head, PackedLinear):
-            return head.logits(x)
-        return F.linear(x, head.weight)
+            logits = head.logits(x, decode)
+        elif isinstance(head, PackedLinear):
+            logits = head.logits(x)
+        else:
+            logits = F.linear(x, head.weight)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """The hidden states (B, T, dim) after the last block, before the final norm: the fused
         blocks for decode rows where they apply (kvrun/fused_decode.py), else the modules."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(dim), in the compute dtype as HF's
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self._fused is False:
             self._fused = fused_decode.bind(self)
         if self._fused and self.use_fused_decode and fused_decode.takes(x, self._fused):
@@ -343,3 +393,54 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.head(self.model.norm(x), decode=tokens.shape[1] == 1).float()  # (B, T, V)
+
+
+def _stack_biases(tensors: dict, c: ModelConfig) -> None:
+    """The loaders' q/k/v_proj.bias of each layer as the one stacked `self_attn.bias`."""
+    if not c.qkv_bias:
+        return
+    for i in range(c.n_layers):
+        pre = f"model.layers.{i}.self_attn."
+        parts = [tensors.pop(f"{pre}{p}_proj.bias") for p in "qkv"]
+        tensors[f"{pre}bias"] = torch.cat(parts)
+
+
+def _rotary_rows(tensors: dict, c: ModelConfig) -> None:
+    """Under partial rotary, Q and K's head dims in the order kvrun's RoPE pairs them
+    (kvrun.rope.rotary_order), in the weights, biases and norms alike."""
+    order = rotary_order(c)
+    if order is None:
+        return
+    for i in range(c.n_layers):
+        pre = f"model.layers.{i}.self_attn."
+        for part, heads in (("q", c.n_heads), ("k", c.n_kv_heads)):
+            rows = (torch.arange(heads)[:, None] * c.head_dim + order[None, :]).flatten()
+            name = f"{pre}{part}_proj.weight"
+            w = tensors[name]
+            tensors[name] = w.rows(rows) if isinstance(w, (Packed, Blocks)) else w[rows]
+            if c.qk_norm:
+                tensors[f"{pre}{part}_norm.weight"] = tensors[f"{pre}{part}_norm.weight"][order]
+        if c.qkv_bias:
+            b = tensors[f"{pre}bias"]
+            hq, hk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            qr = (torch.arange(c.n_heads)[:, None] * c.head_dim + order[None, :]).flatten()
+            kr = (torch.arange(c.n_kv_heads)[:, None] * c.head_dim + order[None, :]).flatten()
+            tensors[f"{pre}bias"] = torch.cat([b[:hq][qr], b[hq : hq + hk][kr], b[hq + hk :]])
+
+
+def _ropes(
+    c: ModelConfig,
+    inv: torch.Tensor,
+    local_inv: torch.Tensor | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> Rope | RopeSet:
+    """The model's RoPE, or Gemma 3's two (its local layers' own base, unscaled)."""
+    device = torch.device(device)
+    mag = magnitudes(c)
+    rope = Rope(inv, device, dtype, None if bool((mag == 1).all()) else mag)
+    if not c.local_layers or c.rope_local_theta is None:
+        return rope
+    if local_inv is None:
+        local_inv = inverse_frequencies(c, local=True)
+    return RopeSet(rope, Rope(local_inv, device, dtype), c.local_layers)

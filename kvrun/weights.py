@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from .config import PERMUTED_QK, ModelConfig
 from .errors import KvrunError, ModelNotFound, UnsupportedModel
 from .file_headers import (
     GGUF_BLOCK,
+    ROPE_TENSORS,
     gguf_metadata,
     gguf_name_to_hf,
     open_gguf,
@@ -130,7 +131,7 @@ def read_gguf_tensor(t, hf: str, dtype: torch.dtype, bits: int | None) -> torch.
     arr = dequantize_tensor(t)
     # F32/F16 come back as views of the read-only memory map; copy those few tensors
     w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-    return w.to(dtype) if hf != "rope_freqs" else w.float()
+    return w.to(dtype) if hf not in ROPE_TENSORS else w.float()
 
 
 def load_gguf(
@@ -151,7 +152,14 @@ def load_gguf(
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, has_output="output.weight" in names)
+    config = ModelConfig.from_gguf(meta, has_output="output.weight" in names, names=names)
+    arch = config.arch
+    if "rope_factors_long.weight" in names:  # Phi-3's LongRoPE: the factors are tensors
+        small = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+        long, short = (
+            dequantize_tensor(small[f"rope_factors_{k}.weight"]).tolist() for k in ("long", "short")
+        )
+        config = config.with_rope_factors(meta, long, short)
     tokenizer = Tokenizer.from_gguf(meta)
     note = ""
     if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
@@ -170,8 +178,8 @@ def load_gguf(
         )
     tensors: dict[str, torch.Tensor | Packed | Blocks] = {}
     for i, t in enumerate(reader.tensors):
-        hf = gguf_name_to_hf(t.name)
-        if hf is None:
+        hf = gguf_name_to_hf(t.name, arch)
+        if hf is None or hf.startswith("rope_factors_"):
             continue
         if holds_blocks(wtype, t.tensor_type.name, hf, native):
             # the file's own blocks, whatever their type; Q and K rows in RoPE's order, and
@@ -179,7 +187,9 @@ def load_gguf(
             # embedding table only gathers rows)
             heads = _qk_heads(hf, config)
             order = None if heads is None else unpermute_qk(torch.arange(t.data.shape[0]), heads)
+            # fused weights are split by rows first; they interleave in the model
             x8 = native and ("embed_tokens" not in hf or config.tie_embeddings)
+            x8 = x8 and hf not in _fused_names(hf)
             tensors[hf] = blocks_from_gguf(t, order, interleave=x8)
             reader.release(t)
             if progress:
@@ -191,13 +201,13 @@ def load_gguf(
                 check_group(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), bits, path)
             w = read_gguf_tensor(t, hf, dtype, bits)
         reader.release(t)  # w is a copy: the file's pages of it leave the process's memory
-        if hf.endswith("q_proj.weight"):
-            w = unpermute_qk(w, config.n_heads)
-        elif hf.endswith("k_proj.weight"):
-            w = unpermute_qk(w, config.n_kv_heads)
+        heads = _qk_heads(hf, config)
+        if heads is not None:
+            w = unpermute_qk(w, heads)
         tensors[hf] = w
         if progress:
             progress(i + 1, len(reader.tensors))
+    split_fused(tensors, config)
     _check_tensors(tensors, config, path)
     return LoadedWeights(
         config, tensors, tokenizer, path, "gguf", types, meta, wtype, note, None, entry, cache_note
@@ -234,11 +244,14 @@ def load_safetensors(
             raise ModelNotFound(f"missing weight shard {shard}")
         try:
             with safe_open(str(shard), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if key.endswith("rotary_emb.inv_freq"):  # older checkpoints; we compute it
-                        continue
-                    w = f.get_tensor(key)
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    key = _text_name(name)
+                    if key is None or key.endswith("rotary_emb.inv_freq"):
+                        continue  # another tower's, or what we compute (older checkpoints)
+                    w = f.get_tensor(name)
                     types[str(w.dtype).removeprefix("torch.")] += 1
+                    if config.gemma_norms and key.endswith("norm.weight"):
+                        w = w.float() + 1.0  # Gemma scales by 1 + w; kvrun holds 1 + w
                     bits = target_bits(wtype, "F32", key)
                     if bits is not None:
                         check_group(key, tuple(w.shape), bits, root)
@@ -255,6 +268,7 @@ def load_safetensors(
     if config.tie_embeddings or "lm_head.weight" not in tensors:
         config = config.replace(tie_embeddings=True)
         tensors.pop("lm_head.weight", None)
+    split_fused(tensors, config)
     _check_tensors(tensors, config, root)
     wtype = "f32" if wtype in ("auto", "packed") else wtype  # float files stay in the compute dtype
     tok = Tokenizer.from_hf_dir(root)
@@ -263,13 +277,57 @@ def load_safetensors(
     )
 
 
+def _fused_names(hf: str) -> set[str]:
+    return {hf} if hf.endswith(("qkv_proj.weight", "gate_up_proj.weight")) else set()
+
+
+def split_fused(tensors: dict, config: ModelConfig) -> None:
+    """Phi-3's fused weights (qkv_proj, gate_up_proj: in its HF files and GGUFs alike) as
+    the canonical q/k/v_proj and gate/up_proj, by rows (dense, packed or GGUF blocks)."""
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    for name in [n for n in tensors if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        w = tensors.pop(name)
+        pre = name.rsplit(".", 2)[0]
+        if name.endswith("qkv_proj.weight"):
+            parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        else:
+            f = config.ffn_dim
+            parts = {"gate_proj": (0, f), "up_proj": (f, 2 * f)}
+        if w.shape[0] != max(b for _, b in parts.values()):
+            raise KvrunError(f"tensor {name} has {w.shape[0]} rows, not what the config says")
+        for part, (a, b) in parts.items():
+            rows = w.rows(slice(a, b)) if isinstance(w, (Packed, Blocks)) else w[a:b].clone()
+            tensors[f"{pre}.{part}.weight"] = rows
+
+
 def _qk_heads(hf: str, config: ModelConfig) -> int | None:
-    """The heads a Q or K weight's rows are permuted over in GGUF (else None)."""
+    """The heads a Q or K weight's rows are permuted over in GGUF (else None: the families
+    with NEOX-style RoPE keep HF's order)."""
+    if config.arch not in PERMUTED_QK:
+        return None
     if hf.endswith("q_proj.weight"):
         return config.n_heads
     if hf.endswith("k_proj.weight"):
         return config.n_kv_heads
     return None
+
+
+def _text_name(name: str) -> str | None:
+    """The canonical name of a checkpoint tensor: a multimodal checkpoint's language model
+    (Gemma 3's `language_model.model.*`, `model.language_model.*`) as a text model's; None
+    for the vision tower and projector."""
+    for pre, to in (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if name.startswith(pre):
+            return to + name.removeprefix(pre)
+    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
+        return None
+    if name.startswith("model.multi_modal_projector."):
+        return None
+    return name
 
 
 def _native_here(device: torch.device | None) -> bool:
@@ -285,8 +343,15 @@ def _check_tensors(
     tensors: Mapping[str, torch.Tensor | Packed | Blocks], config: ModelConfig, path: Path
 ) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
+    parts = list(GGUF_BLOCK.values())
+    if config.qk_norm:
+        parts += ["self_attn.q_norm", "self_attn.k_norm"]
+    if config.sandwich_norms:
+        parts += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(config.n_layers):
-        need += [f"model.layers.{i}.{p}.weight" for p in GGUF_BLOCK.values()]
+        need += [f"model.layers.{i}.{p}.weight" for p in parts]
+        if config.qkv_bias:
+            need += [f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"]
     if not config.tie_embeddings:
         need.append("lm_head.weight")
     missing = [k for k in need if k not in tensors]

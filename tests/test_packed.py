@@ -433,7 +433,7 @@ def test_bfloat16_products_chain_through_the_op():
     assert lin.bf16_op(lin.op_rows()) and not lin.bf16_op(lin.op_rows() + 1)
     assert not _layer(64, 64, 6, int4=False).bf16_op(1)
 
-    mlp = MLP(SimpleNamespace(dim=256, ffn_dim=512))
+    mlp = MLP(SimpleNamespace(dim=256, ffn_dim=512, act="silu"))
     mlp.gate_up = PackedLinear.stack([_layer(512, 256, s, int4=False) for s in (3, 4)])
     mlp.gate_up.use_int4pack()
     mlp.down_proj = _layer(256, 512, 5)

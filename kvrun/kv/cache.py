@@ -62,7 +62,7 @@ class KVCache(KVManager):
             self.kivi_layout is None
             and not m.cumulative
             and not (self.n_queries and "step" in self.points)
-            and config.sliding_window is None
+            and not config.any_window
             and not self.keys_pre_rope
         )
         self.layers: list[Layer] = []
@@ -93,13 +93,15 @@ class KVCache(KVManager):
             return None
         if pos is None:
             pos = self.rope.position(positions)
-        return d.rotate_append_attend(self.rope, q, k, v, pos)
+        return d.rotate_append_attend(self.rope.at(layer), q, k, v, pos)
 
     def position_rows(self) -> int:
         """Rows of int32 positions per slot (0, 1 or Hkv), held and counted only for decode-time
         eviction; a subclass that masks by position (padding) overrides it."""
         m = self.method
-        if not m.evicts_at_decode:
+        # a sliding window masks by position: a cache that outgrows it keeps them too
+        windowed = self.config.any_window and not self.slot_positions
+        if not m.evicts_at_decode and not windowed:
             return 0
         return 1 if m.per_layer else self.config.n_kv_heads
 
@@ -132,7 +134,7 @@ class KVCache(KVManager):
 
     def _layer(self, layer: int, T: int) -> Layer:
         """The layer's state; a sliding window past the length needs positions to mask by."""
-        st, window = self.layers[layer], self.config.sliding_window
+        st, window = self.layers[layer], self.config.window(layer)
         if window and self.seen + T > window and not self._window_ok(st):
             raise KvrunError(
                 f"--kv {self.name} cannot run sliding-window attention past {window} tokens "
@@ -150,7 +152,7 @@ class KVCache(KVManager):
         if self.n_queries:  # the newest queries vote at selection (a window across chunks)
             prev = st.queries if st.queries is not None else q.new_empty(q.shape[1], 0, q.shape[3])
             st.queries = torch.cat([prev, q[0]], dim=1)[:, -self.n_queries :]
-        return self._attend(st, q, k, v, positions)
+        return self._attend(st, q, k, v, positions, layer)
 
     def decode(self, layer, q, k, v, positions):
         st = self._layer(layer, k.shape[2])
@@ -158,15 +160,15 @@ class KVCache(KVManager):
             return self._to_store(st, q, k, v)
         if self.n_queries and "step" in self.points:
             st.queries = q[0]  # (Hq, 1, D) the step's query scores the step's eviction
-        return self._attend(st, q, k, v, positions)
+        return self._attend(st, q, k, v, positions, layer)
 
     def _to_store(self, st: Layer, q, k, v) -> torch.Tensor:
         st.kivi.append(k[0], v[0])
         return combine(st.kivi.partials(q, None, k.shape[2], None), self.dtype)
 
-    def _attend(self, st: Layer, q, k, v, positions) -> torch.Tensor:
+    def _attend(self, st: Layer, q, k, v, positions, layer: int) -> torch.Tensor:
         """Dense (and KIVI) attention; cumulative: each key's probabilities summed (H2O §3)."""
-        T, window, d = k.shape[2], self.config.sliding_window, st.dense
+        T, window, d = k.shape[2], self.config.window(layer), st.dense
         d.append(k, v, positions)
         if self.method.cumulative:
             mask = d.mask(positions, T, window)

@@ -98,13 +98,14 @@ class KVManager:
         positions: torch.Tensor,  # (T,) int64
     ) -> torch.Tensor:  # (1, Hq, T, D)
         """Store the new k, v as the method says and attend over everything the layer keeps."""
+        rope = self.rope.at(layer)  # Gemma 3: the local layers' own
         if self.static and not self.in_prefill and k.shape[2] == 1:
             cap = self.capacity  # no host sync: RoPE tables bounded by the static room
-            qr = self.rope.apply(q, positions, bound=cap)
-            kr = k if self.keys_pre_rope else self.rope.apply(k, positions, bound=cap)
+            qr = rope.apply(q, positions, bound=cap)
+            kr = k if self.keys_pre_rope else rope.apply(k, positions, bound=cap)
             return self.decode_static(layer, qr, kr, v, positions)
-        qr = self.rope.apply(q, positions)
-        kr = k if self.keys_pre_rope else self.rope.apply(k, positions)
+        qr = rope.apply(q, positions)
+        kr = k if self.keys_pre_rope else rope.apply(k, positions)
         if self.in_prefill:
             return self.prefill(layer, qr, kr, v, positions)
         return self.decode(layer, qr, kr, v, positions)
@@ -159,7 +160,7 @@ class Ctx:
 
     def window_scores(self) -> torch.Tensor:  # (Hq, T - w) fp32
         """The saved queries' attention to the T - w older slots (attention.window_scores)."""
-        sw = self.config.sliding_window
+        sw = self.config.window(self.layer)
         return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
 
     def window_votes(self, kind: str, kernel: int) -> torch.Tensor:  # (Hkv, T - w) fp32

@@ -70,7 +70,7 @@ class MiniCacheKV(KVManager):
         kb, vb = pair.exact[layer]
         kb.append(k)
         vb.append(v)
-        window = self.config.sliding_window
+        window = self.config.window(layer)
         if pair.length == 0:  # first turn: exact attention over the buffer, as `full`
             k_pos = torch.arange(kb.n, device=self.device)
             return dense_attention(q, kb.data, vb.data, positions, k_pos, window)
@@ -89,7 +89,7 @@ class MiniCacheKV(KVManager):
             parts = view.partials(q, positions, 0, None) + [self.layout.own(q, k, v)]
             out = combine(parts, self.dtype)
         else:  # the new tokens exact, after the restored ones
-            out = view.attend(q, k, v, positions, self.config.sliding_window)
+            out = view.attend(q, k, v, positions, self.config.window(layer))
         if not second:
             pair.pending = (k, v)
             return out
@@ -103,14 +103,14 @@ class MiniCacheKV(KVManager):
     def _fuse(self, pair: Pair, T: int) -> bool:
         """Whether a step runs merged_decode: a dense E (KIVI's E restores into the scratch), no
         masking window, something to restore (all retained: SDPA keeps step 1 equal to full)."""
-        window = self.config.sliding_window
+        window = max((self.config.window(i) or 0) for i in (pair.a, pair.b)) or None
         if pair.kivi is not None or (window and self.seen + T > window):
             return False
         g = self.layout.g
         return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length
 
     def _attend_plain(self, layer, qr, kr, v, positions) -> torch.Tensor:
-        window = self.config.sliding_window
+        window = self.config.window(layer)
         st = self.plain[layer]
         if isinstance(st, KiviLayer):
             st.append(kr[0], v[0])

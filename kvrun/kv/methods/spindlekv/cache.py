@@ -129,8 +129,10 @@ class SpindleKVCache(KVManager):
         n_books = c.n_kv_heads if self.opt["codebook_scope"] == "head" else 1
         idx = torch.int32 if self.opt["index"] == "int32" else torch.int16
         self.layers = [
-            CodedLayer(n_books, c.head_dim, self.dtype, self.device, idx, self.rope, self.group)
-            for _ in range(c.n_layers)
+            CodedLayer(
+                n_books, c.head_dim, self.dtype, self.device, idx, self.rope.at(i), self.group
+            )
+            for i in range(c.n_layers)
         ]
         self.turn_start, self.turn_len = 0, 0
         self._counts: tuple[int, list[int] | None] | None = None  # kept counts, per turn length
@@ -170,8 +172,9 @@ class SpindleKVCache(KVManager):
             keep = torch.ones(Hkv, self.group, t, dtype=torch.bool, device=kp.device)
         else:
             tpos = torch.arange(self.turn_start, self.turn_start + t, device=kp.device)
-            kr = self.rope.apply(kp[None], tpos)[0]  # (Hkv, t, D) post-RoPE, transient
-            sc = qhead_scores(qwin, kr, self.config.sliding_window, o["score_norm"] == "length")
+            kr = self.rope.at(layer).apply(kp[None], tpos)[0]  # (Hkv, t, D) post-RoPE, transient
+            sw = self.config.window(layer)
+            sc = qhead_scores(qwin, kr, sw, o["score_norm"] == "length")
             sc = pool_scores(sc, o["pool"])
             keep = select_keep(sc, plan[layer], t, Hkv, o["gqa"])
         sl = union_slots(keep)
@@ -188,7 +191,7 @@ class SpindleKVCache(KVManager):
             st.store_token(layer, k[0, :, i], v[0, :, i], pos, self.ones_mask, self.opt)
         if self._fuse(st, qr):  # the store's partials: gathered and rotated in the kernel
             return combine(st.partials(qr, positions, k.shape[2], None), qr.dtype)
-        return st.attend(qr, positions, self.config.sliding_window)
+        return st.attend(qr, positions, self.config.window(layer))
 
     def prefill(self, layer, qr, k, v, positions):
         st, T = self.layers[layer], k.shape[2]
@@ -199,8 +202,8 @@ class SpindleKVCache(KVManager):
             kp, vp = st.turn_k.data, st.turn_v.data
         n = kp.shape[1]
         tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
-        kr = self.rope.apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
-        out = st.attend(qr, positions, self.config.sliding_window, kr, vp[None], tpos)
+        kr = self.rope.at(layer).apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
+        out = st.attend(qr, positions, self.config.window(layer), kr, vp[None], tpos)
         prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
         st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]  # the window's queries
         if st.turn_n == 0:  # compress now, so the peak is one layer of full KV

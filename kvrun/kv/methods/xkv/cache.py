@@ -275,7 +275,7 @@ class _ScoringPass(KVManager):
         seg = o._dense()  # the same segment (and mask) the real prefill attends with
         seg.append(kr, v, positions)
         T = kr.shape[2]
-        out = seg.attend(qr, positions, T, self.config.sliding_window)
+        out = seg.attend(qr, positions, T, self.config.window(layer))
         rows = min(o.window, T)
         qw = torch.cat([qr.new_empty(qr.shape[1], 0, qr.shape[3]), qr[0]], dim=1)[:, -rows:]
         w, s = layer_scores(qw, seg.k[0], o.pool)

@@ -1,0 +1,152 @@
+"""Qwen 2.5, Qwen 3, Gemma 3 and Phi-3 on kvrun's forward pass against transformers: tiny random
+models (tests/tiny_families.py) from the HF folder and from the GGUF that llama.cpp's own
+converter wrote, logits at every prompt position, chunked prefill, decode steps and greedy
+tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_families
+from kvrun.generate import Session
+from kvrun.kv import FULL, build
+from kvrun.model import Transformer
+from kvrun.rope import inverse_frequencies
+from kvrun.weights import load
+
+ATOL = RTOL = 1e-4
+PREFILL = 14  # prompt tokens before the token-by-token part (of 24; Gemma's window is 8)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """Each family built and converted once: name -> Family."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = tiny_families.save(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def loaded(family):
+    """(family, fmt) -> (our model, LoadedWeights), loaded on first use."""
+    cache = {}
+
+    def get(name, fmt):
+        if (name, fmt) not in cache:
+            f = family(name)
+            w = load(f.gguf_path if fmt == "gguf" else f.hf_dir, torch.float32)
+            cache[name, fmt] = Transformer.from_weights(w.config, w.tensors, "cpu"), w
+        return cache[name, fmt]
+
+    return get
+
+
+def _kv(model, w):
+    return build(FULL, w.config, model.rope, torch.device("cpu"), torch.float32)
+
+
+@torch.inference_mode()
+def _prefill_all(model, w, ids, ubatch):
+    kv = _kv(model, w)
+    kv.begin_prefill(len(ids))
+    out = []
+    for s in range(0, len(ids), ubatch):
+        chunk = ids[s : s + ubatch]
+        out.append(model(torch.tensor([chunk]), torch.arange(s, s + len(chunk)), kv)[0])
+        kv.end_chunk(len(chunk))
+    kv.end_prefill()
+    return torch.cat(out)
+
+
+FMTS = ["gguf", "safetensors"]
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("name", tiny_families.FAMILIES)
+def test_config_reads_the_family(loaded, family, name, fmt):
+    _, w = loaded(name, fmt)
+    c, hf = w.config, family(name).hf.config
+    assert c.arch == name
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == (
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        head_dim,
+        hf.intermediate_size,
+    )
+    assert c.tie_embeddings == hf.tie_word_embeddings
+    if name == "gemma3":
+        local = tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
+        assert c.local_layers == local == (0, 1, 2, 3, 4)
+        assert c.sliding_window == hf.sliding_window
+        assert c.final_softcap == 30.0 and c.rope_local_theta == 10000.0
+    if name == "phi3":
+        assert c.rotary_dim == 12 and c.rope_scaling.kind == "longrope"
+    if name == "qwen2":
+        assert c.qkv_bias and c.rope_scaling.kind == "yarn"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("name", tiny_families.FAMILIES)
+def test_prefill_logits_equal_transformers(loaded, family, name, fmt):
+    model, w = loaded(name, fmt)
+    ids = tiny_families.text_ids(name)
+    ref = family(name).logits(ids)
+    torch.testing.assert_close(_prefill_all(model, w, ids, len(ids)), ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(_prefill_all(model, w, ids, 5), ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("name", tiny_families.FAMILIES)
+def test_decode_steps_equal_transformers(loaded, family, name, fmt):
+    model, w = loaded(name, fmt)
+    ids = tiny_families.text_ids(name)
+    ref = family(name).logits(ids)
+    s = Session(model, w.tokenizer, _kv(model, w), ubatch=7)
+    torch.testing.assert_close(s.prefill(ids[:PREFILL]), ref[PREFILL - 1], atol=ATOL, rtol=RTOL)
+    for i in range(PREFILL, len(ids)):
+        torch.testing.assert_close(s.decode(ids[i]), ref[i], atol=ATOL, rtol=RTOL, msg=f"pos {i}")
+
+
+@pytest.mark.parametrize("name", tiny_families.FAMILIES)
+def test_greedy_tokens_equal_transformers_generate(loaded, family, name):
+    f = family(name)
+    prompt = tiny_families.text_ids(name)[:10]
+    with torch.no_grad():
+        hf_out = f.hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    for fmt in FMTS:
+        model, w = loaded(name, fmt)
+        s = Session(model, w.tokenizer, _kv(model, w))
+        logits, ours = s.prefill(prompt), []
+        for _ in range(12):
+            ours.append(int(logits.argmax()))
+            logits = s.decode(ours[-1])
+        assert ours[: len(hf_out)] == hf_out, fmt
+
+
+def test_longrope_long_factors_and_yarn_equal_transformers(family):
+    """The frequencies themselves against transformers' RoPE initialisers: YaRN (Qwen 2.5) and
+    LongRoPE's long factors (Phi-3), which the short test texts do not reach."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for name in ("qwen2", "phi3"):
+        hf = family(name).hf.config
+        w = load(family(name).hf_dir, torch.float32)
+        kind = hf.rope_parameters["rope_type"]
+        long = name == "phi3"
+        seq = 10**6 if long else None
+        ref, factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu", seq_len=seq)
+        ours = inverse_frequencies(w.config, long=long)
+        rd = ref.numel()
+        torch.testing.assert_close(ours[:rd], ref.float(), atol=0, rtol=1e-6)
+        assert w.config.rope_scaling.magnitude() == pytest.approx(factor, rel=1e-6)
