@@ -18,11 +18,24 @@ from kvrun.errors import KvrunError, UnsupportedModel
 # Token types shared by GGUF (tokenizer.ggml.token_type) and SentencePiece models.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# Token texts that end generation whatever their id (llama.cpp's EOG set, plus a few).
+# Token texts that end generation whatever their id: llama.cpp's EOG texts, and the
+# fill-in-the-middle pad / repo / file-separator markers it also stops on (llama-vocab.cpp).
 EOG_TEXTS = frozenset(
-    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-     "<|end_of_text|>", "<EOT>", "</s>", "<｜end▁of▁sentence｜>"}
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+     "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+     "<｜end▁of▁sentence｜>", "[e~[", "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>",
+     "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"}
 )  # fmt: skip
+# Texts llama.cpp makes control tokens whatever type the GGUF gives them (its EOG and FIM
+# markers): Qwen's plain '</s>' is then read as one special token, never as text.
+_LLAMACPP_CONTROL = EOG_TEXTS | {
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>",
+    "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>",
+    "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+    "<|middle|>", "<PAD>", "[PAD]",
+}  # fmt: skip
 
 # Pre-tokenizer regexes of llama.cpp (llama-vocab.cpp), each applied to the pieces of the last.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -54,6 +67,10 @@ _PRE = {
     **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], ("qwen2", False)),
 }  # fmt: skip
 _PRE_ADDS_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}  # llama.cpp defaults
+# SentencePiece-style BPE kept as 'gpt2' (llama.cpp's GEMMA4 pre-type): '▁' for spaces, raw
+# UTF-8 pieces with <0xXX> byte fallback. llama.cpp's converter writes Gemma 3's tokenizer.json
+# this way, under the name its hash table gives that vocabulary.
+_SPM_BPE_PRE = {"gemma4", "granite-embed-multi-311m"}
 
 
 def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend:
@@ -72,6 +89,23 @@ def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _spm_bpe_backend(tokens: list[str], merges: Sequence[str]) -> _Backend:
+    """'gpt2' vocabulary with a GEMMA4 pre-type: spaces become '▁', text splits into newline
+    runs and the rest, ranked merges run on raw UTF-8 and unknown pieces fall back to bytes."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # llama.cpp keeps a merge whose parts are not tokens (the converter rewrites user-defined
+    # '▁▁' as '  '); such a merge only matters on a literal '▁' run, and tokenizers refuses it.
+    pairs = [(a, b) for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
+    tok = _Backend(models.BPE(vocab, pairs, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), "isolated")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     return tok
 
 
@@ -107,12 +141,17 @@ def _spm_backend(
     return tok
 
 
-def _add_special(tok: _Backend, tokens: list[str], types: Sequence[int]) -> None:
-    """Control and unknown tokens become special added tokens, user-defined ones plain ones."""
+def _add_special(
+    tok: _Backend, tokens: list[str], types: Sequence[int], normalized: bool = False
+) -> None:
+    """Control and unknown tokens become special added tokens, user-defined ones plain ones.
+    normalized: user-defined pieces match the normalized text, as SentencePiece matches its
+    own (Gemma's '▁▁' runs); GGUF ones match the raw text, as llama.cpp matches them."""
     kinds = dict(zip(tokens, types, strict=True))
     special = [t for t, k in kinds.items() if k in (CONTROL, UNKNOWN)]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds.items() if k == USER_DEFINED])
+    user = [AddedToken(t, normalized=normalized) for t, k in kinds.items() if k == USER_DEFINED]
+    tok.add_tokens(user)
 
 
 def _pb_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
@@ -154,7 +193,7 @@ def _read_spm(path: Path) -> tuple[_Backend, dict[str, int]]:
     scores = [sp.get_score(i) for i in range(len(tokens))]
     unk = tokens[sp.unk_id()] if sp.unk_id() >= 0 else None
     tok = _spm_backend(tokens, scores, types, unk, {names[k]: spec[k] for k in names if k in spec})
-    _add_special(tok, tokens, types)
+    _add_special(tok, tokens, types, normalized=True)
     return tok, {k: v for k, v in (("bos", sp.bos_id()), ("eos", sp.eos_id())) if v >= 0}
 
 
@@ -166,7 +205,10 @@ def _gguf_backend(
         if "tokenizer.ggml.merges" not in meta:
             raise UnsupportedModel("the GGUF BPE tokenizer has no tokenizer.ggml.merges")
         pre = str(meta.get("tokenizer.ggml.pre") or "")
-        backend = _bpe_backend(tokens, meta["tokenizer.ggml.merges"], pre)
+        if pre in _SPM_BPE_PRE:
+            backend = _spm_bpe_backend(tokens, meta["tokenizer.ggml.merges"])
+        else:
+            backend = _bpe_backend(tokens, meta["tokenizer.ggml.merges"], pre)
         bos, eos, add_bos = None, None, pre in _PRE_ADDS_BOS
     elif kind == "llama":
         scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
@@ -180,6 +222,106 @@ def _gguf_backend(
         raise UnsupportedModel(f"tokenizer type {kind!r} is not supported ({supported})")
     _add_special(backend, tokens, types)
     return backend, bos, eos, add_bos
+
+
+# --- llama.cpp's conversion rules, for convert/hf_to_gguf.py ----------------------------------
+
+_HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"  # llama.cpp spells it out case by case
+_LLAMACPP_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_PRE_OF_REGEX = {_REGEXES["llama3"][0]: "llama-bpe", _REGEXES["qwen2"][0]: "qwen2",
+                 _REGEXES["tekken"][0]: "tekken", _GPT2: "gpt2"}  # fmt: skip
+
+
+def bpe_pre_name(tok_json: Mapping[str, Any]) -> str | None:
+    """llama.cpp's tokenizer.ggml.pre for a byte-level BPE tokenizer.json ('qwen2',
+    'llama-bpe', 'tekken', 'smollm', 'gpt2'), read off its pre-tokenizer; None if unknown."""
+
+    def flat(node: Any) -> list[dict]:
+        if not node:
+            return []
+        return (
+            [s for c in node.get("pretokenizers", []) for s in flat(c)]
+            if node.get("type") == "Sequence"
+            else [node]
+        )
+
+    steps = flat(tok_json.get("pre_tokenizer"))
+    regexes = [s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"]
+    if any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps):
+        return "smollm" if not regexes else None
+    if len(regexes) == 1 and regexes[0]:
+        return _PRE_OF_REGEX.get(regexes[0].replace(_HF_CONTRACTIONS, _LLAMACPP_CONTRACTIONS))
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    return "gpt2" if not regexes and byte_level and byte_level[0].get("use_regex", True) else None
+
+
+def looks_special(text: str) -> bool:
+    """llama.cpp's converter's test for added tokens that are control tokens though the
+    tokenizer does not mark them special (<|...|>, <unused..>, Gemma's <mask>, <pad>)."""
+    return (
+        text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (text.startswith("<|") and text.endswith("|>"))
+        or (text.startswith("<｜") and text.endswith("｜>"))
+        or (text.startswith("<unused") and text.endswith(">"))
+    )
+
+
+def gguf_added_token(text: str, special: bool) -> tuple[str, int]:
+    """(text, type) of a tokenizer.json added token as llama.cpp's converter writes it:
+    CONTROL when special or looking special, else USER_DEFINED with '▁' written as ' ' (so
+    Gemma's space runs match raw text, as llama.cpp matches user-defined tokens)."""
+    if special or looks_special(text):
+        return text, CONTROL
+    return text.replace("▁", " "), USER_DEFINED
+
+
+def bpe_json_vocab(
+    tok_json: Mapping[str, Any], vocab_size: int
+) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, types, merges) of the 'gpt2' GGUF vocabulary for a byte-level BPE
+    tokenizer.json (Qwen 2/3, Llama 3), as llama.cpp's converter writes it."""
+    model = tok_json["model"]
+    by_id = {i: (t, NORMAL) for t, i in model["vocab"].items()}
+    for a in tok_json.get("added_tokens", []):
+        by_id[a["id"]] = gguf_added_token(a["content"], bool(a.get("special")))
+    n = max(vocab_size, max(by_id) + 1)
+    tokens, types = zip(*(by_id.get(i, (f"[PAD{i}]", UNUSED)) for i in range(n)), strict=True)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return list(tokens), list(types), merges
+
+
+def spm_json_vocab(
+    tok_json: Mapping[str, Any], vocab_size: int
+) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types) of the 'llama' GGUF vocabulary for a SentencePiece BPE kept as
+    tokenizer.json (Llama 2, Mistral, Gemma 3), as llama.cpp's converter types it: added
+    added tokens as gguf_added_token says, bytes BYTE, the unknown piece UNKNOWN. Scores: minus the rank of the merge that first makes a piece, so best-score-first merging
+    (llama.cpp's and kvrun's) gives the folder's own tokens; added tokens -1000."""
+    model = tok_json["model"]
+    merges = model.get("merges", [])
+    rank: dict[str, int] = {}
+    for r, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(a + b, r)
+    by_id = {i: t for t, i in model["vocab"].items()}
+    added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
+    n = max(vocab_size, max(by_id) + 1, max(added, default=-1) + 1)
+    unk = model.get("unk_token")
+    rows: list[tuple[str, float, int]] = []  # (token, score, type)
+    for i in range(n):
+        piece, a = by_id.get(i), added.get(i)
+        if a is not None:
+            text, kind = gguf_added_token(a["content"], bool(a.get("special")))
+            rows.append((text, -1000.0, UNKNOWN if text == unk else kind))
+        elif piece is None:
+            rows.append((f"[PAD{i}]", -1000.0, UNUSED))
+        else:
+            kind = UNKNOWN if piece == unk else NORMAL
+            kind = BYTE if len(piece) == 6 and piece[:3] == "<0x" and piece[5] == ">" else kind
+            score = -float(rank.get(piece, len(merges) + i)) if kind == NORMAL else 0.0
+            rows.append((piece, score, kind))
+    tokens, scores, types = map(list, zip(*rows, strict=True))
+    return tokens, scores, types
 
 
 class Tokenizer:
@@ -213,6 +355,9 @@ class Tokenizer:
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's names
         types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         try:
+            types = [
+                CONTROL if t in _LLAMACPP_CONTROL else k for t, k in zip(tokens, types, strict=True)
+            ]
             backend, bos, eos, add_bos = _gguf_backend(meta, kind, tokens, types)
         except KvrunError:
             raise
@@ -228,7 +373,8 @@ class Tokenizer:
             bos_id=special("bos", bos),
             eos_id=special("eos", eos),
             stop_ids={special("eot"), special("eom")} - {None},
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
+            or meta.get("tokenizer.ggml.pre") in _SPM_BPE_PRE,  # llama.cpp forces BOS there
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
         )

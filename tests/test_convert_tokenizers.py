@@ -1,23 +1,22 @@
 """HF -> GGUF with the real tokenizers in ../shared/tokenizers: a Llama 2 / Mistral style folder
 that carries only tokenizer.json (SentencePiece BPE with byte fallback) becomes a 'llama'
 vocabulary, a Llama 3.1 folder a byte-level BPE ('gpt2', llama-bpe). Checked against the
-folder's own tokenizer (tokenizers), llama.cpp (llama-cpp-python in bench/.venv-llamacpp) and
-the metadata keys llama.cpp's convert_hf_to_gguf.py writes (bench/.llama.cpp, from the
-llama-cpp-python sdist's vendored llama.cpp); those two are skipped when absent."""
+folder's own tokenizer (tokenizers), llama.cpp's ids (golden ids in
+tests/data/tokenizer_golden.json, and live where llama-cpp-python is in bench/.venv-llamacpp)
+and the metadata keys llama.cpp's convert_hf_to_gguf.py writes (tests/llamacpp.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+import llamacpp
 import tiny_models
 from kvrun.convert import convert
 from kvrun.file_headers import gguf_metadata, open_gguf
@@ -25,8 +24,7 @@ from kvrun.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("KVRUN_SHARED", ROOT.parent / "shared")) / "tokenizers"
-LLAMACPP_PY = ROOT / "bench" / ".venv-llamacpp" / "bin" / "python"
-LLAMACPP_CONVERT = ROOT / "bench" / ".llama.cpp" / "convert_hf_to_gguf.py"
+GOLDEN = Path(__file__).resolve().parent / "data" / "tokenizer_golden.json"
 TEXTS = [
     "Hello world",
     "  two  spaces\tand\ttabs\n\nnew lines   ",
@@ -44,23 +42,35 @@ FOLDERS = {  # name -> (shared folder, vocab size, bos, eos)
 }
 
 
-@pytest.fixture(scope="module", params=list(FOLDERS))
-def folder(request, tmp_path_factory):
-    """A tiny random-weight HF folder with the real tokenizer files, converted to GGUF."""
-    name = request.param
+def hf_folder(name: str, dest: Path) -> Path:
+    """A tiny random-weight Llama HF folder with the real tokenizer files of `name`."""
     sub, vocab, bos, eos = FOLDERS[name]
     src = SHARED / sub
     if not (src / "tokenizer.json").exists():
         pytest.skip(f"no {src}/tokenizer.json (the shared tokenizers folder)")
-    root = tmp_path_factory.mktemp(name)
-    hf = root / "hf"
     model = tiny_models.make_hf_model("llama", None, True, 4, 2, None, 0, vocab)
     model.config.bos_token_id, model.config.eos_token_id = bos, eos
-    model.save_pretrained(hf, safe_serialization=True)
+    model.save_pretrained(dest, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, hf / f)
+        shutil.copy(src / f, dest / f)
+    return dest
+
+
+@pytest.fixture(scope="module", params=list(FOLDERS))
+def folder(request, tmp_path_factory):
+    """A tiny random-weight HF folder with the real tokenizer files, converted to GGUF."""
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    hf = hf_folder(name, root / "hf")
     out = convert(hf, root / "m.gguf", outtype="f32")
-    return {"name": name, "hf": hf, "gguf": out, "meta": gguf_metadata(open_gguf(out))}
+    gold = json.loads(GOLDEN.read_text("utf-8"))["families"][name]
+    return {
+        "name": name,
+        "hf": hf,
+        "gguf": out,
+        "meta": gguf_metadata(open_gguf(out)),
+        "gold": gold,
+    }
 
 
 def _hf_ids(folder) -> list[list[int]]:
@@ -90,34 +100,30 @@ def test_kvrun_tokens_from_the_gguf_equal_the_folders(folder):
         assert tok.encode(text) == want, text
 
 
+def test_kvrun_tokens_from_the_gguf_equal_llama_cpp_golden(folder):
+    gold, tok = folder["gold"], Tokenizer.from_gguf(folder["meta"])
+    assert gold["texts"] == TEXTS, "rerun tests/data/make_tokenizer_golden.py"
+    assert [tok.encode(t, add_bos=False) for t in TEXTS] == gold["special"]
+    assert [tok.encode(t, add_bos=False, special=False) for t in TEXTS] == gold["plain"]
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (gold["bos"], gold["eos"], gold["add_bos"])
+    assert tok.stop_ids == set(gold["eog"])
+    want = _hf_ids(folder)  # and llama.cpp agrees with the folder's own tokenizer here
+    assert [[gold["bos"]] * gold["add_bos"] + ids for ids in gold["special"]] == want
+
+
 @pytest.mark.slow  # a subprocess
-@pytest.mark.skipif(not LLAMACPP_PY.exists(), reason=f"no llama-cpp-python at {LLAMACPP_PY}")
-def test_llama_cpp_reads_the_gguf_and_gives_the_same_tokens(folder):
-    code = (
-        "import json, sys, llama_cpp\n"
-        "m = llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)\n"
-        "texts = json.loads(sys.stdin.read())\n"
-        "print(json.dumps([m.tokenize(t.encode(), add_bos=True, special=True) for t in texts]))\n"
-    )
-    r = subprocess.run([str(LLAMACPP_PY), "-c", code, str(folder["gguf"])],
-                       input=json.dumps(TEXTS), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout) == _hf_ids(folder)
-
-
 @pytest.mark.skipif(
-    not LLAMACPP_CONVERT.exists(),
-    reason=f"no llama.cpp converter at {LLAMACPP_CONVERT} (extract vendor/llama.cpp/"
-    "{convert_hf_to_gguf.py,gguf-py,conversion} from the llama-cpp-python sdist there)",
+    not llamacpp.PYTHON.exists(), reason=f"no llama-cpp-python at {llamacpp.PYTHON}"
 )
+def test_llama_cpp_reads_the_gguf_and_gives_the_same_tokens(folder):
+    live = llamacpp.tokenize(folder["gguf"], TEXTS)
+    for key in ("add_bos", "bos", "eos", "eog", "special", "plain"):
+        assert live[key] == folder["gold"][key], key
+
+
 @pytest.mark.slow  # a subprocess
 def test_metadata_keys_equal_llama_cpp_converters(folder, tmp_path):
-    ref = tmp_path / "ref.gguf"
-    env = dict(os.environ, PYTHONPATH=str(LLAMACPP_CONVERT.parent / "gguf-py"))
-    r = subprocess.run([sys.executable, str(LLAMACPP_CONVERT), str(folder["hf"]), "--outfile",
-                        str(ref), "--outtype", "f32"], capture_output=True, text=True, env=env,
-                       timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    ref = llamacpp.convert(folder["hf"], tmp_path / "ref.gguf", "f32")
     theirs = gguf_metadata(open_gguf(ref))
     ours = folder["meta"]
     assert set(ours) == set(theirs)
