@@ -401,6 +401,8 @@ def _stack_biases(tensors: dict, c: ModelConfig) -> None:
         return
     for i in range(c.n_layers):
         pre = f"model.layers.{i}.self_attn."
+        if f"{pre}bias" in tensors:  # stacked already (a state dict of this model)
+            continue
         parts = [tensors.pop(f"{pre}{p}_proj.bias") for p in "qkv"]
         tensors[f"{pre}bias"] = torch.cat(parts)
 

@@ -178,6 +178,40 @@ def save(name: str, out: Path, seed: int = 0) -> Family:
     return Family(name, model, hf_dir, gguf_path)
 
 
+def kv_config(name: str, n_heads: int = 4):
+    """The KV tests' tiny model (3 layers, 2 KV heads, head_dim 32, 256 tokens: see
+    tests/test_kv_methods.py) with a family's features on: Qwen 2.5's biases and YaRN, Qwen
+    3's q/k norms, Gemma 3's norms, GeGLU, scales, soft cap and two local layers (a window of
+    48, shorter than the KV tests' prompts) beside a global one, Phi-3's MHA with partial
+    rotary and LongRoPE."""
+    from kvrun.config import ModelConfig, RopeScaling
+
+    base = dict(
+        n_layers=3, dim=64, n_heads=n_heads, n_kv_heads=2, head_dim=32, ffn_dim=128,
+        vocab_size=256, context_length=4096,
+    )  # fmt: skip
+    if name == "qwen2":
+        yarn = RopeScaling("yarn", 4.0, original_context=64)
+        return ModelConfig(arch="qwen2", **base, qkv_bias=True, rope_scaling=yarn)
+    if name == "qwen3":
+        return ModelConfig(arch="qwen3", **base, qk_norm=True, rope_theta=1e6)
+    if name == "gemma3":
+        return ModelConfig(
+            arch="gemma3", **base, qk_norm=True, sandwich_norms=True, act="gelu_tanh",
+            embed_scale=8.0, attn_scale=24**-0.5, final_softcap=30.0, sliding_window=48,
+            local_layers=(0, 1), rope_theta=1e6, rope_local_theta=1e4,
+            rope_scaling=RopeScaling("linear", 8.0),
+        )  # fmt: skip
+    if name == "phi3":
+        short = tuple(1.0 + 0.1 * i for i in range(8))
+        rope = RopeScaling(
+            "longrope", 32.0, original_context=4096, short_factor=short, long_factor=short
+        )
+        mha = {**base, "n_heads": 2}
+        return ModelConfig(arch="phi3", **mha, rotary_dim=16, rope_scaling=rope)
+    raise ValueError(name)
+
+
 @functools.cache
 def text_ids(name: str) -> list[int]:
     """A test sequence of 24 ids inside the family's vocabulary (longer than Gemma's window)."""

@@ -53,6 +53,8 @@ class KVCache(KVManager):
         # full keeps every token at its position: a sliding window can mask by slot
         self.slot_positions = spec.keeps_all and self.kivi_layout is None
         self.pos_rows = self.position_rows()
+        # the rows kept only for a sliding window's mask, beyond the method's formula
+        self.window_rows = 0 if m.evicts_at_decode else self.pos_rows
         self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
         if on_select is not None and not self.pos_rows:
             self.pos_rows = config.n_kv_heads
@@ -99,11 +101,12 @@ class KVCache(KVManager):
         """Rows of int32 positions per slot (0, 1 or Hkv), held and counted only for decode-time
         eviction; a subclass that masks by position (padding) overrides it."""
         m = self.method
-        # a sliding window masks by position: a cache that outgrows it keeps them too
-        windowed = self.config.any_window and not self.slot_positions
-        if not m.evicts_at_decode and not windowed:
-            return 0
-        return 1 if m.per_layer else self.config.n_kv_heads
+        rows = 1 if m.per_layer else self.config.n_kv_heads
+        if m.evicts_at_decode:
+            return rows
+        # a sliding window (Mistral's, Gemma 3's local layers) masks by position: a cache
+        # whose slots are not positions keeps them too, counted (`window_rows`)
+        return rows if self.config.any_window and not self.slot_positions else 0
 
     def reset(self) -> None:
         super().reset()
@@ -224,7 +227,7 @@ class KVCache(KVManager):
         if self.kivi_layout is not None:
             r = self.kivi_layout["residual"]
             for st in self.layers:
-                if st.kivi.tail_len >= r:
+                if st.kivi is not None and st.kivi.tail_len >= r:
                     st.kivi.flush(r)
 
     def select(self, point: str) -> None:

@@ -244,7 +244,7 @@ class Method:
         """The spec's byte formula from what `kv` holds (counts, never its tensors): per layer,
         dense slots at 2 * Hkv * D * e + slot_bytes, a KIVI store by its formula. A method
         with a cache of its own overrides it (kvrun/kv/bytes.py has the parts)."""
-        return composed(kv, self.slot_bytes(kv.config))
+        return composed(kv, self.slot_bytes(kv.config) + 4 * getattr(kv, "window_rows", 0))
 
     def make_cache(self, spec: KVSpec, config, rope, device, dtype, **kw):
         """The method's own cache (`cache`), built for `spec`."""

@@ -34,7 +34,9 @@ class KVzipCache(KVCache):
         self.scores: list[torch.Tensor | None] = [None] * self.config.n_layers  # (Hkv, t) fp32
 
     def position_rows(self) -> int:
-        return self.config.n_kv_heads if self.scope == "layer" else 0  # padding is masked
+        if self.scope == "layer":
+            return self.config.n_kv_heads  # padding is masked (in the method's formula)
+        return super().position_rows()  # a sliding window's positions, where the model has one
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
@@ -44,7 +46,11 @@ class KVzipCache(KVCache):
         """After the turn's prefill, one pass per chunk (a leading BOS is not repeated)."""
         if when != "after" or not self.select_turn or not ids:
             return []
-        sw = self.config.sliding_window
+        # Mistral's window hides the context from the repeat on every layer; Gemma 3's local
+        # layers only: there the scores of what the window hides are 0, and it is never seen
+        # again there, while the global layers score the whole context
+        c = self.config
+        sw = c.sliding_window if all(c.window(i) for i in range(c.n_layers)) else None
         if sw and self.seen > sw:
             raise KvrunError(
                 f"--kv {self.name} cannot reconstruct past the model's sliding window of {sw} "

@@ -54,8 +54,13 @@ class MiniKV(Method):
     def nbytes(self, kv) -> int:
         """sum_l Hkv * d * (n_q * (1/2 + e/4) + 2e * n_r) (§I of the paper's appendix, exact:
         the 2-bit KIVI store by its formula); quant=none: 2 * Hkv * T_l * d * e, held turns
-        included."""
-        held = sum(dense(kv.config, h.length, elem(kv)) for h in kv.held if h is not None)
+        included. Gemma 3's local layers: their window, dense with an int32 position per slot."""
+        c, e = kv.config, elem(kv)
+        held = sum(
+            dense(c, h.length, e) + (4 * h.length if i in kv.local else 0)
+            for i, h in enumerate(kv.held)
+            if h is not None
+        )
         return composed(kv) + held
 
 

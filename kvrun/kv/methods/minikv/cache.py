@@ -108,10 +108,18 @@ class MiniKVCache(KVCache):
     def reset(self) -> None:
         super().reset()
         c, dense = self.config, self.kivi_layout is None  # quant=none: turns held dense
+        # Gemma 3's local layers: the layer's window, held dense with positions (the 2-bit
+        # store cannot mask by position) and cut to the window as it moves; MiniKV selects
+        # and quantizes the global layers (Mistral's window on every layer is refused past it)
+        self.local = frozenset(c.local_layers or ()) if c.sliding_window else frozenset()
         self.held = [
-            DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense else None
-            for _ in range(c.n_layers)
+            DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, 1)
+            if i in self.local
+            else (DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense else None)
+            for i in range(c.n_layers)
         ]
+        for i in self.local:
+            self.layers[i].kivi = None
 
     def _dense(self) -> DenseSeg:
         c = self.config
@@ -130,7 +138,21 @@ class MiniKVCache(KVCache):
     def _window_ok(self, st: Layer) -> bool:
         return False  # the store keeps no positions
 
+    def _local(self, layer, q, k, v, positions) -> torch.Tensor:
+        """A local layer's step: attend over its window, then drop what the next query cannot
+        see (a key at p is seen from queries below p + window)."""
+        held, window = self.held[layer], self.config.sliding_window
+        held.append(k, v, positions)
+        out = combine(held.partials(q, positions, k.shape[2], window), self.dtype)
+        cut = int(positions[-1]) + 1 - window  # keys at or below it are out of every window
+        pos = held.pos[0]
+        if int(pos[0]) <= cut:
+            held.keep(torch.nonzero(pos > cut).view(1, -1))
+        return out
+
     def prefill(self, layer, q, k, v, positions):
+        if layer in self.local:
+            return self._local(layer, q, k, v, positions)
         st, held = self._layer(layer, k.shape[2]), self.held[layer]
         st.dense.append(k, v, positions)
         if st.kivi is not None and st.kivi.length:
@@ -147,6 +169,8 @@ class MiniKVCache(KVCache):
         return combine(older + [part], self.dtype)
 
     def decode(self, layer, q, k, v, positions):
+        if layer in self.local:
+            return self._local(layer, q, k, v, positions)
         st, held = self._layer(layer, k.shape[2]), self.held[layer]
         if st.kivi is None:
             held.append(k, v, positions)
@@ -161,8 +185,8 @@ class MiniKVCache(KVCache):
         """The driver's: the selection, then the kept tokens into the 2-bit store in position
         order (in whole groups, `_flush_unit`); with quant=none they join the turns held."""
         super().end_prefill()
-        for st, held in zip(self.layers, self.held, strict=True):
-            if st.kivi is None and held is not None and st.dense.length:
+        for i, (st, held) in enumerate(zip(self.layers, self.held, strict=True)):
+            if st.kivi is None and held is not None and st.dense.length and i not in self.local:
                 held.append(*st.dense.take(), torch.empty(0))
 
     def _flush_unit(self) -> int:
@@ -170,10 +194,12 @@ class MiniKVCache(KVCache):
 
     def select(self, point: str) -> None:
         """Heavy hitters and the recent window of the turn, per layer and KV head."""
-        t = self.layers[0].dense.length
+        t = max(st.dense.length for st in self.layers)  # the turn (local layers hold none)
         hh, n_rw = budgets(self.opt, self.spec.budget, t, self.config.n_layers)
         norm = self.opt["score_norm"] == "length"
         for i, st in enumerate(self.layers):
+            if i in self.local:
+                continue
             d = st.dense
             if hh[i] + n_rw < t:
                 d.keep(heavy_recent(d.acc, hh[i], n_rw, self.config.n_kv_heads, norm))
@@ -189,7 +215,7 @@ class MiniKVCache(KVCache):
         if self.kivi_layout is None:
             return True
         r = self.kivi_layout["residual"]
-        return all(st.kivi.tail_len + 1 < r for st in self.layers)
+        return all(st.kivi.tail_len + 1 < r for st in self.layers if st.kivi is not None)
 
     def stores(self) -> list:
         return super().stores() + [h for h in self.held if h is not None]

@@ -1,0 +1,64 @@
+"""The registry-wide KV contract (tests/test_kv_contract.py) on each family beside Llama: every
+method and stack runs on Qwen 2.5's biased, Qwen 3's normed, Gemma 3's local/global and
+Phi-3's partially rotated attention, with the same checks (a covering budget equals the full
+cache, the defaults compress and report, stored bytes equal the formula, static steps equal
+eager ones, a batch of three equals three single runs).
+
+On Gemma 3's local layers the window (48 here) is shorter than the prompts (80-300 tokens):
+every method keeps positions there to mask by, so what a layer's window hides stays hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import test_kv_contract as contract
+import test_kv_methods
+
+import tiny_families
+from kvrun.kv import REGISTRY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FAMILIES = ("qwen2", "qwen3", "gemma3", "phi3")
+
+
+@functools.lru_cache(maxsize=8)
+def _model(name: str, n_heads: int = 4):
+    c = tiny_families.kv_config(name, n_heads)
+    return test_kv_methods.random_transformer(c, 4321 + n_heads)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request, monkeypatch):
+    """The contract's tiny model swapped for the family's."""
+    monkeypatch.setattr(contract, "tiny", lambda n_heads=4: _model(request.param, n_heads))
+    return request.param
+
+
+ALL = list(REGISTRY.values())
+
+
+@pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
+def test_budget_covering_everything_equals_full(family, m):
+    contract.test_budget_covering_everything_equals_full(m)
+
+
+@pytest.mark.parametrize("m", contract.SELECT + contract.STORES, ids=lambda m: m.name)
+def test_default_settings_compress_and_report(family, m):
+    contract.test_default_settings_compress_and_report(m)
+
+
+@pytest.mark.parametrize("text", contract._stacks())
+def test_nbytes_equals_the_spec_formula(family, text):
+    contract.test_nbytes_equals_the_spec_formula(text)
+
+
+@pytest.mark.parametrize("spec", contract._static_specs())
+def test_static_step_equals_eager(family, spec):
+    contract.test_static_step_equals_eager(spec)
+
+
+@pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
+def test_batch_of_three_equals_three_single_runs(family, m):
+    contract.test_batch_of_three_equals_three_single_runs(m)
