@@ -73,6 +73,13 @@ def gguf_to_hf(
     _write_json(dst / "config.json", hf_config)
 
     tensors = {k: v.contiguous() for k, v in w.tensors.items()}
+    if config.gemma_norms:  # kvrun (as llama.cpp) holds 1 + w; Gemma's files keep w
+        for k in [k for k in tensors if k.endswith("norm.weight")]:
+            tensors[k] = (tensors[k].float() - 1.0).to(dtype)
+    if config.arch == "phi3":  # Phi-3's files keep Q, K, V and gate, up each as one weight
+        from .hf_to_gguf import _fuse_phi3
+
+        _fuse_phi3(tensors, config)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     _usual_mode(dst / "model.safetensors")
 

@@ -11,9 +11,9 @@ import gguf
 import numpy as np
 import torch
 
-from kvrun.config import ModelConfig
+from kvrun.config import PERMUTED_QK, ModelConfig
 from kvrun.errors import KvrunError
-from kvrun.file_headers import GGUF_BLOCK, GGUF_TOP, gguf_name_to_hf
+from kvrun.file_headers import GGUF_TOP, ROPE_TENSORS, block_parts, gguf_name_to_hf
 from kvrun.rope import inverse_frequencies
 from kvrun.weights import load_safetensors, permute_qk
 
@@ -26,23 +26,35 @@ OUTTYPES = {  # outtype -> (type of 2-D weights, general.file_type)
     "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
-# llama.cpp names, the inverse of the loader's maps (rope_freqs is written separately)
-_BLOCK = {hf: name for name, hf in GGUF_BLOCK.items()}
-_TOP = {hf: name for name, hf in GGUF_TOP.items() if name != "rope_freqs"}
+# llama.cpp names, the inverse of the loader's maps (the RoPE tensors are written separately)
+_TOP = {hf: name for name, hf in GGUF_TOP.items() if name not in ROPE_TENSORS}
 _LLAMA3_REGEX_PART = "\\p{N}{1,3}"  # the digit rule that sets Llama 3's split regex apart
 
 
-def gguf_name(hf: str) -> str:
-    """The llama.cpp tensor name for a canonical (HF) tensor name."""
+def gguf_name(hf: str, arch: str = "llama") -> str:
+    """The llama.cpp tensor name for a canonical (HF) tensor name of a family."""
+    parts = {h: n for n, h in block_parts(arch).items()}
     stem, kind = hf.rsplit(".", 1)
     if stem.startswith("model.layers."):
         block, part = stem.removeprefix("model.layers.").split(".", 1)
-        name = f"blk.{block}.{_BLOCK[part]}.{kind}" if part in _BLOCK else None
+        name = f"blk.{block}.{parts[part]}.{kind}" if part in parts else None
     else:
         name = f"{_TOP[stem]}.{kind}" if stem in _TOP else None
-    if name is None or gguf_name_to_hf(name) != hf:
-        raise KvrunError(f"tensor {hf} has no llama.cpp name; is this a Llama-family model?")
+    if name is None or gguf_name_to_hf(name, arch) != hf:
+        raise KvrunError(f"tensor {hf} has no llama.cpp name in a {arch!r} model")
     return name
+
+
+def _fuse_phi3(tensors: dict, c: ModelConfig) -> None:
+    """Phi-3's files keep Q, K, V and gate, up each as one weight (llama.cpp's too)."""
+    for i in range(c.n_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        tensors[f"{a}qkv_proj.weight"] = torch.cat(
+            [tensors.pop(f"{a}{p}_proj.weight") for p in "qkv"]
+        )
+        tensors[f"{m}gate_up_proj.weight"] = torch.cat(
+            [tensors.pop(f"{m}gate_proj.weight"), tensors.pop(f"{m}up_proj.weight")]
+        )
 
 
 def _encode(w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q | None]:
@@ -246,15 +258,45 @@ def _add_hparams(w: gguf.GGUFWriter, c: ModelConfig, name: str, file_type: int) 
     w.add_head_count_kv(c.n_kv_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_dimension_count(c.rotary_dim or c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
-    if c.rope_scaling is not None and c.rope_scaling.kind == "linear":
+    if c.local_layers is not None and c.sliding_window:
+        w.add_rope_freq_base_swa(c.rope_local_theta)
+        if c.local_layers != tuple(i for i in range(c.n_layers) if i % 6 < 5):
+            w.add_sliding_window_pattern([bool(c.window(i)) for i in range(c.n_layers)])
+    if c.final_softcap is not None:
+        w.add_final_logit_softcapping(c.final_softcap)
+    s = c.rope_scaling
+    if s is not None and s.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(c.rope_scaling.factor)
+        w.add_rope_scaling_factor(s.factor)
+    elif s is not None and s.kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.factor)
+        w.add_rope_scaling_orig_ctx_len(s.original_context)
+        w.add_rope_scaling_yarn_beta_fast(s.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(s.beta_slow)
+        if s.attention_factor is not None:
+            w.add_rope_scaling_yarn_attn_factor(s.attention_factor)
+    elif s is not None and s.kind == "longrope":  # the factors are tensors (`_add_rope`)
+        w.add_rope_scaling_orig_ctx_len(s.original_context)
+        w.add_rope_scaling_attn_factors(s.magnitude())
+
+
+def _add_rope(w: gguf.GGUFWriter, c: ModelConfig) -> None:
+    """RoPE scaling that llama.cpp keeps as tensors: Llama 3's divisors, LongRoPE's factors."""
+    s = c.rope_scaling
+    if s is not None and s.kind == "llama3":
+        # llama.cpp keeps llama3 scaling as per-pair divisors of the base frequencies
+        base = inverse_frequencies(c.replace(rope_scaling=None))
+        w.add_tensor("rope_freqs.weight", (base / inverse_frequencies(c)).numpy())
+    elif s is not None and s.kind == "longrope":
+        for kind, f in (("long", s.long_factor), ("short", s.short_factor)):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(f, dtype=np.float32))
 
 
 def hf_to_gguf(
@@ -264,7 +306,7 @@ def hf_to_gguf(
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Convert an HF Llama / Mistral directory to one GGUF file at dst."""
+    """Convert an HF directory of a family kvrun runs to one GGUF file at dst."""
     src, dst = Path(src), Path(dst)
     if outtype != "auto" and outtype not in OUTTYPES:
         raise KvrunError(
@@ -288,27 +330,27 @@ def hf_to_gguf(
     c = lw.config
     qtype, file_type = OUTTYPES[outtype]
 
-    w = gguf.GGUFWriter(str(dst), "llama")  # llama.cpp files Mistral under "llama" too
+    arch = "llama" if c.arch == "mistral" else c.arch  # llama.cpp files Mistral as "llama"
+    w = gguf.GGUFWriter(str(dst), arch)
     _add_hparams(w, c, c.name or src.resolve().name, file_type)
     w.add_type("model")
     n_params = sum(t.numel() for k, t in lw.tensors.items() if "rotary_emb" not in k)
     w.add_size_label(gguf.size_label(n_params, 0, 0, 0))  # "8.0B", as llama.cpp labels it
     _add_tokenizer(w, src, lw.tokenizer, c.vocab_size)
-    if c.rope_scaling is not None and c.rope_scaling.kind == "llama3":
-        # llama.cpp keeps llama3 scaling as per-pair divisors of the base frequencies
-        base = inverse_frequencies(c.replace(rope_scaling=None))
-        w.add_tensor("rope_freqs.weight", (base / inverse_frequencies(c)).numpy())
+    _add_rope(w, c)
+    if c.arch == "phi3":
+        _fuse_phi3(lw.tensors, c)
     names = list(lw.tensors)
     for i, hf in enumerate(names):
         t = lw.tensors.pop(hf)  # free as we go: the writer keeps only encoded data
         if "rotary_emb" in hf:  # old checkpoints store RoPE tables; llama.cpp recomputes them
             continue
-        if hf.endswith("q_proj.weight"):
+        if c.arch in PERMUTED_QK and hf.endswith("q_proj.weight"):
             t = permute_qk(t, c.n_heads)
-        elif hf.endswith("k_proj.weight"):
+        elif c.arch in PERMUTED_QK and hf.endswith("k_proj.weight"):
             t = permute_qk(t, c.n_kv_heads)
         data, raw = _encode(t, qtype)
-        w.add_tensor(gguf_name(hf), data, raw_dtype=raw)
+        w.add_tensor(gguf_name(hf, c.arch), data, raw_dtype=raw)
         if progress:
             progress(i + 1, len(names))
     try:

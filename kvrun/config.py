@@ -412,6 +412,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "gelu_pytorch_tanh" if self.act == "gelu_tanh" else "silu",
             "torch_dtype": "float32",
+            "pad_token_id": None,  # Phi-3's config class defaults it to 32000, past small vocabularies
         }
         if self.arch in ("mistral", "phi3"):
             out["sliding_window"] = self.sliding_window

@@ -150,3 +150,31 @@ def test_longrope_long_factors_and_yarn_equal_transformers(family):
         rd = ref.numel()
         torch.testing.assert_close(ours[:rd], ref.float(), atol=0, rtol=1e-6)
         assert w.config.rope_scaling.magnitude() == pytest.approx(factor, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", tiny_families.FAMILIES)
+def test_convert_both_ways(family, tmp_path, name):
+    """`kvrun convert` HF -> GGUF gives the file llama.cpp's converter wrote, tensor for tensor
+    (kvrun reads both alike), and GGUF (llama.cpp's) -> HF gives a folder transformers loads
+    with the model's own logits."""
+    import transformers
+
+    from kvrun.convert import convert
+
+    f = family(name)
+    ids = tiny_families.text_ids(name)
+    ref = f.logits(ids)
+    ours = convert(f.hf_dir, tmp_path / f"{name}.gguf", outtype="f32")
+    a, b = load(ours, torch.float32), load(f.gguf_path, torch.float32)
+    assert a.config == b.config.replace(name=a.config.name)
+    assert a.tensors.keys() == b.tensors.keys()
+    for k in a.tensors:
+        torch.testing.assert_close(a.tensors[k], b.tensors[k], atol=0, rtol=0, msg=k)
+    model = Transformer.from_weights(a.config, a.tensors, "cpu")
+    torch.testing.assert_close(_prefill_all(model, a, ids, 8), ref, atol=ATOL, rtol=RTOL)
+
+    hf_dir = convert(f.gguf_path, tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = back(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
