@@ -162,6 +162,33 @@ class ModelConfig:
         """Whether any layer attends over a sliding window."""
         return bool(self.sliding_window) and (self.local_layers is None or bool(self.local_layers))
 
+    def features(self) -> list[str]:
+        """What this model adds to Llama's blocks, in words (`kvrun info`)."""
+        out = []
+        if self.qkv_bias:
+            out.append("q/k/v biases")
+        if self.qk_norm:
+            out.append("q/k norms")
+        if self.sandwich_norms:
+            out.append("norms after attention and MLP")
+        if self.act == "gelu_tanh":
+            out.append("GeGLU (tanh)")
+        if self.embed_scale != 1.0:
+            out.append(f"embedding x {self.embed_scale:.4g}")
+        if self.attn_scale is not None:
+            out.append(f"softmax scale {self.attn_scale:.4g}")
+        if self.final_softcap is not None:
+            out.append(f"logits soft-capped at {self.final_softcap:g}")
+        if self.local_layers is not None and self.sliding_window:
+            n = len(self.local_layers)
+            out.append(
+                f"{n} local layers (window {self.sliding_window}, RoPE base "
+                f"{self.rope_local_theta:g}) + {self.n_layers - n} global"
+            )
+        if self.rotary_dim is not None:
+            out.append(f"partial rotary {self.rotary_dim}/{self.head_dim}")
+        return out
+
     @property
     def gemma_norms(self) -> bool:
         """Whether the HF files keep RMSNorm weights as w for a scale of (1 + w) (Gemma); kvrun,

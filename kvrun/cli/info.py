@@ -149,6 +149,7 @@ def info(model, wtype, as_json):
         "name": cfg.name,
         "format": facts["format"],
         "architecture": cfg.arch,
+        "features": cfg.features(),
         "parameters": cfg.n_params(),
         "file_bytes": facts["file_bytes"],
         "layers": cfg.n_layers,
@@ -179,6 +180,7 @@ def info(model, wtype, as_json):
     t.add_column(style="bold")
     t.add_column()
     pretty = dict(rows)
+    pretty["features"] = ", ".join(cfg.features()) or "none beyond Llama's"
     pretty["parameters"] = f"{cfg.n_params() / 1e6:.1f} M"
     pretty["file_bytes"] = human_bytes(facts["file_bytes"])
     pretty["tensor_types"] = ", ".join(
