@@ -15,6 +15,7 @@ from kvrun.model import Transformer
 from kvrun.rope import inverse_frequencies
 from kvrun.weights import load
 
+pytestmark = pytest.mark.slow  # llama.cpp's converter runs in a subprocess
 ATOL = RTOL = 1e-4
 PREFILL = 14  # prompt tokens before the token-by-token part (of 24; Gemma's window is 8)
 
@@ -178,3 +179,37 @@ def test_convert_both_ways(family, tmp_path, name):
     with torch.no_grad():
         got = back(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", tiny_families.FAMILIES)
+def test_quantized_file_runs_on_its_blocks(family, tmp_path, name, monkeypatch):
+    """A Q8_0 file of each family (llama.cpp's converter) held in its blocks (`--wtype auto`,
+    the native kernels where built): prefill beyond the fast products' rows equals the file
+    dequantized at load (`--wtype f32`), and decode steps through the fast products (8-bit
+    activations) stay close to it."""
+    import llamacpp
+    from kvrun.quant import blocks as blocks_mod
+    from kvrun.quant.blocks import BlockLinear
+
+    path = llamacpp.convert(family(name).hf_dir, tmp_path / f"{name}.q8_0.gguf", "q8_0")
+    models = {}
+    for wtype in ("f32", "auto"):
+        w = load(path, torch.float32, wtype=wtype)
+        models[wtype] = Transformer.from_weights(w.config, w.tensors, "cpu"), w
+    held = models["auto"][0]
+    assert any(isinstance(m, BlockLinear) for m in held.modules())
+    ids = tiny_families.text_ids(name)
+    outs = []
+    for wtype in ("f32", "auto"):
+        model, w = models[wtype]
+        s = Session(model, w.tokenizer, _kv(model, w), ubatch=7)
+        logits = [s.prefill(ids[:PREFILL])]
+        logits += [s.decode(t) for t in ids[PREFILL:]]
+        outs.append(torch.stack(logits))
+    lp, lq = outs[0].log_softmax(-1), outs[1].log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    assert kl.max() < 2e-2, kl
+    monkeypatch.setattr(blocks_mod, "native_rows", lambda: 4)
+    want = _prefill_all(*models["f32"], ids, len(ids))
+    got = _prefill_all(*models["auto"], ids, len(ids))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
