@@ -327,6 +327,20 @@ class Transformer(nn.Module):
         m.use_native_step()
         return m
 
+    def use_context(self, n: int) -> None:
+        """LongRoPE (Phi-3): rotate with the long factors when the run's context exceeds the
+        original one, else the short ones (llama.cpp's rule, by the context a run allows;
+        transformers switches by the sequence's length instead). Call before any cache is
+        filled: keys already in a cache keep the rotation they were stored with."""
+        s = self.config.rope_scaling
+        if s is None or s.kind != "longrope" or isinstance(self.rope, RopeSet):
+            return
+        inv = inverse_frequencies(self.config, long=n > s.original_context)
+        if not torch.equal(inv.to(self.rope.inv_freq.device), self.rope.inv_freq):
+            kernels = self.rope.kernels
+            self.rope = _ropes(self.config, inv, None, self.device, self.dtype)
+            self.rope.kernels = kernels
+
     def use_native_step(self) -> None:
         """Where every product runs through the native CPU kernels (GGUF blocks, float32), the
         rest of a decode step does too: RMSNorm, RoPE, SiLU x up and attention over dense

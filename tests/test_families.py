@@ -213,3 +213,15 @@ def test_quantized_file_runs_on_its_blocks(family, tmp_path, name, monkeypatch):
     want = _prefill_all(*models["f32"], ids, len(ids))
     got = _prefill_all(*models["auto"], ids, len(ids))
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_longrope_takes_the_long_factors_past_the_original_context(loaded):
+    """Phi-3's LongRoPE: the short factors up to the original context (4096 here), the long
+    ones for a run allowed more (-c), as llama.cpp picks them."""
+    model, w = loaded("phi3", "safetensors")
+    short = model.rope.inv_freq.clone()
+    model.use_context(8192)
+    torch.testing.assert_close(model.rope.inv_freq, inverse_frequencies(w.config, long=True))
+    assert not torch.equal(model.rope.inv_freq, short)
+    model.use_context(4096)
+    torch.testing.assert_close(model.rope.inv_freq, short, atol=0, rtol=0)

@@ -337,6 +337,7 @@ def load_with_progress(
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             wtype=model.wtype,
         )
+    rt.model.use_context(model.ctx_size or rt.config.context_length)  # LongRoPE's factors
     return rt
 
 
