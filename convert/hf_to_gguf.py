@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from kvrun.config import PERMUTED_QK, ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.file_headers import GGUF_TOP, ROPE_TENSORS, block_parts, gguf_name_to_hf
 from kvrun.rope import inverse_frequencies
+from kvrun.tokenizer import bpe_json_vocab, bpe_pre_name, spm_json_vocab
 from kvrun.weights import load_safetensors, permute_qk
 
 Progress = Callable[[int, int], None]
@@ -28,7 +28,6 @@ OUTTYPES = {  # outtype -> (type of 2-D weights, general.file_type)
 }
 # llama.cpp names, the inverse of the loader's maps (the RoPE tensors are written separately)
 _TOP = {hf: name for name, hf in GGUF_TOP.items() if name not in ROPE_TENSORS}
-_LLAMA3_REGEX_PART = "\\p{N}{1,3}"  # the digit rule that sets Llama 3's split regex apart
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
@@ -70,44 +69,25 @@ def _encode(w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q | None]:
 
 
 # ----------------------------------------------------------------------- tokenizer
-def _flatten(node: dict | None) -> list[dict]:
-    if not node:
-        return []
-    if node.get("type") == "Sequence":
-        return [s for child in node.get("pretokenizers", []) for s in _flatten(child)]
-    return [node]
-
-
 def _bpe_pre(tok_json: dict, tok_cfg: dict) -> str:
     """llama.cpp's pre-tokenizer name: as recorded by gguf -> hf, else read off tokenizer.json."""
     if tok_cfg.get("gguf_pre"):
         return str(tok_cfg["gguf_pre"])
-    steps = _flatten(tok_json.get("pre_tokenizer"))
-    regexes = [s.get("pattern", {}).get("Regex", "") for s in steps if s.get("type") == "Split"]
-    if r"\p{N}" in regexes or any(s.get("individual_digits") for s in steps):
-        return "smollm"  # digits split one by one before the GPT-2 rules
-    if any(_LLAMA3_REGEX_PART in r for r in regexes):
-        return "llama-bpe"
-    return "gpt2"
+    return bpe_pre_name(tok_json) or "gpt2"
 
 
 def _add_bpe(w: gguf.GGUFWriter, tok_json: dict, tok_cfg: dict, vocab_size: int) -> None:
-    model = tok_json["model"]
-    by_id = {i: t for t, i in model["vocab"].items()}
-    types = {i: gguf.TokenType.NORMAL for i in by_id}
-    for a in tok_json.get("added_tokens", []):
-        by_id[a["id"]] = a["content"]
-        types[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
-    n = max(vocab_size, max(by_id) + 1)
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    tokens, types, merges = bpe_json_vocab(tok_json, vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(_bpe_pre(tok_json, tok_cfg))
     w.add_token_list(tokens)
-    w.add_token_types([int(types.get(i, gguf.TokenType.UNUSED)) for i in range(n)])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
+    w.add_token_types([int(t) for t in types])
+    w.add_token_merges(merges)
 
 
-def _add_spm(w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: int) -> None:
+def _add_spm(
+    w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: int, prefix=None
+) -> None:
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
@@ -139,11 +119,17 @@ def _add_spm(w: gguf.GGUFWriter, src: Path, tok_json: dict | None, vocab_size: i
         tokens.append(f"[PAD{i}]")
         scores.append(-1000.0)
         types.append(gguf.TokenType.UNUSED)
-    _write_llama_vocab(w, tokens, scores, types, tok_json)
+    _write_llama_vocab(w, tokens, scores, types, tok_json, prefix=prefix)
 
 
 def _write_llama_vocab(
-    w: gguf.GGUFWriter, tokens, scores, types, tok_json: dict | None, prefix_key: bool = True
+    w: gguf.GGUFWriter,
+    tokens,
+    scores,
+    types,
+    tok_json: dict | None,
+    prefix_key: bool = True,
+    prefix: bool | None = None,
 ) -> None:
     """llama.cpp's SentencePiece vocabulary ('llama'): pieces, scores, types, dummy prefix
     (without prefix_key, add_space_prefix is written only when false: llama.cpp's default is
@@ -153,7 +139,9 @@ def _write_llama_vocab(
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types([int(t) for t in types])
-    if tok_json is None:
+    if prefix is not None:  # the family says (Gemma 3: none, as llama.cpp's converter writes)
+        prepend = prefix
+    elif tok_json is None:
         prepend = True  # SentencePiece's default (add_dummy_prefix)
     else:  # HF writes the dummy prefix as a Prepend normalizer or a Metaspace pre-tokenizer
         spec = json.dumps([tok_json.get("normalizer"), tok_json.get("pre_tokenizer")])
@@ -170,60 +158,22 @@ def _is_spm_bpe(tok_json: dict) -> bool:
 
 
 def _add_spm_json(w: gguf.GGUFWriter, tok_json: dict, vocab_size: int) -> None:
-    """A SentencePiece BPE folder without tokenizer.model, written as the 'llama' vocabulary
-    llama.cpp's convert_hf_to_gguf.py writes for it (same pieces, types and keys). Scores:
-    minus the rank of the merge that makes each piece, so SentencePiece-style merging (best
-    score first: llama.cpp's and kvrun's) gives the folder's own tokens; llama.cpp's
-    converter writes -1000 for every piece there, which ranks no merge."""
-    model = tok_json["model"]
-    merges = model.get("merges", [])
-    rank: dict[str, int] = {}
-    for r, m in enumerate(merges):
-        a, b = m.split(" ", 1) if isinstance(m, str) else m
-        rank.setdefault(a + b, r)
-    by_id = {i: t for t, i in model["vocab"].items()}
-    added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
-    n = max(vocab_size, max(by_id) + 1, max(added, default=0) + 1)
-    unk = model.get("unk_token")
-    tokens, scores, types = [], [], []
-    for i in range(n):
-        piece = by_id.get(i)
-        if piece is None and i not in added:
-            tokens.append(f"[PAD{i}]")
-            scores.append(-1000.0)
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        if i in added:
-            a = added[i]
-            kind = gguf.TokenType.USER_DEFINED
-            if a["content"] == unk:
-                kind = gguf.TokenType.UNKNOWN
-            elif a.get("special"):
-                kind = gguf.TokenType.CONTROL
-            tokens.append(a["content"])
-            scores.append(0.0 if kind != gguf.TokenType.USER_DEFINED else -1000.0)
-            types.append(kind)
-            continue
-        kind = gguf.TokenType.NORMAL
-        if piece == unk:
-            kind = gguf.TokenType.UNKNOWN
-        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
-            kind = gguf.TokenType.BYTE
-        tokens.append(piece)
-        scores.append(
-            -float(rank.get(piece, len(merges) + i)) if kind == gguf.TokenType.NORMAL else 0.0
-        )
-        types.append(kind)
+    """A SentencePiece BPE folder without tokenizer.model (Llama 2 / Mistral style, Gemma 3),
+    written as the 'llama' vocabulary llama.cpp's converter writes for it; the scores rank
+    the merges (kvrun.tokenizer.spm_json_vocab), where llama.cpp's writes -1000 for all."""
+    tokens, scores, types = spm_json_vocab(tok_json, vocab_size)
     _write_llama_vocab(w, tokens, scores, types, tok_json, prefix_key=False)
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, src: Path, tok, vocab_size: int) -> None:
+def _add_tokenizer(
+    w: gguf.GGUFWriter, src: Path, tok, vocab_size: int, prefix: bool | None = None
+) -> None:
     tj_path, tc_path = src / "tokenizer.json", src / "tokenizer_config.json"
     tok_json = json.loads(tj_path.read_text()) if tj_path.exists() else None
     tok_cfg = json.loads(tc_path.read_text()) if tc_path.exists() else {}
     spm = (src / "tokenizer.model").exists()
     if spm:
-        _add_spm(w, src, tok_json, vocab_size)
+        _add_spm(w, src, tok_json, vocab_size, prefix)
     elif tok_json is not None and _is_spm_bpe(tok_json):
         _add_spm_json(w, tok_json, vocab_size)
         spm = True
@@ -336,7 +286,7 @@ def hf_to_gguf(
     w.add_type("model")
     n_params = sum(t.numel() for k, t in lw.tensors.items() if "rotary_emb" not in k)
     w.add_size_label(gguf.size_label(n_params, 0, 0, 0))  # "8.0B", as llama.cpp labels it
-    _add_tokenizer(w, src, lw.tokenizer, c.vocab_size)
+    _add_tokenizer(w, src, lw.tokenizer, c.vocab_size, False if c.arch == "gemma3" else None)
     _add_rope(w, c)
     if c.arch == "phi3":
         _fuse_phi3(lw.tensors, c)

@@ -66,6 +66,12 @@ def _prefill_all(model, w, ids, ubatch):
 
 
 FMTS = ["gguf", "safetensors"]
+TEXTS = [
+    "Hello world! The quick fox reads 2024 keys, and the llama keeps 12345 values.",
+    "  two  spaces\tand\ttabs\n\nnew lines   ",
+    "def f(x):\n    return x**2  # 你好世界 🦙",
+    "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model",
+]
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -173,6 +179,11 @@ def test_convert_both_ways(family, tmp_path, name):
         torch.testing.assert_close(a.tensors[k], b.tensors[k], atol=0, rtol=0, msg=k)
     model = Transformer.from_weights(a.config, a.tensors, "cpu")
     torch.testing.assert_close(_prefill_all(model, a, ids, 8), ref, atol=ATOL, rtol=RTOL)
+    for text in TEXTS:  # the two files' vocabularies tokenize alike
+        for special in (False, True):
+            want = b.tokenizer.encode(text, add_bos=False, special=special)
+            assert a.tokenizer.encode(text, add_bos=False, special=special) == want, text
+    assert a.meta.get("tokenizer.ggml.pre") == b.meta.get("tokenizer.ggml.pre")
 
     hf_dir = convert(f.gguf_path, tmp_path / "hf")
     back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
