@@ -8,7 +8,7 @@ import json
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +88,19 @@ class GGUFFile:
     meta: dict[str, Any]
     tensors: list[GGUFTensor]
     mapping: mmap.mmap | None = None
+    # a model split in parts (`-00001-of-00003.gguf`): the part's mapping of each tensor
+    part_maps: dict[str, mmap.mmap] = field(default_factory=dict)
 
     def release(self, t: GGUFTensor) -> None:
         """Unmap a tensor's pages from this process once it has been read. They stay in the
         OS page cache (a later read maps them again), but no longer count in the process's
         memory: loading an 8B Q4 file otherwise ends with the whole 4.2 GB file resident
         beside the converted model."""
-        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        mapping = self.part_maps.get(t.name, self.mapping)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
             return  # platforms without madvise keep the pages mapped
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self.mapping.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.data.nbytes - start)
+        mapping.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.data.nbytes - start)
 
 
 # GGUF value types: (struct code, numpy dtype) of the scalar types; 8 is a string, 9 an array
@@ -110,7 +113,40 @@ _ELEMENT_DTYPE = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8":
                   "I16": np.int16, "I32": np.int32, "I64": np.int64}  # fmt: skip
 
 
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of a model split in parts (llama.cpp's gguf-split names), in order, given any
+    one of them; [path] for a whole file."""
+    m = _SPLIT.match(Path(path).name)
+    if not m:
+        return [Path(path)]
+    stem, n = m.group(1), int(m.group(3))
+    return [Path(path).with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+
 def open_gguf(path: Path) -> GGUFFile:
+    """A GGUF model's header and mapped tensors: a whole file, or every part of a split one
+    (the first part holds the metadata; each part's tensors are mapped from that part)."""
+    path = Path(path)
+    parts = split_parts(path)
+    first = _open_one(parts[0])
+    count = int(first.meta.get("split.count", 1) or 1)
+    if len(parts) == 1 and count == 1:
+        return first
+    if count != len(parts):
+        raise KvrunError(f"{path} says it is one of {count} parts; its name says {len(parts)}")
+    for p in parts[1:]:
+        if not p.exists():
+            raise ModelNotFound(f"{path} is part of a split model, and {p.name} is missing")
+        part = _open_one(p)
+        first.tensors += part.tensors
+        first.part_maps.update({t.name: part.mapping for t in part.tensors})
+    return first
+
+
+def _open_one(path: Path) -> GGUFFile:
     """Read a GGUF file's header (metadata and tensor table) and map its tensors, with a clear
     error for anything that is not a whole GGUF file.
 

@@ -236,3 +236,24 @@ def test_longrope_takes_the_long_factors_past_the_original_context(loaded):
     assert not torch.equal(model.rope.inv_freq, short)
     model.use_context(4096)
     torch.testing.assert_close(model.rope.inv_freq, short, atol=0, rtol=0)
+
+
+def test_a_model_split_in_parts_loads_whole(family, tmp_path):
+    """A GGUF split by llama.cpp's converter (`--split-max-tensors`, the parts `kvrun pull`
+    fetches) loads from its first part as the whole file does; a missing part is one line."""
+    import llamacpp
+
+    from kvrun.errors import ModelNotFound
+
+    (tmp_path / "split").mkdir()
+    llamacpp.convert(
+        family("phi3").hf_dir, tmp_path / "split" / "m.gguf", "f32", "--split-max-tensors", "6"
+    )
+    parts = sorted((tmp_path / "split").iterdir())
+    assert [p.name for p in parts] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    a, b = load(parts[0], torch.float32), load(family("phi3").gguf_path, torch.float32)
+    assert a.config == b.config and a.tensors.keys() == b.tensors.keys()
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    parts[2].unlink()
+    with pytest.raises(ModelNotFound, match="m-00003-of-00003.gguf is missing"):
+        load(parts[0], torch.float32)
