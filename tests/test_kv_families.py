@@ -62,3 +62,25 @@ def test_static_step_equals_eager(family, spec):
 @pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
 def test_batch_of_three_equals_three_single_runs(family, m):
     contract.test_batch_of_three_equals_three_single_runs(m)
+
+
+@pytest.mark.parametrize("text", ["kivi2", "snapkv+kivi4"])
+def test_kivi_stores_only_the_global_layers(text):
+    """A KIVI body cannot mask a window: Gemma 3's local layers stay dense (masked by their
+    positions) and only the global layers quantize; on a model whose every layer has a
+    window, a KIVI store past it is one line."""
+    from test_kv_methods import drive, new_kv, prompt
+
+    from kvrun.errors import KvrunError
+
+    model = _model("gemma3")
+    kv = new_kv(model, f"{text}:residual=32")
+    drive(model, kv, prompt(150, seed=3), 64, n_decode=4)
+    local = model.config.local_layers
+    assert [st.kivi is None for st in kv.layers] == [i in local for i in range(3)]
+    assert kv.layers[2].kivi.length > 0 and all(kv.layers[i].dense.pos is not None for i in local)
+    every = test_kv_methods.random_transformer(
+        model.config.replace(local_layers=None, rope_local_theta=None), 5
+    )
+    with pytest.raises(KvrunError, match="sliding-window attention past 48 tokens"):
+        drive(every, new_kv(every, f"{text}:residual=32"), prompt(150, seed=3), 64)

@@ -111,8 +111,11 @@ class KVCache(KVManager):
     def reset(self) -> None:
         super().reset()
         old = self.layers  # dense buffers are rewound, not reallocated (a graph reads them)
+        # Gemma 3's local layers hold no KIVI store: its body cannot mask a window by position,
+        # so they stay dense, masked by their positions (the global layers quantize)
+        local = set(self.config.local_layers or ()) if self.config.sliding_window else set()
         self.layers = [
-            Layer(old[i].dense if old else self._dense(), self._kivi())
+            Layer(old[i].dense if old else self._dense(), None if i in local else self._kivi())
             for i in range(self.config.n_layers)
         ]
         for st in old:
@@ -146,7 +149,8 @@ class KVCache(KVManager):
         return st
 
     def _window_ok(self, st: Layer) -> bool:
-        return st.dense.pos is not None or self.slot_positions
+        """Whether the layer can mask a window: positions (or slot = position), no KIVI body."""
+        return (st.dense.pos is not None or self.slot_positions) and st.kivi is None
 
     def prefill(self, layer, q, k, v, positions):
         st = self._layer(layer, k.shape[2])
@@ -201,7 +205,8 @@ class KVCache(KVManager):
             self.select("chunk")
         if self.kivi_layout is not None and not self.selects:
             for st in self.layers:
-                st.kivi.flush(self.kivi_layout["residual"])
+                if st.kivi is not None:
+                    st.kivi.flush(self.kivi_layout["residual"])
 
     def end_prefill(self) -> None:
         super().end_prefill()
