@@ -242,7 +242,6 @@ def test_a_model_split_in_parts_loads_whole(family, tmp_path):
     """A GGUF split by llama.cpp's converter (`--split-max-tensors`, the parts `kvrun pull`
     fetches) loads from its first part as the whole file does; a missing part is one line."""
     import llamacpp
-
     from kvrun.errors import ModelNotFound
 
     (tmp_path / "split").mkdir()
@@ -257,3 +256,40 @@ def test_a_model_split_in_parts_loads_whole(family, tmp_path):
     parts[2].unlink()
     with pytest.raises(ModelNotFound, match="m-00003-of-00003.gguf is missing"):
         load(parts[0], torch.float32)
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (the gemma-3-4b-it layout): kvrun loads its
+    language model (`language_model.*`, `text_config`), leaves the vision tower, and gives
+    transformers' logits for text. (transformers' multimodal class applies no final soft
+    cap, as real Gemma 3 configs set none: the tiny text config here sets none either.)"""
+    import transformers
+
+    import tiny_models
+
+    tc = tiny_families._config("gemma3").to_dict()
+    tc["final_logit_softcapping"] = None
+    vc = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    cfg = transformers.Gemma3Config(
+        text_config=tc, vision_config=vc.to_dict(), mm_tokens_per_image=4,
+        image_token_index=399, boi_token_index=397, eoi_token_index=398,
+    )  # fmt: skip
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "language_model" in n:
+                p.copy_((0.2 if n.endswith("norm.weight") else 0.15) * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tiny_models.save_spm(tmp_path)
+    w = load(tmp_path, torch.float32)
+    assert w.config.arch == "gemma3" and not any("vision" in k for k in w.tensors)
+    model = Transformer.from_weights(w.config, w.tensors, "cpu")
+    ids = tiny_families.text_ids("gemma3")
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_prefill_all(model, w, ids, 6), ref, atol=ATOL, rtol=RTOL)
