@@ -70,6 +70,34 @@ class RopeScaling:
             return math.sqrt(1 + math.log(self.factor) / math.log(self.original_context))
         return 1.0
 
+    def to_hf(self) -> dict:
+        """This scaling as HF's `rope_scaling`."""
+        orig = {"original_max_position_embeddings": self.original_context}
+        fields = {
+            "linear": {"factor": self.factor},
+            "llama3": {
+                "factor": self.factor,
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                **orig,
+            },
+            "yarn": {
+                "factor": self.factor,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                **orig,
+            },
+            "longrope": {
+                "short_factor": list(self.short_factor),
+                "long_factor": list(self.long_factor),
+                **orig,
+            },
+        }[self.kind]
+        out = {"rope_type": self.kind, **fields}
+        if self.attention_factor is not None:
+            out["attention_factor"] = self.attention_factor
+        return out
+
 
 def _scaling_from_hf(src: dict, max_pos: int) -> RopeScaling | None:
     """RopeScaling from an HF `rope_scaling` / `rope_parameters` dict (None: plain RoPE)."""
@@ -462,38 +490,10 @@ class ModelConfig:
             )
         if self.final_softcap is not None:
             out["final_logit_softcapping"] = self.final_softcap
-        s = self.rope_scaling
-        if s is not None:
-            if s.kind == "linear":
-                out["rope_scaling"] = {"rope_type": "linear", "factor": s.factor}
-            elif s.kind == "llama3":
-                out["rope_scaling"] = {
-                    "rope_type": "llama3",
-                    "factor": s.factor,
-                    "low_freq_factor": s.low_freq_factor,
-                    "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_context,
-                }
-            elif s.kind == "yarn":
-                out["rope_scaling"] = {
-                    "rope_type": "yarn",
-                    "factor": s.factor,
-                    "original_max_position_embeddings": s.original_context,
-                    "beta_fast": s.beta_fast,
-                    "beta_slow": s.beta_slow,
-                }
-                if s.attention_factor is not None:
-                    out["rope_scaling"]["attention_factor"] = s.attention_factor
-            else:
-                out["rope_scaling"] = {
-                    "rope_type": "longrope",
-                    "short_factor": list(s.short_factor),
-                    "long_factor": list(s.long_factor),
-                    "original_max_position_embeddings": s.original_context,
-                }
-                out["original_max_position_embeddings"] = s.original_context
-                if s.attention_factor is not None:
-                    out["rope_scaling"]["attention_factor"] = s.attention_factor
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = self.rope_scaling.to_hf()
+            if self.rope_scaling.kind == "longrope":  # Phi-3 reads it at the top level
+                out["original_max_position_embeddings"] = self.rope_scaling.original_context
         if bos_id is not None:
             out["bos_token_id"] = bos_id
         if eos_id is not None:

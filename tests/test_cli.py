@@ -188,8 +188,16 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unknown_model_name(tmp_path):
-    r = run("generate", "-m", "llama3-8b", "-p", "hi", env={"KVRUN_MODELS": str(tmp_path)})
-    one_error_line(r, "llama3-8b", str(tmp_path))
+    r = run("generate", "-m", "nosuchmodel", "-p", "hi", env={"KVRUN_MODELS": str(tmp_path)})
+    one_error_line(r, "nosuchmodel", str(tmp_path))
+
+
+def test_a_short_name_not_pulled_offline_is_one_line(tmp_path):
+    """A short name (kvrun/hub.py) absent from the HF cache: a run command pulls it, and
+    offline that is one line (HF_HUB_OFFLINE: never a download from a test)."""
+    env = {"KVRUN_MODELS": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    r = run("generate", "-m", "llama3-8b", "-p", "hi", env=env)
+    one_error_line(r, "llama3-8b", "HF_HUB_OFFLINE")
 
 
 def test_default_model_missing_says_how_to_pull(tmp_path):

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 import pytest
+from test_convert_tokenizers import TEXTS as BASE_TEXTS
 from tokenizers import Tokenizer as HFTokenizer
 
 import llamacpp
@@ -45,15 +46,7 @@ GEMMA_CHAT = (
     "<end_of_turn>\n<start_of_turn>model\n"
 )
 TEXTS = [
-    "Hello world",
-    "  two  spaces\tand\ttabs\n\nnew lines   ",
-    "12345 67.89 1,000,000 and 2024-11-27",
-    "Привет мир, 你好世界, こんにちは, مرحبا, नमस्ते",
-    "emoji 🦙🚀 and a family 👩‍👩‍👧",
-    "ÜnïcÖdé ✓ naïve café",
-    "def f(x):\n    return x**2  # a comment",
-    "a </s> in the middle and <s> too",
-    "specials <|begin_of_text|> and <|eot_id|> as text",
+    *BASE_TEXTS,
     QWEN_CHAT,
     GEMMA_CHAT,
     "<|endoftext|><|fim_prefix|>x<|fim_suffix|>y<|fim_middle|> <tool_call>{}</tool_call>",
