@@ -62,6 +62,9 @@ class FusedLayer(NamedTuple):
     down: Product | NativeProduct  # ffn -> dim
     dt: torch.dtype  # the products' input: bfloat16 (int4 op) or float32 (native)
     kernels: object | None  # the native step kernels (norms, SiLU x up) with native products
+    bias: torch.Tensor | None = None  # Qwen 2: Q, K, V biases stacked ((Hq + 2 Hkv) D,)
+    q_norm: torch.Tensor | None = None  # Qwen 3: RMSNorm weights over each head (D,)
+    k_norm: torch.Tensor | None = None
 
 
 def _product(mod) -> Product | NativeProduct | None:
@@ -91,14 +94,30 @@ def bind(model) -> list[FusedLayer] | None:
         native = type(qkv) is NativeProduct
         dt = torch.float32 if native else torch.bfloat16
         kernels = block.mlp.kernels if native else None
-        layers.append(FusedLayer(norm1, qkv, o, norm2, gate_up, down, dt, kernels))
+        qn, kn = a.q_norm, a.k_norm
+        qn, kn = (None, None) if qn is None else (qn.weight, kn.weight)
+        extra = (a.bias, qn, kn)
+        layers.append(FusedLayer(norm1, qkv, o, norm2, gate_up, down, dt, kernels, *extra))
     return layers
 
 
 def plain(c) -> bool:
-    """Whether a model's blocks are Llama's, which the loop does (no biases, Q/K norms,
-    sandwich norms, GeGLU or softmax scale of the other families: those take the modules)."""
-    return not (c.qkv_bias or c.qk_norm or c.sandwich_norms or c.act != "silu" or c.attn_scale)
+    """Whether a model's blocks are the ones the loop does: Llama's, with Qwen's Q/K/V biases
+    and Q/K norms (Gemma 3's sandwich norms, GeGLU and softmax scale take the modules)."""
+    return not (c.sandwich_norms or c.act != "silu" or c.attn_scale)
+
+
+def _qk_extras(L: FusedLayer, q, k, v, eps: float, kernels):
+    """The biases and per-head norms of Q and K (V's bias) after the Q/K/V product, as the
+    modules do them (kvrun.model.Attention)."""
+    if L.bias is not None:
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+        bq, bk, bv = L.bias.split([hq * d, hkv * d, hkv * d])
+        q, k, v = q + bq.view(hq, 1, d), k + bk.view(hkv, 1, d), v + bv.view(hkv, 1, d)
+    if L.q_norm is not None:
+        q = rms_norm(q.contiguous(), L.q_norm, eps, kernels=kernels)
+        k = rms_norm(k.contiguous(), L.k_norm, eps, kernels=kernels)
+    return q, k, v
 
 
 def takes(x: torch.Tensor, layers: list[FusedLayer] | None = None) -> bool:
@@ -150,6 +169,8 @@ def blocks(model, layers: list[FusedLayer], x: torch.Tensor, positions, kv) -> t
         rms_norm(x, L.norm1, eps, out=h)
         heads = L.qkv(h2).to(torch.float32).view(B, T, -1, d).transpose(1, 2)  # (B, H, T, D)
         q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]  # Hq, Hkv, Hkv
+        if L.bias is not None or L.q_norm is not None:
+            q, k, v = _qk_extras(L, q, k, v, eps, None)
         out = kv.attend(i, q, k, v, positions)  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(B * T, hq * d).to(dt)
         x = torch.add(x, L.o(out).view(B, T, dim))  # float32 + bfloat16 -> float32
@@ -172,6 +193,8 @@ def _native_blocks(model, layers: list[FusedLayer], x: torch.Tensor, positions, 
     for i, L in enumerate(layers):
         qkv, o, gu, dn = L.qkv, L.o, L.gate_up, L.down
         q, k, v = attn_in(x2, L.norm1, eps, qkv.ws, qkv.codes, qkv.rows, hq, hkv)
+        if L.bias is not None or L.q_norm is not None:
+            q, k, v = _qk_extras(L, q, k, v, eps, kernels)
         out = kv.attend(i, q, k, v, positions)  # (B, Hq, 1, D)
         mlp = (gu.ws, gu.codes, gu.rows, dn.ws, dn.codes, dn.rows)
         x2 = attn_out(x2, out, o.ws, o.codes, o.rows, L.norm2, eps, *mlp)

@@ -220,6 +220,18 @@ def test_quantized_file_runs_on_its_blocks(family, tmp_path, name, monkeypatch):
     lp, lq = outs[0].log_softmax(-1), outs[1].log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     assert kl.max() < 2e-2, kl
+    # the decode loop of kvrun/fused_decode.py takes Qwen's biases and Q/K norms and Phi-3;
+    # Gemma 3's blocks go through the modules. Both ways give the same steps.
+    from kvrun import fused_decode
+
+    assert (fused_decode.bind(held) is not None) == (name != "gemma3")
+    s = Session(held, models["auto"][1].tokenizer, _kv(held, models["auto"][1]), ubatch=7)
+    fused = [s.prefill(ids[:PREFILL])] + [s.decode(t) for t in ids[PREFILL:]]
+    held.use_fused_decode = False
+    s = Session(held, models["auto"][1].tokenizer, _kv(held, models["auto"][1]), ubatch=7)
+    modules = [s.prefill(ids[:PREFILL])] + [s.decode(t) for t in ids[PREFILL:]]
+    held.use_fused_decode = True
+    torch.testing.assert_close(torch.stack(fused), torch.stack(modules), atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(blocks_mod, "native_rows", lambda: 4)
     want = _prefill_all(*models["f32"], ids, len(ids))
     got = _prefill_all(*models["auto"], ids, len(ids))
