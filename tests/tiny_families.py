@@ -181,9 +181,9 @@ def save(name: str, out: Path, seed: int = 0) -> Family:
 def kv_config(name: str, n_heads: int = 4):
     """The KV tests' tiny model (3 layers, 2 KV heads, head_dim 32, 256 tokens: see
     tests/test_kv_methods.py) with a family's features on: Qwen 2.5's biases and YaRN, Qwen
-    3's q/k norms, Gemma 3's norms, GeGLU, scales, soft cap and two local layers (a window of
-    48, shorter than the KV tests' prompts) beside a global one, Phi-3's MHA with partial
-    rotary and LongRoPE."""
+    3's q/k norms, Gemma 3's norms, GeGLU, scales, soft cap, head_dim 256 with one KV head
+    and two local layers (a window of 48, shorter than the KV tests' prompts) beside a
+    global one, Phi-3's MHA with partial rotary and LongRoPE."""
     from kvrun.config import ModelConfig, RopeScaling
 
     base = dict(
@@ -195,9 +195,9 @@ def kv_config(name: str, n_heads: int = 4):
         return ModelConfig(arch="qwen2", **base, qkv_bias=True, rope_scaling=yarn)
     if name == "qwen3":
         return ModelConfig(arch="qwen3", **base, qk_norm=True, rope_theta=1e6)
-    if name == "gemma3":
+    if name == "gemma3":  # Gemma 3 1B's attention: head_dim 256, one KV head
         return ModelConfig(
-            arch="gemma3", **base, qk_norm=True, sandwich_norms=True, act="gelu_tanh",
+            arch="gemma3", **{**base, "head_dim": 256, "n_kv_heads": 1}, qk_norm=True, sandwich_norms=True, act="gelu_tanh",
             embed_scale=8.0, attn_scale=24**-0.5, final_softcap=30.0, sliding_window=48,
             local_layers=(0, 1), rope_theta=1e6, rope_local_theta=1e4,
             rope_scaling=RopeScaling("linear", 8.0),
