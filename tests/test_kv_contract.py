@@ -299,3 +299,22 @@ def test_a_method_is_a_class_whose_options_are_fields():
         type(sel)(windw=8)
     assert check("h2o:sinks=3").select.protected == 4  # sinks + the newest token
     assert check("h2o", "100").select.kept_recent(100) == 50
+
+
+@pytest.mark.parametrize("m", REGISTRY.values(), ids=lambda m: m.name)
+def test_a_fork_goes_on_as_the_original_and_apart_from_it(m):
+    """kv.fork() after a compressed prompt: the fork and the original, each fed the same
+    next turn and decode steps, give the same logits bit for bit and hold the same bytes,
+    and feeding the fork changes nothing the original holds (a kept prefix, one compressed
+    document asked many questions)."""
+    model = tiny()
+    kv = new_kv(model, m.name)
+    drive(model, kv, prompt(150, seed=3), 64, n_decode=3)
+    held, seen = kv.nbytes(), kv.seen
+    fork = kv.fork()
+    assert fork.rope is kv.rope and fork.config is kv.config
+    b = drive(model, fork, prompt(20, seed=4), 64, n_decode=DECODE)
+    assert (kv.nbytes(), kv.seen) == (held, seen)  # the original untouched by the fork's turn
+    a = drive(model, kv, prompt(20, seed=4), 64, n_decode=DECODE)
+    assert torch.equal(a, b)
+    assert kv.nbytes() == fork.nbytes() and kv.seen == fork.seen

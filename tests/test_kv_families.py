@@ -84,3 +84,8 @@ def test_kivi_stores_only_the_global_layers(text):
     )
     with pytest.raises(KvrunError, match="sliding-window attention past 48 tokens"):
         drive(every, new_kv(every, f"{text}:residual=32"), prompt(150, seed=3), 64)
+
+
+@pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
+def test_a_fork_goes_on_as_the_original_and_apart_from_it(family, m):
+    contract.test_a_fork_goes_on_as_the_original_and_apart_from_it(m)

@@ -16,14 +16,18 @@ One method per event: a cache that acts at an event overrides it and calls super
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from . import attention
 from .attention import Partial
+
+_SHARED = (MappingProxyType, frozenset)  # a spec's options, a method's declared points
 
 
 @dataclass(slots=True)
@@ -56,6 +60,18 @@ class KVManager:
         """Forget the sequence; the next call starts at position 0."""
         self.seen = 0
         self.in_prefill = False
+
+    def fork(self) -> KVManager:
+        """An independent copy of this cache as it stands: what it holds and its bookkeeping
+        copied, so the two go on apart (a kept prefix, a compressed document asked several
+        questions). What never changes is shared, not copied: the model's config and RoPE,
+        the spec and its options, the native kernels, the debug hook."""
+        shared = [self.config, self.rope, getattr(self.rope, "kernels", None), self.on_select]
+        for v in vars(self).values():
+            if isinstance(v, _SHARED) or type(v).__module__.endswith("kv.spec"):
+                shared.append(v)
+        memo = {id(v): v for v in shared if v is not None}
+        return copy.deepcopy(self, memo)
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         """A prefill of n_tokens starts; select=False stores its tokens but selects nothing (a
