@@ -74,6 +74,10 @@ class Request:
     # polled every engine step (and after each token): True ends the sequence there, its
     # result so far reported with stop_reason "cancelled" (a client gone, a stop string seen)
     cancelled: Callable[[], bool] | None = None
+    # a cache to go on from and the tokens it holds (a kept prefix, a compressed document:
+    # a fork the request owns, kvrun.kv.protocol.KVManager.fork); `ids` are then the new
+    # turn only, prefilled on top of it as a chat's next turn is
+    start: tuple[Any, list[int]] | None = None
 
     @property
     def prompt(self) -> list[int]:
@@ -171,7 +175,8 @@ class Engine:
         """Bytes a sequence may still come to hold (module docstring)."""
         n = req.n_predict if req.n_predict >= 0 else self.sessions[0].context
         if seq is None or seq.chunks is not None:  # waiting or prefilling: the full cache
-            return self.per_token * (len(req.prompt) + n)
+            held = req.start[0].nbytes() if req.start is not None else 0
+            return held + self.per_token * (len(req.prompt) + n)
         return seq.session.kv.nbytes() + self.per_token * max(seq.limit - len(seq.out), 0)
 
     def _fits(self, req: Request, active: list[_Seq]) -> bool:
@@ -264,9 +269,13 @@ class Engine:
         )
 
     def _start(self, session: Session, req: Request) -> _Seq:
-        if req.new_kv is not None:
-            session.kv = req.new_kv()
-        session.reset()
+        if req.start is not None:  # the request's own cache, holding its tokens already
+            session.kv, held = req.start
+            session.tokens, session.pending = list(held), []
+        else:
+            if req.new_kv is not None:
+                session.kv = req.new_kv()
+            session.reset()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(req.seed if req.seed is not None else torch.seed())
         stream = session.tokenizer.stream(after=req.prompt[-1] if req.prompt else None)

@@ -353,3 +353,30 @@ def test_a_sequence_and_the_engine_share_the_rates():
     assert EngineStats().decode_tok_s == Stats().decode_tok_s == 0.0
     keys = ["prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "kv_bytes"]
     assert list(s.as_dict())[:5] == keys  # --json's key order
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv", "kvzip"])
+def test_requests_go_on_from_a_forked_cache(tiny_rt, one_thread, method):
+    """Request.start: a document prefilled and compressed once, each question a request on
+    its own fork (run together in one batch), gives the tokens of a session that prefilled
+    the document and then that question as its next turn."""
+    rt, spec = tiny_rt, check(method)
+    doc = rt.tokenizer.encode("Doc. " + tiny_models.TEXT * 3)
+    questions = [rt.tokenizer.encode(f" Question {i}: what?", add_bos=False) for i in range(3)]
+    want = []
+    for q in questions:
+        s = Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=128)
+        s.prefill(doc)
+        want.append(s.generate(q, 6, GREEDY, seed=0).tokens)
+    base = Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=128)
+    base.prefill(doc)
+    held = base.kv.nbytes()
+    sessions = [Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=128) for _ in range(2)]
+    got = {}
+    reqs = [
+        Request(q, 6, GREEDY, 0, i, start=(base.kv.fork(), list(base.tokens)))
+        for i, q in enumerate(questions)
+    ]
+    Engine(sessions).run(reqs, lambda req, res, err: got.__setitem__(req.tag, (res, err)))
+    assert [got[i][0].tokens for i in range(3)] == want
+    assert base.kv.nbytes() == held  # the document's cache is as it was
