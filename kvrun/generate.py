@@ -199,6 +199,9 @@ class Session:
         if not question:
             yield from self.prefill_chunks(ids, progress, rows=rows)
             return
+        if not ids:  # the document is in the cache already (a fork, a .kvc): no turn of its own
+            yield from self.prefill_chunks(question, progress, select=False, rows=rows)
+            return
         self.check_fits(len(ids) + len(question))
         n = len(ids) + len(question)
         done = lambda k, _: progress(k, n) if progress else None  # noqa: E731
