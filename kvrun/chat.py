@@ -15,11 +15,19 @@ class Conversation:
         self.system = system
         self.messages: list[dict] = []
         self.cached_text = ""  # the rendered text whose tokens the cache holds (or will)
+        self.document = ""  # the first user message's opening held in the cache (a .kvc)
+
+    def continue_document(self, head: str, opening: str) -> None:
+        """The cache holds a document's turn (kvrun.kvc): `head` is its rendered text, with
+        `opening` (the document and a blank line, the document as a placeholder) where the
+        first user message begins; that message completes it."""
+        self.cached_text, self.document = head, opening
 
     def reset(self) -> None:
         self.session.reset()
         self.messages = []
         self.cached_text = ""
+        self.document = ""
 
     def _history(self) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -28,7 +36,8 @@ class Conversation:
     def next_prompt_ids(self, user_text: str) -> list[int]:
         """Token ids that extend the cache with the user's turn and the assistant header."""
         tok = self.session.tokenizer
-        self.messages.append({"role": "user", "content": user_text})
+        opening = self.document if not self.messages else ""
+        self.messages.append({"role": "user", "content": opening + user_text})
         full = tok.render_chat(self._history(), add_generation_prompt=True)
         if not self.cached_text:
             self.cached_text = full

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ..errors import ContextOverflow
+from ..errors import ContextOverflow, KvrunError
 from ..options import KVOptions, ModelOptions, SamplingOptions
 from ..progress import err_console
 from ..report import stats_line
@@ -59,20 +59,45 @@ class _StopFlag:
     type=click.IntRange(min=-1),
     help="Max tokens per reply (-1 = until the model ends its turn).",
 )
-def chat(system, n_predict, model: ModelOptions, kv: KVOptions, sampling: SamplingOptions):
+@click.option(
+    "--kv-cache",
+    "kv_cache",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Start from a document's compressed cache (`kvrun prefill --chat -o FILE`): the first "
+    "message completes the user's turn that holds the document. --kv and --system come "
+    "from the file.",
+)
+def chat(
+    system, n_predict, kv_cache, model: ModelOptions, kv: KVOptions, sampling: SamplingOptions
+):
     """Chat with a model, streaming replies; history is kept in the KV cache.
 
     \b
     kvrun chat
     kvrun chat -m llama3-8b --system "Answer briefly." --temp 0.7
+    kvrun chat --kv-cache report.kvc
     """
     config, seed = sampling.resolve()
     spec = kv.spec()
     rt = load_with_progress(model)
-    session = new_session(rt, rt.new_kv(spec), model)
     from ..chat import Conversation
 
-    conv = Conversation(session, system)
+    if kv_cache is not None:
+        from .. import kvc
+
+        given = None if spec.is_full and kv.budget is None else spec  # --kv: the file's
+        cache, held, header = kvc.load(kv_cache, rt, given)
+        turns = header["turns"]
+        if not turns.get("chat"):
+            raise KvrunError(f"{kv_cache} was prefilled --raw; chat needs one made with --chat")
+        session = new_session(rt, cache, model)
+        session.tokens = held
+        conv = Conversation(session, turns.get("system"))
+        conv.continue_document(turns["head"], f"{kvc.DOC_SLOT}\n\n")
+    else:
+        session = new_session(rt, rt.new_kv(spec), model)
+        conv = Conversation(session, system)
     interactive = sys.stdin.isatty()
     if interactive:
         err_console.print(f"[bold]{rt.config.name or rt.path.name}[/] ready. {HELP}", style="dim")

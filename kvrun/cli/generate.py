@@ -68,6 +68,14 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     help="Wrap the prompt in the model's chat template (default: --chat when it has one).",
 )
 @click.option("--system", default=None, help="System message (with --chat).")
+@click.option(
+    "--kv-cache",
+    "kv_cache",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Start from a document's compressed cache (`kvrun prefill -o FILE`): the prompt is "
+    "the question, a turn that selects nothing. --kv, --chat and --system come from the file.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(
     prompt,
@@ -75,6 +83,7 @@ def generate(
     n_predict,
     chat,
     system,
+    kv_cache,
     as_json,
     model: ModelOptions,
     kv: KVOptions,
@@ -92,21 +101,35 @@ def generate(
     spec = kv.spec()
     rt = load_with_progress(model)
     tok = rt.tokenizer
-    use_chat = chat if chat is not None else tok.chat_template is not None
-    if use_chat:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": text}
-        ]
-        ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
+    question = None
+    if kv_cache is not None:  # the document is in the file; the prompt is its question
+        from .. import kvc
+
+        given = None if spec.is_full and kv.budget is None else spec  # --kv: the file's
+        cache, held, header = kvc.load(kv_cache, rt, given)
+        use_chat = header["turns"].get("chat", False)
+        session = new_session(rt, cache, model)
+        session.tokens = held
+        ids, question = [], kvc.question_turn(tok, text, header["turns"])
+        session.check_fits(len(question))
     else:
-        ids = tok.encode(text)
-    session = new_session(rt, rt.new_kv(spec), model)
-    session.check_fits(len(ids))
+        use_chat = chat if chat is not None else tok.chat_template is not None
+        if use_chat:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": text}
+            ]
+            ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
+        else:
+            ids = tok.encode(text)
+        session = new_session(rt, rt.new_kv(spec), model)
+        session.check_fits(len(ids))
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    with prefill_progress(len(ids), model.ubatch) as progress:
+    n_prompt = len(ids) + len(question or [])
+    with prefill_progress(n_prompt, model.ubatch) as progress:
         result = session.generate(
-            ids, n_predict, config, seed=seed, on_text=on_text, progress=progress
-        )
+            ids, n_predict, config, seed=seed, on_text=on_text, progress=progress,
+            question=question,
+        )  # fmt: skip
     s = result.stats
     if as_json:
         out = {"text": result.text, "tokens": result.tokens}

@@ -22,6 +22,7 @@ COMMANDS = {
     "models": ("info", "models", "List the models in the models folder and the HF cache; the short names."),
     "needle": ("needle", "needle", "Needle retrieval accuracy over lengths x depths x KV methods."),
     "perplexity": ("perplexity", "perplexity", "Perplexity, KL and top-1 agreement of a KV method."),
+    "prefill": ("prefill", "prefill", "Prefill and compress a document once; keep its KV cache in a .kvc file."),
     "profile": ("profile", "profile", "Plan XKV's per-layer KV budgets on sample texts and save them."),
     "pull": ("info", "pull", "Fetch a model: a short name, or REPO[:QUANT] from Hugging Face."),
     "serve": ("serve", "serve", "Serve a model over OpenAI's HTTP API, with a KV method per request."),
