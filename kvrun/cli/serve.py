@@ -54,6 +54,14 @@ from .common import graph_option, kv_options, model_options, new_session, parall
     type=click.IntRange(1),
     help="Largest request body, in MiB (413 beyond).",
 )
+@click.option(
+    "--cache-mem",
+    default="1G",
+    show_default=True,
+    metavar="SIZE",
+    help="Bytes of ended requests' caches kept for prompts that start with them (512M, 2G; "
+    '0: off); least recently used first out. A request opts out with "cache_prompt": false.',
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (uvicorn's access log).")
 @click.pass_context
 def serve(
@@ -65,6 +73,7 @@ def serve(
     alias,
     grace,
     max_body,
+    cache_mem,
     verbose,
     model: ModelOptions,
     kv: KVOptions,
@@ -80,6 +89,9 @@ def serve(
     a long prompt delays them by one short chunk at a time.
     A request may pick its cache with the extension fields "kv" and "kv_budget"
     (the --kv grammar); `usage` reports kv_bytes and kv_bytes_full.
+    A request whose prompt starts with the tokens of an ended one (a chat's next turn) goes
+    on from a copy of its kept cache (--cache-mem) and prefills only the rest; with a
+    compressed method the result is then what `kvrun chat` gives for the same turns.
 
     \b
     kvrun serve -m smollm2 -np 8 --kv snapkv --kv-budget 0.25
@@ -87,12 +99,14 @@ def serve(
       "messages": [{"role": "user", "content": "Hi"}], "kv": "kivi2"}'
     """
     spec = kv.spec()  # a bad --kv fails before the load
+    cache_bytes = size_bytes(cache_mem, "--cache-mem")
     from ..model_store import DEFAULT_MODEL, resolve
     from ..presets import is_preset
     from ..runtime import load_runtime, pick_device
     from ..server.app import Server, Settings
     from ..server.app import serve as run
     from ..server.metrics import Metrics
+    from ..server.prefix_cache import PrefixCache
     from ..server.worker import EngineThread
 
     kv_mem = parallel.kv_mem_bytes(pick_device(model.device))  # before the load
@@ -139,16 +153,33 @@ def serve(
         grace=grace,
     )
     metrics = Metrics()
-    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec)
+    cache = PrefixCache(cache_bytes)
+    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec, cache)
     server = Server(settings, worker, metrics)
     err_console.print(
-        f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel.n})"
+        f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel.n}, "
+        f"--cache-mem {cache_mem})"
     )
     try:
         sock = socket.create_server((host, port), family=_family(host))
     except OSError as e:
         raise KvrunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     run(server, sock, log_level="info" if verbose else "warning")
+
+
+def size_bytes(text: str, flag: str) -> int:
+    """A size in bytes with an optional K/M/G/T suffix (1024-based): 512M, 2G, 0."""
+    from ..options import _UNITS
+
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise KvrunError(f"{flag} {text}: give a size (512M, 2G, 1000000) or 0")
+    return int(value * _UNITS[unit])
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -198,6 +198,7 @@ class Server:
             spec,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            cache_prompt=body.cache_prompt,
             stop=StopText(body.stop),
         )
 
@@ -503,12 +504,16 @@ def _finish(job: HttpJob, result) -> str:
 
 
 def _usage(done: list) -> dict:
-    p = sum(r.stats.prompt_tokens for _, r in done)
+    """OpenAI's usage; prompt_tokens counts the tokens a kept cache held (cached_tokens) as
+    well as those prefilled."""
+    cached = sum(job.cached for job, _ in done)
+    p = cached + sum(r.stats.prompt_tokens for _, r in done)
     c = sum(r.stats.generated_tokens for _, r in done)
     return {
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "kv_bytes": sum(r.stats.kv_bytes for _, r in done),
         "kv_bytes_full": sum(r.stats.kv_bytes_full for _, r in done),
     }

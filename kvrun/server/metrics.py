@@ -27,6 +27,30 @@ class Metrics:
         self.kv_bytes_full = Gauge(
             "kvrun_kv_bytes_full", "Bytes full caches would hold for the same tokens", registry=r
         )
+        self.cache_hits = Counter(
+            "kvrun_prefix_cache_hits",
+            "Requests that went on from a kept cache (--cache-mem)",
+            registry=r,
+        )
+        self.cache_misses = Counter(
+            "kvrun_prefix_cache_misses",
+            "Requests that found no kept cache to go on from",
+            registry=r,
+        )
+        self.cache_tokens = Counter(
+            "kvrun_prefix_cache_tokens",
+            "Prompt tokens taken from kept caches instead of prefilled",
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "kvrun_prefix_cache_evictions",
+            "Kept caches evicted to stay within --cache-mem",
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "kvrun_prefix_cache_bytes", "Bytes the kept caches hold (kv.nbytes())", registry=r
+        )
+        self.cache_entries = Gauge("kvrun_prefix_cache_entries", "Kept caches", registry=r)
         self.ttft_hist = Histogram(
             "kvrun_time_to_first_token_seconds",
             "From arrival to the first generated token",
@@ -46,6 +70,18 @@ class Metrics:
 
     def itl(self, seconds: float) -> None:
         self.itl_hist.observe(seconds)
+
+    def cache_lookup(self, tokens: int) -> None:
+        """A lookup in the prefix cache: `tokens` reused (0: a miss)."""
+        if tokens:
+            self.cache_hits.inc()
+            self.cache_tokens.inc(tokens)
+        else:
+            self.cache_misses.inc()
+
+    def cache_evicted(self, n: int) -> None:
+        if n:
+            self.cache_evictions.inc(n)
 
     def ended(self, job, result, error: str | None) -> None:
         if result is not None:
@@ -67,4 +103,8 @@ class Metrics:
             self.active.set(engine.active)
             self.kv_bytes.set(engine.kv_bytes)
             self.kv_bytes_full.set(engine.kv_bytes_full)
+        cache = worker.prefix_cache
+        if cache is not None:
+            self.cache_bytes.set(cache.bytes)
+            self.cache_entries.set(len(cache))
         return generate_latest(self.registry)

@@ -1,8 +1,8 @@
 """The OpenAI request bodies kvrun serve accepts (pydantic), and the error object it answers.
 
 Fields follow OpenAI's API; llama-server's sampling extensions (top_k, min_p, repeat_penalty,
-repeat_last_n) and kvrun's own (kv, kv_budget: the cache of this request, validated by the
---kv grammar) sit beside them. Unknown fields are ignored, as OpenAI's SDKs send a few that
+repeat_last_n, cache_prompt) and kvrun's own (kv, kv_budget: the cache of this request,
+validated by the --kv grammar) sit beside them. Unknown fields are ignored, as OpenAI's SDKs send a few that
 change nothing here (user, metadata, ...). Defaults of the sampling fields are kvrun's (the
 CLI's, llama.cpp's), not OpenAI's: a body without temperature samples as `kvrun generate` does.
 """
@@ -47,6 +47,7 @@ class Sampling(_Body):
     stream_options: StreamOptions | None = None
     kv: str | None = None  # kvrun: this request's --kv (default: the server's)
     kv_budget: float | str | None = None  # kvrun: its --kv-budget
+    cache_prompt: bool = True  # llama-server's: go on from a kept prefix (kvrun serve --cache-mem)
 
     @field_validator("stop")
     @classmethod

@@ -7,7 +7,10 @@ step (`_Inbox`, the engine's Intake) and admits jobs as slots free up, so a job 
 while a batch runs joins it; each one's text, tokens and end go back to the event loop with
 `loop.call_soon_threadsafe`, into the job's asyncio queue. Stop strings are found here, as the
 text arrives, so a sequence that hits one ends within the same engine step; a job whose client
-is gone is cancelled and its slot is free by the next step.
+is gone is cancelled and its slot is free by the next step. With a prefix cache
+(kvrun.server.prefix_cache) a job goes on from a fork of the longest kept cache its prompt
+starts with, and its own cache is kept when it ends on a turn boundary (before its end is
+posted, so a client's next turn finds it).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class HttpJob:
     spec: Any  # KVSpec of its cache
     logprobs: int | None = None  # alternatives per generated token (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt (echo)
+    cache_prompt: bool = True  # go on from a kept prefix, and keep this cache at the end
+    cached: int = 0  # prompt tokens a kept cache held (engine thread; read after "end")
+    kv: Any = None  # the cache it runs on (engine thread)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None  # ("text", str, [TokenLogprob]) | ("end", Result, error)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -98,7 +104,8 @@ class EngineThread:
     /health with 503 meanwhile); `submit` queues a job; `close` ends the thread.
 
     make_session(runtime, kv) -> Session builds each slot's session; metrics: an object with
-    ttft(seconds), itl(seconds), ended(job, result, error)."""
+    ttft(seconds), itl(seconds), ended(job, result, error), cache_lookup(tokens reused),
+    cache_evicted(n). prefix_cache: a PrefixCache (None: every prompt is prefilled whole)."""
 
     def __init__(
         self,
@@ -108,6 +115,7 @@ class EngineThread:
         make_session,
         metrics,
         default_spec,
+        prefix_cache=None,
     ) -> None:
         self._load = load
         self.n_parallel = n_parallel
@@ -115,6 +123,7 @@ class EngineThread:
         self.make_session = make_session  # (runtime, kv) -> Session
         self.metrics = metrics
         self.default_spec = default_spec
+        self.prefix_cache = prefix_cache
         self.inbox: queue.Queue[HttpJob | None] = queue.Queue()
         self.runtime = None
         self.engine = None
@@ -170,6 +179,8 @@ class EngineThread:
                 log.exception("the engine failed; failing its sequences and starting afresh")
                 for job in [self._jobs[i] for i in list(self._live)]:
                     self._end(job, None, f"the engine failed: {type(e).__name__}: {e}")
+                if self.prefix_cache is not None:  # memory back (the failure may be OOM)
+                    self.prefix_cache.clear()
                 self._new_engine()
 
     def _new_engine(self) -> None:
@@ -198,11 +209,29 @@ class EngineThread:
         with self._lock:
             self.waiting -= 1
 
+    def _cache_key(self, job: HttpJob) -> tuple:
+        return (str(self.runtime.path), job.spec)
+
+    def _uses_cache(self, job: HttpJob) -> bool:
+        return self.prefix_cache is not None and self.prefix_cache.limit > 0 and job.cache_prompt
+
     def _request(self, job: HttpJob):
         from ..engine import Request
 
         rt = self.runtime
         job.outbox = self._outbox
+        ids, start = list(job.ids), None
+        # prompt logprobs (echo) need every prompt token's logits: those are prefilled whole
+        if self._uses_cache(job) and job.prompt_logprobs is None:
+            start = self.prefix_cache.lookup(self._cache_key(job), ids)
+            job.cached = len(start[1]) if start else 0
+            self.metrics.cache_lookup(job.cached)
+            if start:
+                job.kv, ids = start[0], ids[job.cached :]
+
+        def new_kv():
+            job.kv = rt.new_kv(job.spec)
+            return job.kv
 
         def on_start() -> None:
             self._unwait()
@@ -230,19 +259,40 @@ class EngineThread:
                 job.pending = []
 
         return Request(
-            list(job.ids),
+            ids,
             job.n_predict,
             job.sampling,
             seed=job.seed,
             tag=job,
             on_text=on_text,
-            new_kv=lambda: rt.new_kv(job.spec),
+            new_kv=new_kv,
             logprobs=job.logprobs,
             prompt_logprobs=job.prompt_logprobs,
             on_start=on_start,
             on_token=on_token,
             cancelled=job.cancel.is_set,
+            start=start,
         )
+
+    def _keep(self, job: HttpJob, result) -> None:
+        """Keep the job's cache if it ended on a turn boundary: its model ended the reply or
+        max_tokens did (not a stop string, a client gone, a full context). It holds the prompt
+        and the generated tokens it was fed: all of them after an end-of-turn token (which is
+        not fed: the next turn's prompt brings it, as Session.pending's turns do), all but the
+        last after max_tokens (the next prompt brings that one too)."""
+        kv = job.kv
+        if (
+            result is None
+            or kv is None
+            or not self._uses_cache(job)
+            or job.stop.hit
+            or result.stats.stop_reason not in ("eos", "length")
+        ):
+            return
+        fed = [*job.ids, *result.tokens]
+        if not len(job.ids) <= kv.seen <= len(fed):
+            return
+        self.metrics.cache_evicted(self.prefix_cache.keep(self._cache_key(job), fed[: kv.seen], kv))
 
     def _end(self, job: HttpJob, result, error: str | None, drawn: bool = True) -> None:
         if drawn and id(job) not in self._live:  # failed before it took a slot
@@ -256,6 +306,9 @@ class EngineThread:
                 job.pending = []
         if error is not None and error != "cancelled":
             log.warning("a request failed: %s", error)
+        if error is None:
+            self._keep(job, result)
+        job.kv = None
         self.metrics.ended(job, result, error)
         job.post("end", result, error)
 
