@@ -53,8 +53,10 @@ from .common import (
     "--jsonl",
     default=None,
     metavar="IN",
-    help='Batch input, one JSON object a line: {"id", "text" or "path", "question"?}; '
-    "'-' = stdin; relative paths are taken from the current directory.",
+    help='Batch input, one JSON object a line: {"id", "text" or "path", "question"? or '
+    "\"questions\"?}; '-' = stdin; relative paths are taken from the current directory. "
+    '"questions": [...] compresses the document once and answers each question on a fork of '
+    "that cache (--question-after for that line, whatever the flag), one line per question.",
 )
 @click.option(
     "-o", "--out", default=None, metavar="OUT", help="Write the JSON lines here (default: stdout)."
@@ -119,6 +121,17 @@ def longdoc(
     n_predict, truncate, sampling, ...) under "settings" (with FILEs they go once to stderr).
     A failing document gets a line with its error and the batch goes on; the exit status is 1
     when any failed. --resume skips ids already answered in OUT. Greedy (--temp 0) by default.
+
+    A --jsonl line may carry "questions": [...] instead of "question": its document is
+    prefilled and compressed once with --question-after semantics (implied for that line),
+    and every question (the template's part after the document) is a turn of its own, on a
+    fork of the compressed cache, that selects nothing. Each gives a line with
+    "question_index" and "question" (a bad entry gets its own error line); prompt_tokens and
+    prefill_s are the question's turn, document_tokens and document_prefill_s the shared
+    prefill. The document is cut (--truncate) to leave room for the longest question.
+    --resume skips the (id, index) pairs already answered. -q and --summarize apply only to
+    lines with neither field; "question" and "questions" on one line is an error; a
+    --template must put {question} after {document}.
     --parallel N answers N documents at once (lines are written as each finishes, so not in
     input order; with FILEs each answer is printed whole when it is done). --ray runs a --jsonl
     batch on Ray workers, each with its own model and --parallel sessions; a worker that dies
@@ -129,6 +142,8 @@ def longdoc(
     kvrun longdoc --summarize --kv snapkv --kv-budget 0.25 a.txt b.txt
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --summarize --truncate left
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
+    kvrun longdoc --jsonl qs.jsonl -o a.jsonl --kv kvzip --kv-budget 0.25 --parallel 4
+      (qs.jsonl: {"id": 1, "path": "report.txt", "questions": ["Who?", "When?"]})
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --parallel 8 --kv-mem 2G
     kvrun longdoc report.txt -q "Who signed?" --kv snapkv --question-after
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --ray   (on a Ray cluster)
@@ -181,9 +196,10 @@ def longdoc(
     job = opts.job(sessions[0].kv.describe(), settings, debugging(ctx))
     if note:
         click.echo(note, err=True)
-    run = LocalRunner(sessions, kv_mem)
+    run = LocalRunner(sessions, kv_mem, lambda: rt.new_kv(spec))
+    total = sum(len(d.items()) for d in docs)
     if jsonl or out:
-        failed = _run_records(ctx, run, docs, job, out, done, model.quiet, len(docs))
+        failed = _run_records(ctx, run, docs, job, out, done, model.quiet, total)
     else:
         click.echo("settings: " + json.dumps({"kv": job.kv, **settings}), err=True)
         failed = _run_text(run, docs, job)
@@ -191,7 +207,8 @@ def longdoc(
     if summary is not None:
         click.echo(summary, err=True)
     if failed:
-        raise KvrunError(f"{failed} of {len(docs)} documents failed (their errors are above)")
+        what = "documents" if total == len(docs) else "answers"
+        raise KvrunError(f"{failed} of {total} {what} failed (their errors are above)")
 
 
 def _longdoc_ray(ctx, jsonl, out, done, opts, model, kv, parallel, ray) -> None:
@@ -308,6 +325,8 @@ def _run_records(ctx, run, docs, job, out, done, quiet: bool, total: int | None)
             if rec is not None:
                 line = f"error: {rec['error']}" if rec["error"] else stats_line(_stats(rec))
                 name = doc.id if doc.id is not None else f"line {doc.line}"
+                if rec["question_index"] is not None:
+                    name = f"{name} [{rec['question_index']}]"
                 click.echo(f"{name}: {line}", err=True)
 
         try:

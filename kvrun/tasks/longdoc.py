@@ -15,7 +15,8 @@ TRUNCATE_MODES = ("middle", "left", "error")
 RESULT_FIELDS = (
     "answer", "tokens", "prompt_tokens", "generated_tokens", "prefill_s", "decode_s",
     "prefill_tok_s", "decode_tok_s", "kv_bytes", "kv_bytes_full", "kv_ratio", "peak_mem_bytes",
-    "stop_reason", "ttft_s", "truncated", "dropped_tokens",
+    "stop_reason", "ttft_s", "truncated", "dropped_tokens", "document_tokens",
+    "document_prefill_s",
 )  # fmt: skip
 _NONE = type(None)
 _SLOT = "<<kvrun:document>>"  # stands for the document while a chat template renders
@@ -31,6 +32,16 @@ class Doc:
     question: str | None = None
     line: int | None = None  # 1-based line of the JSONL input
     error: str | None = None  # a problem found while reading the input
+    # "questions": each asked of one compression of the document (kvrun.tasks.longdoc_questions);
+    # entries are checked when asked, so a bad one fails alone
+    questions: list | None = None
+    asked: list[int] | None = None  # the indexes of `questions` still to answer (todo sets it)
+
+    def items(self) -> list[int | None]:
+        """What the document gives a record for: each question index still to ask, or None."""
+        if self.questions is None or self.error:
+            return [None]
+        return list(range(len(self.questions))) if self.asked is None else list(self.asked)
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,20 @@ def iter_docs(lines: Iterable[str]) -> Iterator[Doc]:
         bad = [k for k in ("text", "path", "question") if not isinstance(obj.get(k), (str, _NONE))]
         if bad or (doc.text is None) == (doc.path is None):
             doc.error = f'"{bad[0]}" must be a string' if bad else 'give one of "text" and "path"'
+        elif "questions" in obj:
+            doc.questions, doc.error = questions_field(obj)
         yield doc
+
+
+def questions_field(obj: dict) -> tuple[list | None, str | None]:
+    """A line's "questions" (a non-empty list; its entries are checked as they are asked) and
+    the line's error, if any."""
+    qs = obj["questions"]
+    if obj.get("question") is not None:
+        return None, 'give "question" or "questions", not both'
+    if not isinstance(qs, list) or not qs:
+        return None, '"questions" must be a non-empty list of strings'
+    return qs, None
 
 
 def jsonl_lines(path: str) -> Iterator[str]:
@@ -172,10 +196,14 @@ def build_prompt(tokenizer, template, question, text, chat, context, n_predict, 
     return before + kept + after, dropped
 
 
-def empty_record(doc: Doc, job: LongdocJob, question: str | None = None) -> dict:
-    """A record with every field present (results None); `task` follows the question."""
-    task = "question" if question else "summarize" if job.summarize else None
+def empty_record(
+    doc: Doc, job: LongdocJob, question: str | None = None, index: int | None = None
+) -> dict:
+    """A record with every field present (results None); `task` follows the question;
+    `index`: the question's place in the line's "questions" (None: a line without them)."""
+    task = "question" if question or index is not None else "summarize" if job.summarize else None
     rec = {"id": doc.id, "line": doc.line, "task": task, "question": question}
+    rec["question_index"] = index
     rec.update(dict.fromkeys(RESULT_FIELDS))
     rec.update(kv=job.kv, settings=job.settings, error=None)
     return rec
@@ -233,10 +261,19 @@ def answer_document(session, doc: Doc, job: LongdocJob, on_text=None, progress=N
     return complete(rec, result, dropped)
 
 
-def error_record(doc: Doc, job: LongdocJob, msg: str) -> dict:
-    """A document's record carrying only its error, on one line."""
-    rec = empty_record(doc, job, doc.question or job.default_question)
+def error_record(doc: Doc, job: LongdocJob, msg: str, index: int | None = None) -> dict:
+    """A document's record (of its question `index`) carrying only its error, on one line."""
+    if index is None:
+        rec = empty_record(doc, job, doc.question or job.default_question)
+    else:
+        q = doc.questions[index]
+        rec = empty_record(doc, job, q if isinstance(q, str) else None, index)
     return {**rec, "error": " ".join(msg.split())}
+
+
+def error_records(doc: Doc, job: LongdocJob, msg: str) -> list[dict]:
+    """error_record for each record the document still owes (doc.items)."""
+    return [error_record(doc, job, msg, i) for i in doc.items()]
 
 
 def process(session, doc: Doc, job: LongdocJob, on_text=None, progress=None) -> dict:
@@ -261,6 +298,11 @@ def process(session, doc: Doc, job: LongdocJob, on_text=None, progress=None) -> 
     return error_record(doc, job, msg)
 
 
+def record_key(doc_id, index: int | None = None) -> str:
+    """The key of one record across runs: the id's (doc_key), with its question's index."""
+    return doc_key(doc_id) if index is None else json.dumps([doc_id, index])
+
+
 def prepare_results(path: Path, resume: bool) -> tuple[set[str], str | None]:
     """Keys already answered in OUT. With resume, OUT is rewritten (atomically) without its
     error lines and any half-written line, so appending continues it cleanly. Without resume
@@ -281,7 +323,7 @@ def prepare_results(path: Path, resume: bool) -> tuple[set[str], str | None]:
             continue
         try:
             rec = json.loads(line)
-            key = doc_key(rec["id"]) if rec["id"] is not None else None
+            key = None if rec["id"] is None else record_key(rec["id"], rec.get("question_index"))
         except (ValueError, KeyError, TypeError):
             broken += 1  # a crash mid-write leaves a partial last line
             continue
@@ -301,30 +343,48 @@ def prepare_results(path: Path, resume: bool) -> tuple[set[str], str | None]:
 
 
 def todo(docs: list[Doc], done: set[str], finish):
-    """The docs to answer, in order: keys in `done` are skipped (finish(doc, None)); a
-    repeated id gets an error."""
+    """The docs to answer, in order: records whose keys are in `done` are skipped
+    (finish(doc, None) for each; a line with "questions" keeps the indexes still to ask in
+    doc.asked); a repeated id gets an error."""
     seen = set()
     for doc in docs:
         key = doc_key(doc.id) if doc.id is not None else None
         if key is not None and key in seen and not doc.error:
             doc.error = f"duplicate id {doc.id!r}: an earlier document has it"
-        elif key is not None and key in done and not doc.error:
-            seen.add(key)
-            finish(doc, None)
-            continue
+        elif key is not None and not doc.error:
+            items = doc.items()
+            left = [i for i in items if record_key(doc.id, i) not in done]
+            for _ in range(len(items) - len(left)):
+                finish(doc, None)
+            if doc.questions is not None:
+                doc.asked = left
+            if not left:
+                seen.add(key)
+                continue
         seen.add(key)
         yield doc
 
 
 def run_batch(
-    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish
+    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish, new_kv=None
 ) -> int:
-    """Answer docs in order on one session (a fresh cache each), skipping keys in `done`; a
-    repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
-    answer; write(record), then finish(doc, record or None when skipped), after. Returns the
-    number of documents that failed."""
+    """Answer docs in order on one session (a fresh cache each), skipping records in `done`;
+    a repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
+    answer; write(record), then finish(doc, record or None when skipped), after. A line with
+    "questions" runs on the engine over this one session (longdoc_questions), one record a
+    question. Returns the number of records that failed."""
+    from .longdoc_questions import run_engine
+
     failed = 0
     for doc in todo(docs, done, finish):
+        if doc.questions is not None and not doc.error:
+            kv = session.kv  # the engine leaves a fork of the document in the session
+            try:
+                failed += run_engine([session], [doc], job, write, None, finish, None, new_kv)[0]
+            finally:
+                session.kv = kv
+                session.reset()
+            continue
         rec = process(session, doc, job, *start(doc))
         write(rec)
         failed += rec["error"] is not None
@@ -333,45 +393,13 @@ def run_batch(
 
 
 def run_parallel(
-    sessions, docs: list[Doc], job: LongdocJob, write, done: set[str], finish, kv_mem=None
-) -> tuple[int, object]:
-    """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching).
-    Records are written as documents finish, which is not input order; a document that
-    fails gets its error record and the others go on. Returns (failed, engine stats)."""
-    from ..engine import Engine, Request
+    sessions, docs: list[Doc], job: LongdocJob, write, done: set[str], finish, kv_mem=None,
+    new_kv=None,
+) -> tuple[int, object]:  # fmt: skip
+    """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching), the
+    questions of "questions" lines among them (longdoc_questions.run_engine). Records are
+    written as they finish, which is not input order; a document that fails gets its error
+    record and the others go on. Returns (records failed, engine stats)."""
+    from .longdoc_questions import run_engine
 
-    failed = 0
-
-    def fail(doc: Doc, msg: str) -> None:
-        nonlocal failed
-        rec = error_record(doc, job, msg) if not doc.error else process(None, doc, job)
-        write(rec)
-        failed += 1
-        finish(doc, rec)
-
-    def requests():
-        for doc in todo(docs, done, finish):
-            if doc.error:
-                fail(doc, doc.error)
-                continue
-            try:
-                rec, ids, question, dropped = prepare(sessions[0], doc, job)
-            except KvrunError as e:
-                fail(doc, str(e))
-                continue
-            tag = (doc, rec, dropped)
-            yield Request(ids, job.n_predict, job.sampling, job.seed, tag, question=question)
-
-    def ended(req, result, error) -> None:
-        nonlocal failed
-        doc, rec, dropped = req.tag
-        if error is not None:
-            return fail(doc, error)
-        rec = complete(rec, result, dropped)
-        write(rec)
-        finish(doc, rec)
-        return None
-
-    engine = Engine(sessions, kv_mem)
-    stats = engine.run(requests(), ended)
-    return failed, stats
+    return run_engine(sessions, docs, job, write, done, finish, kv_mem, new_kv)

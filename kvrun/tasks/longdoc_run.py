@@ -77,10 +77,11 @@ class LongdocOptions:
 
 class LocalRunner:
     """This process's sessions: one (documents in order, answers streamed) or several
-    (kvrun.engine; kv_mem: its admission limit in bytes)."""
+    (kvrun.engine; kv_mem: its admission limit in bytes); new_kv() -> a fresh cache of the
+    run's method (a "questions" line's document prefills in one)."""
 
-    def __init__(self, sessions: list, kv_mem: int | None):
-        self.sessions, self.kv_mem, self.stats = sessions, kv_mem, None
+    def __init__(self, sessions: list, kv_mem: int | None, new_kv=None):
+        self.sessions, self.kv_mem, self.stats, self.new_kv = sessions, kv_mem, None, new_kv
 
     @property
     def parallel(self) -> bool:
@@ -88,9 +89,10 @@ class LocalRunner:
 
     def __call__(self, docs, job: LongdocJob, write, done, start, finish) -> int:
         if not self.parallel:
-            return task.run_batch(self.sessions[0], docs, job, write, done, start, finish)
+            s = self.sessions[0]
+            return task.run_batch(s, docs, job, write, done, start, finish, self.new_kv)
         failed, self.stats = task.run_parallel(
-            self.sessions, docs, job, write, done, finish, self.kv_mem
+            self.sessions, docs, job, write, done, finish, self.kv_mem, self.new_kv
         )
         return failed
 
@@ -125,12 +127,13 @@ class RayRunner:
     def __call__(self, docs, job: LongdocJob, write, done, start, finish) -> int:
         failed = 0
 
-        def on_result(doc, rec) -> None:
+        def on_result(doc, recs) -> None:
             nonlocal failed
-            write(rec)
-            failed += rec["error"] is not None
+            for rec in recs if isinstance(recs, list) else [recs]:
+                write(rec)
+                failed += rec["error"] is not None
+                finish(doc, rec)
             self.done += 1
-            finish(doc, rec)
 
         def items():
             for doc in task.todo(docs, done, finish):
@@ -141,7 +144,7 @@ class RayRunner:
                 yield key, doc
 
         for doc, rec, error in self.pool.stream(items(), self.chunk):
-            on_result(doc, rec if error is None else task.error_record(doc, job, error))
+            on_result(doc, rec if error is None else task.error_records(doc, job, error))
         return failed
 
     def describe(self) -> str:
@@ -178,7 +181,7 @@ def worker_setup(
     model: ModelOptions, kv: KVOptions, parallel: ParallelOptions, opts: LongdocOptions
 ):
     """On a Ray worker (kvrun.cluster): the model, the command's sessions and its job.
-    Returns (handler, facts): handler(docs, node) -> their records, in order."""
+    Returns (handler, facts): handler(docs, node) -> each doc's records (a list), in order."""
     from ..cluster import load_model
 
     spec = kv.spec()
@@ -187,18 +190,19 @@ def worker_setup(
     settings = opts.settings(rt, sessions[0])
     job = opts.job(sessions[0].kv.describe(), settings)
     kv_mem = parallel.kv_mem_bytes(rt.model.device)
+    new_kv = lambda: rt.new_kv(spec)  # noqa: E731
 
-    def handler(docs: list[Doc], node: str) -> list[dict]:
+    def handler(docs: list[Doc], node: str) -> list[list[dict]]:
+        got = {d.line: [] for d in docs}
+        keep = lambda r: got[r["line"]].append({**r, "node": node})  # noqa: E731
+        none = lambda d, r: None  # noqa: E731
         if len(sessions) == 1:
-            recs = [task.process(sessions[0], d, job) for d in docs]
+            task.run_batch(
+                sessions[0], docs, job, keep, set(), lambda d: (None, None), none, new_kv
+            )
         else:
-            got = {}
-            keep = lambda r: got.__setitem__(r["line"], r)  # noqa: E731
-            task.run_parallel(sessions, docs, job, keep, set(), lambda d, r: None, kv_mem)
-            recs = [got[d.line] for d in docs]
-        for r in recs:
-            r["node"] = node
-        return recs
+            task.run_parallel(sessions, docs, job, keep, set(), none, kv_mem, new_kv)
+        return [got[d.line] for d in docs]
 
     return handler, {"settings": settings, "kv": job.kv}
 

@@ -1,0 +1,192 @@
+"""Many questions per document ("questions" on a --jsonl line): the document is prefilled and
+compressed once, as --question-after does it (its turn compressed at its end), and every
+question, the template's part after the document, is a request of its own on a fork of
+that cache (KVManager.fork, kvrun.engine's Request.start) whose turn selects nothing.
+
+run_engine answers a batch on the engine (kvrun.engine) over one or more sessions: a plain
+line is one request, a "questions" line a prefill-only request for its document and, once
+that is compressed, one request per question; questions of one document and of different
+documents share the engine's batched decode steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import ContextOverflow, KvrunError
+from .longdoc import (
+    Doc,
+    LongdocJob,
+    complete,
+    empty_record,
+    error_record,
+    error_records,
+    prepare,
+    process,
+    prompt_frame,
+    read_document,
+    todo,
+    truncate_ids,
+)
+
+
+@dataclass
+class Asked:
+    """A "questions" line being answered: its document's ids, each question's turn, and,
+    once the document's prefill has ended, the compressed cache the questions fork."""
+
+    doc: Doc
+    job: LongdocJob
+    ids: list[int]  # the document's turn: the template's head and the document
+    turns: dict  # question index -> the template's part after the document (token ids)
+    dropped: int  # document tokens cut by --truncate
+    base: object = None  # the compressed document (a KVManager no session holds)
+    prefill_s: float = 0.0
+    left: deque = field(default_factory=deque)  # indexes not yet sent to the engine
+
+
+def prepare_questions(session, doc: Doc, job: LongdocJob) -> tuple[Asked | None, dict]:
+    """The document's turn and each asked question's turn, and the errors of entries that
+    cannot be asked ({index: message}); Asked is None when none can. The document is cut to
+    leave room for the longest question, so all of them see the same document. A KvrunError
+    when the document cannot be read or does not fit, or the template puts the question
+    before the document."""
+    bad = {
+        i: f"questions[{i}] must be a non-empty string"
+        for i in doc.items()
+        if not isinstance(doc.questions[i], str) or not doc.questions[i].strip()
+    }
+    good = [i for i in doc.items() if i not in bad]
+    if not good:
+        return None, bad
+    text, template, tok = read_document(doc), job.templates["question"], session.tokenizer
+    frames = {i: prompt_frame(tok, template, doc.questions[i], job.chat) for i in good}
+    if len({tuple(before) for before, _ in frames.values()}) > 1:
+        raise KvrunError(
+            'the template asks the question before the document; "questions" need the '
+            "{question} slot after {document}"
+        )
+    before = frames[good[0]][0]
+    longest = max(len(after) for _, after in frames.values())
+    budget = session.context - len(before) - longest - job.n_predict
+    if budget <= 0:
+        raise ContextOverflow(
+            f"the prompt without the document is {len(before) + longest} tokens with the "
+            f"longest question; with -n {job.n_predict} it leaves no room for the document in "
+            f"the context of {session.context}"
+        )
+    doc_ids = tok.encode(text, add_bos=False, special=False)
+    kept, dropped = truncate_ids(doc_ids, budget, job.truncate)
+    turns = {i: after for i, (_, after) in frames.items()}
+    return Asked(doc, job, before + kept, turns, dropped, left=deque(good)), bad
+
+
+def question_record(asked: Asked, i: int, job: LongdocJob, result) -> dict:
+    """The record of question i, from its Result; prompt and prefill figures are the
+    question's turn, document_* the shared prefill of the document."""
+    doc = asked.doc
+    rec = complete(empty_record(doc, job, doc.questions[i], i), result, asked.dropped)
+    rec.update(document_tokens=len(asked.ids), document_prefill_s=asked.prefill_s)
+    return rec
+
+
+class _Intake:
+    """The engine's requests: questions whose document is compressed first (each on a fork
+    made as it is sent), then the next line's request; None while documents still prefill."""
+
+    def __init__(self, lines):
+        self.lines, self.ready = lines, deque()
+
+    def poll(self):
+        from ..engine import Request
+
+        while self.ready:
+            asked = self.ready[0]
+            if not asked.left:
+                self.ready.popleft()
+                asked.base = None  # every question holds its own fork now
+                continue
+            i, job = asked.left.popleft(), asked.job
+            start = (asked.base.fork(), list(asked.ids))
+            q = asked.turns[i]
+            return Request([], job.n_predict, job.sampling, job.seed, (asked, i), start=start, question=q)  # fmt: skip
+        return next(self.lines, None)
+
+
+def run_engine(
+    sessions, docs, job: LongdocJob, write, done, finish, kv_mem=None, new_kv=None
+) -> tuple[int, object]:
+    """Answer docs on an engine over `sessions`, skipping records in `done` (None: docs came
+    through longdoc.todo already). write(record), then finish(doc, record), as each record
+    is done, which is not input order. new_kv() -> a fresh cache for a document's prefill
+    (None: a reset fork of the first session's). Returns (records failed, engine stats)."""
+    from ..engine import Engine, Request
+
+    if new_kv is None:
+        blank = sessions[0].kv.fork()
+        blank.reset()
+        new_kv = blank.fork
+    failed = 0
+
+    def put(doc: Doc, rec: dict) -> None:
+        nonlocal failed
+        write(rec)
+        failed += rec["error"] is not None
+        finish(doc, rec)
+
+    def lines():
+        for doc in todo(docs, done, finish) if done is not None else docs:
+            if doc.error:
+                put(doc, process(None, doc, job))
+            elif doc.questions is not None:
+                yield from document(doc)
+            else:
+                try:
+                    rec, ids, question, dropped = prepare(sessions[0], doc, job)
+                except KvrunError as e:
+                    put(doc, error_record(doc, job, str(e)))
+                    continue
+                tag = (doc, rec, dropped)
+                yield Request(ids, job.n_predict, job.sampling, job.seed, tag, question=question)
+
+    def document(doc: Doc):
+        try:
+            asked, bad = prepare_questions(sessions[0], doc, job)
+        except KvrunError as e:
+            for rec in error_records(doc, job, str(e)):
+                put(doc, rec)
+            return
+        for i, msg in bad.items():
+            put(doc, error_record(doc, job, msg, i))
+        if asked is not None:
+            box = []
+            fresh = lambda: box.append(new_kv()) or box[0]  # noqa: E731
+            yield Request(asked.ids, 0, job.sampling, job.seed, (asked, box), new_kv=fresh)
+
+    intake = _Intake(lines())
+
+    def ended(req, result, error) -> None:
+        tag = req.tag
+        if isinstance(tag[0], Doc):  # a plain line
+            doc, rec, dropped = tag
+            return put(
+                doc, error_record(doc, job, error) if error else complete(rec, result, dropped)
+            )
+        asked, what = tag
+        doc = asked.doc
+        if isinstance(what, list):  # the document's prefill: its cache, forked for no one else
+            if error is not None:
+                for i in asked.left:
+                    put(doc, error_record(doc, job, error, i))
+                return None
+            asked.base, asked.prefill_s = what[0].fork(), result.stats.prefill_s
+            intake.ready.append(asked)
+            return None
+        if error is not None:
+            return put(doc, error_record(doc, job, error, what))
+        return put(doc, question_record(asked, what, job, result))
+
+    engine = Engine(sessions, kv_mem)
+    stats = engine.run(intake, ended)
+    return failed, stats
