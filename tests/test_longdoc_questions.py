@@ -214,3 +214,33 @@ def test_a_question_on_a_fork_runs_no_selection_point(tiny, spec):
     res, err = got["q"]
     assert err is None and res.tokens == want
     assert heard[n_doc:] == [] and res.stats.prompt_tokens == len(q)
+
+
+def test_kv_cache_dir_keeps_documents_for_later_runs(tiny, tmp_path):
+    """--kv-cache-dir: the first run saves each compressed document (one .kvc a document), a
+    second run loads them and gives the same answers; --parallel loads them too; a damaged
+    file fails its document's lines in one line each."""
+    src = write_jsonl(tmp_path / "q.jsonl", multi_lines())
+    store = tmp_path / "kvc"
+    kv = ["--kv", "kvzip", "--kv-budget", "0.3", "--kv-cache-dir", str(store)]
+    runs = []
+    for extra in ([], [], ["-np", "2"]):
+        r = run(tiny, "--jsonl", str(src), *kv, *extra)
+        assert r.exit_code == 0, r.stderr
+        runs.append(by_key(records(r.stdout)))
+    assert len(list(store.glob("*.kvc"))) == 2 and not list(store.glob("*.tmp"))
+    assert {x["document_kvc"] for x in runs[0].values()} == {"saved"}
+    for later in runs[1:]:
+        assert {x["document_kvc"] for x in later.values()} == {"loaded"}
+        assert {k: x["tokens"] for k, x in later.items()} == {
+            k: x["tokens"] for k, x in runs[0].items()
+        }
+    other = run(tiny, "--jsonl", str(src), "--kv", "snapkv", "--kv-cache-dir", str(store))
+    assert {x["document_kvc"] for x in records(other.stdout)} == {"saved"}  # its own files
+    for f in sorted(store.glob("*.kvc")):
+        f.write_bytes(f.read_bytes()[:200])
+    r = run(tiny, "--jsonl", str(src), *kv)
+    assert r.exit_code == 1
+    errs = [x["error"] for x in records(r.stdout)]
+    assert len(errs) == 6 and all(e and ".kvc" in e and "\n" not in e for e in errs)
+    assert all("damaged" in e or "not a readable" in e for e in errs)

@@ -14,6 +14,7 @@ from ..options import KVOptions, ModelOptions, ParallelOptions, RayOptions, Samp
 from ..progress import PrefillBar, progress_bar
 from ..report import stats_line
 from ..tasks import longdoc as task
+from ..tasks.longdoc_questions import KvcDir
 from ..tasks.longdoc_run import LocalRunner, LongdocOptions, absolute_paths, start_ray
 from .common import (
     debugging,
@@ -90,6 +91,14 @@ from .common import (
     help="Own prompt template with a {document} slot and an optional {question} slot.",
 )
 @question_after_option
+@click.option(
+    "--kv-cache-dir",
+    default=None,
+    metavar="DIR",
+    help='Keep the compressed documents of "questions" lines as .kvc files in DIR (made if '
+    "missing); a later run with the same model, --kv, template and document loads them "
+    "instead of prefilling.",
+)
 @ray_options
 @click.pass_context
 def longdoc(
@@ -105,6 +114,7 @@ def longdoc(
     chat,
     template,
     question_after,
+    kv_cache_dir,
     model: ModelOptions,
     kv: KVOptions,
     parallel: ParallelOptions,
@@ -131,7 +141,9 @@ def longdoc(
     prefill. The document is cut (--truncate) to leave room for the longest question.
     --resume skips the (id, index) pairs already answered. -q and --summarize apply only to
     lines with neither field; "question" and "questions" on one line is an error; a
-    --template must put {question} after {document}.
+    --template must put {question} after {document}. --kv-cache-dir DIR keeps each such
+    compressed document as a .kvc file (kvrun prefill's format) and later runs load it
+    (document_kvc: "saved" or "loaded"; a damaged file fails its lines in one line).
     --parallel N answers N documents at once (lines are written as each finishes, so not in
     input order; with FILEs each answer is printed whole when it is done). --ray runs a --jsonl
     batch on Ray workers, each with its own model and --parallel sessions; a worker that dies
@@ -162,6 +174,13 @@ def longdoc(
         raise KvrunError("--resume needs --out OUT (the file to continue)")
     if out and not Path(out).absolute().parent.is_dir():
         raise KvrunError(f"cannot write --out {out}: its folder does not exist")
+    if kv_cache_dir and ray.address:
+        raise KvrunError("--kv-cache-dir runs locally, not with --ray")
+    if kv_cache_dir:
+        try:
+            Path(kv_cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KvrunError(f"cannot make --kv-cache-dir {kv_cache_dir}: {e.strerror}") from None
     if ray.address and not jsonl:
         raise KvrunError("--ray runs a batch: give --jsonl IN (and --out OUT)")
     if ray.address:
@@ -196,7 +215,8 @@ def longdoc(
     job = opts.job(sessions[0].kv.describe(), settings, debugging(ctx))
     if note:
         click.echo(note, err=True)
-    run = LocalRunner(sessions, kv_mem, lambda: rt.new_kv(spec))
+    kvc_dir = KvcDir(kv_cache_dir, rt, spec) if kv_cache_dir else None
+    run = LocalRunner(sessions, kv_mem, lambda: rt.new_kv(spec), kvc_dir)
     total = sum(len(d.items()) for d in docs)
     if jsonl or out:
         failed = _run_records(ctx, run, docs, job, out, done, model.quiet, total)

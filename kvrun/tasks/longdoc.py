@@ -16,7 +16,7 @@ RESULT_FIELDS = (
     "answer", "tokens", "prompt_tokens", "generated_tokens", "prefill_s", "decode_s",
     "prefill_tok_s", "decode_tok_s", "kv_bytes", "kv_bytes_full", "kv_ratio", "peak_mem_bytes",
     "stop_reason", "ttft_s", "truncated", "dropped_tokens", "document_tokens",
-    "document_prefill_s",
+    "document_prefill_s", "document_kvc",
 )  # fmt: skip
 _NONE = type(None)
 _SLOT = "<<kvrun:document>>"  # stands for the document while a chat template renders
@@ -366,8 +366,9 @@ def todo(docs: list[Doc], done: set[str], finish):
 
 
 def run_batch(
-    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish, new_kv=None
-) -> int:
+    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish, new_kv=None,
+    kvc_dir=None,
+) -> int:  # fmt: skip
     """Answer docs in order on one session (a fresh cache each), skipping records in `done`;
     a repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
     answer; write(record), then finish(doc, record or None when skipped), after. A line with
@@ -380,7 +381,8 @@ def run_batch(
         if doc.questions is not None and not doc.error:
             kv = session.kv  # the engine leaves a fork of the document in the session
             try:
-                failed += run_engine([session], [doc], job, write, None, finish, None, new_kv)[0]
+                args = (write, None, finish, None, new_kv, kvc_dir)
+                failed += run_engine([session], [doc], job, *args)[0]
             finally:
                 session.kv = kv
                 session.reset()
@@ -394,7 +396,7 @@ def run_batch(
 
 def run_parallel(
     sessions, docs: list[Doc], job: LongdocJob, write, done: set[str], finish, kv_mem=None,
-    new_kv=None,
+    new_kv=None, kvc_dir=None,
 ) -> tuple[int, object]:  # fmt: skip
     """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching), the
     questions of "questions" lines among them (longdoc_questions.run_engine). Records are
@@ -402,4 +404,4 @@ def run_parallel(
     record and the others go on. Returns (records failed, engine stats)."""
     from .longdoc_questions import run_engine
 
-    return run_engine(sessions, docs, job, write, done, finish, kv_mem, new_kv)
+    return run_engine(sessions, docs, job, write, done, finish, kv_mem, new_kv, kvc_dir)

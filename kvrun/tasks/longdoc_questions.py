@@ -11,8 +11,13 @@ documents share the engine's batched decode steps.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import ContextOverflow, KvrunError
 from .longdoc import (
@@ -43,6 +48,7 @@ class Asked:
     dropped: int  # document tokens cut by --truncate
     base: object = None  # the compressed document (a KVManager no session holds)
     prefill_s: float = 0.0
+    kvc: str | None = None  # "loaded" or "saved" with --kv-cache-dir
     left: deque = field(default_factory=deque)  # indexes not yet sent to the engine
 
 
@@ -88,7 +94,45 @@ def question_record(asked: Asked, i: int, job: LongdocJob, result) -> dict:
     doc = asked.doc
     rec = complete(empty_record(doc, job, doc.questions[i], i), result, asked.dropped)
     rec.update(document_tokens=len(asked.ids), document_prefill_s=asked.prefill_s)
+    rec["document_kvc"] = asked.kvc
     return rec
+
+
+class KvcDir:
+    """--kv-cache-dir: compressed documents kept as .kvc files (kvrun.kvc) named by the model,
+    the KV spec and the document's turn, so a later run with the same ones loads the file
+    instead of prefilling."""
+
+    def __init__(self, path: str, rt, spec):
+        from .. import kvc
+
+        self.path, self.rt, self.spec = Path(path), rt, spec
+        self.key = json.dumps([kvc.model_identity(rt), kvc.spec_text(spec)])
+
+    def file(self, ids: list[int]) -> Path:
+        h = hashlib.sha256((self.key + json.dumps(ids)).encode()).hexdigest()[:40]
+        return self.path / f"{h}.kvc"
+
+    def load(self, ids: list[int]):
+        """The kept cache of this document turn, or None; a damaged file is a KvrunError."""
+        from .. import kvc
+
+        f = self.file(ids)
+        if not f.exists():
+            return None
+        kv, tokens, _ = kvc.load(f, self.rt, self.spec)
+        return kv if tokens == list(ids) else None
+
+    def save(self, ids: list[int], kv) -> None:
+        from .. import kvc
+
+        f = self.file(ids)
+        tmp = f.with_name(f.name + ".tmp")
+        try:
+            kvc.save(tmp, kv, list(ids), self.rt)
+            os.replace(tmp, f)  # a run killed mid-write leaves no half file under the name
+        except OSError as e:
+            raise KvrunError(f"cannot write {f}: {e.strerror or e}") from None
 
 
 class _Intake:
@@ -101,26 +145,29 @@ class _Intake:
     def poll(self):
         from ..engine import Request
 
-        while self.ready:
-            asked = self.ready[0]
-            if not asked.left:
-                self.ready.popleft()
-                asked.base = None  # every question holds its own fork now
-                continue
-            i, job = asked.left.popleft(), asked.job
-            start = (asked.base.fork(), list(asked.ids))
-            q = asked.turns[i]
-            return Request([], job.n_predict, job.sampling, job.seed, (asked, i), start=start, question=q)  # fmt: skip
-        return next(self.lines, None)
+        while True:
+            while self.ready:
+                asked = self.ready[0]
+                if not asked.left:
+                    self.ready.popleft()
+                    asked.base = None  # every question holds its own fork now
+                    continue
+                i, job = asked.left.popleft(), asked.job
+                start = (asked.base.fork(), list(asked.ids))
+                q = asked.turns[i]
+                return Request([], job.n_predict, job.sampling, job.seed, (asked, i), start=start, question=q)  # fmt: skip
+            req = next(self.lines, self)
+            if req is not None:  # None: a document became ready (loaded from --kv-cache-dir)
+                return None if req is self else req
 
 
 def run_engine(
-    sessions, docs, job: LongdocJob, write, done, finish, kv_mem=None, new_kv=None
+    sessions, docs, job: LongdocJob, write, done, finish, kv_mem=None, new_kv=None, kvc_dir=None
 ) -> tuple[int, object]:
     """Answer docs on an engine over `sessions`, skipping records in `done` (None: docs came
     through longdoc.todo already). write(record), then finish(doc, record), as each record
     is done, which is not input order. new_kv() -> a fresh cache for a document's prefill
-    (None: a reset fork of the first session's). Returns (records failed, engine stats)."""
+    (None: a reset fork of the first session's); kvc_dir: a KvcDir. Returns (records failed, engine stats)."""
     from ..engine import Engine, Request
 
     if new_kv is None:
@@ -153,13 +200,19 @@ def run_engine(
     def document(doc: Doc):
         try:
             asked, bad = prepare_questions(sessions[0], doc, job)
+            t = time.perf_counter()
+            kept = kvc_dir.load(asked.ids) if kvc_dir and asked else None
         except KvrunError as e:
             for rec in error_records(doc, job, str(e)):
                 put(doc, rec)
             return
         for i, msg in bad.items():
             put(doc, error_record(doc, job, msg, i))
-        if asked is not None:
+        if kept is not None:
+            asked.base, asked.prefill_s, asked.kvc = kept, time.perf_counter() - t, "loaded"
+            intake.ready.append(asked)
+            yield None
+        elif asked is not None:
             box = []
             fresh = lambda: box.append(new_kv()) or box[0]  # noqa: E731
             yield Request(asked.ids, 0, job.sampling, job.seed, (asked, box), new_kv=fresh)
@@ -181,6 +234,14 @@ def run_engine(
                     put(doc, error_record(doc, job, error, i))
                 return None
             asked.base, asked.prefill_s = what[0].fork(), result.stats.prefill_s
+            if kvc_dir is not None:
+                try:
+                    kvc_dir.save(asked.ids, asked.base)
+                    asked.kvc = "saved"
+                except KvrunError as e:
+                    for i in asked.left:
+                        put(doc, error_record(doc, job, str(e), i))
+                    return None
             intake.ready.append(asked)
             return None
         if error is not None:

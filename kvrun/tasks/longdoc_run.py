@@ -80,8 +80,9 @@ class LocalRunner:
     (kvrun.engine; kv_mem: its admission limit in bytes); new_kv() -> a fresh cache of the
     run's method (a "questions" line's document prefills in one)."""
 
-    def __init__(self, sessions: list, kv_mem: int | None, new_kv=None):
+    def __init__(self, sessions: list, kv_mem: int | None, new_kv=None, kvc_dir=None):
         self.sessions, self.kv_mem, self.stats, self.new_kv = sessions, kv_mem, None, new_kv
+        self.kvc_dir = kvc_dir  # longdoc_questions.KvcDir (--kv-cache-dir)
 
     @property
     def parallel(self) -> bool:
@@ -90,9 +91,10 @@ class LocalRunner:
     def __call__(self, docs, job: LongdocJob, write, done, start, finish) -> int:
         if not self.parallel:
             s = self.sessions[0]
-            return task.run_batch(s, docs, job, write, done, start, finish, self.new_kv)
+            kw = {"new_kv": self.new_kv, "kvc_dir": self.kvc_dir}
+            return task.run_batch(s, docs, job, write, done, start, finish, **kw)
         failed, self.stats = task.run_parallel(
-            self.sessions, docs, job, write, done, finish, self.kv_mem, self.new_kv
+            self.sessions, docs, job, write, done, finish, self.kv_mem, self.new_kv, self.kvc_dir
         )
         return failed
 
