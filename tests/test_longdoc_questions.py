@@ -244,3 +244,40 @@ def test_kv_cache_dir_keeps_documents_for_later_runs(tiny, tmp_path):
     errs = [x["error"] for x in records(r.stdout)]
     assert len(errs) == 6 and all(e and ".kvc" in e and "\n" not in e for e in errs)
     assert all("damaged" in e or "not a readable" in e for e in errs)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_ray_worker_answers_questions_as_the_local_run(tiny, tmp_path, n):
+    """The Ray path without Ray: worker_setup's handler gives each document's records (a
+    list: one a question) and RayRunner writes them all, as the local run does."""
+    from kvrun.options import KVOptions, ModelOptions, ParallelOptions
+    from kvrun.tasks import longdoc as task
+    from kvrun.tasks.longdoc_run import LongdocOptions, RayRunner, worker_setup
+
+    model = ModelOptions(str(tiny.gguf_path), "float32", device="cpu")
+    templates = {t: task.load_template(t) for t in ("question", "summarize")}
+    opts = LongdocOptions(templates, None, False, None, None, 4, "middle",
+                          SamplingConfig(temp=0.0), 0)  # fmt: skip
+    handler, facts = worker_setup(model, KVOptions("snapkv", "0.3"), ParallelOptions(n), opts)
+    lines = [json.dumps(x) for x in multi_lines() + [{"id": "p", "text": "Hi.", "question": 1}]]
+
+    class Pool:  # kvrun.cluster.Pool's stream, in this process
+        def stream(self, items, chunk):
+            items = list(items)
+            for (_, doc), recs in zip(items, handler([d for _, d in items], "here"), strict=True):
+                yield doc, recs, None
+
+    job = opts.job(facts["kv"], facts["settings"])
+    got = []
+    failed = RayRunner(Pool(), 8)(list(task.iter_docs(lines)), job, got.append, set(), None,
+                                  lambda d, r: None)  # fmt: skip
+    assert failed == 1 and len(got) == 7
+    assert [r.get("node") for r in got].count("here") == 6
+    src = write_jsonl(tmp_path / "q.jsonl", lines)
+    local = by_key(
+        records(run(tiny, "--jsonl", str(src), "--kv", "snapkv", "--kv-budget", "0.3").stdout)
+    )
+    keyed = by_key(got)
+    assert sorted(keyed, key=str) == sorted(local, key=str)
+    assert all(keyed[k]["tokens"] == local[k]["tokens"] for k in keyed)
+    assert keyed[("p", None)]["error"] == '"question" must be a string'
