@@ -41,7 +41,7 @@ def prefill(
     --question-after does (the question is a turn that selects nothing):
 
     \b
-    kvrun prefill -f report.txt --kv kvzip --kv-budget 0.25 -o report.kvc
+    kvrun prefill -f report.txt --kv snapkv --kv-budget 0.25 -o report.kvc
     kvrun generate --kv-cache report.kvc -p "Who signed the report?" --temp 0
     kvrun chat --kv-cache report.kvc
 
