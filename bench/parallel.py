@@ -31,6 +31,7 @@ from kvrun.kv import check
 from kvrun.runtime import load_runtime, pick_device
 from kvrun.sampling import SamplingConfig
 from kvrun.tasks import longdoc as task
+from kvrun.tasks import longdoc_questions as batch
 from kvrun.tasks.bench import machine
 
 BEGIN, END = "<!-- parallel:begin -->", "<!-- parallel:end -->"
@@ -81,13 +82,13 @@ def run(rt, spec, docs, a, parallel: int) -> tuple[float, dict, float, float, in
     recs = []
     t0 = time.perf_counter()
     if parallel == 1:
-        task.run_batch(sessions[0], docs, job, recs.append, set(), lambda d: (None, None),
+        batch.run_batch(sessions[0], docs, job, recs.append, set(), lambda d: (None, None),
                        lambda d, r: None)  # fmt: skip
         prefill_s = sum(r["prefill_s"] for r in recs)
         decode_s = sum(r["decode_s"] for r in recs)
         gen = sum(max(r["generated_tokens"] - 1, 0) for r in recs)
     else:
-        _, st = task.run_parallel(sessions, docs, job, recs.append, set(), lambda d, r: None)
+        _, st = batch.run_parallel(sessions, docs, job, recs.append, set(), lambda d, r: None)
         prefill_s, decode_s, gen = st.prefill_s, st.decode_s, st.decode_tokens
     wall = time.perf_counter() - t0
     bad = [r["error"] for r in recs if r["error"]]

@@ -154,7 +154,7 @@ def longdoc(
     kvrun longdoc --summarize --kv snapkv --kv-budget 0.25 a.txt b.txt
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --summarize --truncate left
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl --resume
-    kvrun longdoc --jsonl qs.jsonl -o a.jsonl --kv kvzip --kv-budget 0.25 --parallel 4
+    kvrun longdoc --jsonl qs.jsonl -o a.jsonl --kv snapkv --kv-budget 0.25 --parallel 4
       (qs.jsonl: {"id": 1, "path": "report.txt", "questions": ["Who?", "When?"]})
     kvrun longdoc --jsonl docs.jsonl --out answers.jsonl -q "..." --parallel 8 --kv-mem 2G
     kvrun longdoc report.txt -q "Who signed?" --kv snapkv --question-after

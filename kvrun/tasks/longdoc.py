@@ -32,7 +32,7 @@ class Doc:
     question: str | None = None
     line: int | None = None  # 1-based line of the JSONL input
     error: str | None = None  # a problem found while reading the input
-    # "questions": each asked of one compression of the document (kvrun.tasks.longdoc_questions);
+    # "questions": each asked of one compression of the document (longdoc_questions);
     # entries are checked when asked, so a bad one fails alone
     questions: list | None = None
     asked: list[int] | None = None  # the indexes of `questions` still to answer (todo sets it)
@@ -363,45 +363,3 @@ def todo(docs: list[Doc], done: set[str], finish):
                 continue
         seen.add(key)
         yield doc
-
-
-def run_batch(
-    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish, new_kv=None,
-    kvc_dir=None,
-) -> int:  # fmt: skip
-    """Answer docs in order on one session (a fresh cache each), skipping records in `done`;
-    a repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
-    answer; write(record), then finish(doc, record or None when skipped), after. A line with
-    "questions" runs on the engine over this one session (longdoc_questions), one record a
-    question. Returns the number of records that failed."""
-    from .longdoc_questions import run_engine
-
-    failed = 0
-    for doc in todo(docs, done, finish):
-        if doc.questions is not None and not doc.error:
-            kv = session.kv  # the engine leaves a fork of the document in the session
-            try:
-                args = (write, None, finish, None, new_kv, kvc_dir)
-                failed += run_engine([session], [doc], job, *args)[0]
-            finally:
-                session.kv = kv
-                session.reset()
-            continue
-        rec = process(session, doc, job, *start(doc))
-        write(rec)
-        failed += rec["error"] is not None
-        finish(doc, rec)
-    return failed
-
-
-def run_parallel(
-    sessions, docs: list[Doc], job: LongdocJob, write, done: set[str], finish, kv_mem=None,
-    new_kv=None, kvc_dir=None,
-) -> tuple[int, object]:  # fmt: skip
-    """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching), the
-    questions of "questions" lines among them (longdoc_questions.run_engine). Records are
-    written as they finish, which is not input order; a document that fails gets its error
-    record and the others go on. Returns (records failed, engine stats)."""
-    from .longdoc_questions import run_engine
-
-    return run_engine(sessions, docs, job, write, done, finish, kv_mem, new_kv, kvc_dir)

@@ -3,10 +3,12 @@ compressed once, as --question-after does it (its turn compressed at its end), a
 question, the template's part after the document, is a request of its own on a fork of
 that cache (KVManager.fork, kvrun.engine's Request.start) whose turn selects nothing.
 
-run_engine answers a batch on the engine (kvrun.engine) over one or more sessions: a plain
-line is one request, a "questions" line a prefill-only request for its document and, once
-that is compressed, one request per question; questions of one document and of different
-documents share the engine's batched decode steps.
+The batch runners live here: run_batch (documents in order on one session, a "questions"
+line through the engine over that session) and run_parallel (kvrun.engine over several).
+run_engine answers a batch on the engine over one or more sessions: a plain line is one
+request, a "questions" line a prefill-only request for its document and, once that is
+compressed, one request per question; questions of one document and of different documents
+share the engine's batched decode steps.
 """
 
 from __future__ import annotations
@@ -251,3 +253,41 @@ def run_engine(
     engine = Engine(sessions, kv_mem)
     stats = engine.run(intake, ended)
     return failed, stats
+
+
+def run_batch(
+    session, docs: list[Doc], job: LongdocJob, write, done: set[str], start, finish, new_kv=None,
+    kvc_dir=None,
+) -> int:  # fmt: skip
+    """Answer docs in order on one session (a fresh cache each), skipping records in `done`;
+    a repeated id gets an error record. start(doc) -> (on_text, progress) runs before each
+    answer; write(record), then finish(doc, record or None when skipped), after. A line with
+    "questions" runs on the engine over this one session (run_engine), one record a
+    question. Returns the number of records that failed."""
+    failed = 0
+    for doc in todo(docs, done, finish):
+        if doc.questions is not None and not doc.error:
+            kv = session.kv  # the engine leaves a fork of the document in the session
+            try:
+                args = (write, None, finish, None, new_kv, kvc_dir)
+                failed += run_engine([session], [doc], job, *args)[0]
+            finally:
+                session.kv = kv
+                session.reset()
+            continue
+        rec = process(session, doc, job, *start(doc))
+        write(rec)
+        failed += rec["error"] is not None
+        finish(doc, rec)
+    return failed
+
+
+def run_parallel(
+    sessions, docs: list[Doc], job: LongdocJob, write, done: set[str], finish, kv_mem=None,
+    new_kv=None, kvc_dir=None,
+) -> tuple[int, object]:  # fmt: skip
+    """run_batch on len(sessions) documents at once (kvrun.engine: continuous batching), the
+    questions of "questions" lines among them (run_engine). Records are
+    written as they finish, which is not input order; a document that fails gets its error
+    record and the others go on. Returns (records failed, engine stats)."""
+    return run_engine(sessions, docs, job, write, done, finish, kv_mem, new_kv, kvc_dir)

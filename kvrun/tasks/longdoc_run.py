@@ -3,7 +3,7 @@ runners that answer its documents, on this process's sessions (one at a time, or
 once through kvrun.engine) or on Ray workers (kvrun.cluster).
 
 A runner is called as run(docs, job, write, done, start, finish) -> documents failed, with
-run_batch's callbacks (kvrun.tasks.longdoc); the CLI (kvrun.cli.longdoc) reads the input and
+run_batch's callbacks (kvrun.tasks.longdoc_questions); the CLI (kvrun.cli.longdoc) reads the input and
 writes the output around it.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import SamplingConfig
 from ..options import KVOptions, ModelOptions, ParallelOptions, RayOptions
 from . import longdoc as task
+from . import longdoc_questions as batch
 from .longdoc import Doc, LongdocJob
 
 
@@ -92,8 +93,8 @@ class LocalRunner:
         if not self.parallel:
             s = self.sessions[0]
             kw = {"new_kv": self.new_kv, "kvc_dir": self.kvc_dir}
-            return task.run_batch(s, docs, job, write, done, start, finish, **kw)
-        failed, self.stats = task.run_parallel(
+            return batch.run_batch(s, docs, job, write, done, start, finish, **kw)
+        failed, self.stats = batch.run_parallel(
             self.sessions, docs, job, write, done, finish, self.kv_mem, self.new_kv, self.kvc_dir
         )
         return failed
@@ -199,11 +200,11 @@ def worker_setup(
         keep = lambda r: got[r["line"]].append({**r, "node": node})  # noqa: E731
         none = lambda d, r: None  # noqa: E731
         if len(sessions) == 1:
-            task.run_batch(
+            batch.run_batch(
                 sessions[0], docs, job, keep, set(), lambda d: (None, None), none, new_kv
             )
         else:
-            task.run_parallel(sessions, docs, job, keep, set(), none, kv_mem, new_kv)
+            batch.run_parallel(sessions, docs, job, keep, set(), none, kv_mem, new_kv)
         return [got[d.line] for d in docs]
 
     return handler, {"settings": settings, "kv": job.kv}
