@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvrun import kvc
+from kvrun.errors import KvrunError
 from kvrun.generate import Session
 from kvrun.kv import REGISTRY, check
 from kvrun.runtime import load_runtime
@@ -51,7 +52,10 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for text in a.kv or DEFAULT_METHODS:
-            spec = check(text, None if text == "full" or "kivi" == text[:4] else a.budget)
+            try:  # the budget where the method takes one
+                spec = check(text, a.budget)
+            except KvrunError:
+                spec = check(text)
             s = Session(rt.model, rt.tokenizer, rt.new_kv(spec), ubatch=512, context=8192)
             s.prefill(doc)
             path = Path(tmp) / "doc.kvc"
