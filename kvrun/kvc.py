@@ -21,10 +21,12 @@ one line what does not match; a damaged or cut file is one line too.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib
 import json
 import os
+import zlib
 from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
@@ -36,7 +38,7 @@ from .errors import KvrunError
 
 FORMAT, VERSION = "kvrun-kvc", 1
 _ALLOWED = ("kvrun.kv.", "kvrun.kv")  # the modules whose classes a file may name
-_META_KEY = "kvrun_kvc"
+_META_KEY, _STATE_KEY = "kvrun_kvc", "kvrun_kvc_state"
 
 
 class Damaged(KvrunError):
@@ -284,14 +286,17 @@ def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None)
         "tokens": len(tokens),
         "turns": turns or {"chat": False},
         "kv_bytes": kv.nbytes(),
-        "state": state,
     }
     tensors = dict(w.tensors)
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int32)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     try:
-        save_file(tensors, str(part), metadata={_META_KEY: json.dumps(header)})
+        # the state's JSON repeats its keys and class names layer after layer: zlib makes it
+        # ~10x smaller, so a deep model's header stays small
+        packed = base64.b64encode(zlib.compress(json.dumps(state).encode(), 9)).decode()
+        meta = {_META_KEY: json.dumps(header), _STATE_KEY: packed}
+        save_file(tensors, str(part), metadata=meta)
         umask = os.umask(0)
         os.umask(umask)
         part.chmod(0o666 & ~umask)  # safetensors writes 0600; a .kvc is a file like others
@@ -326,6 +331,10 @@ def read_header(path: str | Path) -> dict:
             f"{path} is .kvc format version {header.get('version')}; this kvrun reads "
             f"version {VERSION}: prefill the document again (kvrun prefill)"
         )
+    try:
+        header["state"] = json.loads(zlib.decompress(base64.b64decode(meta[_STATE_KEY])))
+    except (ValueError, KeyError, zlib.error):
+        raise Damaged(f"{path} has a damaged header (its cache's state)") from None
     return header
 
 
