@@ -116,17 +116,30 @@ class RayOptions:
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+def _size(text: str) -> tuple[float, str]:
+    """(number, unit) of a size like 512M, 2GiB, 1000 or 0.5 (number -1 when not one)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        return float(t[: len(t) - len(unit)]), unit
+    except ValueError:
+        return -1.0, unit
+
+
+def size_bytes(text: str, flag: str) -> int:
+    """A size in bytes with an optional K/M/G/T suffix (1024-based): 512M, 2G, 0."""
+    value, unit = _size(text)
+    if value < 0:
+        raise KvrunError(f"{flag} {text}: give a size (512M, 2G, 1000000) or 0")
+    return int(value * _UNITS[unit])
+
+
 def parse_mem(text: str | None, device) -> int | None:
     """--kv-mem: None, bytes with an optional K/M/G/T suffix, or a fraction (0, 1] of the
     memory free now (CUDA: the device's; CPU: MemAvailable)."""
     if text is None:
         return None
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        value = -1.0
+    value, unit = _size(text)
     if value <= 0 or (not unit and value != int(value) and value > 1):
         raise KvrunError(f"--kv-mem {text}: give bytes (512M, 4G, 1000000) or a fraction (0.5)")
     if unit or value > 1:

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvrun.cli.serve import size_bytes
 from kvrun.errors import KvrunError
+from kvrun.options import size_bytes
 from kvrun.server.prefix_cache import PrefixCache
 
 SNAP = {"kv": "snapkv", "kv_budget": 0.25}

@@ -13,11 +13,13 @@ from ..progress import err_console
 from ..report import stats_line
 from .common import (
     graph_option,
+    kv_cache_option,
     kv_options,
     load_with_progress,
     model_options,
     new_session,
     sampling_options,
+    session_from_kvc,
 )
 
 HELP = "commands: /reset (new conversation), /stats (last reply's numbers), /exit; Ctrl-C stops a reply"
@@ -59,14 +61,8 @@ class _StopFlag:
     type=click.IntRange(min=-1),
     help="Max tokens per reply (-1 = until the model ends its turn).",
 )
-@click.option(
-    "--kv-cache",
-    "kv_cache",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="Start from a document's compressed cache (`kvrun prefill --chat -o FILE`): the first "
-    "message completes the user's turn that holds the document. --kv and --system come "
-    "from the file.",
+@kv_cache_option(
+    "the first message completes the user's turn that holds it (made with --chat); --system too"
 )
 def chat(
     system, n_predict, kv_cache, model: ModelOptions, kv: KVOptions, sampling: SamplingOptions
@@ -86,13 +82,10 @@ def chat(
     if kv_cache is not None:
         from .. import kvc
 
-        given = None if spec.is_full and kv.budget is None else spec  # --kv: the file's
-        cache, held, header = kvc.load(kv_cache, rt, given)
+        session, header = session_from_kvc(rt, kv_cache, kv, model)
         turns = header["turns"]
         if not turns.get("chat"):
             raise KvrunError(f"{kv_cache} was prefilled --raw; chat needs one made with --chat")
-        session = new_session(rt, cache, model)
-        session.tokens = held
         conv = Conversation(session, turns.get("system"))
         conv.continue_document(turns["head"], f"{kvc.DOC_SLOT}\n\n")
     else:

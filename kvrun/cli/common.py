@@ -380,3 +380,29 @@ def read_text(file: str) -> str:
     if not text.strip():
         raise KvrunError(f"{file} is empty")
     return text
+
+
+def kv_cache_option(what: str):
+    """--kv-cache FILE: start from a document's compressed cache (`kvrun prefill`); `what`
+    says what the command's input then is."""
+    return click.option(
+        "--kv-cache",
+        "kv_cache",
+        default=None,
+        type=click.Path(dir_okay=False),
+        help=f"Start from a document's compressed cache (`kvrun prefill -o FILE`): {what}. "
+        "--kv comes from the file.",
+    )
+
+
+def session_from_kvc(rt: Runtime, path: str, kv: KVOptions, model: ModelOptions):
+    """(session, header) going on from a .kvc file; --kv given other than the default must
+    be the file's (kvrun.kvc.load says so in one line)."""
+    from .. import kvc
+
+    spec = kv.spec()
+    given = None if spec.is_full and kv.budget is None else spec
+    cache, held, header = kvc.load(path, rt, given)
+    session = new_session(rt, cache, model)
+    session.tokens = held
+    return session, header

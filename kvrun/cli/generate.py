@@ -15,12 +15,14 @@ from ..report import stats_line
 from .common import (
     dump_json,
     graph_option,
+    kv_cache_option,
     kv_options,
     load_with_progress,
     model_options,
     new_session,
     read_stdin,
     sampling_options,
+    session_from_kvc,
 )
 
 
@@ -68,13 +70,9 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     help="Wrap the prompt in the model's chat template (default: --chat when it has one).",
 )
 @click.option("--system", default=None, help="System message (with --chat).")
-@click.option(
-    "--kv-cache",
-    "kv_cache",
-    default=None,
-    type=click.Path(dir_okay=False),
-    help="Start from a document's compressed cache (`kvrun prefill -o FILE`): the prompt is "
-    "the question, a turn that selects nothing. --kv, --chat and --system come from the file.",
+@kv_cache_option(
+    "the prompt is the question, a turn that selects nothing; --chat and --system come from "
+    "the file too"
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(
@@ -105,11 +103,8 @@ def generate(
     if kv_cache is not None:  # the document is in the file; the prompt is its question
         from .. import kvc
 
-        given = None if spec.is_full and kv.budget is None else spec  # --kv: the file's
-        cache, held, header = kvc.load(kv_cache, rt, given)
+        session, header = session_from_kvc(rt, kv_cache, kv, model)
         use_chat = header["turns"].get("chat", False)
-        session = new_session(rt, cache, model)
-        session.tokens = held
         ids, question = [], kvc.question_turn(tok, text, header["turns"])
         session.check_fits(len(question))
     else:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..options import KVOptions, ModelOptions, ParallelOptions
+from ..options import KVOptions, ModelOptions, ParallelOptions, size_bytes
 from ..progress import err_console
 from .common import graph_option, kv_options, model_options, new_session, parallel_options
 
@@ -165,21 +165,6 @@ def serve(
     except OSError as e:
         raise KvrunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     run(server, sock, log_level="info" if verbose else "warning")
-
-
-def size_bytes(text: str, flag: str) -> int:
-    """A size in bytes with an optional K/M/G/T suffix (1024-based): 512M, 2G, 0."""
-    from ..options import _UNITS
-
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise KvrunError(f"{flag} {text}: give a size (512M, 2G, 1000000) or 0")
-    return int(value * _UNITS[unit])
 
 
 def _family(host: str) -> socket.AddressFamily:
