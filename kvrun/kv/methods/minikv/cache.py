@@ -108,8 +108,8 @@ class MiniKVCache(KVCache):
     def reset(self) -> None:
         super().reset()
         c, dense = self.config, self.kivi_layout is None  # quant=none: turns held dense
-        # Gemma 3's local layers: the layer's window, held dense with positions (the 2-bit
-        # store cannot mask by position) and cut to the window as it moves; MiniKV selects
+        # Gemma 3's local layers (no KIVI store there: KVCache.reset): the layer's window, held
+        # dense with positions and cut to the window as it moves; MiniKV selects
         # and quantizes the global layers (Mistral's window on every layer is refused past it)
         self.local = frozenset(c.local_layers or ()) if c.sliding_window else frozenset()
         self.held = [
@@ -118,8 +118,6 @@ class MiniKVCache(KVCache):
             else (DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense else None)
             for i in range(c.n_layers)
         ]
-        for i in self.local:
-            self.layers[i].kivi = None
 
     def _dense(self) -> DenseSeg:
         c = self.config
