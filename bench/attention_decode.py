@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from harness import alternate, clock, md_head, md_row
+from bench_harness import alternate, clock, md_head, md_row
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30
 

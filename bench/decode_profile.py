@@ -17,7 +17,7 @@ import argparse
 import time
 
 import torch
-from harness import timed
+from bench_harness import timed
 from torch.profiler import ProfilerActivity, profile
 
 from kvrun.generate import Session

@@ -7,7 +7,7 @@
 The model is built by `transformers` from the family's published shapes (random weights: the
 speed of a product does not depend on its values), saved with the family's real tokenizer
 (../shared/tokenizers) and written by llama.cpp's own convert_hf_to_gguf.py (fetched as the
-tests fetch it, tests/llamacpp.py), so both tools read the same file.
+tests fetch it, tests/llamacpp_peer.py), so both tools read the same file.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def build(name: str, out: Path, outtype: str) -> Path:
     import transformers
 
     sys.path.insert(0, str(ROOT / "tests"))
-    import llamacpp
+    import llamacpp_peer
 
     shape = dict(SHAPES[name])
     cls, tok = shape.pop("cls"), shape.pop("tokenizer")
@@ -80,7 +80,7 @@ def build(name: str, out: Path, outtype: str) -> Path:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (folder / f).write_bytes(lzma.decompress((SHARED / tok / f"{f}.xz").read_bytes()))
         out.parent.mkdir(parents=True, exist_ok=True)
-        return llamacpp.convert(folder, out, outtype)
+        return llamacpp_peer.convert(folder, out, outtype)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import alternate, md_head, md_row, utc_now, write_section
+from bench_harness import alternate, md_head, md_row, utc_now, write_section
 
 BENCH = Path(__file__).resolve().parent
 BEGIN, END = "<!-- first-token:begin -->", "<!-- first-token:end -->"

@@ -7,19 +7,19 @@
 #
 #   smoke    on a GPU machine with nothing but the repository and .whl/ (the gguf wheel, see
 #            bench/README.md): installs the wheels and kvrun, then bench/gpu_smoke.py: the
-#            kernel, graph and packed-CUDA tests compiled for real, bench/kernels.py --check
+#            kernel, graph and packed-CUDA tests compiled for real, bench/kernel_speed.py --check
 #            and the 32k decode kernels, kvrun bench on llama3-8b-synthetic (bf16 and q4,
 #            with and without CUDA graphs, -np 8), all in at most 8 files in DIR with a
 #            markdown summary. It needs no model file. Runs alone (not with other stages).
 #   tests    the kernel, graph and end-to-end tests on CUDA (compiled Triton, bf16 included)
-#   kernels  bench/kernels.py --check, then GB/s of dense and KIVI-2/4 decode at 8k/32k/128k
+#   kernels  bench/kernel_speed.py --check, then GB/s of dense and KIVI-2/4 decode at 8k/32k/128k
 #   model    kvrun bench, Llama-3-8B shapes (random weights): full, kivi2, minikv at depth
 #            0, 8192, 32768; full also with --cuda-graph
 #   graph    the default model (SmolLM2-135M): decode tok/s with and without the CUDA graph,
 #            one sequence and --parallel 8
 #   parallel kvrun bench on Llama-3-8B shapes (random weights): 64 tokens decoded after 1,000
 #            at --parallel 1, 8, 32, full and snapkv, with CUDA graphs (aggregate tok/s);
-#            then bench/parallel.py on the default model (real text), N = 1, 8, 32
+#            then bench/parallel_batch.py on the default model (real text), N = 1, 8, 32
 #
 # Output goes to DIR (default $OUT if set, else bench/gpu-results): one file per command
 # (JSON where the command has --json; kvrun bench's also as a markdown table, NAME.md), the
@@ -79,8 +79,8 @@ for s in "${stages[@]}"; do
         tests/test_kernels_codebook.py tests/test_kernels_e2e.py tests/test_graph.py \
         tests/test_graph_batch.py ;;
     kernels)
-      run check python bench/kernels.py --check
-      run kernels python bench/kernels.py --contexts 8192,32768,131072 --json ;;
+      run check python bench/kernel_speed.py --check
+      run kernels python bench/kernel_speed.py --contexts 8192,32768,131072 --json ;;
     model)
       m=(-m llama3-8b-synthetic -c 33408 -n 128 -d 0,8192,32768 -r 3)
       run model kvrun bench "${m[@]}" --kv full --kv kivi2 --kv minikv --json
@@ -95,7 +95,7 @@ for s in "${stages[@]}"; do
         run model_parallel_n$n kvrun bench -m llama3-8b-synthetic -p 1000 -n 64 -r 2 \
           --kv full --kv snapkv --parallel $n --cuda-graph --json
       done
-      run parallel python bench/parallel.py --docs 32 --parallel 1,8,32 --cuda-graph \
+      run parallel python bench/parallel_batch.py --docs 32 --parallel 1,8,32 --cuda-graph \
         --out "$out/parallel.md" ;;
   esac
 done

@@ -8,7 +8,7 @@ seconds (a step that would start past the budget is recorded as skipped):
   1. the kernel tests compiled for real (no interpreter; bf16 included) for every kernel
      family, the static / graph decode tests and the packed int4 CUDA test: none needs the
      default model (the ones that do skip, saying so);
-  2. bench/kernels.py --check, then the dense vs KIVI-2 decode kernel at 32k (GB/s);
+  2. bench/kernel_speed.py --check, then the dense vs KIVI-2 decode kernel at 32k (GB/s);
   3. kvrun bench -m llama3-8b-synthetic (random weights, no file) at --wtype bf16 and q4:
      decode tok/s at depth 0 and 8192 for full, kivi2 and snapkv at budget 0.25, without and
      with --cuda-graph, and the batched step at --parallel 8 with --cuda-graph.
@@ -86,16 +86,16 @@ def plan() -> list[Step]:
         ),
         Step(
             "check",
-            [PY, "bench/kernels.py", "--check"],
+            [PY, "bench/kernel_speed.py", "--check"],
             40,
             "check.txt",
-            [PY, "bench/kernels.py", "--help"],
+            [PY, "bench/kernel_speed.py", "--help"],
         ),
         Step(
             "kernels",
             [
                 PY,
-                "bench/kernels.py",
+                "bench/kernel_speed.py",
                 "--contexts",
                 "32768",
                 "--bits",
@@ -106,7 +106,7 @@ def plan() -> list[Step]:
             ],
             30,
             "kernels.json",
-            [PY, "bench/kernels.py", "--help"],
+            [PY, "bench/kernel_speed.py", "--help"],
         ),
     ]
     common = ["-m", MODEL, "-c", "8448", "-p", "0", "-n", "32", "-r", "2", "--json"]
@@ -207,8 +207,10 @@ def _json(s: str):
 
 
 def peak_gbps(name: str) -> float | None:
-    """HBM peak of the GPU by name: bench/kernels.py's table."""
-    spec = importlib.util.spec_from_file_location("kernels_bench", ROOT / "bench" / "kernels.py")
+    """HBM peak of the GPU by name: bench/kernel_speed.py's table."""
+    spec = importlib.util.spec_from_file_location(
+        "kernel_speed", ROOT / "bench" / "kernel_speed.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod._peak(name, None)
@@ -221,7 +223,7 @@ def summary(out: Path) -> str:
     last = [ln for ln in tests.strip().splitlines() if ln.strip()][-1:] or ["not run"]
     lines += [f"- tests (compiled Triton, CUDA graphs, packed int4 on CUDA): {last[0]}"]
     check = (out / "check.txt").read_text() if (out / "check.txt").exists() else "not run"
-    lines += [f"- bench/kernels.py --check: {check.strip().splitlines()[-1] if check.strip() else 'no output'}", ""]  # fmt: skip
+    lines += [f"- bench/kernel_speed.py --check: {check.strip().splitlines()[-1] if check.strip() else 'no output'}", ""]  # fmt: skip
     runs = []
     if (out / "bench.jsonl").exists():
         runs = [json.loads(x) for x in (out / "bench.jsonl").read_text().splitlines() if x]

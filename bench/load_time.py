@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 
-from harness import alternate, md_head, md_row
+from bench_harness import alternate, md_head, md_row
 
 
 def run(tree: str, model: str, wtype: str) -> tuple[float, int]:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import md_head, utc_now, write_section
+from bench_harness import md_head, utc_now, write_section
 
 BEGIN, END = "<!-- longdoc-questions:begin -->", "<!-- longdoc-questions:end -->"
 README = Path(__file__).with_name("README.md")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import timed, write_section
+from bench_harness import timed, write_section
 
 HERE = Path(__file__).parent
 README = HERE / "README.md"

@@ -19,7 +19,7 @@ import functools
 from pathlib import Path
 
 import torch
-from harness import md_head, md_row, timed, utc_now, write_section
+from bench_harness import md_head, md_row, timed, utc_now, write_section
 
 from kvrun.quant import int4mm
 from kvrun.quant.choice import _probe

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402
-from harness import cpu_model, log, md_head, torch_version, utc_now, write_section  # noqa: E402
+from bench_harness import cpu_model, log, md_head, torch_version, utc_now, write_section  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE / ".quant-files"

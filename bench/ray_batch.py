@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness import md_head, md_row, utc_now, write_section
+from bench_harness import md_head, md_row, utc_now, write_section
 
 BEGIN, END = "<!-- ray:begin -->", "<!-- ray:end -->"
 README = Path(__file__).with_name("README.md")

@@ -48,7 +48,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402 - the llama.cpp build helpers live there
-from harness import log, write_section  # noqa: E402
+from bench_harness import log, write_section  # noqa: E402
 
 from kvrun.server import wait_ready  # noqa: E402
 

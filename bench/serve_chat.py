@@ -30,7 +30,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as vl  # noqa: E402
-from harness import log, write_section  # noqa: E402
+from bench_harness import log, write_section  # noqa: E402
 from serve import Running, free_port, llama_server_binary  # noqa: E402
 
 HERE = Path(__file__).parent

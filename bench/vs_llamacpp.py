@@ -60,7 +60,7 @@ import venv
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path (tests)
-from harness import (  # noqa: E402
+from bench_harness import (  # noqa: E402
     alternate,
     cpu_flags,
     cpu_model,

@@ -21,7 +21,6 @@ import math
 
 import torch
 
-from . import HAVE_TRITON, jit, next_pow2, use_triton
 from .dense_decode import (
     MAX_ROWS,
     check_tiles,
@@ -31,6 +30,7 @@ from .dense_decode import (
     split_partials,
     store_partial,
 )
+from .dispatch import HAVE_TRITON, jit, next_pow2, use_triton
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from . import HAVE_TRITON, jit, next_pow2, use_triton
 from .dense_decode import online_step
+from .dispatch import HAVE_TRITON, jit, next_pow2, use_triton
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None

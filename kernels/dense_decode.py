@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import HAVE_TRITON, jit, next_pow2, use_triton
+from .dispatch import HAVE_TRITON, jit, next_pow2, use_triton
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None

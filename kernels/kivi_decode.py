@@ -14,7 +14,6 @@ import math
 
 import torch
 
-from . import HAVE_TRITON, jit, next_pow2, use_triton
 from .dense_decode import (
     MAX_ROWS,
     check_tiles,
@@ -24,6 +23,7 @@ from .dense_decode import (
     split_partials,
     store_partial,
 )
+from .dispatch import HAVE_TRITON, jit, next_pow2, use_triton
 from .kivi_pack import unpack_codes
 
 # the kernels below need triton.language as a module global; the references need no triton

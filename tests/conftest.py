@@ -3,6 +3,28 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+
+def _outside_checkout(entries: list[str]) -> list[str]:
+    """sys.path / PYTHONPATH entries less the checkout's root and bench/."""
+    root = Path(__file__).resolve().parent.parent
+    drop = {root, root / "bench"}
+    return [p for p in entries if Path(p or os.curdir).resolve() not in drop]
+
+
+# The suite imports the installed kvrun and the installed third-party packages, never the
+# checkout's folders by their bare names: `python -m pytest` puts the current folder first on
+# sys.path, and pytest-xdist puts its own on each worker's sys.path and PYTHONPATH (which the
+# suite's subprocesses inherit). From the checkout's root, `kernels/` would shadow Hugging
+# Face's `kernels` (kvrun.top_level hands such imports over; this keeps them from starting).
+# This runs before any test module, and so before transformers, is imported.
+sys.path[:] = _outside_checkout(sys.path)
+if os.environ.get("PYTHONPATH"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        _outside_checkout(os.environ["PYTHONPATH"].split(os.pathsep))
+    )
 
 import pytest
 import torch

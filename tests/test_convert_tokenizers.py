@@ -3,7 +3,7 @@ that carries only tokenizer.json (SentencePiece BPE with byte fallback) becomes 
 vocabulary, a Llama 3.1 folder a byte-level BPE ('gpt2', llama-bpe). Checked against the
 folder's own tokenizer (tokenizers), llama.cpp's ids (golden ids in
 tests/data/tokenizer_golden.json, and live where llama-cpp-python is in bench/.venv-llamacpp)
-and the metadata keys llama.cpp's convert_hf_to_gguf.py writes (tests/llamacpp.py)."""
+and the metadata keys llama.cpp's convert_hf_to_gguf.py writes (tests/llamacpp_peer.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import gguf
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-import llamacpp
+import llamacpp_peer
 import tiny_models
 from kvrun.convert import convert
 from kvrun.file_headers import gguf_metadata, open_gguf
@@ -113,17 +113,17 @@ def test_kvrun_tokens_from_the_gguf_equal_llama_cpp_golden(folder):
 
 @pytest.mark.slow  # a subprocess
 @pytest.mark.skipif(
-    not llamacpp.PYTHON.exists(), reason=f"no llama-cpp-python at {llamacpp.PYTHON}"
+    not llamacpp_peer.PYTHON.exists(), reason=f"no llama-cpp-python at {llamacpp_peer.PYTHON}"
 )
 def test_llama_cpp_reads_the_gguf_and_gives_the_same_tokens(folder):
-    live = llamacpp.tokenize(folder["gguf"], TEXTS)
+    live = llamacpp_peer.tokenize(folder["gguf"], TEXTS)
     for key in ("add_bos", "bos", "eos", "eog", "special", "plain"):
         assert live[key] == folder["gold"][key], key
 
 
 @pytest.mark.slow  # a subprocess
 def test_metadata_keys_equal_llama_cpp_converters(folder, tmp_path):
-    ref = llamacpp.convert(folder["hf"], tmp_path / "ref.gguf", "f32")
+    ref = llamacpp_peer.convert(folder["hf"], tmp_path / "ref.gguf", "f32")
     theirs = gguf_metadata(open_gguf(ref))
     ours = folder["meta"]
     assert set(ours) == set(theirs)

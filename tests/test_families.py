@@ -198,11 +198,11 @@ def test_quantized_file_runs_on_its_blocks(family, tmp_path, name, monkeypatch):
     the native kernels where built): prefill beyond the fast products' rows equals the file
     dequantized at load (`--wtype f32`), and decode steps through the fast products (8-bit
     activations) stay close to it."""
-    import llamacpp
+    import llamacpp_peer
     from kvrun.quant import blocks as blocks_mod
     from kvrun.quant.blocks import BlockLinear
 
-    path = llamacpp.convert(family(name).hf_dir, tmp_path / f"{name}.q8_0.gguf", "q8_0")
+    path = llamacpp_peer.convert(family(name).hf_dir, tmp_path / f"{name}.q8_0.gguf", "q8_0")
     models = {}
     for wtype in ("f32", "auto"):
         w = load(path, torch.float32, wtype=wtype)
@@ -253,11 +253,11 @@ def test_longrope_takes_the_long_factors_past_the_original_context(loaded):
 def test_a_model_split_in_parts_loads_whole(family, tmp_path):
     """A GGUF split by llama.cpp's converter (`--split-max-tensors`, the parts `kvrun pull`
     fetches) loads from its first part as the whole file does; a missing part is one line."""
-    import llamacpp
+    import llamacpp_peer
     from kvrun.errors import ModelNotFound
 
     (tmp_path / "split").mkdir()
-    llamacpp.convert(
+    llamacpp_peer.convert(
         family("phi3").hf_dir, tmp_path / "split" / "m.gguf", "f32", "--split-max-tensors", "6"
     )
     parts = sorted((tmp_path / "split").iterdir())

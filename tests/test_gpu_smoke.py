@@ -54,14 +54,14 @@ def test_plan_fits_the_slot_and_names_no_model_file():
 
 def test_summary_from_real_result_files(tmp_path):
     """Result files as the GPU run writes them, made on the CPU: kvrun bench's JSON (tiny
-    synthetic model) and bench/kernels.py's JSON; the summary tabulates both."""
+    synthetic model) and bench/kernel_speed.py's JSON; the summary tabulates both."""
     smoke = _smoke()
     bench = subprocess.run([sys.executable, "-m", "kvrun", "bench", "-m", "tiny-synthetic",
                             "-p", "0", "-n", "4", "-d", "0,16", "-r", "1", "--kv", "full",
                             "--kv", "snapkv", "--kv-budget", "0.25", "--json"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bench.returncode == 0, bench.stderr
-    kern = subprocess.run([sys.executable, "bench/kernels.py", "--contexts", "256", "--bits", "2",
+    kern = subprocess.run([sys.executable, "bench/kernel_speed.py", "--contexts", "256", "--bits", "2",
                            "--reps", "1", "--warmup", "0", "--hq", "4", "--hkv", "2",
                            "--head-dim", "32", "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from kv_helpers import pack, quantize
 
-import kvrun.kernels as K
+import kvrun.kernels.dispatch as K
 from kvrun.errors import KvrunError
 from kvrun.kernels import colsum as cs
 from kvrun.kernels import dense_decode as dd

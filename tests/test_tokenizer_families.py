@@ -29,7 +29,7 @@ import pytest
 from test_convert_tokenizers import TEXTS as BASE_TEXTS
 from tokenizers import Tokenizer as HFTokenizer
 
-import llamacpp
+import llamacpp_peer
 from kvrun.errors import KvrunError
 from kvrun.file_headers import gguf_metadata, open_gguf
 from kvrun.tokenizer import Tokenizer, bpe_json_vocab, bpe_pre_name, spm_json_vocab
@@ -334,7 +334,7 @@ def converted(family, tmp_path_factory):
     """llama.cpp's convert_hf_to_gguf.py on the family's tiny HF folder (vocabulary only)."""
     root = tmp_path_factory.mktemp(f"conv_{family['name']}")
     hf = hf_folder(family["name"], root / "hf")
-    return llamacpp.convert(hf, root / "vocab.gguf", "f32", "--vocab-only")
+    return llamacpp_peer.convert(hf, root / "vocab.gguf", "f32", "--vocab-only")
 
 
 @pytest.mark.slow  # a subprocess
@@ -358,10 +358,10 @@ def test_llama_cpp_converter_writes_what_kvrun_builds(family, converted):
 
 @pytest.mark.slow  # a subprocess
 @pytest.mark.skipif(
-    not llamacpp.PYTHON.exists(), reason=f"no llama-cpp-python at {llamacpp.PYTHON}"
+    not llamacpp_peer.PYTHON.exists(), reason=f"no llama-cpp-python at {llamacpp_peer.PYTHON}"
 )
 def test_llama_cpp_live_equals_golden(family, converted):
-    live = llamacpp.tokenize(converted, TEXTS)
+    live = llamacpp_peer.tokenize(converted, TEXTS)
     gold = family["gold"]
     assert {k: live[k] for k in ("add_bos", "bos", "eos", "eog")} == {k: gold[k] for k in ("add_bos", "bos", "eos", "eog")}  # fmt: skip
     assert live["special"] == gold["special"] and live["plain"] == gold["plain"]

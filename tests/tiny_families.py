@@ -1,6 +1,6 @@
 """Tiny random models of the families beside Llama (Qwen 2.5, Qwen 3, Gemma 3, Phi-3), built with
 `transformers`, saved as HF folders and written to GGUF by llama.cpp's own converter
-(tests/llamacpp.py), so kvrun's loaders are checked against files they did not write.
+(tests/llamacpp_peer.py), so kvrun's loaders are checked against files they did not write.
 
 Each family turns on what sets it apart: Qwen 2.5 its q/k/v biases, tied embeddings and YaRN;
 Qwen 3 its q/k norms; Gemma 3 its scaled embedding, GeGLU, sandwich norms (1 + w), q/k norms,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-import llamacpp
+import llamacpp_peer
 import tiny_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def save(name: str, out: Path, seed: int = 0) -> Family:
         cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
         cfg["tokenizer_class"] = "GemmaTokenizer" if name == "gemma3" else "LlamaTokenizer"
         (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    gguf_path = llamacpp.convert(hf_dir, out / f"{name}.gguf", "f32")
+    gguf_path = llamacpp_peer.convert(hf_dir, out / f"{name}.gguf", "f32")
     return Family(name, model, hf_dir, gguf_path)
 
 

@@ -6,7 +6,7 @@ llama-cpp-python in bench/.venv-llamacpp. Run it after changing the texts or the
     python tests/data/make_tokenizer_golden.py
 
 qwen3, gemma3, gemma3_spm (tests/test_tokenizer_families.py's texts): converted by llama.cpp's
-own convert_hf_to_gguf.py (tests/llamacpp.py fetches it). llama2, llama3_1
+own convert_hf_to_gguf.py (tests/llamacpp_peer.py fetches it). llama2, llama3_1
 (tests/test_convert_tokenizers.py's texts): converted by kvrun's converter, the GGUF that test
 reads (llama.cpp's converter gives a tokenizer.json-only Llama 2 folder the score -1000 for
 every piece, so llama.cpp's ids from its own GGUF are not the folder's).
@@ -26,7 +26,7 @@ sys.path.insert(0, str(TESTS))
 import test_convert_tokenizers as llama_tests  # noqa: E402
 import test_tokenizer_families as family_tests  # noqa: E402
 
-import llamacpp  # noqa: E402
+import llamacpp_peer  # noqa: E402
 from kvrun.convert import convert  # noqa: E402
 from kvrun.file_headers import gguf_metadata, open_gguf  # noqa: E402
 
@@ -43,15 +43,15 @@ def folder(name: str, dest: Path) -> tuple[Path, list[str]]:
 
 
 def main() -> None:
-    if not llamacpp.PYTHON.exists():
-        sys.exit(f"no llama-cpp-python at {llamacpp.PYTHON}")
+    if not llamacpp_peer.PYTHON.exists():
+        sys.exit(f"no llama-cpp-python at {llamacpp_peer.PYTHON}")
     families = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in [*family_tests.FAMILIES, *llama_tests.FOLDERS]:
             hf, texts = folder(name, Path(tmp) / name)
             out = Path(tmp) / f"{name}.gguf"
             if name in family_tests.FAMILIES:
-                gguf = llamacpp.convert(hf, out, "f32", "--vocab-only")
+                gguf = llamacpp_peer.convert(hf, out, "f32", "--vocab-only")
             else:
                 gguf = convert(hf, out, outtype="f32")
             meta = gguf_metadata(open_gguf(gguf))
@@ -60,10 +60,10 @@ def main() -> None:
                 "converter": "llama.cpp" if name in family_tests.FAMILIES else "kvrun",
                 "gguf": {k: v for k, v in keys.items() if k not in _ARRAYS},
                 "texts": texts,
-                **llamacpp.tokenize(gguf, texts),
+                **llamacpp_peer.tokenize(gguf, texts),
             }
             print(name, meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"], len(texts))
-    doc = {"llama.cpp": f"llama-cpp-python {llamacpp.VERSION}", "families": families}
+    doc = {"llama.cpp": f"llama-cpp-python {llamacpp_peer.VERSION}", "families": families}
     text = json.dumps(doc, ensure_ascii=False, indent=1)
     text = re.sub(r"(?<=[\[,])\s+(?=-?\d)|(?<=\d)\s+(?=\])", "", text)  # ids: one line a list
     OUT.write_text(text + "\n", "utf-8")

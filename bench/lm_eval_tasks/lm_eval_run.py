@@ -1,8 +1,8 @@
 """lm-evaluation-harness against `kvrun serve`: the two local tasks of this folder, once per
 KV method, through lm-eval's `local-completions` model (OpenAI's completions API).
 
-    python bench/lm_eval/run.py                                  # full, snapkv 0.25, streaming 0.25
-    python bench/lm_eval/run.py --kv full --kv "snapkv 0.1" --write
+    python bench/lm_eval_tasks/lm_eval_run.py                                  # full, snapkv 0.25, streaming 0.25
+    python bench/lm_eval_tasks/lm_eval_run.py --kv full --kv "snapkv 0.1" --write
 
 lm-eval is a bench dependency, not a kvrun one: it runs from the virtual environment
 bench/.venv-lmeval (made on first use: `python -m venv --system-site-packages` so that it
@@ -10,7 +10,7 @@ sees this torch, then `pip install "lm-eval[api]"`). For each method the script 
 `kvrun serve --kv M --kv-budget B -np 4`, exports the model's tokenizer for lm-eval (kvrun's
 Tokenizer.save_hf: lm-eval counts context tokens with it and sends token ids), runs
 
-    lm_eval --model local-completions --tasks kvrun_mc,kvrun_passkey --include_path bench/lm_eval
+    lm_eval --model local-completions --tasks kvrun_mc,kvrun_passkey --include_path bench/lm_eval_tasks
         --model_args model=smollm2,base_url=http://127.0.0.1:PORT/v1/completions,
                      tokenizer_backend=huggingface,tokenizer=TOKENIZER_DIR,num_concurrent=4
 
@@ -128,7 +128,7 @@ def main() -> None:
     print(text)
     if a.write:
         sys.path.insert(0, str(BENCH))
-        from harness import write_section
+        from bench_harness import write_section
 
         write_section(README, f"## lm-evaluation-harness against kvrun serve\n\n{text}", BEGIN, END)
 

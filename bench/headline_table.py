@@ -1,6 +1,6 @@
 """The headline table: every KV method on one model, quality and cost side by side.
 
-    python bench/headline.py --text book.txt [-m smollm2] [--budget 0.25] [--quick]
+    python bench/headline_table.py --text book.txt [-m smollm2] [--budget 0.25] [--quick]
 
 For each method (all of `kvrun kv list`, plus the snapkv+kivi2, minicache+kivi4 and
 xkv+kivi2 stacks) at one setting: methods whose budget is a token fraction at --budget;
@@ -23,8 +23,8 @@ A full run takes hours on a 2-core CPU. --results FILE keeps each finished part 
 kl, speed), and each finished pass-key prompt of a part under way, in a JSON file; a rerun
 with the same settings takes them from there, so a run can be resumed, and --parts picks what this run measures: the accuracy parts give the same
 answers however busy the machine is, the speed part wants it quiet, e.g.
-    nice python bench/headline.py --text T --results h.json --parts acc,after,kl   # any time
-    python bench/headline.py --text T --results h.json --parts speed              # quiet
+    nice python bench/headline_table.py --text T --results h.json --parts acc,after,kl   # any time
+    python bench/headline_table.py --text T --results h.json --parts speed              # quiet
 The table is written once every part is there.
 """
 
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import alternate, log, md_head, md_row, utc_now, write_section
+from bench_harness import alternate, log, md_head, md_row, utc_now, write_section
 
 from kvrun.errors import KvrunError
 from kvrun.generate import Session
@@ -340,7 +340,7 @@ def main() -> None:
             f"- machine: {m['device_name']} ({m['device']}), {dt}, {m['threads']} threads, "
             f"torch {m['torch']}, {m['platform']}",
             f"- model: {rt.config.name or rt.path.name} ({rt.path.name})",
-            f"- command: `python bench/headline.py {shlex.join(command_args(sys.argv[1:]))}`",
+            f"- command: `python bench/headline_table.py {shlex.join(command_args(sys.argv[1:]))}`",
             f"- pass key: lengths {a.lengths} x depths {a.depths} %, greedy, 12 tokens; "
             "question after: the haystack prefilled and compressed before the question "
             "arrives as its own turn (`kvrun needle --question-after`)",

@@ -1,9 +1,9 @@
 """Decode-attention kernel speed: dense vs KIVI-2 (and KIVI-4) at long contexts, Llama-3-8B shapes.
 
-    python bench/kernels.py [--contexts 8192,32768,131072] [--dtype bf16] [--reps 50] [--json]
-    python bench/kernels.py --check          # Triton vs torch reference on the GPU
-    python bench/kernels.py --tune           # sweep tile / warps of the decode kernels
-    python bench/kernels.py --compile 90     # compile every kernel for sm_90, no GPU needed
+    python bench/kernel_speed.py [--contexts 8192,32768,131072] [--dtype bf16] [--reps 50] [--json]
+    python bench/kernel_speed.py --check          # Triton vs torch reference on the GPU
+    python bench/kernel_speed.py --tune           # sweep tile / warps of the decode kernels
+    python bench/kernel_speed.py --compile 90     # compile every kernel for sm_90, no GPU needed
 
 On CUDA it times one decode step's attention for one layer (B=1, Tq=1, Hq 32, Hkv 8, D 128)
 with CUDA events around CUDA-graph replays (so Python launch overhead is not counted),
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path (gpu_smoke)
-from harness import timed  # noqa: E402
+from bench_harness import timed  # noqa: E402
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM peak by GPU name (SXM parts)
 L2_DEFEAT_BYTES = 256 * 2**20

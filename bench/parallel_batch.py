@@ -1,6 +1,6 @@
 """Batched generation: `kvrun longdoc --parallel N` throughput against --parallel 1.
 
-    python bench/parallel.py [-m smollm2] [--docs 16] [--doc-tokens 1000] [-n 64]
+    python bench/parallel_batch.py [-m smollm2] [--docs 16] [--doc-tokens 1000] [-n 64]
                              [--parallel 1,4,8] [--kv full --kv snapkv] [--text FILE]
                              [--wtype auto] [--device auto] [--cuda-graph] [--out FILE]
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import md_head, utc_now, write_section
+from bench_harness import md_head, utc_now, write_section
 
 from kvrun.generate import Session
 from kvrun.kv import check
@@ -135,7 +135,7 @@ def main() -> None:
             f"torch {m['torch']}",
             f"- model: {rt.path.name}, {str(rt.model.dtype).removeprefix('torch.')} "
             f"(wtype {rt.weights.wtype}){', CUDA graphs' if a.cuda_graph else ''}",
-            f"- command: `python bench/parallel.py {shlex.join(sys.argv[1:])}`",
+            f"- command: `python bench/parallel_batch.py {shlex.join(sys.argv[1:])}`",
             f"- {len(docs)} documents of {a.doc_tokens} tokens, one question each, greedy, "
             f"up to {a.n} tokens per answer; wall = the whole batch (prefill and decode)",
             "",

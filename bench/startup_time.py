@@ -1,6 +1,6 @@
 """Start-up time of commands that run no model, against `python -c "import torch"`.
 
-    python bench/startup.py [--reps 5]
+    python bench/startup_time.py [--reps 5]
 
 Each command runs as a fresh process (`python -m kvrun ...`), --reps times after one
 warm-up (the page cache holds the files, and `kvrun info` finds the probe record a run
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import md_head, md_row, timed, utc_now, write_section
+from bench_harness import md_head, md_row, timed, utc_now, write_section
 
 from kvrun.tasks.bench import machine
 
@@ -60,7 +60,7 @@ def main() -> None:
             "## Start-up of commands that run no model",
             "",
             f"- date: {utc_now()}, {m['device_name']}, torch {m['torch']}",
-            f"- command: `python bench/startup.py {shlex.join(sys.argv[1:])}`; median of "
+            f"- command: `python bench/startup_time.py {shlex.join(sys.argv[1:])}`; median of "
             f"{a.reps} fresh processes after a warm-up",
             "",
             *md_head(["command", "wall s", "vs `import torch`"], "lrr"),

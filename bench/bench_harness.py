@@ -1,7 +1,7 @@
 """What bench scripts share: the machine, timing, alternation, markdown tables, README sections.
 
 A sibling module, not a package: a script run as `python bench/X.py` has bench/ on sys.path and
-imports it as `from harness import ...`. Nothing here imports torch or kvrun at import time, so
+imports it as `from bench_harness import ...`. Nothing here imports torch or kvrun at import time, so
 `--help` stays fast and a parent that only spawns measured subprocesses stays light.
 """
 

@@ -1,4 +1,4 @@
-"""Writes the two small local task files of bench/lm_eval (run once; the files are committed):
+"""Writes the two small local task files of bench/lm_eval_tasks (run once; the files are committed):
 
 mc.jsonl       24 general-knowledge questions with four choices (lm-eval multiple_choice:
                log-likelihood of each choice after the question, through /v1/completions
@@ -6,7 +6,7 @@ mc.jsonl       24 general-knowledge questions with four choices (lm-eval multipl
 passkey.jsonl  24 pass-key prompts of about 1,000 tokens, the key at depths 0-100 %
                (kvrun needle's passkey prompts, generate_until: the server generates)
 
-  python bench/lm_eval/make_tasks.py
+  python bench/lm_eval_tasks/make_tasks.py
 """
 
 from __future__ import annotations
