@@ -9,40 +9,33 @@ metadata with
   its shapes, and the KV dtype. The packed-model cache keys on the file's path, inode and
   time instead; a .kvc is meant to travel with its model, so it keys on content;
 - the KV spec (`--kv` and `--kv-budget` as given, and the options they resolve to);
-- the cache's own state: the manager's fields, walked as an object graph. Tensors are
-  named in the header and stored beside it; numbers, strings, lists, dicts and the like are
-  JSON; objects are kvrun's own KV classes only (a fixed list of modules), rebuilt without
-  running code from the file; what a run supplies (the model's config and RoPE, the native
-  kernels) is named, never stored. No pickle.
+- the cache's own state: the fields each class declares for a file (kvrun.kv.state), as
+  JSON beside the tensors. A load restores them into a fresh manager that the loading run
+  builds from its own spec and model, each checked against the kind of value it takes: the
+  file names no class or function, so it can build nothing but this spec's cache. No pickle.
 
 `load` checks every part of the header against the model and spec it is given and says in
-one line what does not match; a damaged or cut file is one line too.
+one line what does not match; a damaged, cut or crafted file is one line too, before anything
+from it reaches the run.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import importlib
 import json
 import os
 import zlib
-from fractions import Fraction
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from .errors import KvrunError
+from .kv.state import Damaged, Loader, Writer
 
-FORMAT, VERSION = "kvrun-kvc", 1
-_ALLOWED = ("kvrun.kv.", "kvrun.kv")  # the modules whose classes a file may name
+FORMAT, VERSION = "kvrun-kvc", 2  # 2: the state as each class declares it (kvrun.kv.state)
 _META_KEY, _STATE_KEY = "kvrun_kvc", "kvrun_kvc_state"
-
-
-class Damaged(KvrunError):
-    """A .kvc file that cannot be read as one (cut, overwritten, not a .kvc)."""
 
 
 # ------------------------------------------------------------------------- identity
@@ -86,184 +79,10 @@ def spec_text(spec) -> dict:
     return {"kv": text, "name": spec.name, "budget": budget, "describe": spec.describe()}
 
 
-# -------------------------------------------------------------------------- encoding
-class _Writer:
-    def __init__(self, context: dict[int, str], root: Any):
-        self.context = context  # id(obj) -> name, for what a run supplies
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.ids: dict[int, str] = {}  # one tensor object stored once
-        self.objs: dict[int, int] = {id(root): 0}  # objects met, by number (cycles, sharing)
-        self.alive: list = []  # everything whose id is a key above
-
-    def tensor(self, t: torch.Tensor) -> dict:
-        key = self.ids.get(id(t))
-        if key is None:
-            key = self.ids[id(t)] = f"t{len(self.tensors)}"
-            self.tensors[key] = t.detach().to("cpu").contiguous().clone()
-            self.alive.append(t)  # a view made for the write keeps its id to the end
-        return {"$t": key}
-
-    def enc(self, v: Any) -> Any:
-        if id(v) in self.context:
-            return {"$ctx": self.context[id(v)]}
-        if v is None or isinstance(v, (bool, int, str)):
-            return v
-        if isinstance(v, float):
-            return {"$f": repr(v)}  # inf and nan survive; JSON's floats would not
-        if isinstance(v, torch.Tensor):
-            return self.tensor(v)
-        if isinstance(v, list):
-            return [self.enc(x) for x in v]
-        if isinstance(v, tuple):
-            return {"$tuple": [self.enc(x) for x in v]}
-        if isinstance(v, (set, frozenset)):
-            return {"$set": [self.enc(x) for x in v], "frozen": isinstance(v, frozenset)}
-        if isinstance(v, (dict, MappingProxyType)):
-            items = [[self.enc(k), self.enc(x)] for k, x in v.items()]
-            return {"$dict": items, "proxy": isinstance(v, MappingProxyType)}
-        if isinstance(v, Fraction):
-            return {"$frac": [v.numerator, v.denominator]}
-        if isinstance(v, torch.dtype):
-            return {"$dtype": str(v).removeprefix("torch.")}
-        if isinstance(v, torch.device):
-            return {"$device": "cpu"}  # a cache is loaded where the run's model is
-        if _is_function(v):
-            return {"$fn": _where(v)}
-        return self.obj(v)
-
-    def obj(self, v: Any) -> dict:
-        from .kv.stores.buffer import Buffer
-
-        if id(v) in self.objs:
-            return {"$ref": self.objs[id(v)]}
-        cls = type(v)
-        if cls is Buffer:  # the occupied slots only, never the spare room
-            return {"$buffer": self.tensor(v.data), "dim": v.dim}
-        where = _where(cls)
-        n = self.objs[id(v)] = len(self.objs)
-        self.alive.append(v)
-        state = {k: self.enc(x) for k, x in _fields(v).items()}
-        return {"$obj": where, "n": n, "state": state}
-
-
-def _is_function(v) -> bool:
-    return type(v).__name__ in ("function", "builtin_function_or_method")
-
-
-def _where(x) -> str:
-    mod, name = getattr(x, "__module__", "") or "", getattr(x, "__qualname__", "")
-    if not mod.startswith(_ALLOWED) or "<" in name:
-        raise KvrunError(f"the cache holds a {type(x).__name__} that a .kvc file cannot keep")
-    return f"{mod}:{name}"
-
-
-def _fields(v: Any) -> dict:
-    """An object's attributes: its __dict__ and every __slots__ entry set on it."""
-    out = dict(getattr(v, "__dict__", {}))
-    for klass in type(v).__mro__:
-        for s in getattr(klass, "__slots__", ()):
-            if s not in ("__dict__", "__weakref__") and hasattr(v, s):
-                out[s] = getattr(v, s)
-    return out
-
-
-class _Reader:
-    def __init__(self, tensors: dict[str, torch.Tensor], context: dict[str, Any], device, root):
-        self.tensors, self.context, self.device = tensors, context, device
-        self.made: dict[str, torch.Tensor] = {}
-        self.objs: dict[int, Any] = {0: root}
-
-    def tensor(self, ref: dict) -> torch.Tensor:
-        key = ref["$t"]
-        if key not in self.made:
-            if key not in self.tensors:
-                raise Damaged(f"tensor {key} is named in the header but not in the file")
-            self.made[key] = self.tensors[key].to(self.device)
-        return self.made[key]
-
-    def dec(self, v: Any) -> Any:
-        if v is None or isinstance(v, (bool, int, str)):
-            return v
-        if isinstance(v, list):
-            return [self.dec(x) for x in v]
-        if not isinstance(v, dict) or len(v) == 0:
-            raise Damaged(f"unexpected value {v!r} in the header")
-        tag = next(iter(v))
-        if tag == "$ctx":
-            if v["$ctx"] in ("hook", "kernels"):  # a debug hook, native kernels: the run's, or none
-                return self.context.get(v["$ctx"])
-            if v["$ctx"] not in self.context:
-                raise Damaged(f"the header names {v['$ctx']!r}, which a run does not supply")
-            return self.context[v["$ctx"]]
-        if tag == "$t":
-            return self.tensor(v)
-        if tag == "$f":
-            return float(v["$f"])
-        if tag == "$tuple":
-            return tuple(self.dec(x) for x in v["$tuple"])
-        if tag == "$set":
-            items = [self.dec(x) for x in v["$set"]]
-            return frozenset(items) if v.get("frozen") else set(items)
-        if tag == "$dict":
-            d = {_hashable(self.dec(k)): self.dec(x) for k, x in v["$dict"]}
-            return MappingProxyType(d) if v.get("proxy") else d
-        if tag == "$frac":
-            return Fraction(*v["$frac"])
-        if tag == "$dtype":
-            return getattr(torch, v["$dtype"])
-        if tag == "$device":
-            return torch.device(self.device)
-        if tag == "$fn":
-            return _resolve(v["$fn"])
-        if tag == "$buffer":
-            from .kv.stores.buffer import Buffer
-
-            b = Buffer.__new__(Buffer)
-            b.buf, b.dim = self.tensor(v["$buffer"]), int(v["dim"])
-            b.n = b.buf.shape[b.dim]
-            return b
-        if tag == "$ref":
-            if v["$ref"] not in self.objs:
-                raise Damaged(f"the header refers to object {v['$ref']} before it is made")
-            return self.objs[v["$ref"]]
-        if tag == "$obj":
-            cls = _resolve(v["$obj"])
-            if not isinstance(cls, type):
-                raise Damaged(f"{v['$obj']} is not a class")
-            obj = self.objs[int(v["n"])] = cls.__new__(cls)
-            for k, x in v["state"].items():
-                object.__setattr__(obj, k, self.dec(x))
-            return obj
-        raise Damaged(f"unknown tag {tag!r} in the header")
-
-
-def _hashable(k):
-    return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
-
-
-def _resolve(where: str):
-    mod, _, name = where.partition(":")
-    if not mod.startswith(_ALLOWED):
-        raise Damaged(f"the header names {where}, outside kvrun's KV classes")
-    try:
-        obj: Any = importlib.import_module(mod)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise Damaged(f"the header names {where}, which this kvrun does not have") from None
-    return obj
-
-
-def _context(kv) -> dict[str, Any]:
-    """What a run supplies, by name: never stored, always the loading run's own."""
-    ctx: dict[str, Any] = {"config": kv.config, "rope": kv.rope, "hook": kv.on_select}
-    ctx["kernels"] = getattr(kv.rope, "kernels", None)
-    for i, r in enumerate(getattr(kv.rope, "ropes", ())):  # Gemma 3's two
-        ctx[f"rope{i}"] = r
-    return {k: v for k, v in ctx.items() if v is not None}
-
-
 # ------------------------------------------------------------------------ save, load
+MAX_STATE = 64 << 20  # bytes of a state's JSON, inflated: a zlib bomb stops here
+
+
 def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None) -> Path:
     """Write kv (after a prefill: a document's turn, compressed) and the tokens it holds;
     `turns`: how a question continues them (`document_turn`)."""
@@ -274,15 +93,14 @@ def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None)
     if kv.seen != len(tokens):
         raise KvrunError(f"the cache has seen {kv.seen} tokens, the session {len(tokens)}")
     path = Path(path)
-    ctx = _context(kv)
-    w = _Writer({id(v): k for k, v in ctx.items()}, kv)
-    state = {k: w.enc(v) for k, v in _fields(kv).items()}
+    w = Writer()
+    state = w.obj(kv)
     header = {
         "format": FORMAT,
         "version": VERSION,
         "model": model_identity(rt),
         "spec": spec_text(kv.spec),
-        "class": _where(type(kv)),
+        "class": _class_name(kv),
         "tokens": len(tokens),
         "turns": turns or {"chat": False},
         "kv_bytes": kv.nbytes(),
@@ -292,8 +110,7 @@ def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     try:
-        # the state's JSON repeats its keys and class names layer after layer: zlib makes it
-        # ~10x smaller, so a deep model's header stays small
+        # the state's JSON repeats its keys layer after layer: zlib makes it ~10x smaller
         packed = base64.b64encode(zlib.compress(json.dumps(state).encode(), 9)).decode()
         meta = {_META_KEY: json.dumps(header), _STATE_KEY: packed}
         save_file(tensors, str(part), metadata=meta)
@@ -306,8 +123,26 @@ def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None)
     return path
 
 
+def _class_name(kv) -> str:
+    return f"{type(kv).__module__}:{type(kv).__qualname__}"
+
+
+def _inflate(text: str) -> Any:
+    """The state's JSON from base64 + zlib, at most MAX_STATE bytes of it."""
+    d = zlib.decompressobj()
+    raw = d.decompress(base64.b64decode(text, validate=True), MAX_STATE)
+    if d.unconsumed_tail or not d.eof:
+        raise ValueError("the state is cut, or larger than a cache's state can be")
+    return json.loads(raw)
+
+
+def _damaged_header(path: Path, why: str) -> Damaged:
+    return Damaged(f"{path} has a damaged header ({why})")
+
+
 def read_header(path: str | Path) -> dict:
-    """The JSON header of a .kvc file (Damaged, in one line, when it is not one)."""
+    """The JSON header of a .kvc file, every field of the kind it takes (Damaged, in one line,
+    when it is not one)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -317,85 +152,150 @@ def read_header(path: str | Path) -> dict:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise Damaged(f"{path} is not a readable .kvc file ({str(e).splitlines()[0]})") from None
+        raise Damaged(f"{path} is not a readable .kvc file ({_first_line(e)})") from None
     if _META_KEY not in meta:
         raise Damaged(f"{path} is a safetensors file but not a kvrun .kvc file")
     try:
         header = json.loads(meta[_META_KEY])
-    except ValueError:
-        raise Damaged(f"{path} has a damaged header") from None
-    if header.get("format") != FORMAT:
+    except (ValueError, RecursionError):
+        raise _damaged_header(path, "not JSON") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise Damaged(f"{path} is not a kvrun .kvc file")
     if header.get("version") != VERSION:
         raise KvrunError(
-            f"{path} is .kvc format version {header.get('version')}; this kvrun reads "
+            f"{path} is .kvc format version {_short(header.get('version'))}; this kvrun reads "
             f"version {VERSION}: prefill the document again (kvrun prefill)"
         )
+    _check_header(header, path)
     try:
-        header["state"] = json.loads(zlib.decompress(base64.b64decode(meta[_STATE_KEY])))
-    except (ValueError, KeyError, zlib.error):
-        raise Damaged(f"{path} has a damaged header (its cache's state)") from None
+        header["state"] = _inflate(meta.get(_STATE_KEY, ""))
+    except (ValueError, TypeError, RecursionError, zlib.error):
+        raise _damaged_header(path, "its cache's state") from None
     return header
+
+
+def _short(v: Any) -> str:
+    """A value from a file, in a message of one line: strings as they read, others as repr."""
+    text = "".join(c if c.isprintable() else "?" for c in v) if isinstance(v, str) else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+_HEADER = {"model": dict, "spec": dict, "class": str, "tokens": int, "turns": dict, "kv_bytes": int}
+_SPEC = {"kv": str, "name": str, "budget": (str, type(None)), "describe": dict}
+
+
+def _check_header(h: dict, path: Path) -> None:
+    """Each field of the header of the kind `save` writes (what follows reads them as such)."""
+    for fields, where in ((_HEADER, h), (_SPEC, h.get("spec"))):
+        for key, kind in fields.items():
+            if not isinstance(where, dict) or not isinstance(where.get(key), kind):
+                raise _damaged_header(path, f"{key!r} is {_short(where and where.get(key))}")
+            if isinstance(where[key], bool) and kind is int:
+                raise _damaged_header(path, f"{key!r} is {where[key]!r}")
+    if h["tokens"] < 0 or h["kv_bytes"] < 0:
+        raise _damaged_header(path, "a negative count")
+    t = h["turns"]
+    if not isinstance(t.get("chat"), bool) or (
+        t["chat"]
+        and not (isinstance(t.get("head"), str) and isinstance(t.get("system"), (str, type(None))))
+    ):
+        raise _damaged_header(path, f"'turns' is {_short(t)}")
 
 
 def check_model(header: dict, rt, path: Path) -> None:
     want, have = header["model"], model_identity(rt)
     if want != have:
-        diff = next(k for k in want if want.get(k) != have.get(k))
+        diff = next((k for k in have if want.get(k) != have.get(k)), "the model")
         raise KvrunError(
-            f"{path} was written for model {want['name']} ({diff} differs from "
+            f"{path} was written for model {_short(want.get('name'))} ({diff} differs from "
             f"{have['name']}'s); load it with that model, or prefill the document again"
         )
 
 
-def load(path: str | Path, rt, spec=None):
-    """(kv, tokens, header) from a .kvc file for runtime rt. spec: the run's KV spec (None: the
-    file's); a spec, model or format that does not match is one line (KvrunError)."""
-    from safetensors import safe_open
+def _budget(text: str | None) -> str:
+    return f" --kv-budget {text}" if text else ""
 
+
+def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None):
+    """The spec to load with: the file's where the run asks none; the run's (spec, or the
+    file's method with `budget`) where it is the file's. Anything else is one line naming what
+    the file holds and what was asked."""
     from .kv import check
+
+    try:
+        mine = check(saved["kv"], saved["budget"])
+    except KvrunError as e:
+        raise Damaged(f"{path} holds a spec this kvrun does not take ({e})") from None
+    if spec is None and budget is None:
+        return mine
+    asked = spec if spec is not None else check(saved["kv"], budget)
+    a, b = spec_text(asked), spec_text(mine)
+    ba, bb = asked.budget_or_default(), mine.budget_or_default()
+    same_budget = (ba.value if ba else None) == (bb.value if bb else None)
+    if a["name"] == b["name"] and a["kv"] == b["kv"] and same_budget:
+        return asked
+    held = f"a --kv {b['name']}{_budget(bb and bb.text)} cache"
+    if a["name"] != b["name"]:
+        what = f"{held}, not --kv {a['name']}{_budget(a['budget'])}"
+    elif a["kv"] != b["kv"]:
+        what = f"--kv {b['kv']}, whose options differ from {a['kv']}"
+    else:
+        what = f"{held}, not --kv-budget {ba.text if ba else 'none'}"
+    raise KvrunError(
+        f"{path} holds {what}; drop --kv and --kv-budget to use the file's, or prefill the "
+        "document again with these"
+    )
+
+
+def load(path: str | Path, rt, spec=None, budget: str | None = None):
+    """(kv, tokens, header) from a .kvc file for runtime rt. spec: the run's KV spec (None: the
+    file's); budget: a --kv-budget given without --kv. A spec, model or format that does not
+    match, and a file that does not hold this spec's cache as this kvrun makes it, is one line
+    (KvrunError, Damaged) before anything from the file reaches the run."""
+    from safetensors import safe_open
 
     path = Path(path)
     header = read_header(path)
     check_model(header, rt, path)
-    saved = header["spec"]
-    if spec is None:
-        spec = check(saved["kv"], saved["budget"])
-    elif (given := spec_text(spec))["describe"] != saved["describe"]:
-        what = (
-            f"a --kv {saved['name']} cache, not --kv {given['name']}"
-            if saved["name"] != given["name"]
-            else f"--kv {saved['kv']}, whose options differ from {given['kv']}"
-        )
-        if saved["name"] == given["name"] and saved["kv"] == given["kv"]:
-            what = f"--kv-budget {saved['budget']}, not {given['budget']}"
-        raise KvrunError(
-            f"{path} holds {what}; drop --kv to use the file's, or prefill the document "
-            "again with this one"
-        )
+    spec = check_spec(path, header["spec"], spec, budget)
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a mapping
     except Exception as e:  # noqa: BLE001
-        raise Damaged(f"{path} is damaged or cut ({str(e).splitlines()[0]})") from None
-    fresh = rt.new_kv(spec)  # the run's own config, RoPE and kernels
-    if _where(type(fresh)) != header["class"]:
-        raise Damaged(f"{path} holds a {header['class']}, not this spec's cache")
-    r = _Reader(tensors, _context(fresh), rt.model.device, fresh)
+        raise Damaged(f"{path} is damaged or cut ({_first_line(e)})") from None
+    tokens = _tokens(tensors.get("tokens"), header["tokens"], rt.config.vocab_size, path)
+    fresh = rt.new_kv(spec)  # the run's own config, RoPE, kernels and stores' layouts
+    if _class_name(fresh) != header["class"]:
+        raise Damaged(f"{path} holds a {_short(header['class'])}, not this spec's cache")
+    c = rt.config
+    sizes = {"H": c.n_kv_heads, "Hq": c.n_heads, "D": c.head_dim, "L": c.n_layers, "T": len(tokens)}
+    loader = Loader(tensors, rt.model.device, sizes, fresh)
     try:
-        for k, v in header["state"].items():
-            object.__setattr__(fresh, k, r.dec(v))
-        tokens = tensors["tokens"].tolist()
-    except Damaged:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise Damaged(f"{path} has a damaged state ({type(e).__name__}: {e})") from None
-    if len(tokens) != header["tokens"] or fresh.seen != len(tokens):
-        raise Damaged(f"{path} holds {len(tokens)} tokens; its header says {header['tokens']}")
+        loader.restore(fresh, header["state"], "state")
+    except Damaged as e:
+        raise Damaged(f"{path}: {e}") from None
+    unused = set(tensors) - loader.used - {"tokens"}
+    if unused:
+        raise Damaged(f"{path} holds tensors its state does not name ({_short(sorted(unused))})")
+    if fresh.seen != len(tokens):
+        raise Damaged(f"{path} holds {len(tokens)} tokens; its cache has seen {fresh.seen}")
     if fresh.nbytes() != header["kv_bytes"]:
         raise Damaged(f"{path}: the cache holds {fresh.nbytes()} bytes, its header says "
                       f"{header['kv_bytes']}")  # fmt: skip
     return fresh, tokens, header
+
+
+def _tokens(t, n: int, vocab: int, path: Path) -> list[int]:
+    """The token ids: int32, one dimension, as many as the header says, each in the vocabulary."""
+    if t is None or t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n:
+        raise Damaged(f"{path} holds no {n} token ids (int32) beside its cache")
+    if n and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise Damaged(f"{path} holds a token id outside the model's vocabulary of {vocab}")
+    return t.tolist()
 
 
 # ------------------------------------------------------- a document's turn, its question

@@ -57,6 +57,56 @@ def _continue(model, kv, tokens, question, steps):
     return torch.stack(out)
 
 
+# memos a load leaves empty, made again on first use (SpindleKV's kept counts, a shelf's offsets)
+MEMOS = {"_counts", "_off"}
+
+
+def same_graph(a, b, path="kv", seen=None):
+    """Two caches hold the same: every attribute of every object they reach, tensors by dtype,
+    shape and value; what the run supplies (config, RoPE, spec, kernels) is the same object."""
+    from types import MappingProxyType
+
+    from kvrun.kv.state import fields_of
+    from kvrun.kv.stores.buffer import Buffer
+
+    seen = set() if seen is None else seen
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
+        if a.dtype != torch.bool:  # bit for bit (a NaN equals itself)
+            a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        assert torch.equal(a, b), path
+        return
+    if isinstance(a, Buffer):
+        assert isinstance(b, Buffer) and a.dim == b.dim, path
+        return same_graph(a.data, b.data, path + ".data", seen)
+    if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
+        assert type(a) is type(b) and a == b, (path, a, b)
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same_graph(x, y, f"{path}[{i}]", seen)
+        return
+    if isinstance(a, (dict, MappingProxyType)):
+        assert type(a) is type(b) and list(a) == list(b), path
+        for k in a:
+            same_graph(a[k], b[k], f"{path}[{k!r}]", seen)
+        return
+    if isinstance(a, (set, frozenset)) or not type(a).__module__.startswith("kvrun.kv"):
+        assert a == b or a is b, path  # the run's: config, RoPE, kernels, hooks
+        return
+    if type(a).__module__.endswith("kv.spec") or id(a) in seen:
+        return
+    seen.add(id(a))
+    assert type(a) is type(b), path
+    fa, fb = fields_of(a), fields_of(b)
+    assert set(fa) == set(fb), path
+    for k in fa:
+        if k not in MEMOS:
+            same_graph(fa[k], fb[k], f"{path}.{k}", seen)
+
+
 def _round_trip(tmp_path, model, text):
     rt = _runtime(tmp_path, model)
     spec = check(text)
@@ -65,6 +115,7 @@ def _round_trip(tmp_path, model, text):
     path = kvc.save(tmp_path / "doc.kvc", s.kv, s.tokens, rt)
     kv, tokens, header = kvc.load(path, rt)
     assert tokens == s.tokens and kv.seen == s.kv.seen and kv.nbytes() == s.kv.nbytes()
+    same_graph(s.kv, kv)  # nothing the cache holds is lost or changed by the file
     question = test_kv_methods.prompt(QUESTION, seed=5)
     want = _continue(model, s.kv, s.tokens, question, STEPS)
     got = _continue(model, kv, tokens, question, STEPS)
@@ -103,7 +154,7 @@ def test_another_model_another_spec_another_version_each_one_line(tmp_path):
     with pytest.raises(KvrunError, match="was written for model model.gguf"):
         kvc.load(path, other)
     rt = _runtime(tmp_path, model)
-    with pytest.raises(KvrunError, match="holds a --kv snapkv cache, not --kv h2o"):
+    with pytest.raises(KvrunError, match="holds a --kv snapkv --kv-budget 0.2 cache, not --kv h2o"):
         kvc.load(path, rt, check("h2o"))
     with pytest.raises(KvrunError, match="options differ"):
         kvc.load(path, rt, check("snapkv:window=8"))
@@ -114,7 +165,7 @@ def test_another_model_another_spec_another_version_each_one_line(tmp_path):
     header = kvc.read_header(path)
     header["version"] = 99
     save_file(load_file(str(path)), str(tmp_path / "v99.kvc"), {"kvrun_kvc": json.dumps(header)})
-    with pytest.raises(KvrunError, match="format version 99; this kvrun reads version 1"):
+    with pytest.raises(KvrunError, match="format version 99; this kvrun reads version 2"):
         kvc.load(tmp_path / "v99.kvc", rt)
 
 
@@ -140,6 +191,100 @@ def test_damaged_cut_and_foreign_files_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(KvrunError, match="no such .kvc file"):
         kvc.load(tmp_path / "missing.kvc", rt)
+
+
+def rewrite(src: Path, dst: Path, header=None, state=None, tensors=None) -> Path:
+    """dst: src with its header, state or tensors changed by the given functions (each takes
+    the part and returns it), written the way kvc.save writes, as a stranger could."""
+    import base64
+    import zlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta, ts = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    head = json.loads(meta["kvrun_kvc"])
+    st = json.loads(zlib.decompress(base64.b64decode(meta["kvrun_kvc_state"])))
+    head = header(head) if header else head
+    st = state(st) if state else st
+    ts = tensors(ts) if tensors else ts
+    packed = base64.b64encode(zlib.compress(json.dumps(st).encode())).decode()
+    save_file(ts, str(dst), {"kvrun_kvc": json.dumps(head), "kvrun_kvc_state": packed})
+    return dst
+
+
+def _with(d: dict, **changes) -> dict:
+    return {**d, **changes}
+
+
+def test_a_crafted_state_builds_nothing_and_touches_nothing(tmp_path):
+    """The file names no class or function: what the issue's crafted file did (an object
+    reached from kvrun.kv's modules whose finalizer removed a file the .kvc named), fields
+    added where the manager's methods are looked up, classes and kinds swapped, are each one
+    line, before anything from the file reaches the run, and the victim file stays."""
+    model = test_kv_methods.tiny()
+    path, _ = _round_trip(tmp_path, model, "snapkv+kivi2")
+    rt = _runtime(tmp_path, model)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("still here")
+    finalizer = {"$obj": "kvrun.kv.protocol:copy.weakref.finalize", "n": 9,
+                 "state": {"path": str(victim)}}  # fmt: skip
+
+    def layer0(st, **change):
+        layers = [dict(st["layers"][0], **change)] + st["layers"][1:]
+        return _with(st, layers=layers)
+
+    cases = {
+        "an object where a field holds a store": lambda st: layer0(st, dense=finalizer),
+        "an undeclared field with an object": lambda st: layer0(st, hook=finalizer),
+        "the manager's method shadowed": lambda st: _with(st, attend={"$fn": "os:remove"}),
+        "a field removed": lambda st: {k: v for k, v in st.items() if k != "seen"},
+        "a count of another kind": lambda st: _with(st, seen="150"),
+        "a count out of range": lambda st: _with(st, seen=-1),
+        "a list for a record": lambda st: layer0(st, dense=[1, 2]),
+        "a tensor name of another tensor kind": lambda st: layer0(st, queries="tokens"),
+    }
+    for why, change in cases.items():
+        bad = rewrite(path, tmp_path / "bad.kvc", state=change)
+        with pytest.raises(kvc.Damaged) as e:
+            kvc.load(bad, rt)
+        assert "\n" not in str(e.value) and str(bad) in str(e.value), why
+    for klass in ("os:system", "builtins:eval", "kvrun.kv.cache:KVCache.__init__.__globals__"):
+        bad = rewrite(
+            path, tmp_path / "bad.kvc", header=lambda h, c=klass: _with(h, **{"class": c})
+        )
+        with pytest.raises(kvc.Damaged, match="not this spec's cache"):
+            kvc.load(bad, rt)
+    assert victim.read_text() == "still here"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bad.kvc",
+        "doc.kvc",
+        "model.gguf",
+        "victim.txt",
+    ]
+
+
+def test_tensors_retyped_reshaped_or_unnamed_are_one_line(tmp_path):
+    model = test_kv_methods.tiny()
+    path, _ = _round_trip(tmp_path, model, "minicache")
+    rt = _runtime(tmp_path, model)
+
+    def each(fn):
+        return lambda ts: {k: (fn(v) if k != "tokens" else v) for k, v in ts.items()}
+
+    cases = {
+        "retyped": each(lambda t: t.to(torch.float64) if t.is_floating_point() else t.long()),
+        "reshaped": each(lambda t: t.reshape(-1) if t.dim() > 1 else t[None]),
+        "one more": lambda ts: _with(ts, extra=torch.zeros(3)),
+        "tokens retyped": lambda ts: _with(ts, tokens=ts["tokens"].long()),
+        "a token outside the vocabulary": lambda ts: _with(ts, tokens=ts["tokens"] + 10**6),
+    }
+    for why, change in cases.items():
+        bad = rewrite(path, tmp_path / "bad.kvc", tensors=change)
+        with pytest.raises(kvc.Damaged) as e:
+            kvc.load(bad, rt)
+        assert "\n" not in str(e.value), why
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -208,3 +353,31 @@ def test_chat_goes_on_from_a_document(tiny, tmp_path):
     raw = tmp_path / "raw.kvc"
     assert _run("prefill", "-m", m, "-f", str(doc), "--raw", "-o", str(raw)).exit_code == 0
     one_error_line(_run("chat", "-m", m, "--kv-cache", str(raw)), "--raw", "--chat")
+
+
+def test_every_mismatch_with_the_file_is_one_line_naming_both(tiny, tmp_path):
+    """Another --kv, other options, another --kv-budget (with or without --kv): one line that
+    names what the file holds and what was asked; the file's own budget, asked, loads."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(tiny_models.TEXT * 6)
+    out, m = tmp_path / "doc.kvc", str(tiny.gguf_path)
+    r = _run("prefill", "-m", m, "-f", str(doc), "--kv", "snapkv", "--kv-budget", "0.5",
+             "-o", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    held = "holds a --kv snapkv --kv-budget 0.5 cache"
+    asked = {
+        ("--kv", "h2o"): (held, "not --kv h2o"),
+        ("--kv", "snapkv:window=8", "--kv-budget", "0.5"): ("options differ", "window=8"),
+        ("--kv", "snapkv", "--kv-budget", "0.25"): (held, "not --kv-budget 0.25"),
+        ("--kv-budget", "0.25"): (held, "not --kv-budget 0.25"),
+    }
+    for flags, needles in asked.items():
+        r = _run("generate", "-m", m, "--kv-cache", str(out), *flags, "-p", "x", "-n", "1")
+        one_error_line(r, str(out), *needles)
+    for flags in (
+        ("--kv-budget", "0.5"),
+        ("--kv-budget", "1/2"),
+        ("--kv", "snapkv", "--kv-budget", "0.5"),
+    ):
+        r = _run("generate", "-m", m, "--kv-cache", str(out), *flags, "-p", "x", "-n", "1")
+        assert r.exit_code == 0, r.output

@@ -396,13 +396,14 @@ def kv_cache_option(what: str):
 
 
 def session_from_kvc(rt: Runtime, path: str, kv: KVOptions, model: ModelOptions):
-    """(session, header) going on from a .kvc file; --kv given other than the default must
-    be the file's (kvrun.kvc.load says so in one line)."""
+    """(session, header) going on from a .kvc file; --kv other than the default, and
+    --kv-budget with or without it, must be the file's (kvrun.kvc.load says so in one line)."""
     from .. import kvc
 
-    spec = kv.spec()
-    given = None if spec.is_full and kv.budget is None else spec
-    cache, held, header = kvc.load(path, rt, given)
+    if kv.method == "full":  # the default: the file's method, at --kv-budget where one is given
+        cache, held, header = kvc.load(path, rt, None, kv.budget)
+    else:
+        cache, held, header = kvc.load(path, rt, kv.spec())
     session = new_session(rt, cache, model)
     session.tokens = held
     return session, header

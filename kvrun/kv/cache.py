@@ -14,6 +14,7 @@ from ..kernels.dense_decode import dense_decode
 from .attention import attention_colsum, combine, dense_attention, group_sum
 from .protocol import Ctx, KVManager, StaticSegment
 from .spec import KVSpec
+from .state import Into, ListInto, Maybe, Tensor, state
 from .stores.dense import DenseSeg
 from .stores.kivi import KiviLayer
 
@@ -28,6 +29,7 @@ def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -
     return order.sort(dim=-1).values
 
 
+@state(dense=Into(), kivi=Into(), queries=Maybe(Tensor("kv", ("Hq", "w", "D"))))
 @dataclass(slots=True, eq=False)
 class Layer:
     """One layer of one sequence."""
@@ -37,6 +39,7 @@ class Layer:
     queries: torch.Tensor | None = None  # (Hq, <=w, D) the newest queries, for score()
 
 
+@state(layers=ListInto())
 class KVCache(KVManager):
     """The cache of a validated KVSpec (--kv and --kv-budget)."""
 

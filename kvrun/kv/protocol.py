@@ -26,6 +26,7 @@ import torch
 
 from . import attention
 from .attention import Partial
+from .state import Bool, Int, state
 
 _SHARED = (MappingProxyType, frozenset)  # a spec's options, a method's declared points
 
@@ -41,6 +42,7 @@ class Pass:
     whole: bool = False
 
 
+@state(seen=Int(0, "T"), select_turn=Bool())
 class KVManager:
     """The contract and its bookkeeping; subclasses store, compress and attend."""
 

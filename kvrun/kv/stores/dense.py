@@ -7,9 +7,12 @@ import torch
 from ...kernels import use_triton
 from ...kernels.dense_decode import dense_decode
 from ..attention import Partial, position_mask, sdpa, segment_attention
+from ..state import Like, state
 from .buffer import Buffer
 
 
+# a .kvc file holds the slots (the kernels, count_pos and every size but T are the run's)
+@state(_k=Like({2: "slots"}), _v=Like({2: "slots"}), pos=Like({1: "slots"}), acc=Like({1: "slots"}))
 class DenseSeg:
     """K/V slots per KV head, with optional int32 positions (pos_rows: 0 none, 1 shared by every
     head, Hkv one per head) and accumulated fp32 scores."""

@@ -11,6 +11,7 @@ from ...kernels.dense_decode import dense_decode
 from ...kernels.kivi_decode import kivi_decode
 from ...kernels.kivi_pack import kivi_pack, unpack_codes
 from ..attention import Partial, segment_attention
+from ..state import Like, state
 from .buffer import Buffer
 
 
@@ -28,6 +29,17 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_codes(words, bits).to(torch.uint8)
 
 
+# a .kvc file holds the body (tq tokens) and the tail (tr); H, D, bits, G, R are the run's
+@state(
+    _vq=Like({1: "tq"}),
+    _vs=Like({1: "tq"}),
+    _vz=Like({1: "tq"}),
+    _kq=Like({2: "tq * bits // 32"}),
+    _ks=Like({2: "tq // G"}),
+    _kz=Like({2: "tq // G"}),
+    _tk=Like({1: "tr"}),
+    _tv=Like({1: "tr"}),
+)
 class KiviLayer:
     """One layer's KIVI store: a packed body (oldest Tq tokens), a dense tail (newest Tr)."""
 
@@ -79,6 +91,12 @@ class KiviLayer:
             )
         except ValueError as e:
             raise KvrunError(f"{where}: {e}") from None
+
+    def kvc_check(self, loader) -> str | None:
+        """What a .kvc file's sizes cannot say (kvrun.kv.state): the body is whole groups."""
+        if self.body_len % self.G:
+            return f"a body of {self.body_len} tokens is not whole groups of {self.G}"
+        return None
 
     @property
     def body_len(self) -> int:

@@ -12,6 +12,7 @@ from ....errors import KvrunError
 from ...attention import combine, sdpa
 from ...cache import KVCache, keep_indices
 from ...protocol import KVManager, Pass
+from ...state import Int, ListOf, Nothing, state
 from ...stores.dense import DenseSeg
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -21,6 +22,8 @@ PAD = 2**31 - 1  # the position of a padding slot (scope=layer): after every que
 QUERY_BLOCK = 64  # pass queries scored at a time
 
 
+# the last turn's length; its reconstruction scores are spent at the prefill's end
+@state(turn=Int(0, "T"), scores=ListOf(Nothing(), "L", exactly=True))
 class KVzipCache(KVCache):
     """KVzip on the driver: reconstruction scores, then top-k per KV head (or per layer)."""
 

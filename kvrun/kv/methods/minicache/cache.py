@@ -13,11 +13,14 @@ import torch
 
 from ...attention import combine, dense_attention
 from ...protocol import KVManager
+from ...state import DictInto, ListInto, state
 from ...stores.dense import DenseSeg
 from ...stores.kivi import KiviLayer
 from .store import Layout, Pair, PairLayer, Scratch, merge, pairing, retention
 
 
+# a .kvc file holds the pairs and the layers kept plain; the views onto them are the run's
+@state(pairs=ListInto(), plain=DictInto())
 class MiniCacheKV(KVManager):
     """Cross-layer merged KV cache (MiniCache §4), optionally on a KIVI store."""
 

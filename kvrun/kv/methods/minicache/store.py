@@ -13,6 +13,7 @@ from ....kernels import use_triton
 from ....kernels.dense_decode import dense_decode
 from ....kernels.merged_decode import merged_decode
 from ...attention import Partial, dense_attention, segment_attention
+from ...state import Buf, Int, Into, Maybe, New, Tensor, state
 from ...stores.buffer import Buffer
 from ...stores.kivi import KiviLayer
 
@@ -93,6 +94,18 @@ def retention(
     return mask, d.gather(1, order[:, k - 1 : k]).squeeze(1)
 
 
+# all of a Half is in a .kvc file (made at a pair's first merge); g, m are Pair.kvc_check's
+@state(
+    complete=True,
+    e=Maybe(Buf("kv", ("H", "n", "D"), 1)),
+    na=Buf("kv", ("g", "n"), 1),
+    nb=Buf("kv", ("g", "n"), 1),
+    ridx=Tensor("int32", ("rows",)),
+    ra=Tensor("kv", ("rows", "m")),
+    rb=Tensor("kv", ("rows", "m")),
+    roff=Tensor("int64", ("g + 1",)),
+    thr=Maybe(Tensor("float32", ("g",))),
+)
 class Half:
     """One pair's merged K (or V): E, both norms and the retained rows, sorted by (group, index)."""
 
@@ -108,6 +121,15 @@ class Half:
         self.roff = torch.zeros(g + 1, dtype=torch.int64, device=device)  # (g+1,) group starts
         # decode_retain: the last prefill threshold per group (fp32, counted); at first none passes
         self.thr = torch.full((g,), thr, device=device) if thr is not None else None
+
+    def kvc_check(self, loader) -> str | None:
+        """Group starts from 0 to the retained rows, each row a token held (kvrun.kv.state)."""
+        off, n = self.roff, self.na.n
+        if int(off[0]) != 0 or int(off[-1]) != self.ridx.numel() or bool((off.diff() < 0).any()):
+            return "its group starts are not an ascending count of its retained rows"
+        if self.ridx.numel() and (int(self.ridx.min()) < 0 or int(self.ridx.max()) >= n):
+            return f"a retained row names a token outside its {n}"
+        return None
 
     def groups(self) -> torch.Tensor:
         """(N_r,) int64 group of each retained row (a search: CPU repeat_interleave wakes the
@@ -143,6 +165,9 @@ class Half:
         return total + self.na.nbytes() + self.nb.nbytes() + (self.e.nbytes() if self.e else 0)
 
 
+# a .kvc file holds the merged halves, the KIVI store of E and the length; layers a, b and the
+# scratch are the run's, and a prefill's exact buffers are gone between turns
+@state(k=Maybe(New(Half)), v=Maybe(New(Half)), kivi=Into(), length=Int(0, "T"))
 class Pair:
     """Layers (a, b) = (l-1, l): merged halves, exact buffers during a prefill, pending slot."""
 
@@ -158,6 +183,23 @@ class Pair:
         # nbytes): unit directions (uK, uV) of the dense restore, merged_decode's override maps
         self.work: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fwork: list | None = None
+
+    def kvc_check(self, loader) -> str | None:
+        """The halves as this spec's MiniCache makes them (kvrun.kv.state)."""
+        kv, halves = loader.kv, [h for h in (self.k, self.v) if h is not None]
+        if not halves:
+            return None if self.length == 0 else f"{self.length} merged tokens but no halves"
+        if len(halves) == 1:
+            return "one half without the other"
+        lay = kv.layout
+        for h in halves:
+            if (h.na.buf.shape[0], h.ra.shape[1]) != (lay.g, lay.m):
+                return f"a half of {h.na.buf.shape[0]} groups of {h.ra.shape[1]}, not {lay.g} of {lay.m}"
+            if h.na.n != self.length or (h.e is None) != (self.kivi is not None):
+                return "a half that does not hold the pair's merged tokens"
+            if (h.thr is None) == kv.decode_retain:
+                return "a half whose thresholds do not follow decode_retain"
+        return None
 
     def release(self) -> None:
         """Drop the step's shared scratch."""

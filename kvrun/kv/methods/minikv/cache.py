@@ -15,6 +15,7 @@ from ....kernels.colsum import colsum, colsum_ref, colsum_triton
 from ...attention import Partial, combine, group_sum
 from ...cache import KVCache, Layer, keep_indices
 from ...spec import largest_remainder
+from ...state import ListInto, state
 from ...stores.dense import DenseSeg
 
 
@@ -94,6 +95,7 @@ def dense_colsum(q, k, v, per_head: bool = False):
     return Partial(out[None], lse[None]), (col if per_head else group_sum(col, Hkv))
 
 
+@state(held=ListInto())  # the local layers' windows (Gemma 3), beside the driver's layers
 class MiniKVCache(KVCache):
     """MiniKV on the driver: its own attention with column sums, selection and flushes."""
 

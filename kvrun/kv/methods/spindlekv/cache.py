@@ -15,6 +15,7 @@ from ....kernels import use_triton
 from ...attention import combine, pool_scores, window_scores
 from ...cache import keep_indices
 from ...protocol import KVManager
+from ...state import Int, ListInto, state
 from .store import CodedLayer, pack_bits, unpack_bits
 
 
@@ -104,6 +105,8 @@ def union_slots(keep: torch.Tensor) -> Slots:
     return Slots(rel, valid, pack_bits(bits.transpose(1, 2)))
 
 
+# the coded layers and where the last turn began; the kept-count memo is made again
+@state(layers=ListInto(), turn_start=Int(0, "T"), turn_len=Int(0, "T"))
 class SpindleKVCache(KVManager):
     """SpindleKV on the cache contract; no kept positions for the debug hook (ragged unions)."""
 

@@ -11,6 +11,7 @@ import torch
 from ....errors import KvrunError
 from ....kernels.codebook_decode import codebook_decode
 from ...attention import Partial, dense_attention, position_mask, sdpa
+from ...state import Bool, Buf, Dtype, Int, Into, Like, ListInto, ListOf, Record, state
 from ...stores.buffer import Buffer
 
 ROUND = 32  # candidates examined per round of the greedy loop
@@ -156,6 +157,7 @@ def assign(
     return torch.tensor(out, dtype=torch.int64, device=x.device), new, m
 
 
+@state(data=Like({1: "cap"}), books=ListInto())
 class Shelf:
     """One layer's K (or V) codebooks, shared or one per KV head, in one (n_books, cap, d) buffer:
     the decode kernel reads book h at flat row h * cap, nothing copied per step."""
@@ -165,12 +167,19 @@ class Shelf:
         self.books = [Book(self, h) for h in range(n_books)]
         self._off: torch.Tensor | None = None  # (n_books,) int32 h * capacity, per capacity
 
+    def kvc_check(self, loader) -> str | None:
+        """Every book's rows on the shelf (kvrun.kv.state)."""
+        if any(b.n > self.data.shape[1] for b in self.books):
+            return f"a book holds more rows than the shelf's {self.data.shape[1]}"
+        return None
+
     def reserve(self, n: int) -> None:
         """Room for n rows in every book."""
         cap = self.data.shape[1]
         if n <= cap:
             return
-        grown = self.data.new_empty(self.data.shape[0], max(2 * cap, n, 64), self.data.shape[2])
+        # zeros, not empty: the spare rows go into a .kvc file with the shelf (no stray memory)
+        grown = self.data.new_zeros(self.data.shape[0], max(2 * cap, n, 64), self.data.shape[2])
         for b in self.books:
             grown[b.h, : b.n] = self.data[b.h, : b.n]
         self.data, self._off = grown, None
@@ -185,6 +194,7 @@ class Shelf:
         return self.data.view(n_books * cap, d), self._off
 
 
+@state(n=Int(0))  # its rows; the shelf and the head are the run's
 class Book:
     """A growable codebook (rows of unit vectors) on its shelf; only the n used rows count."""
 
@@ -281,6 +291,31 @@ def nbytes_of(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+_MASK = "(group + 7) // 8"  # mask bytes per slot: a bit per query head of the group
+CODED = ("idx_k", "idx_v", "mag_k", "mag_v", "pos_c", "mask_c")
+DENSE = ("k_d", "v_d", "pos_d", "mask_d")
+
+
+# a .kvc file holds the books, the segments' buffers and the index widths; a prefill's turn
+# buffers are gone between turns, and RoPE, the group and the dtype are the run's
+@state(
+    shelf_k=Into(),
+    shelf_v=Into(),
+    idx_dtype=ListOf(Dtype("int16", "int32"), 2, exactly=True),
+    all_bits=Bool(),
+    bufs=Record(
+        idx_k=Buf(("int16", "int32"), ("H", "sc"), 1),
+        idx_v=Buf(("int16", "int32"), ("H", "sc"), 1),
+        mag_k=Buf("kv", ("H", "sc"), 1),
+        mag_v=Buf("kv", ("H", "sc"), 1),
+        pos_c=Buf("int32", ("H", "sc"), 1),
+        mask_c=Buf("uint8", ("H", "sc", _MASK), 1),
+        k_d=Buf("kv", ("H", "sd", "D"), 1),
+        v_d=Buf("kv", ("H", "sd", "D"), 1),
+        pos_d=Buf("int32", ("H", "sd"), 1),
+        mask_d=Buf("uint8", ("H", "sd", _MASK), 1),
+    ),
+)
 class CodedLayer:
     """One layer's SpindleKV state, every tensor in nbytes; rope rotates slots at their own
     positions inside attention; group: query heads per KV head (a mask bit each)."""
@@ -302,6 +337,24 @@ class CodedLayer:
         self.turn_k: Buffer | None = None  # (Hkv, T, D) pre-RoPE K of the turn so far
         self.turn_v: Buffer | None = None  # (Hkv, T, D) pre-RoPE V
         self.qwin: torch.Tensor | None = None  # (Hq, <=w, D) post-RoPE queries
+
+    def kvc_check(self, loader) -> str | None:
+        """Whole segments, indices of the width declared and each inside its book."""
+        for part in (CODED, DENSE):
+            if 0 < sum(n in self.bufs for n in part) < len(part):
+                return f"a segment with only some of {list(part)}"
+        for i, (name, books) in enumerate((("idx_k", self.books_k), ("idx_v", self.books_v))):
+            b = self.bufs.get(name)
+            if b is None:
+                continue
+            if b.buf.dtype != self.idx_dtype[i]:
+                return f"{name} is {b.buf.dtype}, not the {self.idx_dtype[i]} it declares"
+            idx = b.data.long()
+            for h in range(idx.shape[0]):
+                rows = max(books[h if len(books) > 1 else 0].n, 1)
+                if idx[h].numel() and (int(idx[h].min()) < 0 or int(idx[h].max()) >= rows):
+                    return f"{name} names a codebook row outside the book's {rows}"
+        return None
 
     @property
     def n_slots(self) -> int:

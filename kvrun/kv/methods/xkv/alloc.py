@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ...spec import Budget
+from ...state import Int, ListOf, Str, state
 
 
 def _ranked(p: list[torch.Tensor], floor: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -107,6 +108,13 @@ def normalise(w: torch.Tensor) -> torch.Tensor:
     return w / total if float(total) > 0 else torch.zeros_like(w)
 
 
+@state(
+    complete=True,
+    n=ListOf(Int(0, "T"), "L", exactly=True),
+    t=Int(0, "T"),
+    window=Int(0, "T"),
+    source=Str("two-pass", "deferred", "profile"),
+)
 @dataclass(slots=True)
 class Allocation:
     """Per-layer budgets of one prefill: n[i] context tokens plus `window` window tokens."""

@@ -14,6 +14,7 @@ import torch
 from ...attention import group_sum, pool_scores
 from ...cache import KVCache
 from ...protocol import KVManager, Pass
+from ...state import Bool, Int, Into, ListOf, Maybe, New, Nothing, state
 from .alloc import Allocation, allocate_budget, allocate_target, context_budget, normalise
 from .profile import (
     Profile,
@@ -53,6 +54,13 @@ def layer_scores(
     return w, s
 
 
+@state(
+    n_tokens=Int(0, "T"),
+    first=Bool(),
+    evict_now=Bool(),
+    done=ListOf(Bool(), "L", exactly=True),
+    scores=ListOf(Nothing(), "L", exactly=True),  # spent by the prefill's end
+)
 @dataclass(slots=True)
 class Turn:
     """Where XKV's planning stands within one turn's prefill (a new one at each begin_prefill)."""
@@ -69,6 +77,11 @@ class Turn:
         return cls(n_tokens, first, False, [False] * n_layers, [None] * n_layers)
 
 
+@state(
+    allocation=Maybe(New(Allocation)),
+    layer_budgets=Maybe(ListOf(Int(0, "T"), "L", exactly=True)),
+    turn=Into(),
+)
 class XKVCache(KVCache):
     """XKV on the driver: its own allocator, scores and planning over the driver's store."""
 
