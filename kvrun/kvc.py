@@ -192,7 +192,7 @@ def _check_header(h: dict, path: Path) -> None:
     """Each field of the header of the kind `save` writes (what follows reads them as such)."""
     for fields, where in ((_HEADER, h), (_SPEC, h.get("spec"))):
         for key, kind in fields.items():
-            if not isinstance(where, dict) or not isinstance(where.get(key), kind):
+            if not isinstance(where, dict) or key not in where or not isinstance(where[key], kind):
                 raise _damaged_header(path, f"{key!r} is {_short(where and where.get(key))}")
             if isinstance(where[key], bool) and kind is int:
                 raise _damaged_header(path, f"{key!r} is {where[key]!r}")
