@@ -55,6 +55,22 @@ from .common import graph_option, kv_options, model_options, new_session, parall
     help="Largest request body, in MiB (413 beyond).",
 )
 @click.option(
+    "--read-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds a client has to send a request's headers (from connecting, or from its last "
+    "response), and as long again for its body; slower clients are disconnected (408).",
+)
+@click.option(
+    "--max-connections",
+    default=512,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open connections at most (kept under the open-files limit); beyond it the one idle "
+    "the longest is closed, or, when all have requests in flight, a new request gets 503.",
+)
+@click.option(
     "--cache-mem",
     default="1G",
     show_default=True,
@@ -73,6 +89,8 @@ def serve(
     alias,
     grace,
     max_body,
+    read_timeout,
+    max_connections,
     cache_mem,
     verbose,
     model: ModelOptions,
@@ -151,6 +169,8 @@ def serve(
         queue=queue,
         max_body=max_body * 2**20,
         grace=grace,
+        read_timeout=read_timeout,
+        max_connections=_connection_limit(max_connections),
     )
     metrics = Metrics()
     cache = PrefixCache(cache_bytes)
@@ -165,6 +185,29 @@ def serve(
     except OSError as e:
         raise KvrunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     run(server, sock, log_level="info" if verbose else "warning")
+
+
+def _connection_limit(wanted: int) -> int:
+    """--max-connections, lowered to leave FD_SPARE descriptors of the open-files limit for the
+    model's files, the engine and the listening socket: past the limit accept() fails, and
+    then no one, /health included, gets in."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit here (Windows)
+        return wanted
+    if soft == resource.RLIM_INFINITY or soft - FD_SPARE >= wanted:
+        return wanted
+    most = max(soft - FD_SPARE, 1)
+    err_console.print(
+        f"--max-connections {wanted} lowered to {most}: the open-files limit is {soft} (ulimit -n)",
+        style="yellow",
+    )
+    return most
+
+
+FD_SPARE = 64
 
 
 def _family(host: str) -> socket.AddressFamily:

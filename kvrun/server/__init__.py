@@ -1,7 +1,7 @@
 """kvrun serve: OpenAI's HTTP API on the continuous-batching engine (kvrun.engine).
 
 app.py (the HTTP side, on the event loop), worker.py (the engine thread, every torch call),
-schema.py (request bodies), metrics.py (/metrics)."""
+schema.py (request bodies), guard.py (connection limits and timeouts), metrics.py (/metrics)."""
 
 from __future__ import annotations
 

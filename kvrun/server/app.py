@@ -10,6 +10,8 @@ OpenAI's error objects; the server stays up after any of them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -22,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,6 +34,12 @@ from .schema import ChatBody, CompletionBody, error_body, validation_message
 from .worker import EngineThread, HttpJob, StopText
 
 log = logging.getLogger("kvrun.serve")
+
+MAX_DEPTH = 64  # JSON nesting levels a body may have (a chat body has 5; tool schemas more)
+# a text prompt of more UTF-8 bytes than context x (the longest token's bytes) x this cannot fit
+# and is refused untokenized (tokenizing megabytes holds the event loop for seconds); the
+# margin covers normalizers that compose characters (NFC: up to 3 bytes into 1)
+TEXT_MARGIN = 4
 
 
 @dataclass
@@ -44,6 +52,8 @@ class Settings:
     queue: int = 256  # waiting requests beyond the slots; more get 503
     max_body: int = 8 * 2**20
     grace: float = 5.0  # seconds in-flight streams get after SIGTERM before an error event
+    read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
+    max_connections: int = 512
 
 
 class ApiError(Exception):
@@ -64,8 +74,61 @@ class ApiError(Exception):
 
 
 def _error(e: ApiError) -> JSONResponse:
-    body = error_body(e.message, e.kind, e.code, e.param)
+    param = _line(e.param) if isinstance(e.param, str) else e.param
+    body = error_body(_line(e.message), e.kind, e.code, param)
     return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def _line(text: str, limit: int = 1000) -> str:
+    """One line of valid UTF-8, at most `limit` characters: a message may quote the client's
+    text, with its newlines or an unpaired surrogate (which UTF-8 cannot encode)."""
+    text = " ".join(text.splitlines()).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+_NESTS = frozenset((dict, list))
+
+
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Whether parsed JSON nests more than `limit` levels (each object or list is one). Level by
+    level, without recursion; a list or object without containers in it is passed over at C
+    speed (the set of its item types)."""
+    level = [data] if type(data) in _NESTS else []
+    for _ in range(limit):
+        inner = []
+        for node in level:
+            items = node.values() if type(node) is dict else node
+            if not _NESTS.isdisjoint(map(type, items)):
+                inner.extend(x for x in items if type(x) in _NESTS)
+        if not inner:
+            return False
+        level = inner
+    return True
+
+
+def parse_json(raw: bytes) -> Any:
+    """A body's JSON: 400 unless it is UTF-8 (a BOM is allowed), standard JSON (no NaN or
+    Infinity) and at most MAX_DEPTH levels deep. The parser recurses in C, so a deeper body
+    raises RecursionError before the depth is measured: both are the same 400."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        msg = f"the body is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        raise ApiError(400, msg, "invalid_utf8") from None
+    deep = f"the body nests deeper than {MAX_DEPTH} levels"
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, deep, "invalid_json") from None
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
+    if _deeper_than(data, MAX_DEPTH):
+        raise ApiError(400, deep, "invalid_json")
+    return data
 
 
 class Server:
@@ -76,6 +139,7 @@ class Server:
         self.draining = threading.Event()  # set on SIGTERM / Ctrl-C
         self.drain_t = 0.0
         self.created = int(time.time())
+        self._text_bytes: int | None = None  # the longest prompt text that may fit (bytes)
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prom, methods=["GET"]),
@@ -111,7 +175,10 @@ class Server:
             return
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), key.encode()):
+        # constant time, and over digests of equal length: neither how much of the key a guess
+        # got right nor the key's length shows in the time (headers are latin-1: their bytes)
+        digest = hashlib.sha256(token.encode("latin-1")).digest()
+        if not hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest()):
             msg = "invalid or missing API key (Authorization: Bearer KEY)"
             raise ApiError(401, msg, "invalid_api_key", kind="authentication_error")
 
@@ -125,7 +192,7 @@ class Server:
         if self.draining.is_set():
             raise ApiError(503, "the server is shutting down", "shutting_down", kind="server_error")
 
-    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+    async def _read(self, request: Request) -> bytes:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.s.max_body:
             msg = f"the body is {int(size)} bytes; the limit is {self.s.max_body}"
@@ -136,10 +203,18 @@ class Server:
             if len(raw) > self.s.max_body:
                 msg = f"the body is over the limit of {self.s.max_body} bytes"
                 raise ApiError(413, msg, "request_too_large")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
+        return bytes(raw)
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+        t = self.s.read_timeout
+        try:  # a client that sends its body slowly holds a connection: not for long
+            raw = await asyncio.wait_for(self._read(request), t)
+        except asyncio.TimeoutError:
+            msg = f"the body did not arrive within {t:g} s (--read-timeout)"
+            raise ApiError(408, msg, "request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client left during its body", "client_closed") from None
+        data = parse_json(raw)
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_json")
         try:
@@ -167,18 +242,72 @@ class Server:
         except KvrunError as e:
             raise ApiError(400, str(e), "invalid_kv", "kv") from None
 
+    def _fits(self, n_tokens: int, param: str) -> None:
+        ctx = self.s.context
+        if n_tokens > ctx:
+            msg = (
+                f"the prompt is {n_tokens} tokens but the context is {ctx}; shorten it or start "
+                "the server with a larger -c"
+            )
+            raise ApiError(400, msg, "context_length_exceeded", param)
+
+    def _text_limit(self) -> int:
+        """Bytes beyond which a prompt text cannot fit the context: each token stands for at
+        most the longest token's bytes (TEXT_MARGIN)."""
+        if self._text_bytes is None:
+            tok, longest = self.worker.runtime.tokenizer, 1
+            for i in range(tok.vocab_size):
+                try:
+                    longest = max(longest, len(tok.decode([i]).encode("utf-8", "replace")))
+                except Exception:  # noqa: BLE001 - an id the vocabulary skips: no text
+                    continue
+            self._text_bytes = self.s.context * longest * TEXT_MARGIN
+        return self._text_bytes
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        """A prompt text's token ids; 400 for text that is not Unicode (an unpaired surrogate,
+        sent as a \\ud800-style escape) or too long to fit whatever its tokens."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            msg = f"the {param} holds an unpaired surrogate (U+{ord(text[e.start]):04X})"
+            raise ApiError(400, msg, "invalid_value", param) from None
+        if size > self._text_limit():
+            msg = (
+                f"the {param} is {size} bytes, more than {self.s.context} tokens of this "
+                "model can hold; shorten it or start the server with a larger -c"
+            )
+            raise ApiError(400, msg, "context_length_exceeded", param)
+        return self.worker.runtime.tokenizer.encode(text)
+
+    def _logit_bias(self, body) -> None:
+        """logit_bias: keys token ids of the vocabulary, values in [-100, 100] (OpenAI's
+        range), else 400; any value but 0 asks for what kvrun does not do: 400 as well."""
+        bias = body.logit_bias
+        if not bias:
+            return
+        vocab = self.worker.runtime.tokenizer.vocab_size
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit() and len(key) < 12 and int(key) < vocab):
+                msg = f"logit_bias keys are token ids 0..{vocab - 1}, not {key[:40]!r}"
+                raise ApiError(400, msg, "invalid_value", "logit_bias")
+            if not -100 <= value <= 100:
+                msg = f"logit_bias values are in [-100, 100], not {value}"
+                raise ApiError(400, msg, "invalid_value", "logit_bias")
+        if any(bias.values()):
+            msg = "logit_bias is not supported: kvrun samples without per-token biases"
+            raise ApiError(400, msg, "unsupported", "logit_bias")
+
     def _job(
         self, body, ids: list[int], n_predict: int, spec, logprobs=None, prompt_logprobs=None
     ) -> HttpJob:
         ctx = self.s.context
-        if len(ids) > ctx:
-            msg = (
-                f"the prompt is {len(ids)} tokens but the context is {ctx}; shorten it or start "
-                "the server with a larger -c"
-            )
-            raise ApiError(400, msg, "context_length_exceeded", "messages")
+        self._fits(len(ids), "messages")
         if not ids:
             raise ApiError(400, "the prompt is empty", "empty_prompt", "prompt")
+        # max_tokens beyond what the context leaves is clamped to it (as llama-server does): the
+        # reply ends at the context's end, finish_reason "length"
+        n_predict = min(n_predict, ctx - len(ids))
         w = self.worker
         n = n_predict if n_predict >= 0 else ctx
         limit = w.kv_mem
@@ -219,7 +348,7 @@ class Server:
             self._auth(request)
             return await handler(request)
         except ApiError as e:
-            if e.status in (400, 413, 422, 503):
+            if e.status in (400, 408, 413, 422, 503):
                 self.metrics.rejected()
             return _error(e)
 
@@ -263,15 +392,20 @@ class Server:
     async def _chat(self, request: Request) -> Response:
         body: ChatBody = await self._body(request, ChatBody)
         self._ready()
+        self._logit_bias(body)
         spec = self._spec(body)
         tok = self.worker.runtime.tokenizer
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        chars = sum(len(m["content"]) for m in msgs)  # at most their bytes: no need to render
+        if chars > self._text_limit():
+            msg = f"the messages hold {chars} characters, more than the context can hold"
+            raise ApiError(400, msg, "context_length_exceeded", "messages")
         try:
             prompt = tok.render_chat(msgs, add_generation_prompt=True)
         except KvrunError as e:
             msg = f"the chat template failed on these messages: {e}"
             raise ApiError(400, msg, "template_error", "messages") from None
-        ids = tok.encode(prompt)
+        ids = self._encode(prompt, "messages")
         job = self._job(body, ids, body.limit(), spec, logprobs=body.alternatives())
         self._submit([job])
         rid = f"chatcmpl-{secrets.token_hex(12)}"
@@ -291,6 +425,7 @@ class Server:
     async def _completions(self, request: Request) -> Response:
         body: CompletionBody = await self._body(request, CompletionBody)
         self._ready()
+        self._logit_bias(body)
         spec = self._spec(body)
         tok = self.worker.runtime.tokenizer
         prompts = body.prompts()
@@ -298,13 +433,18 @@ class Server:
             raise ApiError(400, "the prompt is empty", "empty_prompt", "prompt")
         if body.stream and len(prompts) > 1:
             raise ApiError(400, "stream takes one prompt", "unsupported", "prompt")
+        most = self.s.queue + self.worker.n_parallel  # more could never be admitted together
+        if len(prompts) > most:
+            msg = f"{len(prompts)} prompts; a request takes at most {most} (--queue + -np)"
+            raise ApiError(400, msg, "too_many_prompts", "prompt")
         vocab = tok.vocab_size
         jobs = []
         for p in prompts:
             if isinstance(p, str):
-                ids = tok.encode(p)
+                ids = self._encode(p, "prompt")
             else:
-                if any(t < 0 or t >= vocab for t in p):
+                self._fits(len(p), "prompt")
+                if p and (min(p) < 0 or max(p) >= vocab):
                     msg = f"a prompt token id is outside the vocabulary (0..{vocab - 1})"
                     raise ApiError(400, msg, "invalid_value", "prompt")
                 ids = list(p)
@@ -316,8 +456,12 @@ class Server:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(request, jobs, rid, "text", usage, echo=body.echo)
         done = []
-        for job in jobs:
-            done.append((job, await self._wait(request, job)))
+        try:
+            for job in jobs:
+                done.append((job, await self._wait(request, job)))
+        finally:  # one failed or its client left: the others stop too
+            for job in jobs:
+                job.cancel.set()
         choices = []
         for i, (job, result) in enumerate(done):
             text = "".join(job.text_parts)
@@ -355,8 +499,8 @@ class Server:
             if poll and now - checked > 0.25:
                 checked = now
                 if await request.is_disconnected():
-                    job.cancel.set()
-                    raise asyncio.CancelledError
+                    job.cancel.set()  # nobody reads the answer: a status for the log alone
+                    raise ApiError(499, "the client left", "client_closed")
             if ev is None:
                 continue
             if ev[0] == "text":
@@ -539,8 +683,17 @@ def serve(server: Server, sock, log_level: str = "warning") -> None:
                 self.force_exit = True  # a second signal: now
             self.should_exit = True  # not kept in _captured_signals: no re-raise
 
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from .guard import guarded
+
+    # h11 even where httptools is installed ("auto" would take it): h11 refuses headers over
+    # 16 KiB, and the limits of guard.py are tested on it
     config = uvicorn.Config(
         server.app,
+        http=guarded(H11Protocol, server.s.read_timeout, server.s.max_connections),
+        ws="none",  # no websocket routes: an upgrade request is an ordinary request
+        timeout_keep_alive=5,  # uvicorn's: an idle connection closes 5 s after a response
         log_level=log_level,
         timeout_graceful_shutdown=int(server.s.grace) + 5,
         lifespan="off",

@@ -11,12 +11,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..config import SamplingConfig
 
 _DEFAULT = SamplingConfig()
 MAX_TOP_LOGPROBS = 20
+# Bounds on what a body may hold (the README's serve section lists them). Lists are measured
+# before their items are validated: pydantic reports every bad item of a list, and a body of
+# millions of them would cost seconds to report.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 2048  # all stop strings together: each generated piece is matched against them
+MAX_MESSAGES = 2048
+MAX_PARTS = 64  # content parts of one message
+MAX_PROMPTS = 1024  # prompts of one completions request (and at most --queue + -np)
+MAX_LOGIT_BIAS = 1024
+MAX_NAME = 256  # model, kv and kv_budget strings
+MAX_LISTED_ERRORS = 100  # more validation errors are counted, not itemized
+# sampling values whose float32 arithmetic would overflow (inf, then NaN probabilities that
+# fail the whole engine step): a temperature this low samples as greedy (0) does to within
+# ties, and a smaller top_p keeps the one most likely token as this one does
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6
 
 
 class _Body(BaseModel):
@@ -30,38 +46,55 @@ class StreamOptions(_Body):
 class Sampling(_Body):
     """What both endpoints share: sampling, stop strings, the KV method, streaming."""
 
-    model: str
+    model: Annotated[str, Field(max_length=MAX_NAME)]
+    # beyond what the context leaves: clamped to it (the server's _job)
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0, le=100)] = _DEFAULT.temp
     top_p: Annotated[float, Field(gt=0, le=1)] = _DEFAULT.top_p
     top_k: Annotated[int, Field(ge=0)] = _DEFAULT.top_k
     min_p: Annotated[float, Field(ge=0, le=1)] = _DEFAULT.min_p
-    repeat_penalty: Annotated[float, Field(gt=0)] = _DEFAULT.repeat_penalty
+    # far from 1 the penalized logits overflow float32 (NaN probabilities)
+    repeat_penalty: Annotated[float, Field(ge=1e-3, le=1e3)] = _DEFAULT.repeat_penalty
     repeat_last_n: Annotated[int, Field(ge=-1)] = _DEFAULT.repeat_last_n
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # checked by the server (the vocabulary's ids)
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # torch's seed range
     stop: str | list[str] | None = None
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    kv: str | None = None  # kvrun: this request's --kv (default: the server's)
-    kv_budget: float | str | None = None  # kvrun: its --kv-budget
+    # kvrun: this request's --kv (default: the server's) and --kv-budget
+    kv: Annotated[str, Field(max_length=MAX_NAME)] | None = None
+    kv_budget: float | Annotated[str, Field(max_length=MAX_NAME)] | None = None
     cache_prompt: bool = True  # llama-server's: go on from a kept prefix (kvrun serve --cache-mem)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stops(cls, v):
+        return at_most(v, MAX_STOPS, "stop")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_biases(cls, v):
+        return at_most(v, MAX_LOGIT_BIAS, "logit_bias")
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("stop takes up to 16 non-empty strings")
+        if any(not s for s in stops) or sum(map(len, stops)) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop takes up to {MAX_STOPS} non-empty strings of {MAX_STOP_CHARS} characters "
+                "in all"
+            )
         return stops
 
     def config(self) -> SamplingConfig:
         return SamplingConfig(
-            self.temperature,
+            self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
             self.top_k,
-            self.top_p,
+            max(self.top_p, MIN_TOP_P),
             self.min_p,
             self.repeat_penalty,
             self.repeat_last_n,
@@ -88,6 +121,11 @@ class Message(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _few_parts(cls, v):
+        return at_most(v, MAX_PARTS, "content")
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
@@ -109,15 +147,42 @@ class ChatBody(Sampling):
         )
         return -1 if n is None else n
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, v):
+        return at_most(v, MAX_MESSAGES, "messages")
+
     def alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(Sampling):
-    # one prompt (text or token ids) or several (each its own choice)
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # one prompt (text or token ids) or several (each its own choice); the shape is checked
+    # first (_prompt_shape), so the first member that fits is the one meant
+    prompt: Annotated[
+        str | list[StrictInt] | list[str] | list[list[StrictInt]],
+        Field(union_mode="left_to_right"),
+    ]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """One error for a list that is none of the four shapes, instead of one for each of its
+        items under each member of the union."""
+        if not isinstance(v, list) or not v:
+            return v
+        kinds = set(map(type, v))
+        if kinds == {int}:
+            return v
+        at_most(v, MAX_PROMPTS, "prompt")
+        if kinds == {str} or (kinds == {list} and all(set(map(type, p)) <= {int} for p in v)):
+            return v
+        raise ValueError(
+            "prompt takes a string, a list of strings, a list of token ids or a list of lists "
+            "of token ids"
+        )
 
     def limit(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default
@@ -126,9 +191,16 @@ class CompletionBody(Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if p and type(p[0]) is int:  # one list of token ids (the shape is checked)
             return [list(p)]
         return list(p)
+
+
+def at_most(v, n: int, name: str):
+    """v unchanged, or ValueError when it is a list or object of more than n items."""
+    if isinstance(v, (list, dict)) and len(v) > n:
+        raise ValueError(f"{name} takes at most {n} items, not {len(v)}")
+    return v
 
 
 def error_body(
@@ -143,6 +215,9 @@ def error_body(
 
 def validation_message(exc) -> tuple[str, str | None]:
     """A pydantic ValidationError as one line, and the first field it names."""
+    n = exc.error_count()
+    if n > MAX_LISTED_ERRORS:  # listing them costs microseconds each: millions would stall
+        return f"{n} values in the body are invalid (wrong types or missing fields)", None
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ()))

@@ -47,14 +47,25 @@ class StopText:
         if cut >= 0:
             self.hit, self.held = True, ""
             return text[:cut]
-        ends = (k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k]))
-        keep = max(ends, default=0)
+        keep = max((_partial(text, s) for s in self.stops), default=0)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def flush(self) -> str:
         out, self.held = self.held, ""
         return out
+
+
+def _partial(text: str, stop: str) -> int:
+    """The longest k < len(stop) such that text ends with stop[:k] (0: none). Only the places
+    where stop's first character occurs in text's tail are tried: a per-token cost near
+    len(stop), not len(stop) squared as testing every k would be."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
 
 
 @dataclass
@@ -132,7 +143,9 @@ class EngineThread:
         self.ready = threading.Event()
         self.waiting = 0  # submitted, not yet holding a slot
         self._lock = threading.Lock()
-        self._live: set[int] = set()  # ids of jobs drawn by the engine and not yet ended
+        self._live: set[int] = set()  # ids of jobs holding a slot
+        # jobs drawn from the inbox and not yet ended, started or not: an engine that fails
+        # drops its waiting list too, and each of them must still get its end
         self._jobs: dict[int, HttpJob] = {}
         # events posted during an engine step: one wake-up of the event loop a step, not one
         # a token (each costs the loop a self-pipe write and the engine a GIL round trip)
@@ -177,8 +190,9 @@ class EngineThread:
                 return
             except Exception as e:  # noqa: BLE001 - the server keeps serving
                 log.exception("the engine failed; failing its sequences and starting afresh")
-                for job in [self._jobs[i] for i in list(self._live)]:
+                for job in list(self._jobs.values()):
                     self._end(job, None, f"the engine failed: {type(e).__name__}: {e}")
+                self.flush()  # no step follows to send these ends
                 if self.prefix_cache is not None:  # memory back (the failure may be OOM)
                     self.prefix_cache.clear()
                 self._new_engine()
@@ -220,6 +234,7 @@ class EngineThread:
 
         rt = self.runtime
         job.outbox = self._outbox
+        self._jobs[id(job)] = job
         ids, start = list(job.ids), None
         # prompt logprobs (echo) need every prompt token's logits: those are prefilled whole
         if self._uses_cache(job) and job.prompt_logprobs is None:
@@ -237,7 +252,6 @@ class EngineThread:
             self._unwait()
             job.started = time.perf_counter()
             self._live.add(id(job))
-            self._jobs[id(job)] = job
 
         def on_token(_tok: int, entry) -> None:
             now = time.perf_counter()
