@@ -99,46 +99,135 @@ class RopeScaling:
         return out
 
 
-def _scaling_from_hf(src: dict, max_pos: int) -> RopeScaling | None:
+_MAX_COUNT = 1 << 16  # layers and heads: no model comes near
+_MAX_SIZE = 1 << 24  # widths, head sizes and vocabularies
+_MAX_CONTEXT = 1 << 31  # contexts and windows
+_UNSET = object()
+
+
+class _Fields:
+    """Checked reads of a model's metadata: a GGUF's keys (`prefix`: its architecture's) or a
+    config.json's fields. A value of the wrong type or out of range is a one-line error that
+    names the file and the field."""
+
+    def __init__(self, src: Mapping[str, Any], where: str, prefix: str = "", nest: str = ""):
+        # prefix: part of every key (GGUF's); nest: where src lies in its file (for messages)
+        self.src, self.where, self.prefix, self.nest = src, where, prefix, nest
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.src.get(self.prefix + key, default)
+
+    def inner(self, key: str) -> _Fields:
+        """The object field `key`, as fields of their own."""
+        return _Fields(self.table(key), self.where, nest=f"{self.nest}{key}.")
+
+    def fail(self, key: str, value: Any, want: str) -> KvrunError:
+        shown = "missing" if value is None else f"{value!r:.40}"
+        return KvrunError(f"{self.where}: {self.nest}{self.prefix}{key} is {shown}, not {want}")
+
+    def whole(
+        self, key: str, default: Any = None, lo: int = 1, hi: int = _MAX_SIZE, value: Any = _UNSET
+    ) -> int:
+        """An integer field (or `value`, a fallback standing for it) within [lo, hi]."""
+        v = self.get(key, default) if value is _UNSET else value
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.fail(key, v, f"a whole number from {lo:,} to {hi:,}")
+        return v
+
+    def real(
+        self, key: str, default: Any = None, lo: float = -math.inf, positive: bool = False
+    ) -> float:
+        """A finite number field, >= lo (> 0 where positive)."""
+        v = self.get(key, default)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
+        if not ok or v < lo or (positive and v <= 0):
+            raise self.fail(key, v, "a positive number" if positive else f"a number >= {lo}")
+        return float(v)
+
+    def reals(self, key: str) -> tuple[float, ...]:
+        """A list of finite numbers (LongRoPE's factors)."""
+        v = self.get(key)
+        if not isinstance(v, list):
+            raise self.fail(key, v, "a list of numbers")
+        return tuple(
+            _Fields({key: x}, self.where, nest=self.nest).real(key, positive=True) for x in v
+        )
+
+    def table(self, key: str) -> dict:
+        """An object field ({} when absent or null)."""
+        v = self.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self.fail(key, v, "an object")
+        return v or {}
+
+
+def _scaling_from_hf(f: _Fields, max_pos: int) -> RopeScaling | None:
     """RopeScaling from an HF `rope_scaling` / `rope_parameters` dict (None: plain RoPE)."""
-    kind = src.get("rope_type", src.get("type", "default"))
+    kind = f.get("rope_type", f.get("type", "default"))
     if kind in ("default", None):
         return None
     if kind == "linear":
-        return RopeScaling("linear", float(src["factor"]))
+        return RopeScaling("linear", f.real("factor", positive=True))
     if kind == "llama3":
         return RopeScaling(
             "llama3",
-            float(src["factor"]),
-            float(src["low_freq_factor"]),
-            float(src["high_freq_factor"]),
-            int(src["original_max_position_embeddings"]),
+            f.real("factor", positive=True),
+            f.real("low_freq_factor", positive=True),
+            f.real("high_freq_factor", positive=True),
+            f.whole("original_max_position_embeddings", hi=_MAX_CONTEXT),
         )
     if kind == "yarn":
-        orig = int(src.get("original_max_position_embeddings") or max_pos)
-        attn = src.get("attention_factor")
+        orig_value = f.get("original_max_position_embeddings") or max_pos
+        orig = f.whole("original_max_position_embeddings", hi=_MAX_CONTEXT, value=orig_value)
         return RopeScaling(
             "yarn",
-            float(src.get("factor") or max_pos / orig),
+            f.real("factor", positive=True) if f.get("factor") else max_pos / orig,
             original_context=orig,
-            beta_fast=float(src.get("beta_fast") or 32.0),
-            beta_slow=float(src.get("beta_slow") or 1.0),
-            attention_factor=float(attn) if attn is not None else None,
+            beta_fast=f.real("beta_fast", 32.0) if f.get("beta_fast") else 32.0,
+            beta_slow=f.real("beta_slow", 1.0) if f.get("beta_slow") else 1.0,
+            attention_factor=_optional(f, "attention_factor"),
         )
     if kind in ("longrope", "su"):
-        orig = int(src["original_max_position_embeddings"])
-        attn = src.get("attention_factor")
+        orig = f.whole("original_max_position_embeddings", hi=_MAX_CONTEXT)
         return RopeScaling(
             "longrope",
-            float(src.get("factor") or max_pos / orig),
+            f.real("factor", positive=True) if f.get("factor") else max_pos / orig,
             original_context=orig,
-            attention_factor=float(attn) if attn is not None else None,
-            short_factor=tuple(float(f) for f in src["short_factor"]),
-            long_factor=tuple(float(f) for f in src["long_factor"]),
+            attention_factor=_optional(f, "attention_factor"),
+            short_factor=f.reals("short_factor"),
+            long_factor=f.reals("long_factor"),
         )
     raise UnsupportedModel(
-        f"RoPE scaling {kind!r} is not supported (linear, llama3, yarn, longrope)"
+        f"RoPE scaling {kind!r:.40} is not supported (linear, llama3, yarn, longrope)"
     )
+
+
+def _optional(f: _Fields, key: str) -> float | None:
+    return None if f.get(key) is None else f.real(key, positive=True)
+
+
+def _checked(cfg: ModelConfig, where: str) -> ModelConfig:
+    """What the forward pass needs of a config's shapes, else a one-line error."""
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise KvrunError(
+            f"{where}: {cfg.n_heads} query heads do not share {cfg.n_kv_heads} KV heads evenly"
+        )
+    if cfg.head_dim % 2:
+        raise KvrunError(f"{where}: the head size {cfg.head_dim} is odd (RoPE turns pairs)")
+    rd = cfg.rotary_dim
+    if rd is not None and not (2 <= rd <= cfg.head_dim and rd % 2 == 0):
+        raise KvrunError(f"{where}: {rd} rotary dims do not fit heads of {cfg.head_dim}")
+    s, pairs = cfg.rope_scaling, (rd or cfg.head_dim) // 2
+    if (
+        s is not None
+        and s.kind == "longrope"
+        and {len(s.short_factor), len(s.long_factor)} != {pairs}
+    ):
+        raise KvrunError(
+            f"{where}: LongRoPE has {len(s.short_factor)} short and {len(s.long_factor)} long "
+            f"factors for {pairs} rotary pairs"
+        )
+    return cfg
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,69 +331,70 @@ class ModelConfig:
     # ----------------------------------------------------------------- GGUF
     @classmethod
     def from_gguf(
-        cls, meta: Mapping[str, Any], *, has_output: bool, names: Collection[str] = ()
+        cls,
+        meta: Mapping[str, Any],
+        *,
+        has_output: bool,
+        names: Collection[str] = (),
+        where: str = "the GGUF",
     ) -> ModelConfig:
         """Build from GGUF metadata (`{key: field.contents()}`); `names`: the file's tensor
-        names (which norms and biases a block has)."""
+        names (which norms and biases a block has); `where`: the file, for errors."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHS:
             raise UnsupportedModel(
-                f"architecture {arch!r} is not supported (kvrun runs: {', '.join(GGUF_ARCHS)})"
+                f"architecture {arch!r:.40} is not supported (kvrun runs: {', '.join(GGUF_ARCHS)})"
             )
-
-        def get(key, default=None):
-            return meta.get(f"{arch}.{key}", default)
-
-        try:
-            n_heads = int(get("attention.head_count"))
-            dim = int(get("embedding_length"))
-            rot = get("rope.dimension_count")
-            head_dim = int(
-                get("attention.key_length")
-                or (rot if arch in PERMUTED_QK else None)
-                or dim // n_heads
-            )
-            n_kv = int(get("attention.head_count_kv") or n_heads)
-            vocab = int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-            n_layers = int(get("block_count"))
-            cfg = dict(
-                arch=arch,
-                n_layers=n_layers,
-                dim=dim,
-                n_heads=n_heads,
-                n_kv_heads=n_kv,
-                head_dim=head_dim,
-                ffn_dim=int(get("feed_forward_length")),
-                vocab_size=vocab,
-            )
-        except (TypeError, KeyError) as e:
-            raise KvrunError(f"GGUF metadata is incomplete for {arch!r}: missing {e}") from None
+        f = _Fields(meta, where, f"{arch}.")
+        get = f.get
+        n_heads = f.whole("attention.head_count", hi=_MAX_COUNT)
+        dim = f.whole("embedding_length")
+        rot = get("rope.dimension_count")
+        rot = None if rot is None else f.whole("rope.dimension_count")
+        key_length = get("attention.key_length") or (rot if arch in PERMUTED_QK else None)
+        head_dim = f.whole("attention.key_length", value=key_length or dim // n_heads)
+        n_kv_value = get("attention.head_count_kv") or n_heads
+        n_kv = f.whole("attention.head_count_kv", hi=_MAX_COUNT, value=n_kv_value)
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab_value = get("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
+        vocab = f.whole("vocab_size", value=vocab_value)
+        n_layers = f.whole("block_count", hi=_MAX_COUNT)
+        cfg = dict(
+            arch=arch,
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            ffn_dim=f.whole("feed_forward_length"),
+            vocab_size=vocab,
+        )
         scaling = None
         kind = get("rope.scaling.type")
         factor = get("rope.scaling.factor")
         if kind == "linear" and factor:
-            scaling = RopeScaling("linear", float(factor))
+            scaling = RopeScaling("linear", f.real("rope.scaling.factor", positive=True))
         elif kind == "yarn" and factor:
-            attn = get("rope.scaling.attn_factor")
             scaling = RopeScaling(
                 "yarn",
-                float(factor),
-                original_context=int(get("rope.scaling.original_context_length")),
-                beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-                attention_factor=float(attn) if attn is not None else None,
+                f.real("rope.scaling.factor", positive=True),
+                original_context=f.whole("rope.scaling.original_context_length", hi=_MAX_CONTEXT),
+                beta_fast=f.real("rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=f.real("rope.scaling.yarn_beta_slow", 1.0),
+                attention_factor=_optional(f, "rope.scaling.attn_factor"),
             )
         # Llama 3.1+ GGUFs carry the llama3 scaling as a `rope_freqs` tensor instead, Phi-3 its
         # LongRoPE factors as `rope_factors_long` / `rope_factors_short`: the loader reads those
         # (`with_rope_factors`) and the model divides its frequencies by them.
         window = get("attention.sliding_window")
+        window = f.whole("attention.sliding_window", hi=_MAX_CONTEXT) if window else None
         extra: dict[str, Any] = {}
         if arch == "qwen2":
             extra["qkv_bias"] = "blk.0.attn_q.bias" in names or not names
         if "blk.0.attn_q_norm.weight" in names:
             extra["qk_norm"] = True
-        if arch == "phi3" and rot and int(rot) < head_dim:
-            extra["rotary_dim"] = int(rot)
+        if arch == "phi3" and rot and rot < head_dim:
+            extra["rotary_dim"] = rot
         if arch == "gemma3":
             extra.update(
                 qk_norm=True,
@@ -313,45 +403,51 @@ class ModelConfig:
                 embed_scale=math.sqrt(dim),
                 # llama.cpp's rule: Gemma 3 27B scales by its query_pre_attn_scalar, dim / heads
                 attn_scale=(dim / n_heads) ** -0.5 if n_layers == 62 else None,
-                rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
+                rope_local_theta=f.real("rope.freq_base_swa", 10000.0, positive=True),
             )
             if window:
                 pattern = get("attention.sliding_window_pattern", GEMMA_SWA_PATTERN)
                 if isinstance(pattern, list):  # one flag per layer: local or not
-                    extra["local_layers"] = tuple(i for i, f in enumerate(pattern) if f)
+                    local = (i for i, x in enumerate(pattern[:n_layers]) if x)
                 else:
-                    p = int(pattern)
-                    extra["local_layers"] = tuple(i for i in range(n_layers) if i % p < p - 1)
-        cap = get("final_logit_softcapping")
-        if cap:
-            extra["final_softcap"] = float(cap)
-        return cls(
+                    p = f.whole(
+                        "attention.sliding_window_pattern", GEMMA_SWA_PATTERN, hi=_MAX_COUNT
+                    )
+                    local = (i for i in range(n_layers) if i % p < p - 1)
+                extra["local_layers"] = tuple(local)
+        if get("final_logit_softcapping"):
+            extra["final_softcap"] = f.real("final_logit_softcapping", positive=True)
+        config = cls(
             **cfg,
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_theta=f.real("rope.freq_base", 10000.0, positive=True),
             rope_scaling=scaling,
-            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            sliding_window=int(window) if window else None,
+            norm_eps=f.real("attention.layer_norm_rms_epsilon", 1e-5, lo=0.0),
+            sliding_window=window,
             tie_embeddings=not has_output,
-            context_length=int(get("context_length", 4096)),
-            name=str(meta.get("general.name", "")),
+            context_length=f.whole("context_length", 4096, hi=_MAX_CONTEXT),
+            name=str(meta.get("general.name", ""))[:200],
             **extra,
         )
+        return _checked(config, where)
 
-    def with_rope_factors(self, meta: Mapping[str, Any], long: list, short: list) -> ModelConfig:
+    def with_rope_factors(
+        self, meta: Mapping[str, Any], long: list, short: list, where: str = "the GGUF"
+    ) -> ModelConfig:
         """Phi-3's LongRoPE from a GGUF's `rope_factors_long` / `_short` tensors and its
         metadata (the original context and the attention factor)."""
-        orig = meta.get(f"{self.arch}.rope.scaling.original_context_length", self.context_length)
-        attn = meta.get(f"{self.arch}.rope.scaling.attn_factor")
-        return self.replace(
+        f = _Fields(meta, where, f"{self.arch}.")
+        orig = f.whole("rope.scaling.original_context_length", self.context_length, hi=_MAX_CONTEXT)
+        config = self.replace(
             rope_scaling=RopeScaling(
                 "longrope",
-                self.context_length / int(orig),
-                original_context=int(orig),
-                attention_factor=float(attn) if attn is not None else None,
-                short_factor=tuple(float(f) for f in short),
-                long_factor=tuple(float(f) for f in long),
+                self.context_length / orig,
+                original_context=orig,
+                attention_factor=_optional(f, "rope.scaling.attn_factor"),
+                short_factor=tuple(float(x) for x in short),
+                long_factor=tuple(float(x) for x in long),
             )
         )
+        return _checked(config, where)
 
     # ------------------------------------------------------------------- HF
     @classmethod
@@ -361,93 +457,114 @@ class ModelConfig:
             c = json.loads(Path(config_path).read_text())
         except (OSError, ValueError) as e:
             raise KvrunError(f"cannot read {config_path}: {e}") from None
+        where = str(config_path)
+        if not isinstance(c, dict):
+            raise KvrunError(f"{where} holds a JSON {type(c).__name__}, not an object")
         model_type = c.get("model_type")
+        if not isinstance(model_type, str):
+            raise KvrunError(
+                f"{where}: model_type is {'missing' if model_type is None else repr(model_type)}"
+                f", not a model type (kvrun runs: {', '.join(HF_TYPES)})"[:300]
+            )
         if model_type not in HF_TYPES:
-            archs = c.get("architectures") or [model_type]
+            archs = c.get("architectures")
+            name = archs[0] if isinstance(archs, list) and archs else model_type
             have = ", ".join(HF_CLASSES.values())
             raise UnsupportedModel(
-                f"architecture {archs[0]!r} is not supported (kvrun runs: {have})"
+                f"architecture {name!r:.60} is not supported (kvrun runs: {have})"
             )
+        f = _Fields(c, where)
         if model_type == "gemma3":  # the multimodal checkpoint: its text model's config
-            c = {**c.get("text_config", {}), "model_type": "gemma3_text"}
+            c = {**f.table("text_config"), "model_type": "gemma3_text"}
+            f = _Fields(c, where, nest="text_config.")
         arch = HF_TYPES[model_type]
-        n_heads = c["num_attention_heads"]
-        dim = c["hidden_size"]
-        max_pos = int(c.get("max_position_embeddings", 4096))
-        rope = c.get("rope_parameters") or {}
-        full = rope.get("full_attention", rope)  # Gemma 3: one entry per layer type
-        local = rope.get("sliding_attention")
-        scaling_src = c.get("rope_scaling") or full
-        if (
-            "original_max_position_embeddings" in c
-            and "original_max_position_embeddings" not in scaling_src
-        ):
-            scaling_src = {
-                **scaling_src,
-                "original_max_position_embeddings": c["original_max_position_embeddings"],
-            }
-        theta = c.get("rope_theta", full.get("rope_theta", 10000.0))
-        scaling = _scaling_from_hf(scaling_src, max_pos)
-        head_dim = c.get("head_dim") or dim // n_heads
+        n_heads = f.whole("num_attention_heads", hi=_MAX_COUNT)
+        dim = f.whole("hidden_size")
+        n_layers = f.whole("num_hidden_layers", hi=_MAX_COUNT)
+        max_pos = f.whole("max_position_embeddings", 4096, hi=_MAX_CONTEXT)
+        rope = f.inner("rope_parameters")
+        full = rope.inner("full_attention") if "full_attention" in rope.src else rope  # Gemma 3
+        local = rope.table("sliding_attention")
+        scaling = f.inner("rope_scaling")
+        scaling = scaling if scaling.src else full
+        orig = "original_max_position_embeddings"
+        if orig in c and orig not in scaling.src:
+            scaling = _Fields({**scaling.src, orig: c[orig]}, where, nest=scaling.nest)
+        theta_f = f if c.get("rope_theta") is not None else full  # newer files: in rope_parameters
+        theta = theta_f.real("rope_theta", 10000.0, positive=True)
+        scaling = _scaling_from_hf(scaling, max_pos)
+        head_value = f.get("head_dim") or dim // n_heads
+        head_dim = f.whole("head_dim", value=head_value)
         extra: dict[str, Any] = {}
-        partial = c.get("partial_rotary_factor", full.get("partial_rotary_factor", 1.0))
-        if partial and float(partial) < 1.0:
-            extra["rotary_dim"] = int(head_dim * float(partial)) // 2 * 2
+        partial_f = f if c.get("partial_rotary_factor") is not None else full
+        if partial_f.get("partial_rotary_factor"):  # absent, null or 0: every head dim turns
+            partial = partial_f.real("partial_rotary_factor", positive=True)
+            if partial < 1.0:
+                extra["rotary_dim"] = int(head_dim * partial) // 2 * 2
         window = None
         if arch == "mistral" or arch == "phi3":
-            window = c.get("sliding_window")
-        elif arch in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+            window = f.get("sliding_window")
+        elif arch in ("qwen2", "qwen3") and f.get("use_sliding_window"):
             raise UnsupportedModel(f"{model_type} with use_sliding_window is not supported")
         if arch == "qwen2":
             extra["qkv_bias"] = True
         if arch == "qwen3":
-            if c.get("attention_bias"):
+            if f.get("attention_bias"):
                 raise UnsupportedModel("a Qwen 3 model with attention biases is not supported")
             extra["qk_norm"] = True
         if arch == "gemma3":
-            if c.get("attn_logit_softcapping"):
+            if f.get("attn_logit_softcapping"):
                 raise UnsupportedModel("attention logit soft-capping (Gemma 2) is not supported")
-            window = c.get("sliding_window")
-            types = c.get("layer_types")
+            window = f.get("sliding_window")
+            types = f.get("layer_types")
             if types is None:
-                p = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)))
+                p_default = f.get("_sliding_window_pattern", 6)
+                p = f.whole("sliding_window_pattern", p_default, hi=_MAX_COUNT)
                 types = [
                     "sliding_attention" if (i + 1) % p else "full_attention"
-                    for i in range(c["num_hidden_layers"])
+                    for i in range(n_layers)
                 ]
+            elif not isinstance(types, list):
+                raise f.fail("layer_types", types, "a list of layer types")
+            scalar = f.real("query_pre_attn_scalar", head_dim, positive=True)
+            local_theta = f.get("rope_local_base_freq") or local.get("rope_theta")
+            local_f = _Fields({"rope_local_base_freq": local_theta or 10000.0}, where, nest=f.nest)
             extra.update(
                 qk_norm=True,
                 sandwich_norms=True,
                 act="gelu_tanh",
                 embed_scale=math.sqrt(dim),
-                attn_scale=float(c.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-                local_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
-                rope_local_theta=float(
-                    c.get("rope_local_base_freq", (local or {}).get("rope_theta", 10000.0))
+                attn_scale=scalar**-0.5,
+                local_layers=tuple(
+                    i for i, t in enumerate(types[:n_layers]) if t == "sliding_attention"
                 ),
+                rope_local_theta=local_f.real("rope_local_base_freq", positive=True),
             )
             if extra["attn_scale"] == head_dim**-0.5:
                 extra["attn_scale"] = None
-        if c.get("final_logit_softcapping"):
-            extra["final_softcap"] = float(c["final_logit_softcapping"])
-        return cls(
+        if f.get("final_logit_softcapping"):
+            extra["final_softcap"] = f.real("final_logit_softcapping", positive=True)
+        config = cls(
             arch=arch,
-            n_layers=c["num_hidden_layers"],
+            n_layers=n_layers,
             dim=dim,
             n_heads=n_heads,
-            n_kv_heads=c.get("num_key_value_heads") or n_heads,
+            n_kv_heads=f.whole(
+                "num_key_value_heads", hi=_MAX_COUNT, value=f.get("num_key_value_heads") or n_heads
+            ),
             head_dim=head_dim,
-            ffn_dim=c["intermediate_size"],
-            vocab_size=c["vocab_size"],
-            rope_theta=float(theta),
+            ffn_dim=f.whole("intermediate_size"),
+            vocab_size=f.whole("vocab_size"),
+            rope_theta=theta,
             rope_scaling=scaling,
-            norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-            sliding_window=int(window) if window else None,
-            tie_embeddings=bool(c.get("tie_word_embeddings", arch == "gemma3")),
+            norm_eps=f.real("rms_norm_eps", 1e-5, lo=0.0),
+            sliding_window=f.whole("sliding_window", hi=_MAX_CONTEXT) if window else None,
+            tie_embeddings=bool(f.get("tie_word_embeddings", arch == "gemma3")),
             context_length=max_pos,
-            name=c.get("_name_or_path", "") or Path(config_path).parent.name,
+            name=str(f.get("_name_or_path", "") or Path(config_path).parent.name)[:200],
             **extra,
         )
+        return _checked(config, where)
 
     def to_hf(self, bos_id: int | None = None, eos_id: int | None = None) -> dict:
         """An HF config.json dict for this model (used by `kvrun convert`)."""

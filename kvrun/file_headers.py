@@ -5,6 +5,7 @@ more than this; kvrun.weights loads the tensors."""
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import re
 import struct
@@ -132,7 +133,9 @@ def open_gguf(path: Path) -> GGUFFile:
     path = Path(path)
     parts = split_parts(path)
     first = _open_one(parts[0])
-    count = int(first.meta.get("split.count", 1) or 1)
+    count = first.meta.get("split.count", 1) or 1
+    if not isinstance(count, int) or not 1 <= count <= 99999:  # part names have 5 digits
+        raise KvrunError(f"{path} is a damaged GGUF file: its split.count is {count!r:.40}")
     if len(parts) == 1 and count == 1:
         return first
     if count != len(parts):
@@ -169,13 +172,15 @@ def _open_one(path: Path) -> GGUFFile:
         reader = _Header(data).read()
     except _Damaged as e:
         raise KvrunError(f"{path} is a damaged GGUF file: {e}") from None
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+    except (struct.error, IndexError, ValueError, OverflowError, UnicodeDecodeError) as e:
         raise KvrunError(f"{path} is a damaged or truncated GGUF file ({e})") from None
     reader.mapping = mapping
     return reader
 
 
 _U64 = struct.Struct("<Q")
+_MAX_DIMS = 4  # GGML_MAX_DIMS: a tensor of the table has at most 4 dimensions
+_MAX_NESTING = 8  # arrays of arrays: real files nest one level at most
 
 
 class _Damaged(Exception):
@@ -184,7 +189,17 @@ class _Damaged(Exception):
 
 class _Header:
     def __init__(self, data: np.ndarray):
-        self.data, self.buf, self.pos = data, memoryview(data), 4
+        self.data, self.buf, self.pos, self.depth = data, memoryview(data), 4, 0
+
+    def room(self, count: int, item_bytes: int, what: str) -> None:
+        """A declared count of items of at least `item_bytes` each must fit in what is left of
+        the file, checked before anything is allocated for them."""
+        left = len(self.buf) - self.pos
+        if count * item_bytes > left:
+            raise _Damaged(
+                f"{what} at byte {self.pos:,} runs past the end: it declares {count:,} items, "
+                f"more than the {left:,} bytes left hold; download it again"
+            )
 
     def take(self, code: str):
         size = struct.calcsize(code)
@@ -206,6 +221,7 @@ class _Header:
 
     def strings(self, count: int) -> list[str]:
         """An array of `count` strings (a vocabulary: ~50k-150k of them, so one tight loop)."""
+        self.room(count, 8, "a string array")  # each string takes its 8-byte length at least
         buf, pos, end = self.buf, self.pos, len(self.buf)
         length = _U64.unpack_from
         out = [""] * count
@@ -230,13 +246,18 @@ class _Header:
             item, count = self.take("I"), self.take("Q")
             if item == 8:
                 return self.strings(count)
+            if item == 9:  # arrays of arrays, each 12 bytes at least (type and count)
+                if self.depth >= _MAX_NESTING:
+                    raise _Damaged(f"arrays at byte {self.pos:,} are nested too deep")
+                self.room(count, 12, "an array of arrays")
+                self.depth += 1
+                out = [self.value(item) for _ in range(count)]
+                self.depth -= 1
+                return out
             if item not in _SCALARS:
-                return [self.value(item) for _ in range(count)]
+                raise _Damaged(f"an array at byte {self.pos:,} has unknown item type {item}")
             dtype = np.dtype(_SCALARS[item][1]).newbyteorder("<")
-            if self.pos + count * dtype.itemsize > len(self.buf):
-                raise _Damaged(
-                    f"an array at byte {self.pos:,} runs past the end; download it again"
-                )
+            self.room(count, dtype.itemsize, "an array")
             arr = np.frombuffer(self.buf, dtype, count, self.pos)
             self.pos += arr.nbytes
             return arr.tolist()
@@ -253,37 +274,65 @@ class _Header:
             why = "a big-endian GGUF (not supported)" if swapped in (2, 3) else f"version {version}"
             raise KvrunError(f"unsupported GGUF: {why}; kvrun reads little-endian GGUF v2 and v3")
         n_tensors, n_kv = self.take("Q"), self.take("Q")
+        # each entry takes a key (8 bytes or more), a type (4) and a value (1 or more)
+        self.room(n_kv, 13, "the metadata")
         meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors}
         meta["GGUF.kv_count"] = n_kv
         for _ in range(n_kv):
-            key = self.string()
+            at, key = self.pos, self.string()
+            if key in meta:
+                raise _Damaged(f"metadata key {_printable(key)!r} at byte {at:,} appears twice")
             meta[key] = self.value(self.take("I"))
-        table = []
+        # each tensor: a name (8 bytes or more), a dimension count (4), a type (4), an offset (8)
+        self.room(n_tensors, 24, "the tensor table")
+        table, names = [], set()
         for _ in range(n_tensors):
             name = self.string()
-            dims = [self.take("Q") for _ in range(self.take("I"))]
+            n_dims = self.take("I")
+            if n_dims > _MAX_DIMS:
+                raise _Damaged(
+                    f"tensor {_printable(name)} has {n_dims:,} dimensions (GGUF allows 4)"
+                )
+            if name in names:
+                raise _Damaged(f"tensor {_printable(name)} appears twice in the tensor table")
+            names.add(name)
+            dims = [self.take("Q") for _ in range(n_dims)]
             table.append((name, dims, self.take("I"), self.take("Q")))
-        align = int(meta.get("general.alignment", 32))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & align - 1:
+            raise _Damaged(f"its general.alignment {align!r:.40} is not a power of two")
         start = -(-self.pos // align) * align
-        return GGUFFile(meta, [self.tensor(gguf, start, *row) for row in table])
+        tensors = [self.tensor(gguf, start, align, *row) for row in table]
+        _check_overlaps(tensors)
+        return GGUFFile(meta, tensors)
 
-    def tensor(self, gguf, start: int, name: str, dims: list[int], raw: int, offset: int):
+    def tensor(
+        self, gguf, start: int, align: int, name: str, dims: list[int], raw: int, offset: int
+    ):
+        shown = _printable(name)  # a name is the file's: any text, newlines too
         try:
             kind = gguf.GGMLQuantizationType(raw)
             block, type_size = gguf.GGML_QUANT_SIZES[kind]
         except (ValueError, KeyError):
-            raise _Damaged(f"tensor {name} has an unknown type {raw}") from None
-        n_elems = int(np.prod(dims, dtype=np.int64))
+            raise _Damaged(f"tensor {shown} has an unknown type {raw}") from None
+        if offset % align:
+            raise _Damaged(f"tensor {shown}'s data offset {offset:,} is not a multiple of {align}")
+        if dims and dims[0] % block:
+            raise _Damaged(
+                f"tensor {shown} has rows of {dims[0]:,} elements, not whole {kind.name} "
+                f"blocks of {block}"
+            )
+        n_elems = math.prod(dims)  # Python ints: a huge dimension must not wrap around
         n_bytes = n_elems * type_size // block
         first, size = start + offset, len(self.data)
         if first >= size and n_bytes:
             raise _Damaged(
-                f"tensor {name}'s data starts at byte {first:,}, past the end of the "
+                f"tensor {shown}'s data starts at byte {first:,}, past the end of the "
                 f"file ({size:,} bytes); download it again"
             )
         if first + n_bytes > size:
             raise _Damaged(
-                f"tensor {name} is cut short: {first + n_bytes - size:,} of its "
+                f"tensor {shown} is cut short: {first + n_bytes - size:,} of its "
                 f"{n_bytes:,} bytes are missing (the file has {size:,} bytes); download it again"
             )
         shape = tuple(reversed(dims))
@@ -292,6 +341,20 @@ class _Header:
             dtype, shape = np.uint8, gguf.quant_shape_to_byte_shape(shape, kind)
         data = self.data[first : first + n_bytes].view(dtype).reshape(shape)
         return GGUFTensor(name, kind, np.array(dims, dtype=np.uint64), first, data)
+
+
+def _printable(text: str, n: int = 80) -> str:
+    """A name read from a file, for a one-line message: cut short, anything but printable
+    ASCII escaped."""
+    return text[:n].encode("unicode_escape").decode("ascii")
+
+
+def _check_overlaps(tensors: list[GGUFTensor]) -> None:
+    """Two tensors of a table must not share bytes (a hostile file could alias them)."""
+    spans = sorted((t.data_offset, t.data_offset + t.data.nbytes, t.name) for t in tensors)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise _Damaged(f"tensors {_printable(a)} and {_printable(b)} overlap at byte {start:,}")
 
 
 def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
@@ -330,7 +393,8 @@ def safetensors_damage(path: Path) -> str | None:
     (start, end), name = cut[0]
     more = f"; {len(cut) - 1} more tensors lie past the end" if len(cut) > 1 else ""
     return (
-        f"tensor {name} is cut short: {end - max(start, data):,} of its {end - start:,} bytes "
+        f"tensor {_printable(name)} is cut short: {end - max(start, data):,} of its "
+        f"{end - start:,} bytes "
         f"are missing (the file has {raw_size:,} bytes){more}; download it again"
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -197,6 +198,79 @@ def _read_spm(path: Path) -> tuple[_Backend, dict[str, int]]:
     return tok, {k: v for k, v in (("bos", sp.bos_id()), ("eos", sp.eos_id())) if v >= 0}
 
 
+def _rust_panic(e: BaseException) -> bool:
+    """Whether `e` is a panic of the tokenizers library (pyo3's PanicException, which is not
+    an Exception): a file it cannot read, where it asserts instead of returning an error."""
+    return type(e).__name__ == "PanicException"
+
+
+def _unpanicked(run: Any) -> Any:
+    """run(), a tokenizers call, with a panic of the library (a damaged vocabulary it only
+    trips over on some text) as one KvrunError line instead of a traceback."""
+    try:
+        return run()
+    except BaseException as e:
+        if not _rust_panic(e):
+            raise
+        why = " ".join(str(e).split())[:200]
+        raise KvrunError(
+            f"the tokenizer fails on this text ({why}); its files are damaged"
+        ) from None
+
+
+_PROBE = " Hello, world!  12 345\n\tx"  # spaces, digits, punctuation: what most paths take
+
+
+def _nested(node: Any, key: str) -> Iterator[dict]:
+    """A tokenizer.json component and, for a Sequence, the components it holds under `key`."""
+    if isinstance(node, dict):
+        yield node
+        for child in node.get(key) or () if node.get("type") == "Sequence" else ():
+            yield from _nested(child, key)
+
+
+def _check_prefix(model: dict, path: Path) -> None:
+    """BPE with a continuing-subword prefix: the library cuts the prefix off every merge's
+    second part, and panics where that part does not start with it."""
+    prefix = model.get("continuing_subword_prefix") or ""
+    for m in model.get("merges") or ():
+        second = m.split(" ", 1)[-1] if isinstance(m, str) else m[-1] if m else ""
+        if isinstance(second, str) and not second.startswith(prefix):
+            raise KvrunError(
+                f"{path}: the merge {m!r:.60} does not start its second part with the "
+                f"continuing_subword_prefix {prefix!r:.20}"
+            )
+
+
+def _read_tokenizer_json(path: Path) -> _Backend:
+    """A tokenizer.json, checked where the tokenizers library would panic on a damaged one (a
+    charsmap it cannot parse, a template naming a token it lacks), without its padding and
+    truncation: a prompt is encoded whole (a file may pad every prompt to 10^9 ids)."""
+    text = path.read_text("utf-8")
+    if '"Precompiled"' in text:  # Python's constructor raises where the file reader panics
+        for node in _nested(json.loads(text).get("normalizer"), "normalizers"):
+            if node.get("type") == "Precompiled":
+                normalizers.Precompiled(base64.b64decode(node.get("precompiled_charsmap") or ""))
+    if '"continuing_subword_prefix": "' in text.replace('":"', '": "'):
+        _check_prefix(json.loads(text).get("model") or {}, path)
+    backend = _Backend.from_str(text)
+    backend.no_padding()
+    backend.no_truncation()
+    if backend.post_processor is not None:
+        state = json.loads(backend.post_processor.__getstate__())
+        for node in _nested(state, "processors"):
+            specials = node.get("special_tokens") or {}
+            for piece in [*node.get("single", ()), *node.get("pair", ())]:
+                name = piece.get("SpecialToken", {}).get("id")
+                entry = specials.get(name, {})
+                if name is not None and len(entry.get("ids", ())) != len(entry.get("tokens", [0])):
+                    raise KvrunError(
+                        f"{path}: the post-processor's template names the special token "
+                        f"{name!r}, which it does not define"
+                    )
+    return backend
+
+
 def _gguf_backend(
     meta: Mapping[str, Any], kind: str, tokens: list[str], types: list[int]
 ) -> tuple[_Backend, int | None, int | None, bool]:
@@ -352,21 +426,32 @@ class Tokenizer:
         kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
         if kind is None or tokens is None:
             raise UnsupportedModel("the GGUF file has no tokenizer (tokenizer.ggml.* missing)")
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise KvrunError("the GGUF's tokenizer.ggml.tokens is not a list of strings")
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise KvrunError("the GGUF's tokenizer.chat_template is not a string")
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's names
-        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         try:
+            types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
             types = [
                 CONTROL if t in _LLAMACPP_CONTROL else k for t, k in zip(tokens, types, strict=True)
             ]
             backend, bos, eos, add_bos = _gguf_backend(meta, kind, tokens, types)
+            backend.encode(_PROBE)  # a vocabulary the library trips over fails here
         except KvrunError:
             raise
-        except Exception as e:  # a malformed vocabulary or merge list
-            raise UnsupportedModel(f"cannot build the GGUF tokenizer: {e}") from None
+        except BaseException as e:  # a malformed vocabulary or merge list; a library panic
+            if not isinstance(e, Exception) and not _rust_panic(e):
+                raise
+            why = " ".join(str(e).split())[:200]
+            raise UnsupportedModel(f"cannot build the GGUF tokenizer: {why}") from None
 
         def special(name: str, default: int | None = None) -> int | None:
             value = meta.get(f"tokenizer.ggml.{name}_token_id")
-            return int(value) if value is not None and 0 <= value < len(tokens) else default
+            if not isinstance(value, int) or isinstance(value, bool):
+                return default  # absent, or not an id (a damaged file)
+            return value if 0 <= value < len(tokens) else default
 
         return cls(
             backend,
@@ -374,9 +459,9 @@ class Tokenizer:
             eos_id=special("eos", eos),
             stop_ids={special("eot"), special("eom")} - {None},
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
-            or meta.get("tokenizer.ggml.pre") in _SPM_BPE_PRE,  # llama.cpp forces BOS there
+            or str(meta.get("tokenizer.ggml.pre")) in _SPM_BPE_PRE,  # llama.cpp forces BOS there
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=template,
         )
 
     @classmethod
@@ -391,36 +476,45 @@ class Tokenizer:
             raise KvrunError(f"no tokenizer.json or tokenizer.model in {path}")
         try:
             if has_json:
-                backend, ids = _Backend.from_file(str(path / "tokenizer.json")), {}
+                backend, ids = _read_tokenizer_json(path / "tokenizer.json"), {}
             else:
                 backend, ids = _read_spm(path / "tokenizer.model")
+            backend.encode(_PROBE)  # a vocabulary the library trips over fails here, named
         except KvrunError:
             raise
-        except Exception as e:  # a malformed tokenizer.json or tokenizer.model
+        except BaseException as e:  # a malformed tokenizer.json or tokenizer.model
+            if not isinstance(e, Exception) and not _rust_panic(e):
+                raise
+            why = " ".join(str(e).split())[:200]  # a library's message may quote the file
             if not has_json:
                 raise KvrunError(
-                    f"{path / 'tokenizer.model'} is not a SentencePiece model ({e})"
+                    f"{path / 'tokenizer.model'} is not a SentencePiece model ({why})"
                 ) from None
             _json_file(path / "tokenizer.json")  # not JSON at all: says so
             raise KvrunError(
-                f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({e})"
+                f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers library reads ({why})"
             ) from None
         for name in ("bos", "eos"):
             text = config.get(f"{name}_token")
             text = text.get("content") if isinstance(text, dict) else text
+            if text is not None and not isinstance(text, str):
+                raise KvrunError(
+                    f"{path / 'tokenizer_config.json'}: {name}_token is {_kind(text)}, not a "
+                    "token's text"
+                )
             if text is not None and backend.token_to_id(text) is not None:
                 ids[name] = backend.token_to_id(text)
-        gen_eos = generation.get("eos_token_id")
-        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        where = f"{path / 'generation_config.json'}: eos_token_id"
+        gen_eos = _ids_field(generation.get("eos_token_id"), where)
         bos, eos = ids.get("bos"), ids.get("eos", gen_eos[0] if gen_eos else None)
         # Without add_bos_token, see whether the post-processor adds BOS (Llama 3's does).
         default_bos = bos in backend.encode("").ids[:1] if has_json else True
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{name, template}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default", next(iter(named.values()), None))
+        template = _hf_template(config.get("chat_template"), path / "tokenizer_config.json")
         if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text("utf-8")
+            try:
+                template = (path / "chat_template.jinja").read_text("utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise KvrunError(f"cannot read {path / 'chat_template.jinja'} ({e})") from None
         return cls(
             backend,
             bos_id=bos,
@@ -442,7 +536,8 @@ class Tokenizer:
         """Token ids of `text`. special: control-token texts map to their ids (llama.cpp's
         parse_special). add_bos None follows the model (BOS, and EOS if the model adds one);
         False adds neither. A BOS already at the start is never doubled."""
-        ids = (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+        backend = self._tok if special else self._plain
+        ids = _unpanicked(lambda: backend.encode(text, add_special_tokens=False).ids)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
         if self.add_eos and add_bos is not False and self.eos_id is not None:
@@ -451,7 +546,12 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of `ids`; skip_special drops control tokens such as <|im_end|>."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        ids = [int(i) for i in ids]
+        return _unpanicked(lambda: self._tok.decode(ids, skip_special_tokens=skip_special))
+
+    def id_limit(self) -> int:
+        """One past the largest id this tokenizer gives (a tokenizer.json's may leave gaps)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def token_text(self, token_id: int | None) -> str:
         """The vocabulary entry of one id ('' for None), e.g. '<|im_start|>'."""
@@ -536,6 +636,51 @@ def _json_file(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text("utf-8"))
+        value = json.loads(path.read_text("utf-8"))
     except (ValueError, OSError) as e:
         raise KvrunError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise KvrunError(f"{path} holds {_kind(value)}, not a JSON object")
+    return value
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type in words, for errors ('a list', 'the number 1.5')."""
+    if isinstance(value, (bool, int, float)) or value is None:
+        return f"the value {json.dumps(value)[:20]}"
+    return {str: "a string", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _ids_field(value: Any, where: str) -> list[int]:
+    """A config's token id or list of ids (generation_config.json's eos_token_id), checked:
+    ints a tokenizer can hold (u32), else a one-line error naming the field. Ids past the
+    vocabulary may still be the model's (its embedding rows): the loader checks those."""
+    items = value if isinstance(value, list) else [] if value is None else [value]
+    for v in items:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise KvrunError(f"{where} holds {_kind(v)}, not a token id")
+        if not 0 <= v < 1 << 32:
+            raise KvrunError(f"{where} {v} is not a token id")
+    return items
+
+
+def _hf_template(value: Any, where: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (the
+    one named 'default', else the first); anything else is a one-line error."""
+    if value is None or isinstance(value, str):
+        return value
+    named = {}
+    if isinstance(value, list):
+        for t in value:
+            if not (isinstance(t, dict) and isinstance(t.get("template"), str)):
+                named = None
+                break
+            named[t.get("name")] = t["template"]
+    if named is None or not isinstance(value, list):
+        raise KvrunError(
+            f"{where}: chat_template is {_kind(value)}, not a template or a list of "
+            "{name, template}"
+        )
+    return named.get("default", next(iter(named.values()), None))

@@ -6,6 +6,8 @@ model never branches on where its weights came from.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -116,6 +118,18 @@ def dequantize_tensor(t) -> np.ndarray:
     return arr.reshape(shape)
 
 
+@functools.cache
+def _dequantizable(kind) -> bool:
+    """Whether gguf dequantizes a GGUF type (not Q8_1, Q8_K, the integer types, F64)."""
+    import gguf
+
+    try:
+        gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[kind][1], np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def read_gguf_tensor(t, hf: str, dtype: torch.dtype, bits: int | None) -> torch.Tensor | Packed:
     """One GGUF tensor, packed to `bits` from its blocks or dequantized to dtype (bits None)."""
     if bits is not None:
@@ -152,15 +166,21 @@ def load_gguf(
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, has_output="output.weight" in names, names=names)
+    has_output = "output.weight" in names
+    config = ModelConfig.from_gguf(meta, has_output=has_output, names=names, where=str(path))
     arch = config.arch
-    if "rope_factors_long.weight" in names:  # Phi-3's LongRoPE: the factors are tensors
-        small = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    factors = [n for n in names if n.startswith("rope_factors_")]
+    if factors:  # Phi-3's LongRoPE: the factors are tensors
+        if sorted(factors) != ["rope_factors_long.weight", "rope_factors_short.weight"]:
+            raise KvrunError(f"{path} has LongRoPE factors {sorted(factors)}, not long and short")
+        small = {t.name: t for t in reader.tensors if t.name in factors}
         long, short = (
-            dequantize_tensor(small[f"rope_factors_{k}.weight"]).tolist() for k in ("long", "short")
+            dequantize_tensor(small[f"rope_factors_{k}.weight"]).ravel().tolist()
+            for k in ("long", "short")
         )
-        config = config.with_rope_factors(meta, long, short)
+        config = config.with_rope_factors(meta, long, short, where=str(path))
     tokenizer = Tokenizer.from_gguf(meta)
+    _check_vocab(tokenizer, config, path)
     note = ""
     if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
         wtype = dense_name(dtype)  # nothing to keep packed
@@ -181,6 +201,12 @@ def load_gguf(
         hf = gguf_name_to_hf(t.name, arch)
         if hf is None or hf.startswith("rope_factors_"):
             continue
+        _check_shape(hf, tuple(int(d) for d in reversed(t.shape.tolist())), config, path, t.name)
+        if not _dequantizable(t.tensor_type):  # kept as blocks, it would fail at the first product
+            raise UnsupportedModel(
+                f"tensor {_shown(t.name)} has type {t.tensor_type.name}, which gguf cannot "
+                "dequantize"
+            )
         if holds_blocks(wtype, t.tensor_type.name, hf, native):
             # the file's own blocks, whatever their type; Q and K rows in RoPE's order, and
             # interleaved at once where the native kernels multiply by them (an untied
@@ -236,6 +262,7 @@ def load_safetensors(
     if model is not None:
         config = model.config
         tok = Tokenizer.from_hf_dir(root)
+        _check_vocab(tok, config, root)
         return LoadedWeights(
             config, {}, tok, root, "safetensors", types, {}, wtype, "", model, entry
         )
@@ -248,6 +275,7 @@ def load_safetensors(
                     key = _text_name(name)
                     if key is None or key.endswith("rotary_emb.inv_freq"):
                         continue  # another tower's, or what we compute (older checkpoints)
+                    _check_shape(key, tuple(f.get_slice(name).get_shape()), config, shard)
                     w = f.get_tensor(name)
                     types[str(w.dtype).removeprefix("torch.")] += 1
                     if config.gemma_norms and key.endswith("norm.weight"):
@@ -272,6 +300,7 @@ def load_safetensors(
     _check_tensors(tensors, config, root)
     wtype = "f32" if wtype in ("auto", "packed") else wtype  # float files stay in the compute dtype
     tok = Tokenizer.from_hf_dir(root)
+    _check_vocab(tok, config, root)
     return LoadedWeights(
         config, tensors, tok, root, "safetensors", types, {}, wtype, "", None, entry, cache_note
     )
@@ -337,6 +366,75 @@ def _native_here(device: torch.device | None) -> bool:
     from .quant import native
 
     return native.ops() is not None
+
+
+def _expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
+    """The shape of canonical tensor `name` in a model of config c; None where it has none."""
+    d, f, hd = c.dim, c.ffn_dim, c.head_dim
+    q, kv = c.n_heads * hd, c.n_kv_heads * hd
+    top = {"model.embed_tokens.weight": (c.vocab_size, d), "lm_head.weight": (c.vocab_size, d),
+           "model.norm.weight": (d,), "rope_freqs": ((c.rotary_dim or hd) // 2,)}  # fmt: skip
+    if name in top:
+        return top[name]
+    m = _LAYER.match(name)
+    if m is None or int(m.group(1)) >= c.n_layers:
+        return None
+    parts = {
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+        "self_attn.qkv_proj.weight": (q + 2 * kv, d), "mlp.gate_up_proj.weight": (2 * f, d),
+        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+    }  # fmt: skip
+    if c.qkv_bias:
+        parts |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                  "self_attn.v_proj.bias": (kv,)}  # fmt: skip
+    if c.qk_norm:
+        parts |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    if c.sandwich_norms:
+        parts |= {
+            "pre_feedforward_layernorm.weight": (d,),
+            "post_feedforward_layernorm.weight": (d,),
+        }
+    return parts.get(m.group(2))
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+
+
+def _check_shape(
+    name: str, shape: tuple[int, ...], config: ModelConfig, path: Path, label: str | None = None
+) -> None:
+    """A tensor the model takes, in the shape its config gives, before it is read (a damaged
+    or hostile file must not reach the forward pass, or the native kernels, in other shapes).
+    label: the tensor's name in the file, where it is not the canonical one."""
+    want = _expected_shape(name, config)
+    shown = _shown(label or name)
+    if want is None:
+        raise KvrunError(
+            f"{path} holds tensor {shown}, which a {config.arch} model of "
+            f"{config.n_layers} layers as its config describes does not have"
+        )
+    if shape != want:
+        raise KvrunError(
+            f"{path}: tensor {shown} has shape {list(shape)}; its config says {list(want)}"
+        )
+
+
+def _shown(name: str) -> str:
+    """A tensor name from a file, for a one-line message (any text: escaped, cut short)."""
+    return name[:80].encode("unicode_escape").decode("ascii")
+
+
+def _check_vocab(tokenizer, config: ModelConfig, path: Path) -> None:
+    """Every id the tokenizer gives (its vocabulary, BOS and EOS) must have a row in the
+    embedding table."""
+    n = max(tokenizer.id_limit(), *((tokenizer.bos_id or 0) + 1, (tokenizer.eos_id or 0) + 1))
+    if n > config.vocab_size:
+        raise KvrunError(
+            f"{path}: the tokenizer gives ids up to {n - 1:,}, past the {config.vocab_size:,} "
+            "rows of the embedding table"
+        )
 
 
 def _check_tensors(

@@ -128,3 +128,88 @@ def test_bad_messages_and_cache() -> None:
     with pytest.raises(KvrunError, match="chat messages"):
         chat_template.render(SMOLLM2, [{"content": "no role"}])
     assert chat_template._compile(SMOLLM2) is chat_template._compile(SMOLLM2)
+
+
+# Templates that try to run a command (which would leave `{pwned}` behind), to reach the
+# interpreter's globals, or to build or loop without bound: each is refused in one line, at
+# once, and leaves nothing behind.
+HOSTILE = [
+    "{{ cycler.__init__.__globals__.os.popen('touch {pwned}').read() }}",
+    "{{ joiner.__init__.__globals__.os.system('touch {pwned}') }}",
+    "{{ namespace.__init__.__globals__['os'].system('touch {pwned}') }}",
+    "{{ lipsum.__globals__['os'].system('touch {pwned}') }}",
+    "{{ self._TemplateReference__context.environment }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ '{0.__class__.__mro__}'.format('') }}",
+    "{{ ''|attr('__class__') }}",
+    "{% include '/etc/passwd' %}",
+    "{{ 'a' * 10**10 }}",
+    "{% set ns = namespace(x=10) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}"
+    "{% endfor %}",
+    "{% set ns = namespace(x=10) %}{% for i in range(8) %}{% set ns.x = ns.x ** 4096 %}"
+    "{% endfor %}",
+    "{{ '{:>5.100000000000f}'.format(1.0) }}",
+    "{% for i in range(10**9) %}{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% set s = 'x' * 99999 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}",
+    "{% set x = 'a' * 1000000 %}{{ ([x] * 1000000)|join }}",
+    "{% set a = ['a' * 100000] * 8 %}{% set b = [a, a, a, a, a, a, a, a] %}"
+    "{% set c = [b, b, b, b, b, b, b, b] %}{{ [c, c, c, c, c, c, c, c] }}",
+    "{{ 'a'|center(10**10) }}",
+    "{{ 'a'.ljust(10**10) }}",
+    "{{ '{:>10000000000}'.format('a') }}",
+    "{{ '{:>{w}}'.format('a', w=10**10) }}",
+    "{{ '%10000000000d' % 1 }}",
+    "{{ '%*d' % (10**10, 1) }}",
+    "{{ 'x\ny'|indent(10**10) }}",
+    "{{ ('a' * 1000000).replace('', 'b' * 1000000) }}",
+    "{{ ('a' * 1000000)|join('b' * 1000000) }}",
+    "{{ messages|tojson(indent=10**9) }}",
+    "{{ range(10)|batch(10**9, 'x')|list }}",
+    "{{ lipsum(10**6) }}",
+    "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", HOSTILE)
+def test_hostile_templates_are_one_line_at_once_and_leave_nothing(template, tmp_path) -> None:
+    import time
+
+    pwned = tmp_path / "pwned"
+    t0 = time.perf_counter()
+    with pytest.raises(KvrunError, match="^chat template error: ") as info:
+        chat_template.render(template.replace("{pwned}", str(pwned)), CONVERSATION)
+    assert time.perf_counter() - t0 < 5
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_bounds_grow_with_what_is_rendered() -> None:
+    """A long document in a message renders whole (the size bound is 4x the input), and a
+    refused render leaves the next one its own budget."""
+    long = "word " * 600_000  # 3 MB: past the 1 MiB floor
+    messages = [{"role": "user", "content": long}]
+    out = chat_template.render(SMOLLM2, messages)
+    assert out.count("word") == 600_000 and out.endswith("<|im_start|>assistant\n")
+    with pytest.raises(KvrunError, match="too long"):
+        loops = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+        chat_template.render(loops, CONVERSATION)
+    assert chat_template.render(SMOLLM2, CONVERSATION).endswith("<|im_start|>assistant\n")
+
+
+def test_guarded_loops_literals_and_joins_keep_their_meaning() -> None:
+    template = (
+        "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{% if loop.last %}!{% endif %}"
+        "{{ m.role ~ ':' ~ m.content }}{% else %}none{% endfor %}|{{ [1, (2, 3), {'a': 4}] }}"
+        "|{{ messages|map(attribute='role')|join(',') }}|{{ 'ab' * 2 + 'c' }}|{{ '%03d' % 7 }}"
+        "|{{ '{:>4}'.format('x') }}|{{ 'x'|center(5) }}|{% for i in [] %}{% else %}none{% endfor %}"
+    )
+    assert chat_template.render(template, CONVERSATION[:2]) == (
+        "1/2user:What is 2+2?2/2!assistant:4.|[1, (2, 3), {'a': 4}]|user,assistant|ababc|007"
+        "|   x|  x  |none"
+    )

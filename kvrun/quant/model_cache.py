@@ -31,9 +31,10 @@ The file is plain safetensors (any safetensors tool reads it), each tensor 64-by
 (zero-filled `__pad` tensors fill the gaps, as the format allows no holes), its metadata
 holding the format version, the key's facts and the layout. An entry is written under a
 temporary name and renamed, so a reader never sees half of one; an entry that does not read
-back whole (cut short, a header that does not parse, tensors that do not fit the model) is
-deleted and the model built again, never used. The bytes are not checksummed: hashing them
-would cost what the cache saves. KVRUN_PACKED_CACHE=off turns the cache off; an entry is not
+back whole (cut short, a header that does not parse or does not match the digest kept in
+it, a layout outside the explicit list of what kvrun packs, tensors that do not fit the
+model) is deleted and the model built again, never used. Only the header is hashed: hashing
+the tensors' bytes would cost what the cache saves. KVRUN_PACKED_CACHE=off turns the cache off; an entry is not
 written where it would leave less than 1 GiB of the disk free.
 """
 
@@ -54,9 +55,10 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from .formats import BLOCK_SIZES, X8_BYTES
 from .probes import cache_file
 
-FORMAT = 2  # bump when the layout of what is kept changes (2: GGUF blocks)
+FORMAT = 3  # bump when the layout of what is kept changes (2: GGUF blocks; 3: header digest)
 ALIGN = 64
 KEEP_FREE = 1 << 30
 _DTYPES = {
@@ -178,8 +180,9 @@ def load(path: Path, config: ModelConfig):
     try:
         with f:
             tensors, meta, mapping, offsets = _read(f)
-            if meta.get("format") != FORMAT:
-                raise Damaged(f"format {meta.get('format')!r}, not {FORMAT}")
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise Damaged(f"format {meta.get('format')!r:.20}, not {FORMAT}")
+            _check_layout(meta.get("layout"), tensors, config)
             model = Transformer.from_state(config, tensors, meta["layout"])
             held = {id(b) for b in model.buffers()}  # the packed layers' own (not parameters)
             big = [
@@ -190,9 +193,9 @@ def load(path: Path, config: ModelConfig):
             if big and hasattr(os, "preadv") and own_pages():
                 model.adopt = Adopt(f.fileno(), mapping, big)
         return model
-    except (Damaged, KeyError, RuntimeError, ValueError, TypeError, AttributeError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - an entry that does not read back is built again
         path.unlink(missing_ok=True)
-        raise Damaged(f"{path.name}: {e}") from None
+        raise Damaged(f"{path.name}: {str(e)[:200]}") from None
 
 
 _WRITING: list[threading.Thread] = []
@@ -248,6 +251,13 @@ def _keep(path: Path, tensors: dict[str, torch.Tensor], meta: dict, log) -> None
             tmp.unlink(missing_ok=True)
 
 
+def _digest(header: dict) -> str:
+    """A hash of an entry's header (every tensor's dtype, shape and offsets, and the layout):
+    a header changed in any way is caught on reading, for hashing a few KiB (the data is not
+    hashed: that would cost what the cache saves)."""
+    return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()
+
+
 def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     header: dict = {"__metadata__": {"kvrun": json.dumps(meta, sort_keys=True)}}
     parts: list[torch.Tensor] = []
@@ -262,6 +272,7 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         header[name] = _info(_DTYPES[t.dtype], list(t.shape), offset, n)
         parts.append(t)
         offset += n
+    header["__metadata__"]["digest"] = _digest(header)
     raw = json.dumps(header).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)  # the format allows trailing spaces
     with open(path, "wb") as f:
@@ -295,15 +306,20 @@ def _read(f) -> tuple[dict[str, torch.Tensor], dict, mmap.mmap, dict[str, int]]:
         raise Damaged("its header runs past the end")
     try:
         header = json.loads(mapping[8 : 8 + n])
+        digest = header["__metadata__"].pop("digest", None)
+        if digest != _digest(header):
+            raise Damaged("its header does not match its digest")
         meta = json.loads(header.pop("__metadata__")["kvrun"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise Damaged(f"its header does not parse ({e})") from None
     start, end, tensors, offsets = 8 + n, 8 + n, {}, {}
     for name, info in header.items():
         a, b = info["data_offsets"]
         dtype, shape = _BY_NAME[info["dtype"]], info["shape"]
+        if not all(isinstance(x, int) and x >= 0 for x in (a, b, *shape)):
+            raise Damaged(f"tensor {name} has a shape or offsets that are not sizes")
         count = math.prod(shape)
-        if b - a != count * dtype.itemsize or a < 0 or start + b > size:
+        if b - a != count * dtype.itemsize or start + b > size:
             raise Damaged(f"tensor {name} does not fit the file")
         end = max(end, start + b)
         if name.startswith("__pad"):
@@ -318,3 +334,120 @@ def _read(f) -> tuple[dict[str, torch.Tensor], dict, mmap.mmap, dict[str, int]]:
     if end != size:
         raise Damaged(f"{size - end:,} bytes more or fewer than its tensors take")
     return tensors, meta, mapping, offsets
+
+
+_STACKED = {
+    "self_attn.qkv": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up": ("gate_proj", "up_proj"),
+}
+_INT4_PLANES = {4: 1, 8: 2}  # q8 runs as two 4-bit planes on CPU
+
+
+def _check_layout(layout: object, tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """An entry's layout against an explicit list: which layers may be packed (in the shapes
+    the config gives, of the kinds kvrun makes, each buffer of the size its facts imply) and
+    which slots stacking empties, before any object is built from it; else Damaged."""
+    if not isinstance(layout, dict) or set(layout) != {"packed", "empty"}:
+        raise Damaged("its layout is not kvrun's")
+    packed, empty = layout["packed"], layout["empty"]
+    if not isinstance(packed, dict) or not isinstance(empty, list):
+        raise Damaged("its layout is not kvrun's")
+    shapes = _linear_shapes(config, tied=not any(k.startswith("lm_head.") for k in tensors))
+    for name, facts in packed.items():
+        if name not in shapes or not isinstance(facts, dict):
+            raise Damaged(f"it packs {name!r:.80}, which the model has no layer for")
+        n, k = shapes[name]
+        prefix = f"{name}."
+        bufs = {t[len(prefix) :]: v for t, v in tensors.items() if t.startswith(prefix)}
+        if facts.get("kind") in ("linear", "embedding"):
+            want = _packed_buffers(facts, n, k)
+        elif facts.get("kind") in ("block_linear", "block_embedding"):
+            want = _block_buffers(facts, n, k)
+        else:
+            want = None
+        embedding = name == "model.embed_tokens"
+        if want is None or facts["kind"].endswith("embedding") != embedding:
+            raise Damaged(f"layer {name}'s facts are not kvrun's")
+        may, must = want
+        fits = all(b in may and _fits(v, *may[b]) for b, v in bufs.items())
+        if not fits or not must <= set(bufs):
+            raise Damaged(f"layer {name}'s buffers do not match its facts")
+    emptied = set(empty)
+    for i in range(config.n_layers):
+        for stack, parts in _STACKED.items():
+            block, _ = stack.split(".")
+            slots = {f"model.layers.{i}.{block}.{p}" for p in parts}
+            fused = f"model.layers.{i}.{stack}" in packed
+            if (slots <= emptied) != fused:
+                raise Damaged(f"layer {i}'s {stack} is stacked in part")
+            emptied -= slots if fused else set()
+    if emptied:
+        raise Damaged(f"it empties {sorted(map(str, emptied))[0][:80]!r}, which is no stacked slot")
+
+
+def _fits(t: torch.Tensor, shape: tuple[int, ...], dtypes: set) -> bool:
+    return tuple(t.shape) == shape and t.dtype in dtypes
+
+
+def _linear_shapes(c: ModelConfig, tied: bool) -> dict[str, tuple[int, int]]:
+    """(out, in) of every layer of a model of config c that the cache may hold packed."""
+    q, kv, d, f = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.dim, c.ffn_dim
+    block = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+             "self_attn.o_proj": (d, q), "self_attn.qkv": (q + 2 * kv, d),
+             "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f),
+             "mlp.gate_up": (2 * f, d)}  # fmt: skip
+    out = {"model.embed_tokens": (c.vocab_size, d)}
+    if not tied:
+        out["lm_head"] = (c.vocab_size, d)
+    for i in range(c.n_layers):
+        out |= {f"model.layers.{i}.{part}": shape for part, shape in block.items()}
+    return out
+
+
+def _packed_buffers(facts: dict, n: int, k: int) -> tuple[dict, set] | None:
+    """What a PackedLinear of these facts may hold (buffer -> (shape, dtypes)) and must hold,
+    or None where the facts are not ones kvrun writes for an (n, k) layer. The int4 layout
+    drops the codes, and an inexact q4 layer its scales too."""
+    bits, group, path, planes = (facts.get(x) for x in ("bits", "group", "path", "planes"))
+    ok = (
+        facts.get("shape") == [n, k]
+        and bits in _INT4_PLANES
+        and isinstance(group, int)
+        and group > 0
+        and k % group == 0
+        and (bits == 8 or group % 2 == 0)
+        and isinstance(facts.get("exact"), bool)
+        and isinstance(facts.get("source"), str)
+        and (path, planes) in (("dequant", 0), ("int4pack", _INT4_PLANES.get(bits)))
+    )
+    if not ok:
+        return None
+    g, floats = k // group, {torch.float16, torch.bfloat16, torch.float32}
+    codes = ((n, k // 2), {torch.uint8}) if bits == 4 else ((n, k), {torch.int8})
+    may = {"codes": codes, "scale": ((n, g), floats), "zero": ((n, g), floats)}
+    for i in range(planes):
+        may |= {f"w{i}": ((n, k // 2), {torch.uint8}), f"sz{i}": ((g, n, 2), {torch.bfloat16})}
+    must = {"codes", "scale"} if path == "dequant" else {f"w{i}" for i in range(planes)}
+    return may, must | {f"sz{i}" for i in range(planes)}
+
+
+def _block_buffers(facts: dict, n: int, k: int) -> tuple[dict, set] | None:
+    """What a BlockLinear of these facts holds (one uint8 buffer a part, row-major or in the
+    native kernels' 8-row interleaving), as _packed_buffers."""
+    types, rows, x8 = facts.get("types"), facts.get("rows"), facts.get("x8")
+    if not (isinstance(types, list) and isinstance(rows, list) and isinstance(x8, list)):
+        return None
+    if not types or not len(types) == len(rows) == len(x8) or facts.get("k") != k:
+        return None
+    if not all(isinstance(r, int) and r > 0 for r in rows) or sum(rows) != n:
+        return None
+    out = {}
+    for i, (t, r, il) in enumerate(zip(types, rows, x8, strict=True)):
+        if t not in BLOCK_SIZES or not isinstance(il, bool) or (il and t not in X8_BYTES):
+            return None
+        elems, size = BLOCK_SIZES[t]
+        if k % elems:
+            return None
+        shape = (-(-r // 8), k // elems * X8_BYTES[t]) if il else (r, k // elems * size)
+        out[f"b{i}"] = (shape, {torch.uint8})
+    return out, set(out)
