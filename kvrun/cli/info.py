@@ -53,7 +53,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
-    cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in names)
+    cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in names, where=str(path))
     types = Counter(t.tensor_type.name for t in reader.tensors)
     shapes = [
         (
