@@ -49,7 +49,7 @@ from fuzz_mutations import (
     write_gguf,
 )
 
-FAST, LONG = 40, 400  # cases per kind: the fast tier, and the slow one
+FAST, LONG = 40, 250  # cases per kind: the fast tier, and the slow one
 # A header parse builds Python objects for what the file holds (a float: 32 bytes for 4 in
 # the file), never anything for what a count or length declares beyond it.
 ALLOC_FACTOR, ALLOC_SLACK = 10, 1 << 20

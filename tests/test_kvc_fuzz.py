@@ -295,7 +295,7 @@ def test_fuzz_fast(tmp_path):
 @pytest.mark.slow  # a longer run of the same
 @pytest.mark.usefixtures("one_thread")
 def test_fuzz_long(tmp_path):
-    _check(run(tmp_path, 8000, seed=2))
+    _check(run(tmp_path, 4000, seed=2))
 
 
 if __name__ == "__main__":
