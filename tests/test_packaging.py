@@ -58,6 +58,19 @@ def test_every_dependency_is_tested_at_its_lower_bound():
     assert not wrong, f"pyproject.toml's lower bound vs .ci/oldest.txt: {wrong}"
 
 
+def test_the_floors_are_those_that_last_passed():
+    """.ci/oldest.passed holds the fingerprint of the floors `.ci/run oldest` last passed with:
+    a bound moved (pyproject.toml, .ci/oldest.txt) without that run is refused here."""
+    import runpy
+
+    now = runpy.run_path(str(ROOT / ".ci" / "floors.py"))["fingerprint"]()
+    passed = (ROOT / ".ci" / "oldest.passed").read_text().split()[0]
+    assert now == passed, (
+        "the dependency floors changed since `.ci/run oldest` last passed: run it (it rewrites "
+        ".ci/oldest.passed) and commit that file"
+    )
+
+
 def _module_names(folder: Path) -> set[str]:
     """The names a script run from `folder` (or from one below it) can import from there."""
     names = set()

@@ -77,8 +77,10 @@ def record(server, case: str, request: str, status, seconds: float, bound: float
 
 
 def post(server, case: str, request: str, body, path="/v1/completions", headers=AUTH):
-    """POST a JSON body (bytes: sent as they are); the response, recorded by record()."""
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    """POST a JSON body (bytes: sent as they are; else compact JSON, so a body's size does not
+    depend on httpx's separators); the response, recorded by record()."""
+    raw = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    kw = {"content": raw}
     kw["headers"] = {"Content-Type": "application/json", **headers}
     t = time.monotonic()
     r = httpx.post(base(server) + path, timeout=60, **kw)
