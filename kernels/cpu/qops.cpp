@@ -9,6 +9,7 @@
 //   repack(w, type, k) / unpack(w, type, n, k): row-major blocks <-> interleaved layout
 //   quantize_act(x, kind) -> [q, d, s or bsums]: the activation blocks a product makes
 //   rmsnorm, rope, silu_mul, attn_decode: the rest of a decode step (qstep.h), float32
+//   attn_partial: one segment's attention (out, lse) over float32 K/V, every key visible
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -458,46 +459,78 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-// Attention of one query row per head for one sequence: q (Hq, D) contiguous (post-RoPE); key j
-// of KV head h at k + h * khs + j * kts (values alike); GQA: query head i reads KV head
-// i / (Hq / Hkv). out (Hq, D). The keys are split into chunks over torch's threads
-// (flash-decoding), merged exactly.
-void attend_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t khs, int64_t kts,
-                 const float* v, int64_t vhs, int64_t vts, int64_t hkv, int64_t t, float scale,
-                 float* out, const Table* tab) {
-  const int g = (int)(hq / hkv);
-  for (int64_t i = 0; i < hq * d; i++) out[i] = 0.f;
+// Attention of R query rows per KV head over t keys that `chunk` reads a range of at a time,
+// whatever form the store keeps them in: the keys are split into chunks over torch's threads
+// (flash-decoding) and the chunks merged exactly. Every store's native attention is a `chunk`
+// over this one driver.
+//
+// chunk(h, j0, n, part, mx, sm, scratch) fills, for KV head h's R rows over keys [j0, j0 + n):
+// part (R, d) the value rows weighted by exp(score - mx), mx (R) the largest score (-inf where
+// no key is visible), sm (R) the sum of those weights; scratch: the calling thread's, resized
+// as the chunk needs. out (hkv * R, d): the attention output; lse (hkv * R) or nullptr: each
+// row's log-sum-exp of its scores (-inf where it sees no key, its out row then 0).
+// `min_chunk`: the fewest keys a task is worth (a store whose keys are groups passes a multiple
+// of its group).
+template <class Chunk>
+void split_keys(int64_t hkv, int64_t R, int64_t t, int64_t d, int64_t min_chunk,
+                const Chunk& chunk, float* out, float* lse) {
+  for (int64_t i = 0; i < hkv * R * d; i++) out[i] = 0.f;
+  if (lse != nullptr)
+    for (int64_t i = 0; i < hkv * R; i++) lse[i] = -INFINITY;
   if (t == 0) return;
   const int64_t threads = at::get_num_threads();
   // chunks of keys: enough tasks for the threads, each long enough to pay for itself
-  int64_t chunk = (hkv * t + 4 * threads - 1) / (4 * threads);
-  chunk = std::min<int64_t>(std::max<int64_t>(chunk, 256), t);
-  const int64_t nc = (t + chunk - 1) / chunk, tasks = hkv * nc;
-  std::vector<float> part(tasks * g * d), mx(tasks * g), sm(tasks * g);
+  int64_t chunk_len = (hkv * t + 4 * threads - 1) / (4 * threads);
+  chunk_len = std::min<int64_t>(std::max<int64_t>(chunk_len, min_chunk), t);
+  chunk_len = (chunk_len + min_chunk - 1) / min_chunk * min_chunk;
+  const int64_t nc = (t + chunk_len - 1) / chunk_len, tasks = hkv * nc;
+  std::vector<float> part(tasks * R * d), mx(tasks * R), sm(tasks * R);
   dynamic_for(tasks, 1, [&](int64_t b0, int64_t e0) {
-    std::vector<float> scores(g * chunk);
+    std::vector<float> scratch;
     for (int64_t task = b0; task < e0; task++) {
       const int64_t c = task % nc, h = task / nc;
-      const int64_t j0 = c * chunk, n = std::min(chunk, t - j0);
-      tab->attn_chunk(q + h * g * d, g, k + h * khs + j0 * kts, kts, v + h * vhs + j0 * vts, vts, n,
-                      d, scale, part.data() + task * g * d, mx.data() + task * g,
-                      sm.data() + task * g, scores.data());
+      const int64_t j0 = c * chunk_len, n = std::min(chunk_len, t - j0);
+      chunk(h, j0, n, part.data() + task * R * d, mx.data() + task * R, sm.data() + task * R,
+            scratch);
     }
   });
   for (int64_t h = 0; h < hkv; h++)
-    for (int j = 0; j < g; j++) {
+    for (int64_t j = 0; j < R; j++) {
       float m = -INFINITY;
-      for (int64_t c = 0; c < nc; c++) m = std::max(m, mx[(h * nc + c) * g + j]);
+      for (int64_t c = 0; c < nc; c++) m = std::max(m, mx[(h * nc + c) * R + j]);
+      if (m == -INFINITY) continue;  // no key visible: out 0, lse -inf
       float total = 0.f;
-      float* o = out + (h * g + j) * d;
+      float* o = out + (h * R + j) * d;
       for (int64_t c = 0; c < nc; c++) {
-        const float w = std::exp(mx[(h * nc + c) * g + j] - m);
-        total += w * sm[(h * nc + c) * g + j];
-        const float* pp = part.data() + ((h * nc + c) * g + j) * d;
+        const float mc = mx[(h * nc + c) * R + j];
+        if (mc == -INFINITY) continue;
+        const float w = std::exp(mc - m);
+        total += w * sm[(h * nc + c) * R + j];
+        const float* pp = part.data() + ((h * nc + c) * R + j) * d;
         for (int64_t i = 0; i < d; i++) o[i] += w * pp[i];
       }
       for (int64_t i = 0; i < d; i++) o[i] /= total;
+      if (lse != nullptr) lse[h * R + j] = m + std::log(total);
     }
+}
+
+// Attention of one query row per head for one sequence: q (Hq, D) contiguous (post-RoPE); key j
+// of KV head h at k + h * khs + j * kts (values alike); GQA: query head i reads KV head
+// i / (Hq / Hkv). out (Hq, D). With Tq rows per head (q (Hq, Tq, D)), pass g * Tq as the rows
+// of a KV head: every row sees every key.
+void attend_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t khs, int64_t kts,
+                 const float* v, int64_t vhs, int64_t vts, int64_t hkv, int64_t t, float scale,
+                 float* out, const Table* tab, int64_t tq = 1, float* lse = nullptr) {
+  const int64_t R = hq / hkv * tq;
+  split_keys(
+      hkv, R, t, d, 256,
+      [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+          std::vector<float>& scratch) {
+        scratch.resize(R * n);
+        tab->attn_chunk(q + h * R * d, (int)R, k + h * khs + j0 * kts, kts, v + h * vhs + j0 * vts,
+                        vts, n, d, scale, part, mx, sm, scratch.data());
+      },
+      out, lse);
 }
 
 // q (B, Hq, 1, D); k, v (B, Hkv, T, D) with contiguous rows (a cache buffer's view) -> (B, Hq, 1, D)
@@ -518,6 +551,28 @@ at::Tensor attn_decode(const at::Tensor& q_, const at::Tensor& k, const at::Tens
                 k.stride(1), k.stride(2), v.data_ptr<float>() + b * v.stride(0), v.stride(1),
                 v.stride(2), Hkv, T, (float)scale, out.data_ptr<float>() + b * Hq * D, current());
   return out;
+}
+
+// q (1, Hq, Tq, D) attending every one of T keys, k and v (1, Hkv, T, D) float32 with
+// contiguous rows -> [out (1, Hq, Tq, D), lse (1, Hq, Tq)]: one segment's Partial
+// (kvrun.kv.attention), for a store that keeps its keys in float32.
+std::vector<at::Tensor> attn_partial(const at::Tensor& q_, const at::Tensor& k,
+                                     const at::Tensor& v, double scale) {
+  check_f32(q_, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                  k.size(0) == 1 && k.stride(3) == 1 && v.stride(3) == 1 &&
+                  k.size(3) == q_.size(3) && q_.size(1) % k.size(1) == 0,
+              "attn_partial: q (1, Hq, Tq, D), k and v (1, Hkv, T, D) with contiguous rows");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  attend_rows(q.data_ptr<float>(), Hq, D, k.data_ptr<float>(), k.stride(1), k.stride(2),
+              v.data_ptr<float>(), v.stride(1), v.stride(2), Hkv, T, (float)scale,
+              out.data_ptr<float>(), current(), Tq, lse.data_ptr<float>());
+  return {out, lse};
 }
 
 // One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
@@ -701,6 +756,7 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor ssin) -> Tensor", &rope);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("attn_decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &attn_decode);
+  m.def("attn_partial(Tensor q, Tensor k, Tensor v, float scale) -> Tensor[]", &attn_partial);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
       "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale) -> Tensor",

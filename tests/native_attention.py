@@ -1,0 +1,47 @@
+"""What the native attention tests share (tests/test_native_*attention*.py): the shapes every
+store's kernel is held to against the torch path, the instruction sets and thread counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrun.quant import native
+
+ops = native.ops()
+needs_native = pytest.mark.skipif(ops is None, reason=f"native kernels unavailable: {native.note()}")
+
+# (Hq, Hkv, D): GQA ratios 1..8, head_dim 64, 128 and 256
+HEADS = [(4, 4, 64), (6, 3, 64), (9, 3, 64), (8, 2, 128), (16, 2, 128), (8, 1, 256), (5, 1, 64)]
+LENGTHS = [1, 7, 33, 250, 1027]  # odd lengths, shorter and longer than a chunk of keys
+
+
+def isas_here() -> list[str]:
+    if ops is None:
+        return []
+    here = []
+    for name in ("portable", "avx2", "avx512vnni", "avxvnni"):
+        try:
+            ops.set_isa(name)
+            here.append(name)
+        except RuntimeError:
+            pass
+    ops.set_isa("best")
+    return here
+
+
+@pytest.fixture(params=isas_here() or ["none"])
+def isa(request):
+    if ops is None:
+        pytest.skip(f"native kernels unavailable: {native.note()}")
+    ops.set_isa(request.param)
+    yield request.param
+    ops.set_isa("best")
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
