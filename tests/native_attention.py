@@ -9,7 +9,9 @@ import torch
 from kvrun.quant import native
 
 ops = native.ops()
-needs_native = pytest.mark.skipif(ops is None, reason=f"native kernels unavailable: {native.note()}")
+needs_native = pytest.mark.skipif(
+    ops is None, reason=f"native kernels unavailable: {native.note()}"
+)
 
 # (Hq, Hkv, D): GQA ratios 1..8, head_dim 64, 128 and 256
 HEADS = [(4, 4, 64), (6, 3, 64), (9, 3, 64), (8, 2, 128), (16, 2, 128), (8, 1, 256), (5, 1, 64)]
