@@ -632,3 +632,6 @@ class SamplingConfig:
     min_p: float = 0.05  # 0.0 = off
     repeat_penalty: float = 1.0  # 1.0 = off
     repeat_last_n: int = 64  # 0 = off, -1 = whole context
+    ignore_eos: bool = (
+        False  # stop tokens never drawn (llama.cpp's --ignore-eos: their logits -inf)
+    )

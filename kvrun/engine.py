@@ -44,7 +44,7 @@ import torch
 from .errors import KvrunError
 from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes, token_logprobs
 from .graph import BatchGraph
-from .sampling import SamplingConfig, sample
+from .sampling import SamplingConfig, ban, sample
 
 
 @dataclass
@@ -345,7 +345,10 @@ class Engine:
         """Sample the next token from logits, as Session.generate does, and decide whether
         the sequence goes on (seq.feed set) or ends."""
         s, req = seq.session, seq.req
-        tok = sample(logits.float().cpu(), req.sampling, s.tokens[-1024:], seq.gen)
+        row = logits.float().cpu()
+        if req.sampling.ignore_eos:
+            row = ban(row, s.tokenizer.stop_ids)
+        tok = sample(row, req.sampling, s.tokens[-1024:], seq.gen)
         if not seq.stats.ttft_s:  # from admission: waiting for a slot is not counted
             seq.stats.ttft_s = time.perf_counter() - seq.t0
         if tok in s.tokenizer.stop_ids:

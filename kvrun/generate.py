@@ -12,7 +12,7 @@ import torch
 
 from .errors import ContextOverflow, KvrunError
 from .graph import BatchGraph, DecodeGraph, eager_rows, static_unsupported
-from .sampling import SamplingConfig, sample
+from .sampling import SamplingConfig, ban, sample
 
 
 @dataclass
@@ -352,7 +352,10 @@ class Session:
         stats.stop_reason = "length"
         while len(out) < limit:
             # every token sampled so far has been fed, so the cache's tokens are the history
-            tok = sample(logits.float().cpu(), sampling, self.tokens[-1024:], gen)
+            row = logits.float().cpu()
+            if sampling.ignore_eos:
+                row = ban(row, self.tokenizer.stop_ids)
+            tok = sample(row, sampling, self.tokens[-1024:], gen)
             if not stats.ttft_s:
                 stats.ttft_s = time.perf_counter() - t0
             if tok in self.tokenizer.stop_ids:

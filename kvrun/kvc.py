@@ -33,6 +33,7 @@ import torch
 
 from .errors import KvrunError
 from .kv.state import Damaged, Loader, Writer
+from .kv.stores import kvtypes
 
 FORMAT, VERSION = "kvrun-kvc", 2  # 2: the state as each class declares it (kvrun.kv.state)
 _META_KEY, _STATE_KEY = "kvrun_kvc", "kvrun_kvc_state"
@@ -99,7 +100,7 @@ def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None)
         "format": FORMAT,
         "version": VERSION,
         "model": model_identity(rt),
-        "spec": spec_text(kv.spec),
+        "spec": {**spec_text(kv.spec), "dtype": kv.kv_type.name if kv.kv_type else None},
         "class": _class_name(kv),
         "tokens": len(tokens),
         "turns": turns or {"chat": False},
@@ -196,6 +197,9 @@ def _check_header(h: dict, path: Path) -> None:
                 raise _damaged_header(path, f"{key!r} is {_short(where and where.get(key))}")
             if isinstance(where[key], bool) and kind is int:
                 raise _damaged_header(path, f"{key!r} is {where[key]!r}")
+    dtype = h["spec"].get("dtype")
+    if dtype is not None and dtype not in kvtypes.NAMES:
+        raise _damaged_header(path, f"'dtype' is {_short(dtype)}")
     if h["tokens"] < 0 or h["kv_bytes"] < 0:
         raise _damaged_header(path, "a negative count")
     t = h["turns"]
@@ -220,19 +224,35 @@ def _budget(text: str | None) -> str:
     return f" --kv-budget {text}" if text else ""
 
 
-def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None):
+def check_dtype(path: Path, saved: str | None, asked: str | None) -> str | None:
+    """The dense store's type to load with: the file's (None: the model's dtype) where the run
+    asks none or auto; another is one line."""
+    if asked in (None, "auto") or asked == saved:
+        return saved
+    held = f"an {saved} cache" if saved else "a cache in the model's dtype"
+    raise KvrunError(
+        f"{path} holds {held}, not --kv-dtype {asked}; drop --kv-dtype to use the file's, or "
+        "prefill the document again with it"
+    )
+
+
+def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None, dtype=None):
     """The spec to load with: the file's where the run asks none; the run's (spec, or the
     file's method with `budget`) where it is the file's. Anything else is one line naming what
-    the file holds and what was asked."""
+    the file holds and what was asked. dtype: --kv-dtype where no spec is given."""
     from .kv import check
 
     try:
         mine = check(saved["kv"], saved["budget"])
     except KvrunError as e:
         raise Damaged(f"{path} holds a spec this kvrun does not take ({e})") from None
+    held_dtype = check_dtype(path, saved.get("dtype"), spec.dtype if spec is not None else dtype)
+    mine = mine.with_dtype(held_dtype)
+    if spec is not None:
+        spec = spec.with_dtype(held_dtype)
     if spec is None and budget is None:
         return mine
-    asked = spec if spec is not None else check(saved["kv"], budget)
+    asked = spec if spec is not None else check(saved["kv"], budget).with_dtype(held_dtype)
     a, b = spec_text(asked), spec_text(mine)
     ba, bb = asked.budget_or_default(), mine.budget_or_default()
     same_budget = (ba.value if ba else None) == (bb.value if bb else None)
@@ -251,9 +271,9 @@ def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None):
     )
 
 
-def load(path: str | Path, rt, spec=None, budget: str | None = None):
+def load(path: str | Path, rt, spec=None, budget: str | None = None, dtype: str | None = None):
     """(kv, tokens, header) from a .kvc file for runtime rt. spec: the run's KV spec (None: the
-    file's); budget: a --kv-budget given without --kv. A spec, model or format that does not
+    file's); budget, dtype: --kv-budget and --kv-dtype given without --kv. A spec, model or format that does not
     match, and a file that does not hold this spec's cache as this kvrun makes it, is one line
     (KvrunError, Damaged) before anything from the file reaches the run."""
     from safetensors import safe_open
@@ -261,7 +281,7 @@ def load(path: str | Path, rt, spec=None, budget: str | None = None):
     path = Path(path)
     header = read_header(path)
     check_model(header, rt, path)
-    spec = check_spec(path, header["spec"], spec, budget)
+    spec = check_spec(path, header["spec"], spec, budget, dtype)
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a mapping

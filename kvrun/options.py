@@ -54,11 +54,18 @@ class SamplingOptions:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = -1
+    ignore_eos: bool = False
 
     def resolve(self) -> tuple[SamplingConfig, int]:
         """The SamplingConfig and a concrete seed (a random one is drawn for -1)."""
         cfg = SamplingConfig(
-            self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty, self.repeat_last_n
+            self.temp,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.repeat_penalty,
+            self.repeat_last_n,
+            self.ignore_eos,
         )
         seed = self.seed
         if seed < 0:
@@ -74,13 +81,14 @@ class KVOptions:
 
     method: str = "full"
     budget: str | None = None
+    dtype: str = "auto"  # --kv-dtype
 
     def spec(self) -> KVSpec:
-        """Validated into the spec every later step receives (a bad method or budget costs no
-        model load)."""
+        """Validated into the spec every later step receives (a bad method, budget or
+        --kv-dtype costs no model load)."""
         from .kv import check
 
-        return check(self.method, self.budget)
+        return check(self.method, self.budget).with_dtype(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,7 @@ class KVGridOptions:
 
     methods: tuple[str, ...] = ("full",)
     budgets: str | None = None
+    dtype: str = "auto"  # --kv-dtype, for every row
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,16 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
+def ban(logits: torch.Tensor, ids) -> torch.Tensor:
+    """logits with the tokens `ids` at -inf (--ignore-eos: the stop tokens are never drawn)."""
+    ids = [i for i in ids if 0 <= i < logits.shape[-1]]
+    if not ids:
+        return logits
+    out = logits.clone()
+    out[..., ids] = float("-inf")
+    return out
+
+
 def sample(
     logits: torch.Tensor,  # (V,) float32
     cfg: SamplingConfig,

@@ -685,6 +685,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 
 #include "qkernels_x8.h"
 #include "qstep.h"
+#include "kvrows.h"
 
 Table make_table() {
   Table t;
@@ -749,6 +750,14 @@ Table make_table() {
   t.dequant[Q5_K] = dq_qk45<true>;
   t.dequant[Q6_K] = dq_q6_k;
   t.dequant[IQ4_XS] = dq_iq4_xs;
+  t.kv_load[KV_F16] = kv_load_f16;
+  t.kv_load[KV_BF16] = kv_load_bf16;
+  t.kv_load[KV_Q8_0] = kv_load_q8_0;
+  t.kv_load[KV_Q4_0] = kv_load_q4_0;
+  t.kv_store[KV_F16] = kv_store_f16;
+  t.kv_store[KV_BF16] = kv_store_bf16;
+  t.kv_store[KV_Q8_0] = kv_store_q8_0;
+  t.kv_store[KV_Q4_0] = kv_store_q4_0;
   return t;
 }
 

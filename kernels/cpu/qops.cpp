@@ -10,6 +10,8 @@
 //   quantize_act(x, kind) -> [q, d, s or bsums]: the activation blocks a product makes
 //   rmsnorm, rope, silu_mul, attn_decode: the rest of a decode step (qstep.h), float32
 //   attn_partial: one segment's attention (out, lse) over float32 K/V, every key visible
+//   attn_typed: the same over K/V rows in a KV type (f32, f16, bf16, q8_0, q4_0: kvrows.h)
+//   kv_encode, kv_decode: float32 rows <-> a KV type's rows, as llama.cpp's caches store them
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -533,6 +535,156 @@ void attend_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t 
       out, lse);
 }
 
+// ----------------------------------------------------- dense K/V in a KV type (kvrows.h)
+constexpr int64_t KV_TILE = 64;  // keys converted at a time: a K and a V tile stay in L1 at D = 64
+
+// The chunk's running (part, mx, sm) of R rows and a later tile's (p2, mx2, sm2), merged exactly.
+void merge_tile(int64_t R, int64_t d, float* part, float* mx, float* sm, const float* p2,
+                const float* mx2, const float* sm2) {
+  for (int64_t r = 0; r < R; r++) {
+    const float m = std::max(mx[r], mx2[r]);
+    if (m == -INFINITY) continue;
+    const float a = std::exp(mx[r] - m), b = std::exp(mx2[r] - m);
+    float* o = part + r * d;
+    const float* o2 = p2 + r * d;
+    for (int64_t i = 0; i < d; i++) o[i] = o[i] * a + o2[i] * b;
+    sm[r] = sm[r] * a + sm2[r] * b;
+    mx[r] = m;
+  }
+}
+
+// `attend_rows` over K/V rows of KV type `type`: row j of KV head h at k + h * khs + j * kts
+// bytes (values alike). A tile of keys at a time is converted to float32 in the thread's
+// scratch and attended by the same row kernel, so only the stored bytes stream from memory.
+void attend_typed(const float* q, int64_t hq, int64_t d, const uint8_t* k, int64_t khs,
+                  int64_t kts, const uint8_t* v, int64_t vhs, int64_t vts, int type, int64_t hkv,
+                  int64_t t, float scale, float* out, const Table* tab, int64_t tq, float* lse) {
+  if (type == kvq::KV_F32) {
+    attend_rows(q, hq, d, reinterpret_cast<const float*>(k), khs / 4, kts / 4,
+                reinterpret_cast<const float*>(v), vhs / 4, vts / 4, hkv, t, scale, out, tab, tq,
+                lse);
+    return;
+  }
+  const int64_t R = hq / hkv * tq;
+  const kvq::DequantFn load = tab->kv_load[type];
+  split_keys(
+      hkv, R, t, d, KV_TILE,
+      [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+          std::vector<float>& scratch) {
+        scratch.resize(2 * KV_TILE * d + R * KV_TILE + R * d + 2 * R);
+        float *kt = scratch.data(), *vt = kt + KV_TILE * d, *sc = vt + KV_TILE * d;
+        float *p2 = sc + R * KV_TILE, *mx2 = p2 + R * d, *sm2 = mx2 + R;
+        for (int64_t a = 0; a < n; a += KV_TILE) {
+          const int64_t m = std::min(KV_TILE, n - a);
+          for (int64_t i = 0; i < m; i++) {
+            load(k + h * khs + (j0 + a + i) * kts, d, kt + i * d);
+            load(v + h * vhs + (j0 + a + i) * vts, d, vt + i * d);
+          }
+          if (a == 0) {
+            tab->attn_chunk(q + h * R * d, (int)R, kt, d, vt, d, m, d, scale, part, mx, sm, sc);
+          } else {
+            tab->attn_chunk(q + h * R * d, (int)R, kt, d, vt, d, m, d, scale, p2, mx2, sm2, sc);
+            merge_tile(R, d, part, mx, sm, p2, mx2, sm2);
+          }
+        }
+      },
+      out, lse);
+}
+
+// The KV type of a store's tensor: float32, float16 and bfloat16 by dtype; uint8 rows of
+// blocks by `type` (q8_0 or q4_0), checked against head_dim d.
+int kv_type_of(const at::Tensor& x, int64_t type, int64_t d) {
+  const auto st = x.scalar_type();
+  const int t = st == at::kFloat ? kvq::KV_F32
+                : st == at::kHalf ? kvq::KV_F16
+                : st == at::kBFloat16 ? kvq::KV_BF16
+                : st == at::kByte ? (int)type
+                                  : -1;
+  TORCH_CHECK(t == kvq::KV_F32 || t == kvq::KV_F16 || t == kvq::KV_BF16 || t == kvq::KV_Q8_0 ||
+                  t == kvq::KV_Q4_0,
+              "KV rows must be float32, float16, bfloat16 or uint8 q8_0 / q4_0 blocks");
+  TORCH_CHECK(x.device().is_cpu() && x.size(-1) * x.element_size() == kvq::kv_row_bytes(t, d) &&
+                  x.stride(-1) == 1 && (t < 2 || t == kvq::KV_BF16 || d % 32 == 0),
+              "KV rows of ", d, " values do not match the tensor's last dimension");
+  return t;
+}
+
+// x (..., D) float32 -> the same rows in KV type `type` (1 f16, 30 bf16: their dtype; 8 q8_0,
+// 2 q4_0: uint8 blocks (..., D / 32 * bytes))
+at::Tensor kv_encode(const at::Tensor& x_, int64_t type) {
+  check_f32(x_, "x");
+  const at::Tensor x = x_.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(1, d);
+  auto shape = x.sizes().vec();
+  at::Tensor out;
+  if (type == kvq::KV_F16 || type == kvq::KV_BF16) {
+    out = at::empty(shape, x.options().dtype(type == kvq::KV_F16 ? at::kHalf : at::kBFloat16));
+  } else {
+    TORCH_CHECK((type == kvq::KV_Q8_0 || type == kvq::KV_Q4_0) && d % 32 == 0,
+                "kv_encode: type 1 (f16), 30 (bf16), 8 (q8_0) or 2 (q4_0; D a multiple of 32)");
+    shape.back() = kvq::kv_row_bytes((int)type, d);
+    out = at::empty(shape, x.options().dtype(at::kByte));
+  }
+  const Table* tab = current();
+  const int64_t rb = kvq::kv_row_bytes((int)type, d);
+  uint8_t* o = static_cast<uint8_t*>(out.data_ptr());
+  const float* xp = x.data_ptr<float>();
+  dynamic_for(rows, 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; r++) tab->kv_store[type](xp + r * d, d, o + r * rb);
+  });
+  return out;
+}
+
+// rows in a KV type (as kv_encode makes them; any strides outside the last dimension) ->
+// float32 (..., d), contiguous
+at::Tensor kv_decode(const at::Tensor& x, int64_t type, int64_t d) {
+  const int t = kv_type_of(x, type, d);
+  auto shape = x.sizes().vec();
+  shape.back() = d;
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
+  if (t == kvq::KV_F32) return out.copy_(x);
+  const int64_t rows = out.numel() / std::max<int64_t>(1, d), nd = x.dim();
+  const Table* tab = current();
+  const uint8_t* base = static_cast<const uint8_t*>(x.data_ptr());
+  float* o = out.data_ptr<float>();
+  const int64_t es = x.element_size();
+  dynamic_for(rows, 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; r++) {
+      int64_t off = 0, rest = r;  // the row's byte offset from its index over the outer dims
+      for (int64_t i = nd - 2; i >= 0; i--) {
+        off += (rest % x.size(i)) * x.stride(i) * es;
+        rest /= x.size(i);
+      }
+      tab->kv_load[t](base + off, d, o + r * d);
+    }
+  });
+  return out;
+}
+
+// q (1, Hq, Tq, D) float32 attending every one of T keys held in a KV type: k, v (1, Hkv, T, *)
+// rows of one type (float32 / float16 / bfloat16 by dtype, or uint8 blocks of `type`) ->
+// [out (1, Hq, Tq, D), lse (1, Hq, Tq)]
+std::vector<at::Tensor> attn_typed(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                                   double scale, int64_t type) {
+  check_f32(q_, "q");
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                  k.scalar_type() == v.scalar_type() && k.size(0) == 1 &&
+                  q_.size(1) % k.size(1) == 0,
+              "attn_typed: q (1, Hq, Tq, D), k and v (1, Hkv, T, row)");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  const int t = kv_type_of(k, type, D);
+  kv_type_of(v, type, D);
+  const int64_t es = k.element_size();
+  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  attend_typed(q.data_ptr<float>(), Hq, D, static_cast<const uint8_t*>(k.data_ptr()),
+               k.stride(1) * es, k.stride(2) * es, static_cast<const uint8_t*>(v.data_ptr()),
+               v.stride(1) * es, v.stride(2) * es, t, Hkv, T, (float)scale,
+               out.data_ptr<float>(), current(), Tq, lse.data_ptr<float>());
+  return {out, lse};
+}
+
 // q (B, Hq, 1, D); k, v (B, Hkv, T, D) with contiguous rows (a cache buffer's view) -> (B, Hq, 1, D)
 at::Tensor attn_decode(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
                        double scale) {
@@ -581,37 +733,45 @@ std::vector<at::Tensor> attn_partial(const at::Tensor& q_, const at::Tensor& k,
 // attends over slots 0..n -> (1, Hq, 1, D). The same row functions as `rope` and `attn_decode`.
 at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& cos, const at::Tensor& ssin, int64_t pos,
-                              at::Tensor& kbuf, at::Tensor& vbuf, int64_t n, double scale) {
-  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin, static_cast<const at::Tensor*>(&kbuf),
-                              static_cast<const at::Tensor*>(&vbuf)})
-    check_f32(*t, "tensors");
+                              at::Tensor& kbuf, at::Tensor& vbuf, int64_t n, double scale,
+                              int64_t kv_type) {
+  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin}) check_f32(*t, "tensors");
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
                   k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
                   q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "rope_append_attend: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
-  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() && kbuf.size(1) == hkv &&
-                  kbuf.size(3) == d && kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 &&
-                  n < kbuf.size(2),
-              "rope_append_attend: buffers (1, Hkv, cap, D) with room for slot n");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() &&
+                  kbuf.scalar_type() == vbuf.scalar_type() && kbuf.size(1) == hkv &&
+                  kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 && n < kbuf.size(2),
+              "rope_append_attend: buffers (1, Hkv, cap, row) with room for slot n");
+  const int type = kv_type_of(kbuf, kv_type, d);
   TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
                   cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
               "rope_append_attend: cos and ssin tables (>= pos + 1, D)");
   const Table* t = current();
-  const int64_t cap = kbuf.size(2);
-  std::vector<float> qr(hq * d);
+  const int64_t cap = kbuf.size(2), rb = kvq::kv_row_bytes(type, d);
+  std::vector<float> qr(hq * d), kr(d);
   const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
   for (int64_t h = 0; h < hq; h++)
     t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
-  float* kb = kbuf.data_ptr<float>();
-  float* vb = vbuf.data_ptr<float>();
+  uint8_t* kb = static_cast<uint8_t*>(kbuf.data_ptr());
+  uint8_t* vb = static_cast<uint8_t*>(vbuf.data_ptr());
   for (int64_t h = 0; h < hkv; h++) {
-    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + (h * cap + n) * d, d);
-    std::memcpy(vb + (h * cap + n) * d, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
+    uint8_t *krow = kb + (h * cap + n) * rb, *vrow = vb + (h * cap + n) * rb;
+    const float* vs = v.data_ptr<float>() + h * v.stride(1);
+    if (type == kvq::KV_F32) {
+      t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, reinterpret_cast<float*>(krow), d);
+      std::memcpy(vrow, vs, d * sizeof(float));
+    } else {
+      t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kr.data(), d);
+      t->kv_store[type](kr.data(), d, krow);
+      t->kv_store[type](vs, d, vrow);
+    }
   }
   at::Tensor out = at::empty({1, hq, 1, d}, q.options());
-  attend_rows(qr.data(), hq, d, kb, cap * d, d, vb, cap * d, d, hkv, n + 1, (float)scale,
-              out.data_ptr<float>(), t);
+  attend_typed(qr.data(), hq, d, kb, cap * rb, rb, vb, cap * rb, rb, type, hkv, n + 1,
+               (float)scale, out.data_ptr<float>(), t, 1, nullptr);
   return out;
 }
 
@@ -757,9 +917,13 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("attn_decode(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &attn_decode);
   m.def("attn_partial(Tensor q, Tensor k, Tensor v, float scale) -> Tensor[]", &attn_partial);
+  m.def("attn_typed(Tensor q, Tensor k, Tensor v, float scale, int type=0) -> Tensor[]",
+        &attn_typed);
+  m.def("kv_encode(Tensor x, int type) -> Tensor", &kv_encode);
+  m.def("kv_decode(Tensor x, int type, int d) -> Tensor", &kv_decode);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
-      "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale) -> Tensor",
+      "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, int kv_type=0) -> Tensor",
       &rope_append_attend);
   m.def(
       "attn_in(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] codes, int[] rows, int hq, "

@@ -76,6 +76,16 @@ typedef void (*Quant32Fn)(const float* x, int64_t k, int8_t* q, float* d, int32_
                           float* ds, float* s);
 // one activation row -> q8_K blocks (q, d, bsums)
 typedef void (*QuantKFn)(const float* x, int64_t k, int8_t* q, float* d, int16_t* bs);
+// a K or V row of d float32 values -> a KV cache row of one of the KV types (kvrows.h)
+typedef void (*KvStoreFn)(const float* x, int64_t d, uint8_t* out);
+
+// the element types a dense KV store holds (ggml's numbers): float32, f16, bf16, q8_0, q4_0
+enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_Q4_0 = 2, KV_Q8_0 = 8, KV_BF16 = 30, KV_NTYPES = 32 };
+
+// bytes of a row of d values in a KV type (q8_0 / q4_0: d a multiple of 32)
+constexpr int64_t kv_row_bytes(int t, int64_t d) {
+  return t == KV_F32 ? 4 * d : t == KV_F16 || t == KV_BF16 ? 2 * d : t == KV_Q8_0 ? d / 32 * 34 : t == KV_Q4_0 ? d / 32 * 18 : 0;
+}
 
 // the rest of a decode step (qstep.h)
 typedef void (*RowFn)(const float* x, const float* w, float eps, float* y, int64_t d);
@@ -96,6 +106,8 @@ struct Table {
   GemmFn gemm[NTYPES];     // row-major GGUF blocks
   GemmFn gemm_x8[NTYPES];  // the 8-row interleaved layout (qlayout.h); row_bytes: per group
   DequantFn dequant[NTYPES];
+  DequantFn kv_load[KV_NTYPES];  // a KV cache row -> float32 (KV_F32: none, read in place)
+  KvStoreFn kv_store[KV_NTYPES];
 };
 
 // fp16 <-> fp32 without F16C (round to nearest even, as F16C's _cvtss_sh(x, 0) does)

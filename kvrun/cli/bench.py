@@ -81,9 +81,24 @@ def markdown(result: dict) -> str:
 )
 @click.option("-r", "--reps", default=5, show_default=True, help="Timed reps per row.")
 @click.option("-s", "--seed", default=0, show_default=True, help="Seed of the random token ids.")
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    help="Greedy picks skip the end-of-generation tokens (llama.cpp's flag; -n steps are "
+    "decoded either way).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (settings + rows).")
 def bench(
-    n_prompt, n_gen, depths, reps, seed, as_json, parallel, model: ModelOptions, kv: KVGridOptions
+    n_prompt,
+    n_gen,
+    depths,
+    reps,
+    seed,
+    ignore_eos,
+    as_json,
+    parallel,
+    model: ModelOptions,
+    kv: KVGridOptions,
 ):
     """Measure prefill and decode speed, KV bytes and memory for KV methods and depths.
 
@@ -121,8 +136,9 @@ def bench(
         ubatch=model.ubatch,
         ctx_size=model.ctx_size,
         cuda_graph=model.cuda_graph,
-        specs=tuple(check(m) for m in kv.methods),
+        specs=tuple(check(m).with_dtype(kv.dtype) for m in kv.methods),
         parallel=parallel,
+        ignore_eos=ignore_eos,
     )
     _check_before_loading(settings, model)
     # the common loader checks a single --kv; ours were checked above

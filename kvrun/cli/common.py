@@ -193,9 +193,40 @@ def kv_options(multiple: bool = False):
             help=kv_help,
         ),
         click.option("--kv-budget", "kv_budget", default=None, metavar="B", help=budget_help),
+        click.option(
+            "--kv-dtype",
+            "-ctk",
+            "--cache-type-k",
+            "kv_dtype",
+            default=None,
+            metavar="TYPE",
+            help="K and V element type of the dense cache: f32, f16, bf16, q8_0, q4_0 "
+            "(llama.cpp's blocks) or auto (f16 on the CPU, as llama.cpp; the model's dtype on "
+            "CUDA). Selections keep their tokens in it; KIVI stores keep their own. "
+            "[default: auto]",
+        ),
+        click.option(
+            "-ctv",
+            "--cache-type-v",
+            "kv_dtype_v",
+            default=None,
+            metavar="TYPE",
+            help="llama.cpp's spelling for V: kvrun keeps K and V in one type, so it must "
+            "match --kv-dtype / -ctk where both are given.",
+        ),
     ]
     cls = KVGridOptions if multiple else KVOptions
-    return _grouped("kv", lambda p: cls(p.pop("kv"), p.pop("kv_budget")), opts)
+    return _grouped("kv", lambda p: cls(p.pop("kv"), p.pop("kv_budget"), _kv_dtype(p)), opts)
+
+
+def _kv_dtype(p: dict) -> str:
+    """--kv-dtype / -ctk and -ctv as one type (auto where neither is given)."""
+    k, v = p.pop("kv_dtype"), p.pop("kv_dtype_v")
+    if k is not None and v is not None and k.strip().lower() != v.strip().lower():
+        raise click.UsageError(
+            f"-ctk {k} and -ctv {v} differ: kvrun keeps K and V in one type (give one)"
+        )
+    return k or v or "auto"
 
 
 def ray_options(f):
@@ -401,7 +432,7 @@ def session_from_kvc(rt: Runtime, path: str, kv: KVOptions, model: ModelOptions)
     from .. import kvc
 
     if kv.method == "full":  # the default: the file's method, at --kv-budget where one is given
-        cache, held, header = kvc.load(path, rt, None, kv.budget)
+        cache, held, header = kvc.load(path, rt, None, kv.budget, kv.dtype)
     else:
         cache, held, header = kvc.load(path, rt, kv.spec())
     session = new_session(rt, cache, model)

@@ -74,6 +74,12 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     "the prompt is the question, a turn that selects nothing; --chat and --system come from "
     "the file too"
 )
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    help="Never stop at an end-of-generation token: they are not drawn (llama.cpp's flag), so "
+    "exactly -n tokens come (speed runs).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(
     prompt,
@@ -82,6 +88,7 @@ def generate(
     chat,
     system,
     kv_cache,
+    ignore_eos,
     as_json,
     model: ModelOptions,
     kv: KVOptions,
@@ -94,7 +101,7 @@ def generate(
     kvrun generate -f report.txt -p "Summarize the report above." --temp 0
     cat notes.txt | kvrun generate --raw -n 128
     """
-    config, seed = sampling.resolve()
+    config, seed = dataclasses.replace(sampling, ignore_eos=ignore_eos).resolve()
     text = read_prompt(prompt, file)
     spec = kv.spec()
     rt = load_with_progress(model)

@@ -204,7 +204,7 @@ def needle(
     if lengths is not None:
         nd.parse_lengths(lengths)
     units = _haystack_units(mode, haystack, needle_text, question, answer)
-    configs = nd.kv_configs([(m, check(m)) for m in kv.methods], kv.budgets)
+    configs = nd.kv_configs([(m, check(m).with_dtype(kv.dtype)) for m in kv.methods], kv.budgets)
     if plot:
         from ..tasks.needle_plot import require_matplotlib
 
@@ -318,7 +318,7 @@ def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     facts): handler(cells, node) -> each cell's records, every config, in grid order."""
     from ..cluster import load_model
 
-    configs = nd.kv_configs([(m, check(m)) for m in kv.methods], kv.budgets)
+    configs = nd.kv_configs([(m, check(m).with_dtype(kv.dtype)) for m in kv.methods], kv.budgets)
     rt = load_model(model)
     context, length_list, task = grid.setup(rt, configs, model.ctx_size)
     n, ubatch, parallel = grid.n_predict, model.ubatch, grid.parallel

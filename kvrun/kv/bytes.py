@@ -36,9 +36,11 @@ def composed(kv, per_slot: int = 0) -> int:
     """A driver-run method's formula: per layer, dense slots at 2 * Hkv * D * e plus `per_slot`
     bytes (positions, scores), and a KIVI store by `kivi`."""
     c, e = kv.config, elem(kv)
+    # the dense slots in --kv-dtype's type: 2 * Hkv * row bytes (q8_0: 34 per 32 values)
+    slot = 2 * c.n_kv_heads * kv.kv_type.row_bytes(c.head_dim) if kv.kv_type else dense(c, 1, e)
     total = 0
     for st in kv.layers:
-        total += st.dense.length * (dense(c, 1, e) + per_slot)
+        total += st.dense.length * (slot + per_slot)
         if st.kivi is not None:
             total += kivi_of(c, e, kv.kivi_layout, st.kivi)
     return total

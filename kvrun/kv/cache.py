@@ -15,8 +15,10 @@ from .attention import attention_colsum, combine, dense_attention, group_sum
 from .protocol import Ctx, KVManager, StaticSegment
 from .spec import KVSpec
 from .state import Into, ListInto, Maybe, Tensor, state
+from .stores import kvtypes
 from .stores.dense import DenseSeg
 from .stores.kivi import KiviLayer
+from .stores.kvtypes import KVType
 
 
 def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -50,6 +52,7 @@ class KVCache(KVManager):
         self.protected = spec.protected
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
         self.kivi_layout = spec.kivi()
+        self.kv_type = self._kv_type(spec, dtype, device)
         self.selects = not spec.keeps_all
         self.points = m.points
         self.n_queries = m.queries
@@ -124,6 +127,23 @@ class KVCache(KVManager):
         for st in old:
             st.dense.rewind()
 
+    def _kv_type(self, spec: KVSpec, dtype, device) -> KVType | None:
+        """The dense store's element type under --kv-dtype (None: the model's dtype). A KIVI
+        stack stages in the model's dtype (its tail is the model's)."""
+        name = spec.dtype_on(device)
+        if name is None or self.kivi_layout is not None:
+            return None
+        t = kvtypes.of(name, dtype)
+        if t.storage == dtype:
+            return None
+        if torch.device(device).type != "cpu":
+            raise KvrunError(
+                f"--kv-dtype {name} runs on the CPU; on {device} the cache keeps the model's "
+                "dtype (drop --kv-dtype, or --kv-dtype auto)"
+            )
+        t.check_dim(self.config.head_dim, "this model")
+        return t
+
     def _dense(self) -> DenseSeg:
         c = self.config
         return DenseSeg(
@@ -135,6 +155,7 @@ class KVCache(KVManager):
             scores=self.method.cumulative,
             count_pos=self.count_pos,
             kernels=self.rope.kernels,
+            kv_type=self.kv_type,
         )
 
     def _kivi(self) -> KiviLayer | None:
@@ -327,4 +348,5 @@ class KVCache(KVManager):
         d = self.spec.describe()
         if (b := self.budget) is not None:
             d["budget"] = float(b.value) if b.is_fraction else int(b.value)
+        d["kv_dtype"] = self.kv_type.name if self.kv_type else kvtypes.of(None, self.dtype).name
         return d

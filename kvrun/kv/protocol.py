@@ -152,9 +152,16 @@ class KVManager:
         """Exact bytes held: every stored tensor (values, scales, positions, indices...)."""
         raise NotImplementedError
 
+    kv_type = None  # the dense store's KVType where --kv-dtype differs from the model's dtype
+
     def nbytes_full(self) -> int:
-        """Bytes an uncompressed cache in the same dtype would hold for the tokens seen."""
-        return self.seen * self.config.kv_bytes_per_token(self.dtype.itemsize)
+        """Bytes an uncompressed cache in the same KV type would hold for the tokens seen."""
+        c = self.config
+        if self.kv_type is not None:
+            return int(
+                self.seen * 2 * c.n_layers * c.n_kv_heads * self.kv_type.row_bytes(c.head_dim)
+            )
+        return self.seen * c.kv_bytes_per_token(self.dtype.itemsize)
 
     def describe(self) -> dict:
         """The method and its settings, as --json reports them."""

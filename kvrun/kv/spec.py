@@ -319,6 +319,9 @@ class KVSpec:
     select: Method
     store: Method | None = None
     budget: Budget | None = None
+    # --kv-dtype: the dense store's element type (f32 f16 bf16 q8_0 q4_0), "auto" (f16 on the
+    # CPU as llama.cpp's cache, the model's dtype elsewhere) or None (the model's dtype)
+    dtype: str | None = None
 
     @property
     def select_opts(self) -> Mapping[str, Any]:
@@ -377,6 +380,21 @@ class KVSpec:
         if b is not None:
             b.check(self.protected, sel.name)
         return dataclasses.replace(self, budget=b)
+
+    def with_dtype(self, dtype: str | None) -> KVSpec:
+        """This spec with --kv-dtype (checked: one of kvtypes.NAMES, or auto)."""
+        if dtype is not None and dtype != "auto":
+            from .stores.kvtypes import parse as parse_dtype
+
+            dtype = parse_dtype(dtype)
+        return dataclasses.replace(self, dtype=dtype)
+
+    def dtype_on(self, device) -> str | None:
+        """The element type the dense store keeps on `device` (None: the model's dtype); auto
+        is f16 on the CPU, the model's dtype on CUDA (its kernels read the model's dtype)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "f16" if str(device).startswith("cpu") else None
 
     def describe(self) -> dict:
         out = {"method": self.name, **self.select_opts}

@@ -18,6 +18,7 @@ import torch
 from ..generate import Session, peak_memory_bytes
 from ..graph import BatchGraph
 from ..kv import KVSpec
+from ..sampling import ban
 from .bench_settings import BenchSettings, cases, check_settings, row_labels
 
 BANDWIDTH_NOTE = (
@@ -84,11 +85,12 @@ def _one_rep(rt, spec: KVSpec, fill, prompt, first, s: BenchSettings) -> dict:
             batch.prepare(kvs, toks, [len(x.tokens) for x in sessions])
     _sync(dev)
     t2 = time.perf_counter()
+    stops = rt.tokenizer.stop_ids if s.ignore_eos else ()
     for _ in range(s.n_gen):  # greedy, with the per-token sync a runner pays
         if len(sessions) == 1:
-            toks = [int(sess.decode(toks[0]).argmax())]
+            toks = [int(ban(sess.decode(toks[0]), stops).argmax())]
         else:
-            toks = Session.decode_batch(sessions, toks, batch).argmax(-1).tolist()
+            toks = ban(Session.decode_batch(sessions, toks, batch), stops).argmax(-1).tolist()
     _sync(dev)
     t3 = time.perf_counter()
     return {

@@ -26,6 +26,7 @@ class BenchSettings:
     cuda_graph: bool = False  # decode steps replay a CUDA graph where the method allows
     specs: tuple[KVSpec, ...] = ()  # `methods` validated (kvrun.kv.check), in the same order
     parallel: int = 1  # sequences decoded together (tg is then their aggregate tok/s)
+    ignore_eos: bool = False  # greedy picks never a stop token (llama.cpp's --ignore-eos)
 
     def record(self) -> dict:
         """The settings as the JSON records them (the texts, not the parsed specs)."""

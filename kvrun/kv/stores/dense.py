@@ -1,4 +1,5 @@
-"""A dense segment of one layer: K (post-RoPE) and V in the KV dtype, slots in position order."""
+"""A dense segment of one layer: K (post-RoPE) and V in the KV type (--kv-dtype: the model's
+float dtype, f16, bf16, or llama.cpp's q8_0 / q4_0 blocks), slots in position order."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ...kernels.dense_decode import dense_decode
 from ..attention import Partial, position_mask, sdpa, segment_attention
 from ..state import Like, state
 from .buffer import Buffer
+from .kvtypes import KVType
 
 
 # a .kvc file holds the slots (the kernels, count_pos and every size but T are the run's)
@@ -28,13 +30,27 @@ class DenseSeg:
         score_rows: int | None = None,
         count_pos: bool = True,
         kernels=None,
+        kv_type: KVType | None = None,
     ):
         # the model's native CPU step kernels (kvrun.rope.Rope.kernels): a decode row attends
         # in one op over float32 K/V; None: SDPA
         self.kernels = kernels
-        # (1, Hkv, cap, D) with room: a decode step writes one slot, copying nothing
-        self._k = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
-        self._v = Buffer((1, n_kv, 0, head_dim), 2, dtype, device)
+        self.dtype, self.head_dim = dtype, head_dim
+        # K/V held in another type than the model's (None: the model's dtype, as ever): rows
+        # encoded on the way in, read through the native kernels' tiles or decoded for torch
+        self.kv_type = kv_type if kv_type is not None and kv_type.storage != dtype else None
+        if self.kv_type is not None:
+            from ...quant import native
+
+            # the typed rows' kernels: native wherever they are built (the exact path is f32)
+            self.codec = kernels or (native.ops() if torch.device(device).type == "cpu" else None)
+        else:
+            self.codec = None
+        store_dtype = self.kv_type.storage if self.kv_type else dtype
+        row = self.kv_type.row(head_dim) if self.kv_type else head_dim
+        # (1, Hkv, cap, row) with room: a decode step writes one slot, copying nothing
+        self._k = Buffer((1, n_kv, 0, row), 2, store_dtype, device)
+        self._v = Buffer((1, n_kv, 0, row), 2, store_dtype, device)
         self.pos = torch.empty(pos_rows, 0, dtype=torch.int32, device=device) if pos_rows else None
         # False: positions held only for a debug hook outside the cache (not counted in nbytes)
         self.count_pos = count_pos
@@ -42,12 +58,30 @@ class DenseSeg:
         self.acc = torch.empty(score_rows or n_kv, 0, device=device) if scores else None
 
     @property
-    def k(self) -> torch.Tensor:  # (1, Hkv, T, D) post-RoPE
-        return self._k.data
+    def k(self) -> torch.Tensor:  # (1, Hkv, T, D) post-RoPE, in the model's dtype
+        return self._float(self._k.data)
 
     @property
     def v(self) -> torch.Tensor:  # (1, Hkv, T, D)
-        return self._v.data
+        return self._float(self._v.data)
+
+    def _float(self, x: torch.Tensor) -> torch.Tensor:
+        """Stored rows as the model's dtype (a copy where the KV type is another)."""
+        if self.kv_type is None:
+            return x
+        return self.kv_type.decode(x, self.head_dim, self.codec, self.dtype)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.kv_type is None else self.kv_type.encode(x, self.codec)
+
+    def _attend_typed(self, q: torch.Tensor) -> Partial | None:
+        """Every slot visible to q on the native kernels, reading the stored rows (None where
+        they do not apply: no kernels, another device or dtype)."""
+        ops = self.codec if self.kv_type is not None else self.kernels
+        if ops is None or q.dtype != torch.float32 or q.device.type != "cpu":
+            return None
+        code = self.kv_type.code if self.kv_type is not None else 0
+        return Partial(*ops.attn_typed(q, self._k.data, self._v.data, q.shape[-1] ** -0.5, code))
 
     @property
     def length(self) -> int:
@@ -77,8 +111,8 @@ class DenseSeg:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Add new tokens (1, Hkv, T, D) at the end; positions (T,)."""
-        self._k.append(k)
-        self._v.append(v)
+        self._k.append(self._encode(k))
+        self._v.append(self._encode(v))
         if self.pos is not None:
             new = positions.to(torch.int32).expand(self.pos.shape[0], -1)
             self.pos = torch.cat([self.pos, new], dim=1)
@@ -95,19 +129,20 @@ class DenseSeg:
         n = self._k.n
         self.reserve(n + 1)
         cos, ssin = rope.signed_tables(pos + 1)
+        code = self.kv_type.code if self.kv_type is not None else 0
         out = self.kernels.rope_append_attend(
-            q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5
+            q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5, code
         )
         self._k.n = self._v.n = n + 1
         return out
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep slots idx (Hkv, T') or (1, T') (same for every head), ascending."""
-        _, Hkv, _, D = self._k.buf.shape
+        _, Hkv, _, row = self._k.buf.shape
         full = idx.expand(Hkv, -1)
-        gather = full[None, :, :, None].expand(1, Hkv, full.shape[1], D)
-        self._k.replace(torch.gather(self.k, 2, gather))
-        self._v.replace(torch.gather(self.v, 2, gather))
+        gather = full[None, :, :, None].expand(1, Hkv, full.shape[1], row)
+        self._k.replace(torch.gather(self._k.data, 2, gather))
+        self._v.replace(torch.gather(self._v.data, 2, gather))
         if self.pos is not None:
             self.pos = torch.gather(self.pos, 1, idx.expand(self.pos.shape[0], -1))
         if self.acc is not None:
@@ -116,7 +151,7 @@ class DenseSeg:
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove and return all K, V (1, Hkv, T, D) (the segment starts a new buffer)."""
-        k, v = self.k, self.v
+        k, v = self.k, self.v  # the model's dtype
         self._k.clear()
         self._v.clear()
         self._empty_rows()
@@ -168,17 +203,21 @@ class DenseSeg:
         m = self.mask(q_pos, n_new, window)
         if m is None and q.shape[2] == 1 and use_triton(q):
             return dense_decode(q, self.k, self.v)[0].to(q.dtype)
-        if m is None and q.shape[2] == 1 and self.kernels is not None and q.dtype == torch.float32:
-            return self.kernels.attn_decode(q, self.k, self.v, q.shape[-1] ** -0.5)
+        if m is None and q.shape[2] == 1:
+            part = self._attend_typed(q)
+            if part is not None:
+                return part.out
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head
-            m = m.repeat_interleave(q.shape[1] // self.k.shape[1], dim=0)
+            m = m.repeat_interleave(q.shape[1] // self._k.buf.shape[1], dim=0)
         return sdpa(q, self.k, self.v, m)
 
     def partials(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> list[Partial]:
         """The Store protocol's: one partial."""
-        return [segment_attention(q, self.k, self.v, self.mask(q_pos, n_new, window))]
+        mask = self.mask(q_pos, n_new, window)
+        part = self._attend_typed(q) if mask is None and self.length else None
+        return [part or segment_attention(q, self.k, self.v, mask)]
 
     def nbytes(self) -> int:
         n = self._k.nbytes() + self._v.nbytes()
