@@ -98,9 +98,9 @@ def test_synthetic_json_has_every_field_and_the_grid(monkeypatch):
         at = f" @ d{r['depth']}" if r["depth"] else ""
         assert (r["test_pp"], r["test_tg"]) == (f"pp16{at}", f"tg4{at}")
     full = rows[1]
-    # the full cache holds every token: depth + prompt + decoded, fp32 K and V
+    # the full cache holds every token: depth + prompt + decoded, f16 K and V (--kv-dtype auto)
     c = PRESETS["tiny-synthetic"]
-    assert full["kv_bytes"] == full["kv_bytes_full"] == (24 + 16 + 4) * c.kv_bytes_per_token(4)
+    assert full["kv_bytes"] == full["kv_bytes_full"] == (24 + 16 + 4) * c.kv_bytes_per_token(2)
     assert rows[3]["kv_bytes"] < rows[3]["kv_bytes_full"]  # snapkv 0.25 at depth 24
 
 

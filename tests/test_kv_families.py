@@ -89,3 +89,69 @@ def test_kivi_stores_only_the_global_layers(text):
 @pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
 def test_a_fork_goes_on_as_the_original_and_apart_from_it(family, m):
     contract.test_a_fork_goes_on_as_the_original_and_apart_from_it(m)
+
+
+class _Windowed:
+    """A reference KV manager written from the model's rule alone: every token kept (float64),
+    a local layer's query seeing the keys within its window by position."""
+
+    def __init__(self, model):
+        self.model, self.c, self.seen = model, model.config, 0
+        self.k = [None] * self.c.n_layers
+        self.v = [None] * self.c.n_layers
+
+    def attend(self, layer, q, k, v, positions):
+        import math
+
+        import torch
+
+        rope = self.model.rope.at(layer)
+        qr, kr = rope.apply(q, positions)[0].double(), rope.apply(k, positions)[0].double()
+        for store, x in ((self.k, kr), (self.v, v[0].double())):
+            store[layer] = x if store[layer] is None else torch.cat([store[layer], x], 1)
+        K, V = self.k[layer], self.v[layer]  # (Hkv, n, D)
+        g = qr.shape[0] // K.shape[0]
+        s = torch.einsum("hqd,hkd->hqk", qr, K.repeat_interleave(g, 0)) / math.sqrt(K.shape[-1])
+        diff = positions[:, None] - torch.arange(K.shape[1])[None, :]
+        vis = diff >= 0
+        if (w := self.c.window(layer)) is not None:
+            vis &= diff < w
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
+        return (p @ V.repeat_interleave(g, 0)).to(q.dtype)[None]
+
+    def begin_prefill(self, n):
+        pass
+
+    def end_chunk(self, t):
+        self.seen += t
+
+    def end_prefill(self):
+        pass
+
+    def end_step(self):
+        self.seen += 1
+
+
+@pytest.mark.parametrize("dtype", [None, "f16"])
+def test_local_layers_hold_at_most_the_window(dtype):
+    """Gemma 3's local layers (window 48) hold at most the window under every method and its
+    dtype, prefilled past it in chunks and decoded past it again (the ring); `full` gives the
+    reference's logits (every token kept, masked by the window) while holding only that."""
+    import torch
+    from test_kv_methods import drive, prompt
+
+    from kvrun.kv import build, check
+
+    model = _model("gemma3")
+    c = model.config
+    local, ids = c.local_layers, prompt(150, seed=5)
+    ref = drive(model, _Windowed(model), ids, 64, n_decode=20)
+    for name in [*REGISTRY, "snapkv+kivi2", "minicache+kivi4"]:
+        kv = build(check(name).with_dtype(dtype), c, model.rope, "cpu", torch.float32)
+        out = drive(model, kv, ids, 64, n_decode=20, tokens=ref.argmax(-1)[len(ids) - 1 :].tolist())
+        held = kv.kept_counts() if hasattr(kv, "kept_counts") else None
+        assert held is not None, name
+        assert all(held[i] <= c.sliding_window for i in local), (name, held)
+        if name == "full":
+            tol = 1e-4 if dtype is None else 2e-2
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol)

@@ -180,7 +180,7 @@ def test_cli_json_has_every_field(tiny, text_file):
                "--kv", "streaming", "--kv-budget", "8", "--json")  # fmt: skip
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert out["kv"] == {"method": "streaming", "sinks": 4, "budget": 8}
+    assert out["kv"] == {"method": "streaming", "sinks": 4, "budget": 8, "kv_dtype": "f16"}
     assert out["model"] == str(tiny.gguf_path)
     assert out["settings"] == {
         "file": str(text_file), "kv_budget": "8", "context": 64, "eval_tokens": 16,

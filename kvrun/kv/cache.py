@@ -56,8 +56,9 @@ class KVCache(KVManager):
         self.selects = not spec.keeps_all
         self.points = m.points
         self.n_queries = m.queries
-        # full keeps every token at its position: a sliding window can mask by slot
-        self.slot_positions = spec.keeps_all and self.kivi_layout is None
+        # full keeps every token at its position (slot = position), except under a sliding
+        # window, whose layers hold at most the window's tokens (a ring, positions kept)
+        self.slot_positions = spec.keeps_all and self.kivi_layout is None and not config.any_window
         self.pos_rows = self.position_rows()
         # the rows kept only for a sliding window's mask, beyond the method's formula
         self.window_rows = 0 if m.evicts_at_decode else self.pos_rows
@@ -191,6 +192,12 @@ class KVCache(KVManager):
             return self._to_store(st, q, k, v)
         if self.n_queries and "step" in self.points:
             st.queries = q[0]  # (Hq, 1, D) the step's query scores the step's eviction
+        window, d = self.config.window(layer), st.dense
+        if window and d.pos is not None and d.length >= window and not self.method.cumulative:
+            # the window's ring: the token takes the slot of the oldest position (out of the
+            # window from this step on), so the layer never holds more than the window
+            d.overwrite(d.pos.argmin(dim=1), k, v, int(positions[0]))
+            return d.attend(q, positions, 1, window)
         return self._attend(st, q, k, v, positions, layer)
 
     def _to_store(self, st: Layer, q, k, v) -> torch.Tensor:
@@ -223,10 +230,22 @@ class KVCache(KVManager):
         for st in self.layers:
             st.queries = None
 
+    bound_in_prefill = True  # False: a method that reads the whole turn bounds after selecting
+
+    def bound_windows(self) -> None:
+        """Layers with a sliding window keep at most its tokens: the newest positions of each
+        KV head (what the window can still see), in position order."""
+        for i, st in enumerate(self.layers):
+            window, d = self.config.window(i), st.dense
+            if window and d.pos is not None and d.length > window:
+                d.keep(d.pos.topk(window, dim=1).indices.sort(dim=1).values)
+
     def end_chunk(self, n_tokens: int) -> None:
         super().end_chunk(n_tokens)
         if "chunk" in self.points and self.select_turn:
             self.select("chunk")
+        if self.bound_in_prefill:
+            self.bound_windows()
         if self.kivi_layout is not None and not self.selects:
             for st in self.layers:
                 if st.kivi is not None:
@@ -236,6 +255,8 @@ class KVCache(KVManager):
         super().end_prefill()
         if "prefill" in self.points and self.select_turn:
             self.select("prefill")
+        if self.bound_in_prefill:
+            self.bound_windows()
         for st in self.layers:  # the turn's kept tokens enter the store in position order
             st.queries = None
             if st.kivi is not None and st.dense.length:
@@ -253,6 +274,7 @@ class KVCache(KVManager):
             self.select("step")
             for st in self.layers:
                 st.queries = None
+        self.bound_windows()
         if self.kivi_layout is not None:
             r = self.kivi_layout["residual"]
             for st in self.layers:

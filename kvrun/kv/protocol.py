@@ -68,7 +68,10 @@ class KVManager:
         copied, so the two go on apart (a kept prefix, a compressed document asked several
         questions). What never changes is shared, not copied: the model's config and RoPE,
         the spec and its options, the native kernels, the debug hook."""
+        from ..quant import native  # the typed stores' kernels (kvrun.kv.stores.kvtypes)
+
         shared = [self.config, self.rope, getattr(self.rope, "kernels", None), self.on_select]
+        shared.append(native.ops() if native.ops.cache_info().currsize else None)
         for v in vars(self).values():
             if isinstance(v, _SHARED) or type(v).__module__.endswith("kv.spec"):
                 shared.append(v)

@@ -109,7 +109,7 @@ class KvcDir:
         from .. import kvc
 
         self.path, self.rt, self.spec = Path(path), rt, spec
-        self.key = json.dumps([kvc.model_identity(rt), kvc.spec_text(spec)])
+        self.key = json.dumps([kvc.model_identity(rt), kvc.spec_text(spec), spec.dtype])
 
     def file(self, ids: list[int]) -> Path:
         h = hashlib.sha256((self.key + json.dumps(ids)).encode()).hexdigest()[:40]

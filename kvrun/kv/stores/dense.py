@@ -149,6 +149,25 @@ class DenseSeg:
             rows = full.repeat_interleave(len(self.acc) // Hkv, dim=0)  # per query head rows
             self.acc = torch.gather(self.acc, 1, rows)
 
+    def overwrite(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int):
+        """One token (1, Hkv, 1, D) written over slots (R,) (R = position rows: one per KV head,
+        or one for all) instead of appended: a sliding window's ring, where the slot held the
+        oldest position. Its position is set and its score restarts at 0."""
+        Hkv = self._k.buf.shape[1]
+        heads = torch.arange(Hkv, device=slots.device)
+        at = slots.expand(Hkv)  # (Hkv,) the slot each head writes
+        self._k.buf[0, heads, at] = self._encode(k)[0, :, 0]
+        self._v.buf[0, heads, at] = self._encode(v)[0, :, 0]
+        self.pos[torch.arange(len(slots), device=slots.device), slots] = position
+        if self.acc is not None:
+            rows = at.repeat_interleave(len(self.acc) // Hkv)
+            self.acc[torch.arange(len(self.acc), device=slots.device), rows] = 0
+
+    def zero(self, mask: torch.Tensor) -> None:
+        """K and V of the slots mask (Hkv, T) set to 0 (zero bytes are 0 in every KV type)."""
+        self._k.data[0].masked_fill_(mask[..., None], 0)
+        self._v.data[0].masked_fill_(mask[..., None], 0)
+
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove and return all K, V (1, Hkv, T, D) (the segment starts a new buffer)."""
         k, v = self.k, self.v  # the model's dtype

@@ -27,6 +27,8 @@ QUERY_BLOCK = 64  # pass queries scored at a time
 class KVzipCache(KVCache):
     """KVzip on the driver: reconstruction scores, then top-k per KV head (or per layer)."""
 
+    bound_in_prefill = False  # the reconstruction passes read the whole turn
+
     def __init__(self, spec, config, rope, device, dtype, on_select=None):
         self.scope = spec.select.scope
         super().__init__(spec, config, rope, device, dtype, on_select)
@@ -92,6 +94,7 @@ class KVzipCache(KVCache):
             if d.pos is not None:
                 self.report(i, point, torch.where(d.pos == PAD, -1, d.pos))
         self.scores = [None] * len(self.layers)
+        self.bound_windows()  # held back until the passes had the whole turn
 
     def _keep_layer(self, d: DenseSeg, s: torch.Tensor, B: int) -> None:
         """Hkv * B best (head, slot) pairs, heads padded to the largest count with zeros at PAD
@@ -108,8 +111,7 @@ class KVzipCache(KVCache):
         pad = torch.arange(S, device=s.device)[None, :] >= count[:, None]  # (Hkv, S)
         d.keep(idx)
         d.pos.masked_fill_(pad, PAD)
-        d.k[0].masked_fill_(pad[..., None], 0)
-        d.v[0].masked_fill_(pad[..., None], 0)
+        d.zero(pad)
 
     def nbytes(self) -> int:
         held = sum(z.numel() * z.element_size() for z in self.scores if z is not None)
