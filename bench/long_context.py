@@ -142,7 +142,11 @@ def table(results: list[dict]) -> str:
         if "failed" in r:
             lines.append(f"| {r['row']} | failed: {r['failed']} | | | | |")
             continue
-        vs = f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x" if full and r["tool"] == "kvrun" else ""
+        vs = (
+            f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x"
+            if full and r["tool"] == "kvrun"
+            else ""
+        )
         lines.append(
             f"| {r['row']} | {r['kv_bytes'] / 1e6:.1f} MB | {r['peak_rss_bytes'] / 1e6:.0f} MB "
             f"| {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {vs} |"

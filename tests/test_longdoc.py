@@ -201,7 +201,10 @@ def test_stdin_jsonl_to_stdout(tiny):
     recs = records(r.stdout)
     assert [x["id"] for x in recs] == [0, 1]
     for rec in recs:
-        assert rec["generated_tokens"] == len(rec["tokens"]) and rec["kv"] == {"method": "full", "kv_dtype": "f16"}
+        assert rec["generated_tokens"] == len(rec["tokens"]) and rec["kv"] == {
+            "method": "full",
+            "kv_dtype": "f16",
+        }
         assert rec["kv_bytes"] == rec["kv_bytes_full"] > 0 and rec["kv_ratio"] == 1.0
         assert rec["settings"]["seed"] == 7 and rec["settings"]["temp"] == 0.0
 

@@ -285,7 +285,7 @@ class KVCache(KVManager):
         """Each layer's top B_l slots by score, per KV head; under KIVI over the turn's staged
         tokens with B from the turn (kvrun's rule for later chat turns)."""
         m, o, L = self.method, self.opt, self.config.n_layers
-        T = self.layers[0].dense.length
+        T = max(st.dense.length for st in self.layers)  # local layers hold at most a window
         B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
         budgets = m.budgets(B, T, L)
         for i, st in enumerate(self.layers):

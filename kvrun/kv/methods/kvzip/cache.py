@@ -77,7 +77,7 @@ class KVzipCache(KVCache):
 
     def select(self, point: str) -> None:
         """B best slots per KV head by the pass's scores; sinks and earlier turns' slots kept."""
-        T = self.layers[0].dense.length
+        T = max(st.dense.length for st in self.layers)  # local layers hold at most a window
         B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
         start = self.seen - self.turn  # the turn's first position
         for i, st in enumerate(self.layers):

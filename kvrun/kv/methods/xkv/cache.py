@@ -226,7 +226,7 @@ class XKVCache(KVCache):
         if todo:
             kivi = self.layers[0].kivi is not None
             # dense store: all slots held, budget from all tokens seen; KIVI: this turn only
-            n = self.layers[0].dense.length if kivi else self.seen
+            n = max(st.dense.length for st in self.layers) if kivi else self.seen
             scores = {}
             for i in todo:
                 st = self.layers[i]
