@@ -75,6 +75,8 @@ def _module_names(folder: Path) -> set[str]:
     """The names a script run from `folder` (or from one below it) can import from there."""
     names = set()
     for path in folder.rglob("*"):
+        if any(p.startswith(".") for p in path.relative_to(folder).parts[:-1]):
+            continue  # a hidden folder (bench/.venv-llamacpp) is nobody's import path
         if path.suffix == ".py" or (path.is_dir() and not path.name.startswith((".", "_"))):
             names.add(path.stem)
     return names

@@ -80,9 +80,11 @@ def perplexity(
     check_file(len(tokens), context, eval_tokens, windows, "stdin" if file == "-" else file)
 
     def pair():
-        """A session through the method, and one through the full cache (None with --kv full)."""
-        through = model.session(rt, rt.new_kv(spec))
-        return through, None if spec.is_full else model.session(rt, rt.new_kv())
+        """A session through the method, and one through the full cache in the model's dtype
+        (None where the method is that cache: --kv full --kv-dtype of the model's)."""
+        kv = rt.new_kv(spec)
+        exact = spec.is_full and kv.kv_type is None
+        return model.session(rt, kv), None if exact else model.session(rt, rt.new_kv())
 
     method, ref = pair()
     more = [pair() for _ in range(min(parallel, windows) - 1)]
