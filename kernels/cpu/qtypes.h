@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "merged_types.h"  // MiniCache's and SpindleKV's attention (merged_attn.h)
+
 namespace kvq {
 
 // ggml's type numbers (gguf.GGMLQuantizationType)
@@ -96,6 +98,10 @@ struct Table {
   GemmFn gemm[NTYPES];     // row-major GGUF blocks
   GemmFn gemm_x8[NTYPES];  // the 8-row interleaved layout (qlayout.h); row_bytes: per group
   DequantFn dequant[NTYPES];
+  // MiniCache's merged pairs and SpindleKV's codebook slots (merged_attn.h)
+  MergedChunkFn merged_chunk;
+  CodebookChunkFn codebook_chunk;
+  BestRowFn best_rows;
 };
 
 // fp16 <-> fp32 without F16C (round to nearest even, as F16C's _cvtss_sh(x, 0) does)
