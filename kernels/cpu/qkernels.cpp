@@ -17,7 +17,9 @@
 // Dequantization gives exactly the float32 values gguf.quants.dequantize gives (the same
 // products in the same order; built with -ffp-contract=off so no multiply-add is fused).
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "qlayout.h"
 #include "qtypes.h"
@@ -686,6 +688,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 #include "qkernels_x8.h"
 #include "qstep.h"
 #include "kvrows.h"
+#include "merged_attn.h"
 
 Table make_table() {
   Table t;
@@ -705,6 +708,9 @@ Table make_table() {
   t.rope = rope_row;
   t.silu_mul = silu_mul_row;
   t.attn_chunk = attn_chunk;
+  t.merged_chunk = merged_chunk;
+  t.codebook_chunk = codebook_chunk;
+  t.best_rows = best_rows;
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;

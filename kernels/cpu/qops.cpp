@@ -12,6 +12,11 @@
 //   attn_partial: one segment's attention (out, lse) over float32 K/V, every key visible
 //   attn_typed: the same over K/V rows in a KV type (f32, f16, bf16, q8_0, q4_0: kvrows.h)
 //   kv_encode, kv_decode: float32 rows <-> a KV type's rows, as llama.cpp's caches store them
+//   merged_attn: (out, lse) over a MiniCache pair's layer, E read once per key, the per-key
+//                factor on scores and weights, retained rows in place, the step's own tokens
+//   codebook_attn: (out, lse) over SpindleKV's slots, codebook rows gathered, keys rotated at
+//                their positions, a keep mask per query head
+//   codebook_assign: SpindleKV's decode tokens into the codebooks (join the best row, or add)
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -727,6 +732,338 @@ std::vector<at::Tensor> attn_partial(const at::Tensor& q_, const at::Tensor& k,
   return {out, lse};
 }
 
+// ------------------------------------ MiniCache's merged pairs, SpindleKV's codebook slots
+// (merged_attn.h's chunks over split_keys, and the codebook search of a decode token)
+
+using OptT = c10::optional<at::Tensor>;
+
+int row_elem(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
+              name, " must be a float32 or float16 CPU tensor");
+  return t.scalar_type() == at::kHalf ? kvq::EL_F16 : kvq::EL_F32;
+}
+
+// Keys k_j, v_j (d floats at k + j * ks, v + j * vs) folded exactly into a chunk's (part, mx,
+// sm) of R rows: the step's own tokens jf.. jf + n - 1 of tn, row r (query r % tq of tq)
+// seeing token j where j <= r % tq + tn - tq (causal among themselves).
+void fold_own(const float* q, int64_t R, int64_t d, int64_t tq, int64_t tn, const float* k,
+              int64_t ks, const float* v, int64_t vs, int64_t jf, int64_t n, float scale,
+              float* part, float* mx, float* sm) {
+  for (int64_t j = jf; j < jf + n; j++)
+    for (int64_t r = 0; r < R; r++) {
+      if (j > r % tq + tn - tq) continue;
+      const float* kj = k + j * ks;
+      float s = 0.f;
+      for (int64_t i = 0; i < d; i++) s += q[r * d + i] * kj[i];
+      s *= scale;
+      const float m = std::max(mx[r], s);
+      const float old = std::exp(mx[r] - m), w = std::exp(s - m);  // exp(-inf) = 0
+      float* o = part + r * d;
+      for (int64_t i = 0; i < d; i++) o[i] = o[i] * old + w * v[j * vs + i];
+      sm[r] = sm[r] * old + w;
+      mx[r] = m;
+    }
+}
+
+// One half of a pair (E, factors, retained rows) checked against (Hkv, T, D) and filled in.
+kvq::MergedHalf merged_half(const at::Tensor& e, const at::Tensor& s, const OptT& ridx,
+                            const OptT& roff, const OptT& rows, int64_t r_grp, int elem) {
+  const int64_t H = e.size(0), T = e.size(1), D = e.size(2);
+  TORCH_CHECK(row_elem(e, "E") == elem && e.dim() == 3 && e.stride(2) == 1,
+              "merged_attn: E (Hkv, T, D) with contiguous rows, E_K and E_V of one dtype");
+  check_f32(s, "factors");
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == H && s.size(1) == T, "merged_attn: factors (Hkv, T)");
+  kvq::MergedHalf m{e.data_ptr(), e.stride(0), e.stride(1), s.data_ptr<float>(), s.stride(0),
+                    s.stride(1), nullptr, nullptr, nullptr, 0, 0, r_grp};
+  if (!ridx.has_value()) {
+    TORCH_CHECK(!roff.has_value() && !rows.has_value(), "merged_attn: retained rows without ridx");
+    return m;
+  }
+  TORCH_CHECK(roff.has_value() && rows.has_value(), "merged_attn: ridx without roff and rows");
+  const int64_t groups = r_grp ? H : 1, width = r_grp ? D : H * D;
+  TORCH_CHECK(ridx->scalar_type() == at::kInt && ridx->dim() == 1 && ridx->is_contiguous() &&
+                  roff->scalar_type() == at::kLong && roff->dim() == 1 &&
+                  roff->is_contiguous() && roff->size(0) == groups + 1,
+              "merged_attn: ridx (N,) int32 and roff (groups + 1,) int64, contiguous");
+  TORCH_CHECK(row_elem(*rows, "rows") == elem && rows->dim() == 2 &&
+                  rows->size(0) == ridx->size(0) && rows->size(1) == width && rows->stride(1) == 1,
+              "merged_attn: retained rows (N, ", width, ") in E's dtype");
+  const int32_t* ix = ridx->data_ptr<int32_t>();
+  const int64_t* off = roff->data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[groups] == ridx->size(0), "merged_attn: roff does not span ridx");
+  for (int64_t g = 0; g < groups; g++) {
+    TORCH_CHECK(off[g] <= off[g + 1], "merged_attn: roff not ascending");
+    for (int64_t r = off[g]; r < off[g + 1]; r++)
+      TORCH_CHECK(ix[r] >= 0 && ix[r] < T && (r == off[g] || ix[r - 1] < ix[r]),
+                  "merged_attn: retained indices must ascend within [0, T) per group");
+  }
+  m.ridx = ix;
+  m.roff = off;
+  m.rows = rows->data_ptr();
+  m.r_row = rows->stride(0);
+  m.r_col = r_grp ? 0 : D;
+  return m;
+}
+
+// Attention of q (1, Hq, Tq, D) over a MiniCache pair's layer: token j of KV head h is
+// E[h, j] * s[h, j] (/ ||E[h, j]|| with unit) or its retained exact row, then the step's own
+// exact k_new, v_new (1, Hkv, Tn, D), causal among themselves -> [out (1, Hq, Tq, D), lse
+// (1, Hq, Tq)]. r_grp 1: retained rows per KV head (N, D); 0: per token (N, Hkv * D).
+std::vector<at::Tensor> merged_attn(const at::Tensor& q_, const at::Tensor& e_k,
+                                    const at::Tensor& s_k, const at::Tensor& e_v,
+                                    const at::Tensor& s_v, bool unit, const OptT& ridx_k,
+                                    const OptT& roff_k, const OptT& rows_k, const OptT& ridx_v,
+                                    const OptT& roff_v, const OptT& rows_v, int64_t r_grp,
+                                    const OptT& k_new, const OptT& v_new, double scale) {
+  check_f32(q_, "q");
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && e_k.dim() == 3 && e_k.sizes() == e_v.sizes() &&
+                  e_k.size(2) == q_.size(3) && e_k.size(0) > 0 && q_.size(1) % e_k.size(0) == 0,
+              "merged_attn: q (1, Hq, Tq, D), E_K and E_V (Hkv, T, D)");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), H = e_k.size(0), T = e_k.size(1);
+  const int64_t R = Hq / H * Tq;
+  const int elem = row_elem(e_k, "E_K");
+  kvq::MergedArgs a{q.data_ptr<float>(), R, D, (float)scale, elem, unit ? 1 : 0,
+                    merged_half(e_k, s_k, ridx_k, roff_k, rows_k, r_grp, elem),
+                    merged_half(e_v, s_v, ridx_v, roff_v, rows_v, r_grp, elem)};
+  int64_t Tn = 0;
+  const float *kn = nullptr, *vn = nullptr;
+  int64_t kn_h = 0, kn_t = 0, vn_h = 0, vn_t = 0;
+  if (k_new.has_value()) {
+    TORCH_CHECK(v_new.has_value(), "merged_attn: k_new without v_new");
+    check_f32(*k_new, "k_new");
+    check_f32(*v_new, "v_new");
+    TORCH_CHECK(k_new->dim() == 4 && k_new->sizes() == v_new->sizes() && k_new->size(0) == 1 &&
+                    k_new->size(1) == H && k_new->size(3) == D && k_new->stride(3) == 1 &&
+                    v_new->stride(3) == 1 && k_new->size(2) <= Tq,
+                "merged_attn: k_new, v_new (1, Hkv, Tn <= Tq, D) with contiguous rows");
+    Tn = k_new->size(2);
+    kn = k_new->data_ptr<float>();
+    vn = v_new->data_ptr<float>();
+    kn_h = k_new->stride(1), kn_t = k_new->stride(2), vn_h = v_new->stride(1), vn_t = v_new->stride(2);
+  }
+  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  const Table* tab = current();
+  split_keys(
+      H, R, T + Tn, D, 64,
+      [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+          std::vector<float>& scratch) {
+        const int64_t nm = std::max<int64_t>(0, std::min(j0 + n, T) - j0);
+        if (nm > 0) {
+          scratch.resize(R * nm);
+          tab->merged_chunk(a, h, j0, nm, part, mx, sm, scratch.data());
+        } else {
+          std::fill(part, part + R * D, 0.f);
+          std::fill(mx, mx + R, -INFINITY);
+          std::fill(sm, sm + R, 0.f);
+        }
+        const int64_t first = std::max(j0, T);
+        if (j0 + n > first)
+          fold_own(a.q + h * R * D, R, D, Tq, Tn, kn + h * kn_h, kn_t, vn + h * vn_h, vn_t,
+                   first - T, j0 + n - first, a.scale, part, mx, sm);
+      },
+      out.data_ptr<float>(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+// One side (K or V) of SpindleKV's slots: coded (idx and mag given, book (N, D)) or dense
+// (book (Hkv, S, D)).
+kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag, const OptT& off,
+                        int64_t H, int64_t S, int64_t D, int elem) {
+  TORCH_CHECK(row_elem(book, "book") == elem && book.stride(-1) == 1,
+              "codebook_attn: books of one dtype with contiguous rows");
+  kvq::BookSide b{book.data_ptr(), 0, 0, nullptr, 0, 0, 0, nullptr, 0, 0, 0, nullptr};
+  TORCH_CHECK(idx.has_value() == mag.has_value(), "codebook_attn: idx and mag go together");
+  if (!idx.has_value()) {
+    TORCH_CHECK(book.dim() == 3 && book.size(0) == H && book.size(1) == S && book.size(2) == D &&
+                    !off.has_value(),
+                "codebook_attn: dense slots (Hkv, S, D)");
+    b.b_h = book.stride(0), b.b_r = book.stride(1);
+    return b;
+  }
+  TORCH_CHECK(book.dim() == 2 && book.size(1) == D, "codebook_attn: a book (N, D)");
+  const auto it = idx->scalar_type();
+  TORCH_CHECK(idx->dim() == 2 && idx->size(0) == H && idx->size(1) == S &&
+                  (it == at::kShort || it == at::kInt || it == at::kLong),
+              "codebook_attn: idx (Hkv, S) int16, int32 or int64");
+  b.mag_elem = row_elem(*mag, "mag");
+  TORCH_CHECK(mag->dim() == 2 && mag->size(0) == H && mag->size(1) == S, "codebook_attn: mag (Hkv, S)");
+  b.b_r = book.stride(0);
+  b.idx = idx->data_ptr();
+  b.idx_bytes = (int)idx->element_size();
+  b.i_h = idx->stride(0), b.i_s = idx->stride(1);
+  b.mag = mag->data_ptr();
+  b.m_h = mag->stride(0), b.m_s = mag->stride(1);
+  if (off.has_value()) {
+    TORCH_CHECK(off->scalar_type() == at::kInt && off->dim() == 1 && off->size(0) == H &&
+                    off->is_contiguous(),
+                "codebook_attn: off (Hkv,) int32");
+    b.off = off->data_ptr<int32_t>();
+  }
+  const int64_t rows = book.size(0);  // every slot's row inside the book
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t s = 0; s < S; s++) {
+      const int64_t o = h * b.i_h + s * b.i_s;
+      const int64_t i = b.idx_bytes == 2   ? static_cast<const int16_t*>(b.idx)[o]
+                        : b.idx_bytes == 4 ? static_cast<const int32_t*>(b.idx)[o]
+                                           : static_cast<const int64_t*>(b.idx)[o];
+      const int64_t row = i + (b.off != nullptr ? b.off[h] : 0);
+      TORCH_CHECK(i >= 0 && row < rows, "codebook_attn: slot row ", row, " outside the book's ", rows);
+    }
+  return b;
+}
+
+// SpindleKV's decode attention (kernels/codebook_decode.py's arguments, and scale): q (1, Hq,
+// Tq, D) post-RoPE over slots (Hkv, S): keys RoPE(book_k[off_k[h] + idx_k] * mag_k, pos),
+// values book_v[off_v[h] + idx_v] * mag_v (dense slots: book (Hkv, S, D), idx and mag None);
+// query head j of a group sees the slots with bit j of `mask` set (None: all) -> [out, lse].
+std::vector<at::Tensor> codebook_attn(const at::Tensor& q_, const at::Tensor& book_k,
+                                      const OptT& idx_k, const OptT& mag_k,
+                                      const at::Tensor& book_v, const OptT& idx_v,
+                                      const OptT& mag_v, const at::Tensor& pos,
+                                      const at::Tensor& cos, const at::Tensor& sin,
+                                      const OptT& mask, const OptT& off_k, const OptT& off_v,
+                                      double scale) {
+  check_f32(q_, "q");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(3) % 2 == 0 && pos.dim() == 2 &&
+                  pos.size(0) > 0 && q_.size(1) % pos.size(0) == 0 &&
+                  pos.scalar_type() == at::kInt,
+              "codebook_attn: q (1, Hq, Tq, D), pos (Hkv, S) int32");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), H = pos.size(0), S = pos.size(1);
+  const int64_t g = Hq / H, R = g * Tq;
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() &&
+                  cos.size(1) == D && cos.stride(1) == 1,
+              "codebook_attn: cos, sin tables (P, D) alike");
+  const int elem = row_elem(book_k, "book_k");
+  kvq::CodebookArgs a{};
+  a.q = q.data_ptr<float>(), a.R = R, a.d = D, a.tq = Tq, a.scale = (float)scale, a.elem = elem;
+  a.k = book_side(book_k, idx_k, mag_k, off_k, H, S, D, elem);
+  a.v = book_side(book_v, idx_v, mag_v, off_v, H, S, D, elem);
+  a.pos = pos.data_ptr<int32_t>(), a.p_h = pos.stride(0), a.p_s = pos.stride(1);
+  a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>(), a.cs_r = cos.stride(0);
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t s = 0; s < S; s++) {
+      const int32_t p = a.pos[h * a.p_h + s * a.p_s];
+      TORCH_CHECK(p >= 0 && p < cos.size(0), "codebook_attn: position ", p, " outside the tables");
+    }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kByte && mask->dim() == 3 && mask->size(0) == H &&
+                    mask->size(1) == S && mask->size(2) == (g + 7) / 8 && mask->stride(2) == 1,
+                "codebook_attn: mask (Hkv, S, ceil(g / 8)) uint8");
+    a.mask = mask->data_ptr<uint8_t>(), a.k_h = mask->stride(0), a.k_s = mask->stride(1);
+  }
+  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  const Table* tab = current();
+  split_keys(
+      H, R, S, D, 64,
+      [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+          std::vector<float>& scratch) {
+        scratch.resize(R * n);
+        tab->codebook_chunk(a, h, j0, n, part, mx, sm, scratch.data());
+      },
+      out.data_ptr<float>(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+// SpindleKV's decode-time merging (spindlekv/store.py's `assign`) for x (H, D) float32, one
+// vector per KV head in head order, on a shelf (n_books, cap, D) whose book b holds counts[b]
+// rows (n_books 1: shared by every head; H: one per head): each unit vector u = x / ||x||
+// joins the first row with the largest u . row if that exceeds theta, else becomes a new row
+// (u in the shelf's dtype) that later heads may join. New rows are written in place and
+// counts advanced; the caller leaves room -> [idx (H,) int64, ||x|| (H,) float32].
+std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
+                                        at::Tensor& counts, double theta) {
+  check_f32(x, "x");
+  const int elem = row_elem(shelf, "shelf");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && shelf.dim() == 3 && shelf.is_contiguous() &&
+                  shelf.size(2) == x.size(1),
+              "codebook_assign: x (H, D), shelf (n_books, cap, D) contiguous");
+  const int64_t H = x.size(0), D = x.size(1), nb = shelf.size(0), cap = shelf.size(1);
+  TORCH_CHECK(nb == 1 || nb == H, "codebook_assign: one book, or one per head");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == nb &&
+                  counts.is_contiguous(),
+              "codebook_assign: counts (n_books,) int64");
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < nb; b++)
+    TORCH_CHECK(cnt[b] >= 0 && cnt[b] + (nb == 1 ? H : 1) <= cap,
+                "codebook_assign: no room for the new rows");
+  at::Tensor idx = at::empty({H}, x.options().dtype(at::kLong));
+  at::Tensor mag = at::empty({H}, x.options());
+  std::vector<float> u(H * D), best(H, -INFINITY);
+  std::vector<int64_t> arg(H, 0);
+  float* mp = mag.data_ptr<float>();
+  for (int64_t h = 0; h < H; h++) {
+    const float* xr = x.data_ptr<float>() + h * x.stride(0);
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; i++) ss += xr[i] * xr[i];
+    mp[h] = std::sqrt(ss);
+    const float div = mp[h] > 0.f ? mp[h] : 1.f;
+    for (int64_t i = 0; i < D; i++) u[h * D + i] = xr[i] / div;
+  }
+  const Table* tab = current();
+  const int64_t es = shelf.element_size();
+  char* base = static_cast<char*>(shelf.data_ptr());
+  auto book = [&](int64_t b) { return base + b * cap * D * es; };
+  // the rows there before this call, for every head of a book at once; split over threads
+  // in blocks (first maximum per block, then over blocks in order: the first overall)
+  const int64_t per = nb == 1 ? H : 1;
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t n = cnt[b], h0 = nb == 1 ? 0 : b;
+    constexpr int64_t BLOCK = 512;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    std::vector<float> bb(blocks * per, -INFINITY);
+    std::vector<int64_t> ba(blocks * per, 0);
+    dynamic_for(blocks, n * per * D >= (1 << 17) ? 1 : blocks, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t r0 = i * BLOCK, m = std::min(BLOCK, n - r0);
+        tab->best_rows(u.data() + h0 * D, per, book(b) + r0 * D * es, elem, D, m, D,
+                       bb.data() + i * per, ba.data() + i * per);
+        for (int64_t k = 0; k < per; k++) ba[i * per + k] += r0;
+      }
+    });
+    for (int64_t i = 0; i < blocks; i++)
+      for (int64_t k = 0; k < per; k++)
+        if (bb[i * per + k] > best[h0 + k]) {
+          best[h0 + k] = bb[i * per + k];
+          arg[h0 + k] = ba[i * per + k];
+        }
+  }
+  std::vector<int64_t> before(cnt, cnt + nb);
+  int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t h = 0; h < H; h++) {  // in head order: rows made by earlier heads count
+    const int64_t b = nb == 1 ? 0 : h;
+    float bv = best[h];
+    int64_t av = arg[h];
+    const int64_t made = cnt[b] - before[b];
+    if (made > 0) {
+      float nbv = bv;
+      int64_t nav = 0;
+      tab->best_rows(u.data() + h * D, 1, book(b) + before[b] * D * es, elem, D, made, D, &nbv, &nav);
+      if (nbv > bv) {
+        bv = nbv;
+        av = before[b] + nav;
+      }
+    }
+    if ((double)bv > theta) {
+      ip[h] = av;
+      continue;
+    }
+    char* row = book(b) + cnt[b] * D * es;
+    if (elem == kvq::EL_F16)
+      for (int64_t i = 0; i < D; i++) reinterpret_cast<uint16_t*>(row)[i] = kvq::fp32_to_fp16(u[h * D + i]);
+    else
+      std::memcpy(row, u.data() + h * D, D * sizeof(float));
+    ip[h] = cnt[b]++;
+  }
+  return {idx, mag};
+}
+
 // One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
 // cos, ssin tables (>= pos + 1, D)),
 // k and v (1, Hkv, 1, D) written to slot n of the buffers kbuf, vbuf (1, Hkv, cap, D), then q
@@ -921,6 +1258,18 @@ TORCH_LIBRARY(kvrun_cpu, m) {
         &attn_typed);
   m.def("kv_encode(Tensor x, int type) -> Tensor", &kv_encode);
   m.def("kv_decode(Tensor x, int type, int d) -> Tensor", &kv_decode);
+  m.def(
+      "merged_attn(Tensor q, Tensor e_k, Tensor s_k, Tensor e_v, Tensor s_v, bool unit, "
+      "Tensor? ridx_k, Tensor? roff_k, Tensor? rows_k, Tensor? ridx_v, Tensor? roff_v, "
+      "Tensor? rows_v, int r_grp, Tensor? k_new, Tensor? v_new, float scale) -> Tensor[]",
+      &merged_attn);
+  m.def(
+      "codebook_attn(Tensor q, Tensor book_k, Tensor? idx_k, Tensor? mag_k, Tensor book_v, "
+      "Tensor? idx_v, Tensor? mag_v, Tensor pos, Tensor cos, Tensor sin, Tensor? mask, "
+      "Tensor? off_k, Tensor? off_v, float scale) -> Tensor[]",
+      &codebook_attn);
+  m.def("codebook_assign(Tensor x, Tensor(a!) shelf, Tensor(b!) counts, float theta) -> Tensor[]",
+        &codebook_assign);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
       "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, int kv_type=0) -> Tensor",

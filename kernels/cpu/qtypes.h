@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "merged_types.h"  // MiniCache's and SpindleKV's attention (merged_attn.h)
+
 namespace kvq {
 
 // ggml's type numbers (gguf.GGMLQuantizationType)
@@ -108,6 +110,10 @@ struct Table {
   DequantFn dequant[NTYPES];
   DequantFn kv_load[KV_NTYPES];  // a KV cache row -> float32 (KV_F32: none, read in place)
   KvStoreFn kv_store[KV_NTYPES];
+  // MiniCache's merged pairs and SpindleKV's codebook slots (merged_attn.h)
+  MergedChunkFn merged_chunk;
+  CodebookChunkFn codebook_chunk;
+  BestRowFn best_rows;
 };
 
 // fp16 <-> fp32 without F16C (round to nearest even, as F16C's _cvtss_sh(x, 0) does)

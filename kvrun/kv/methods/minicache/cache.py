@@ -48,16 +48,33 @@ class MiniCacheKV(KVManager):
     def reset(self) -> None:
         super().reset()
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
+        kernels = self.rope.kernels
         if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D), as `full` keeps them
-            self.plain = {i: DenseSeg(self.H, self.D, self.dtype, self.device) for i in plain}
+            self.plain = {
+                i: DenseSeg(self.H, self.D, self.dtype, self.device, kernels=kernels) for i in plain
+            }
         else:
             self.plain = {i: self._kivi() for i in plain}
         self.pairs = [Pair(a, b, self._kivi()) for a, b in self.pair_list]
         scratch = Scratch(self.H, self.D, self.dtype, self.device)  # shared by every pair
         self.views = {
-            layer: PairLayer(self.pairs[i], second, self.layout, scratch)
+            layer: PairLayer(self.pairs[i], second, self.layout, scratch, kernels)
             for layer, (i, second) in self.role.items()
         }  # the pair as each of its layers' Store
+
+    def attend(self, layer, q, k, v, positions):
+        """A plain layer's decode row on the native kernels in one call (rotate, store,
+        attend: DenseSeg.rotate_append_attend, as `full`'s); the rest as KVManager.attend."""
+        st, window = self.plain.get(layer), self.config.window(layer)
+        if (
+            isinstance(st, DenseSeg)
+            and st.kernels is not None
+            and k.shape[2] == 1
+            and not (self.in_prefill or self.static)
+            and not (window and self.seen + 1 > window)
+        ):
+            return st.rotate_append_attend(self.rope.at(layer), q, k, v, self.rope.position(positions))
+        return super().attend(layer, q, k, v, positions)
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
@@ -88,7 +105,9 @@ class MiniCacheKV(KVManager):
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
         pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
-        if self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact
+        if self._fuse(pair, k.shape[2]) and view.kernels is not None and pair.k is not None:
+            out = view.attend_native(q, k, v).to(self.dtype)  # merged and own tokens, one op
+        elif self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact
             parts = view.partials(q, positions, 0, None) + [self.layout.own(q, k, v)]
             out = combine(parts, self.dtype)
         else:  # the new tokens exact, after the restored ones

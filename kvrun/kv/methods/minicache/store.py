@@ -302,6 +302,15 @@ class Layout:
             ov[half.groups(), idx] = r
         return ov, inv
 
+    def native_args(self, half: Half, second: bool, inv) -> tuple:
+        """merged_attn's (E, factors, ridx, roff, rows) of a half for layer b (second) or a; inv:
+        1/||E|| per token (scope=layer, `override`'s), else the kernel divides by each row's."""
+        e, norms = half.e.data, (half.nb if second else half.na).data  # (Hkv, T, D), (g, T)
+        scale = (norms[0].float() * inv).expand(self.H, -1) if self.token else norms.float()
+        if half.ridx.numel() == 0:
+            return e, scale, None, None, None
+        return e, scale, half.ridx, half.roff, half.rb if second else half.ra
+
     def fused_args(self, half: Half, work, second: bool):
         """merged_decode's (scale (Hkv, T), map, rows (N, D), unit) of a half; work: override's."""
         ov, inv = work
@@ -333,8 +342,11 @@ class Scratch:
 class PairLayer:
     """Layer a (second=False) or b of a pair as a Store; the pair's bytes count once, at a."""
 
-    def __init__(self, pair: Pair, second: bool, layout: Layout, scratch: Scratch):
+    def __init__(self, pair: Pair, second: bool, layout: Layout, scratch: Scratch, kernels=None):
         self.pair, self.second, self.layout, self.scratch = pair, second, layout, scratch
+        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): a decode step attends
+        # over the merged tokens in one op (merged_attn); None: merged_decode or the restore
+        self.kernels = kernels
 
     @property
     def length(self) -> int:
@@ -360,6 +372,23 @@ class PairLayer:
         return [
             Partial(*merged_decode(q, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv))
         ]
+
+    def attend_native(self, q, k_new, v_new) -> torch.Tensor:
+        """q (1, Hq, T, D) over the merged tokens (a dense E) and the step's own exact k_new,
+        v_new (1, Hkv, T, D), causal among themselves, in one native call (merged_attn)."""
+        pair, lay = self.pair, self.layout
+        inv = None
+        if lay.token:  # 1/||E|| of a whole token: layer a computes, b reuses
+            if pair.fwork is None:
+                pair.fwork = [lay.override(h, pair.length)[1] for h in (pair.k, pair.v)]
+            inv = pair.fwork
+        ka = lay.native_args(pair.k, self.second, inv and inv[0])
+        va = lay.native_args(pair.v, self.second, inv and inv[1])
+        out, _ = self.kernels.merged_attn(
+            q, ka[0], ka[1], va[0], va[1], not lay.token, *ka[2:], *va[2:], int(not lay.token),
+            k_new, v_new, q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        return out
 
     def restore(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch views (1, Hkv, T + extra, D): the restored tokens, then room for `extra`."""

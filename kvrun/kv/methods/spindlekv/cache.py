@@ -133,7 +133,14 @@ class SpindleKVCache(KVManager):
         idx = torch.int32 if self.opt["index"] == "int32" else torch.int16
         self.layers = [
             CodedLayer(
-                n_books, c.head_dim, self.dtype, self.device, idx, self.rope.at(i), self.group
+                n_books,
+                c.head_dim,
+                self.dtype,
+                self.device,
+                idx,
+                self.rope.at(i),
+                self.group,
+                self.rope.kernels,
             )
             for i in range(c.n_layers)
         ]
@@ -215,14 +222,15 @@ class SpindleKVCache(KVManager):
         return out
 
     def _fuse(self, st: CodedLayer, qr: torch.Tensor) -> bool:
-        """Whether a decode step uses codebook_decode: one token, no window hiding a slot, and not
-        dense slots only on the torch path (there SDPA equals `full` bit for bit, as tested)."""
+        """Whether a decode step uses codebook_decode (codebook_attn natively): one token, no
+        window hiding a slot, and not dense slots only on the torch path (there SDPA equals
+        `full` bit for bit, as tested)."""
         window = self.config.sliding_window
         if qr.shape[2] != 1:
             return False
         if window is not None and self.seen + 1 > window:
             return False
-        return st.pos_c is not None or use_triton(qr)
+        return st.pos_c is not None or use_triton(qr) or st.kernels is not None
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers)

@@ -241,9 +241,18 @@ def build_books(
 
 
 def assign_books(
-    books: list[Book], x: torch.Tensor, theta: float
+    books: list[Book], x: torch.Tensor, theta: float, kernels=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32."""
+    """Decode step 1 for the KV heads in order: idx (Hkv,) and magnitudes (Hkv,) fp32; with the
+    native kernels in one call that writes the new entries onto the shelf (codebook_assign)."""
+    if kernels is not None:
+        shelf = books[0].shelf
+        shelf.reserve(max(b.n for b in books) + (x.shape[0] if len(books) == 1 else 1))
+        counts = torch.tensor([b.n for b in books], dtype=torch.int64)
+        idx, m = kernels.codebook_assign(x, shelf.data, counts, theta)
+        for b, n in zip(books, counts.tolist(), strict=True):
+            b.n = n
+        return idx, m
     if len(books) == 1:
         idx, new, m = assign(books[0].rows(), x, theta)
         books[0].append(new)
@@ -325,8 +334,13 @@ class CodedLayer:
     # dense segment: pre-RoPE K and V (Hkv, S_d, D), positions, masks
     k_d, v_d, pos_d, mask_d = _Seg(), _Seg(), _Seg(), _Seg()
 
-    def __init__(self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype, rope, group):
+    def __init__(
+        self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype, rope, group, kernels=None
+    ):
         self.rope, self.group, self.dtype = rope, group, dtype
+        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): decode tokens are coded
+        # and attended over natively (codebook_assign, codebook_attn); None: the torch path
+        self.kernels = kernels
         self.shelf_k = Shelf(n_books, d, dtype, device)
         self.shelf_v = Shelf(n_books, d, dtype, device)
         self.books_k, self.books_v = self.shelf_k.books, self.shelf_v.books
@@ -408,8 +422,8 @@ class CodedLayer:
         if not (o["codebook"] and o["decode_codebook"]):
             self.append_dense(k[:, None], v[:, None], pos, mask)
             return
-        ik, mk = assign_books(self.books_k, k, o["theta_k"])
-        iv, mv = assign_books(self.books_v, v, o["theta_v"])
+        ik, mk = assign_books(self.books_k, k, o["theta_k"], self.kernels)
+        iv, mv = assign_books(self.books_v, v, o["theta_v"], self.kernels)
         self.widen(layer, o["index"] == "int16-strict")
         self.append_coded(
             ik.to(self.idx_dtype[0])[:, None],
@@ -463,29 +477,19 @@ class CodedLayer:
         if self.pos_c is not None:
             (bk, ok), (bv, ov) = self.shelf_k.table(), self.shelf_v.table()
             mask = None if self.all_bits else self.mask_c
-            out, lse = codebook_decode(
-                q,
-                bk,
-                self.idx_k,
-                self.mag_k,
-                bv,
-                self.idx_v,
-                self.mag_v,
-                self.pos_c,
-                cos,
-                sin,
-                mask,
-                ok,
-                ov,
-            )
-            parts.append(Partial(out, lse))
+            args = (q, bk, self.idx_k, self.mag_k, bv, self.idx_v, self.mag_v, self.pos_c)
+            parts.append(Partial(*self._decode(*args, cos, sin, mask, ok, ov)))
         if self.pos_d is not None:
             mask = None if self.all_bits else self.mask_d
-            out, lse = codebook_decode(
-                q, self.k_d, None, None, self.v_d, None, None, self.pos_d, cos, sin, mask
-            )
-            parts.append(Partial(out, lse))
+            args = (q, self.k_d, None, None, self.v_d, None, None, self.pos_d)
+            parts.append(Partial(*self._decode(*args, cos, sin, mask, None, None)))
         return parts
+
+    def _decode(self, q, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """codebook_decode's (out, lse), natively where the kernels are set (codebook_attn)."""
+        if self.kernels is not None and q.dtype == torch.float32 and not q.is_cuda:
+            return tuple(self.kernels.codebook_attn(q, *args, q.shape[-1] ** -0.5))
+        return codebook_decode(q, *args)
 
     def attend(self, q, q_pos, window, k_new=None, v_new=None, k_pos_new=None) -> torch.Tensor:
         """SDPA of q (1, Hq, T, D) over the rebuilt slots, masked per query head, and the turn's

@@ -1,0 +1,475 @@
+// Attention over keys a store keeps in its own form, one chunk of keys at a time for qops.cpp's
+// split_keys: MiniCache's merged pairs (a shared direction E per token, a factor per layer,
+// retained exact rows) and SpindleKV's codebook slots (rows gathered from codebooks, scaled,
+// keys rotated at their own positions, a keep mask per query head), and the codebook search of
+// SpindleKV's decode tokens. Included by qkernels.cpp after qstep.h (one copy per instruction
+// set); the structs are merged_types.h's.
+//
+// As qstep.h's attn_heads: the query rows of a KV head in groups of up to 3, each group reading
+// a block of keys once for its scores and once (from cache) to weigh the values, with a running
+// maximum. Nothing dense is built: a merged key's factor scales its score and a merged value's
+// its weight; a codebook key is rotated in registers. Scores of -inf (a masked slot) weigh 0.
+
+inline float half_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return fp16_to_fp32(h);
+#endif
+}
+
+inline float ld1(const float* p) { return *p; }
+inline float ld1(const uint16_t* p) { return half_to_f32(*p); }
+
+inline float elem_at(const void* p, int elem, int64_t i) {
+  return elem == EL_F16 ? half_to_f32(static_cast<const uint16_t*>(p)[i])
+                        : static_cast<const float*>(p)[i];
+}
+
+// A head's retained tokens from token j0 on, walked in order alongside the keys.
+struct Retained {
+  const int32_t* idx = nullptr;
+  int64_t r = 0, end = 0;
+
+  Retained(const MergedHalf& m, int64_t h, int64_t j0) {
+    if (m.ridx == nullptr) return;
+    const int64_t gr = h * m.r_grp;
+    idx = m.ridx;
+    end = m.roff[gr + 1];
+    int64_t lo = m.roff[gr], hi = end;  // first retained index >= j0
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (idx[mid] < j0) lo = mid + 1;
+      else hi = mid;
+    }
+    r = lo;
+  }
+  bool at(int64_t t) const { return r < end && idx[r] == t; }
+};
+
+// Token t of head h: its row and its factor before any norm (`norm`: divide by the row's).
+template <typename T>
+inline const T* merged_row(const MergedHalf& m, Retained& ret, int64_t h, int64_t t, int unit,
+                           float& f, bool& norm) {
+  if (ret.at(t)) {
+    f = 1.f;
+    norm = false;
+    return static_cast<const T*>(m.rows) + ret.r++ * m.r_row + h * m.r_col;
+  }
+  f = m.scale[h * m.s_h + t * m.s_t];
+  norm = unit != 0;
+  return static_cast<const T*>(m.e) + h * m.e_h + t * m.e_t;
+}
+
+inline int64_t book_index(const BookSide& b, int64_t h, int64_t s) {
+  const int64_t o = h * b.i_h + s * b.i_s;
+  const int64_t i = b.idx_bytes == 2   ? static_cast<const int16_t*>(b.idx)[o]
+                    : b.idx_bytes == 4 ? static_cast<const int32_t*>(b.idx)[o]
+                                       : static_cast<const int64_t*>(b.idx)[o];
+  return i + (b.off != nullptr ? b.off[h] : 0);
+}
+
+template <typename T>
+inline const T* book_row(const BookSide& b, int64_t h, int64_t s) {
+  const T* base = static_cast<const T*>(b.book);
+  return b.idx == nullptr ? base + h * b.b_h + s * b.b_r : base + book_index(b, h, s) * b.b_r;
+}
+
+inline float book_mag(const BookSide& b, int64_t h, int64_t s) {
+  return b.mag == nullptr ? 1.f : elem_at(b.mag, b.mag_elem, h * b.m_h + s * b.m_s);
+}
+
+// whether query row r (query head r / tq of the group) sees slot s of head h
+inline bool slot_visible(const CodebookArgs& a, int64_t h, int64_t s, int64_t r) {
+  if (a.mask == nullptr) return true;
+  const int64_t j = r / a.tq;
+  return (a.mask[h * a.k_h + s * a.k_s + j / 8] >> (j % 8)) & 1;
+}
+
+// ------------------------------------------------------------------------------- portable
+// One chunk, row by row: scores (R, n) in `scratch`, then softmax and the weighted values.
+// key(r, j, s, vis) gives row r's score of key j (vis false: hidden); value(j, w, o) adds w
+// times value j to o.
+template <class Key, class Value>
+void chunk_rows(int64_t R, int64_t n, int64_t d, const Key& key, const Value& value, float* out,
+                float* mx, float* sm, float* scores) {
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t j = 0; j < n; j++) scores[r * n + j] = key(r, j);
+  for (int64_t i = 0; i < R * d; i++) out[i] = 0.f;
+  for (int64_t r = 0; r < R; r++) {
+    float* sc = scores + r * n;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
+    float total = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+      sc[j] = m == -INFINITY ? 0.f : std::exp(sc[j] - m);
+      total += sc[j];
+    }
+    mx[r] = m;
+    sm[r] = total;
+    for (int64_t j = 0; j < n; j++)
+      if (sc[j] != 0.f) value(j, sc[j], out + r * d);
+  }
+}
+
+template <typename T>
+void merged_portable(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* out, float* mx,
+                     float* sm, float* scores) {
+  const int64_t d = a.d;
+  const float* q = a.q + h * a.R * d;
+  std::vector<const T*> kp(n), vp(n);
+  std::vector<float> fk(n), fv(n);
+  Retained rk(a.k, h, j0), rv(a.v, h, j0);
+  for (int64_t j = 0; j < n; j++) {
+    bool nk, nv;
+    kp[j] = merged_row<T>(a.k, rk, h, j0 + j, a.unit, fk[j], nk);
+    vp[j] = merged_row<T>(a.v, rv, h, j0 + j, a.unit, fv[j], nv);
+    float kk = 0.f, vv = 0.f;
+    for (int64_t i = 0; i < d; i++) {
+      kk += ld1(kp[j] + i) * ld1(kp[j] + i);
+      vv += ld1(vp[j] + i) * ld1(vp[j] + i);
+    }
+    if (nk && kk > 0.f) fk[j] /= std::sqrt(kk);
+    if (nv && vv > 0.f) fv[j] /= std::sqrt(vv);
+  }
+  chunk_rows(
+      a.R, n, d,
+      [&](int64_t r, int64_t j) {
+        float s = 0.f;
+        for (int64_t i = 0; i < d; i++) s += q[r * d + i] * ld1(kp[j] + i);
+        return s * (fk[j] * a.scale);
+      },
+      [&](int64_t j, float w, float* o) {
+        const float wf = w * fv[j];
+        for (int64_t i = 0; i < d; i++) o[i] += wf * ld1(vp[j] + i);
+      },
+      out, mx, sm, scores);
+}
+
+template <typename T>
+void codebook_portable(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, float* out,
+                       float* mx, float* sm, float* scores) {
+  const int64_t d = a.d, hd = d / 2;
+  const float* q = a.q + h * a.R * d;
+  std::vector<float> k(n * d);  // the chunk's keys, rotated
+  for (int64_t j = 0; j < n; j++) {
+    const T* c = book_row<T>(a.k, h, j0 + j);
+    const int64_t p = a.pos[h * a.p_h + (j0 + j) * a.p_s];
+    const float *cs = a.cos + p * a.cs_r, *sn = a.sin + p * a.cs_r;
+    for (int64_t i = 0; i < hd; i++) {
+      const float lo = ld1(c + i), hi = ld1(c + hd + i);
+      k[j * d + i] = lo * cs[i] - hi * sn[i];
+      k[j * d + hd + i] = hi * cs[i] + lo * sn[i];
+    }
+  }
+  chunk_rows(
+      a.R, n, d,
+      [&](int64_t r, int64_t j) {
+        if (!slot_visible(a, h, j0 + j, r)) return -INFINITY;
+        float s = 0.f;
+        for (int64_t i = 0; i < d; i++) s += q[r * d + i] * k[j * d + i];
+        return s * (book_mag(a.k, h, j0 + j) * a.scale);
+      },
+      [&](int64_t j, float w, float* o) {
+        const T* v = book_row<T>(a.v, h, j0 + j);
+        const float wf = w * book_mag(a.v, h, j0 + j);
+        for (int64_t i = 0; i < d; i++) o[i] += wf * ld1(v + i);
+      },
+      out, mx, sm, scores);
+}
+
+template <typename T>
+void best_rows_portable(const float* u, int64_t nu, const T* book, int64_t stride, int64_t n,
+                        int64_t d, float* best, int64_t* arg) {
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t a = 0; a < nu; a++) {
+      float s = 0.f;
+      for (int64_t c = 0; c < d; c++) s += u[a * d + c] * ld1(book + i * stride + c);
+      if (s > best[a]) {
+        best[a] = s;
+        arg[a] = i;
+      }
+    }
+}
+
+#if defined(__AVX2__)
+// ----------------------------------------------------------------------------------- AVX2
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+constexpr int64_t SKB = 128;  // keys per block
+
+// A block's scores sc (HG rows, stride ss, n keys) -> exp(score - running max) in place, -inf
+// scores 0; the running max and sum per row, r: the factor on the row's earlier sums.
+template <int HG>
+inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm, float* r) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  for (int a = 0; a < HG; a++) {
+    float* s = sc + a * ss;
+    float m = mx[a];
+    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    if (m == -INFINITY) {  // nothing visible yet
+      r[a] = 1.f;
+      for (int64_t j = 0; j < n; j++) s[j] = 0.f;
+      continue;
+    }
+    r[a] = std::exp(mx[a] - m);  // 0 on the first block (exp(-inf))
+    __m256 tv = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 x = _mm256_loadu_ps(s + j);
+      __m256 e = exp8(_mm256_sub_ps(x, _mm256_set1_ps(m)));
+      e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));  // exp8 clamps: -inf -> 0
+      _mm256_storeu_ps(s + j, e);
+      tv = _mm256_add_ps(tv, e);
+    }
+    float total = hsum(tv);
+    for (; j < n; j++) {
+      s[j] = std::exp(s[j] - m);
+      total += s[j];
+    }
+    sm[a] = sm[a] * r[a] + total;
+    mx[a] = m;
+  }
+}
+
+// out (HG, d) = out * r[a] + sum_j p[a][j] row_j, rows by pointer: 64 columns a pass
+template <int HG, typename T>
+inline void weigh_ptrs(const float* p, int64_t ps, int64_t n, const T* const* vp, int64_t d,
+                       const float* r, float* out) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    __m256 acc[HG][8];
+    for (int a = 0; a < HG; a++) {
+      const __m256 ra = _mm256_set1_ps(r[a]);
+      for (int c = 0; c < 8; c++)
+        acc[a][c] = _mm256_mul_ps(_mm256_loadu_ps(out + a * d + c0 + 8 * c), ra);
+    }
+    for (int64_t j = 0; j < n; j++) {
+      __m256 vv[8];
+      for (int c = 0; c < 8; c++) vv[c] = ld8(vp[j] + c0 + 8 * c);
+      for (int a = 0; a < HG; a++) {
+        const __m256 pa = _mm256_set1_ps(p[a * ps + j]);
+        for (int c = 0; c < 8; c++) acc[a][c] = _mm256_fmadd_ps(pa, vv[c], acc[a][c]);
+      }
+    }
+    for (int a = 0; a < HG; a++)
+      for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + a * d + c0 + 8 * c, acc[a][c]);
+  }
+}
+
+inline float sumsq(const __m256* x, int k) {
+  __m256 s = _mm256_mul_ps(x[0], x[0]);
+  for (int i = 1; i < k; i++) s = _mm256_fmadd_ps(x[i], x[i], s);
+  return hsum(s);
+}
+
+// HG query rows of head h over merged keys [j0, j0 + n)
+template <int HG, typename T>
+void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, int64_t n,
+                  float* out, float* mx, float* sm) {
+  const int64_t d = a.d;
+  float sc[HG * SKB], r[HG], fk[SKB], fv[SKB];
+  const T* kp[SKB];
+  const T* vp[SKB];
+  bool nk[SKB], nv[SKB];
+  for (int i = 0; i < HG; i++) {
+    mx[i] = -INFINITY;
+    sm[i] = 0.f;
+  }
+  for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
+  Retained rk(a.k, h, j0), rv(a.v, h, j0);
+  for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
+    const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0);
+    for (int64_t j = 0; j < nb; j++) {
+      kp[j] = merged_row<T>(a.k, rk, h, b0 + j, a.unit, fk[j], nk[j]);
+      vp[j] = merged_row<T>(a.v, rv, h, b0 + j, a.unit, fv[j], nv[j]);
+    }
+    for (int64_t j = 0; j < nb; j++) {
+      __m256 acc[HG], kk = _mm256_setzero_ps(), vv = _mm256_setzero_ps();
+      for (int i = 0; i < HG; i++) acc[i] = _mm256_setzero_ps();
+      const T* kr = kp[j];
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 k8 = ld8(kr + c);
+        for (int i = 0; i < HG; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), k8, acc[i]);
+        kk = _mm256_fmadd_ps(k8, k8, kk);
+      }
+      if (nv[j]) {  // the value's norm, read now so the weighing finds the row in cache
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 v8 = ld8(vp[j] + c);
+          vv = _mm256_fmadd_ps(v8, v8, vv);
+        }
+        const float n2 = hsum(vv);
+        if (n2 > 0.f) fv[j] /= std::sqrt(n2);
+      }
+      float f = fk[j];
+      if (nk[j]) {
+        const float n2 = hsum(kk);
+        if (n2 > 0.f) f /= std::sqrt(n2);
+      }
+      const float fs = f * a.scale;
+      for (int i = 0; i < HG; i++) sc[i * SKB + j] = hsum(acc[i]) * fs;
+    }
+    softmax_block<HG>(sc, SKB, nb, mx, sm, r);
+    for (int i = 0; i < HG; i++)
+      for (int64_t j = 0; j < nb; j++) sc[i * SKB + j] *= fv[j];
+    weigh_ptrs<HG, T>(sc, SKB, nb, vp, d, r, out);
+  }
+}
+
+// HG query rows (rows r0.. of head h) over codebook slots [j0, j0 + n)
+template <int HG, typename T>
+void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q, int64_t j0,
+                    int64_t n, float* out, float* mx, float* sm) {
+  const int64_t d = a.d, hd = d / 2;
+  float sc[HG * SKB], r[HG], mv[SKB];
+  const T* vp[SKB];
+  for (int i = 0; i < HG; i++) {
+    mx[i] = -INFINITY;
+    sm[i] = 0.f;
+  }
+  for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
+  for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
+    const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0);
+    for (int64_t j = 0; j < nb; j++) {
+      const int64_t s = b0 + j;
+      vp[j] = book_row<T>(a.v, h, s);
+      mv[j] = book_mag(a.v, h, s);
+      const T* kr = book_row<T>(a.k, h, s);
+      const int64_t p = a.pos[h * a.p_h + s * a.p_s];
+      const float *cs = a.cos + p * a.cs_r, *sn = a.sin + p * a.cs_r;
+      __m256 acc[HG];
+      for (int i = 0; i < HG; i++) acc[i] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < hd; c += 8) {  // k = (lo cos - hi sin, hi cos + lo sin)
+        const __m256 lo = ld8(kr + c), hi = ld8(kr + hd + c);
+        const __m256 c8 = _mm256_loadu_ps(cs + c), s8 = _mm256_loadu_ps(sn + c);
+        const __m256 klo = _mm256_fmsub_ps(lo, c8, _mm256_mul_ps(hi, s8));
+        const __m256 khi = _mm256_fmadd_ps(hi, c8, _mm256_mul_ps(lo, s8));
+        for (int i = 0; i < HG; i++) {
+          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), klo, acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + hd + c), khi, acc[i]);
+        }
+      }
+      const float fs = book_mag(a.k, h, s) * a.scale;
+      for (int i = 0; i < HG; i++)
+        sc[i * SKB + j] = slot_visible(a, h, s, r0 + i) ? hsum(acc[i]) * fs : -INFINITY;
+    }
+    softmax_block<HG>(sc, SKB, nb, mx, sm, r);
+    for (int i = 0; i < HG; i++)
+      for (int64_t j = 0; j < nb; j++) sc[i * SKB + j] *= mv[j];
+    weigh_ptrs<HG, T>(sc, SKB, nb, vp, d, r, out);
+  }
+}
+
+template <int NU, typename T>
+void best_rows_simd(const float* u, const T* book, int64_t stride, int64_t n, int64_t d,
+                    float* best, int64_t* arg) {
+  for (int64_t i = 0; i < n; i++) {
+    const T* row = book + i * stride;
+    __m256 acc[NU];
+    for (int a = 0; a < NU; a++) acc[a] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 x = ld8(row + c);
+      for (int a = 0; a < NU; a++) acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(u + a * d + c), x, acc[a]);
+    }
+    for (int a = 0; a < NU; a++) {
+      const float s = hsum(acc[a]);
+      if (s > best[a]) {
+        best[a] = s;
+        arg[a] = i;
+      }
+    }
+  }
+}
+#endif  // __AVX2__
+
+// The query rows of a head in groups of up to 3 rows, as even as may be (attn_chunk's split).
+template <class F>
+inline void row_groups(int64_t R, const F& f) {
+  const int64_t groups = (R + 2) / 3;
+  for (int64_t gi = 0, r0 = 0; gi < groups; gi++) {
+    const int64_t hn = (R - r0) / (groups - gi) + ((R - r0) % (groups - gi) ? 1 : 0);
+    f(r0, hn);
+    r0 += hn;
+  }
+}
+
+// MergedChunkFn: KV head h's R rows over merged tokens [j0, j0 + n)
+void merged_chunk(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* part, float* mx,
+                  float* sm, float* scratch) {
+  const bool f16 = a.elem == EL_F16;
+#if defined(__AVX2__)
+  if (a.d % 64 == 0) {
+    const float* q = a.q + h * a.R * a.d;
+    row_groups(a.R, [&](int64_t r0, int64_t hn) {
+      const float* qh = q + r0 * a.d;
+      float* o = part + r0 * a.d;
+#define KVQ_MERGED(HG)                                                                   \
+  f16 ? merged_heads<HG, uint16_t>(a, h, qh, j0, n, o, mx + r0, sm + r0)                 \
+      : merged_heads<HG, float>(a, h, qh, j0, n, o, mx + r0, sm + r0)
+      if (hn == 3) KVQ_MERGED(3);
+      else if (hn == 2) KVQ_MERGED(2);
+      else KVQ_MERGED(1);
+#undef KVQ_MERGED
+    });
+    return;
+  }
+#endif
+  if (f16) merged_portable<uint16_t>(a, h, j0, n, part, mx, sm, scratch);
+  else merged_portable<float>(a, h, j0, n, part, mx, sm, scratch);
+}
+
+// CodebookChunkFn: KV head h's R rows over slots [j0, j0 + n)
+void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, float* part,
+                    float* mx, float* sm, float* scratch) {
+  const bool f16 = a.elem == EL_F16;
+#if defined(__AVX2__)
+  if (a.d % 64 == 0) {
+    const float* q = a.q + h * a.R * a.d;
+    row_groups(a.R, [&](int64_t r0, int64_t hn) {
+      const float* qh = q + r0 * a.d;
+      float* o = part + r0 * a.d;
+#define KVQ_BOOK(HG)                                                                     \
+  f16 ? codebook_heads<HG, uint16_t>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0)           \
+      : codebook_heads<HG, float>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0)
+      if (hn == 3) KVQ_BOOK(3);
+      else if (hn == 2) KVQ_BOOK(2);
+      else KVQ_BOOK(1);
+#undef KVQ_BOOK
+    });
+    return;
+  }
+#endif
+  if (f16) codebook_portable<uint16_t>(a, h, j0, n, part, mx, sm, scratch);
+  else codebook_portable<float>(a, h, j0, n, part, mx, sm, scratch);
+}
+
+// BestRowFn
+void best_rows(const float* u, int64_t nu, const void* book, int elem, int64_t stride, int64_t n,
+               int64_t d, float* best, int64_t* arg) {
+  const bool f16 = elem == EL_F16;
+#if defined(__AVX2__)
+  if (d % 8 == 0) {
+    for (int64_t a0 = 0; a0 < nu; a0 += 4) {
+      const int64_t k = std::min<int64_t>(4, nu - a0);
+      const float* ua = u + a0 * d;
+#define KVQ_BEST(NU)                                                                       \
+  f16 ? best_rows_simd<NU>(ua, static_cast<const uint16_t*>(book), stride, n, d, best + a0,  \
+                           arg + a0)                                                       \
+      : best_rows_simd<NU>(ua, static_cast<const float*>(book), stride, n, d, best + a0,     \
+                           arg + a0)
+      if (k == 4) KVQ_BEST(4);
+      else if (k == 3) KVQ_BEST(3);
+      else if (k == 2) KVQ_BEST(2);
+      else KVQ_BEST(1);
+#undef KVQ_BEST
+    }
+    return;
+  }
+#endif
+  if (f16)
+    best_rows_portable(u, nu, static_cast<const uint16_t*>(book), stride, n, d, best, arg);
+  else
+    best_rows_portable(u, nu, static_cast<const float*>(book), stride, n, d, best, arg);
+}

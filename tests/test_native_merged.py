@@ -1,0 +1,184 @@
+"""MiniCache's native decode attention (kernels/cpu/merged_attn.h, op merged_attn) against the
+torch reference kernels.merged_decode_ref, on the shared shapes, instruction sets and thread
+counts; and the manager's decode through it against its torch path (the kernels unset)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from native_attention import HEADS, LENGTHS, isa, needs_native, ops, threads  # noqa: F401
+from test_kernels_merged import model6, pair_inputs
+from test_kv_methods import drive, new_kv, prompt
+
+from kvrun.kernels.merged_decode import merged_decode_ref
+from kvrun.kv.attention import segment_attention
+
+pytestmark = needs_native
+F16, F32 = torch.float16, torch.float32
+
+
+def sorted_rows(ov: torch.Tensor | None, rows: torch.Tensor | None):
+    """An override map (Hkv, T) and its rows -> merged_attn's (ridx, roff, rows): each head's
+    retained tokens ascending, the rows in that order (a Half's layout)."""
+    if ov is None or not bool((ov >= 0).any()):
+        return None, None, None
+    h, t = (ov >= 0).nonzero(as_tuple=True)  # row-major: by head, then token
+    roff = torch.zeros(ov.shape[0] + 1, dtype=torch.int64)
+    roff[1:] = torch.bincount(h, minlength=ov.shape[0]).cumsum(0)
+    return t.to(torch.int32), roff, rows[ov[h, t].long()]
+
+
+def native(args, k_new=None, v_new=None):
+    q, ek, sk, ev, sv, unit, ovk, rk, ovv, rv = args
+    return ops.merged_attn(
+        q, ek, sk.float(), ev, sv.float(), unit, *sorted_rows(ovk, rk), *sorted_rows(ovv, rv),
+        1, k_new, v_new, q.shape[-1] ** -0.5,
+    )  # fmt: skip
+
+
+def close(got, ref, dtype=F32):
+    tol = 2e-5 if dtype == F32 else 1e-3
+    torch.testing.assert_close(got[0], ref[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(got[1], ref[1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", HEADS)
+@pytest.mark.parametrize("T", LENGTHS)
+def test_merged_attn_matches_reference(Hq, Hkv, D, T, isa, threads):  # noqa: F811
+    """One query row and two (a chunk), unit norms or plain factors, with and without retained
+    rows (K only, V only, both), a zero E row, float32 and float16 E."""
+    g = Hq // Hkv
+    for i, (Tq, unit, over, dtype) in enumerate(
+        [(1, True, True, F32), (1, False, False, F32), (2, True, False, F32), (1, True, True, F16)]
+    ):
+        args = pair_inputs(Hkv, g, Tq, T, D, unit, over, seed=T * 31 + Hq + i, dtype=dtype)
+        args[0] = args[0].float()  # q is float32 on the native path
+        close(native(args), merged_decode_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", HEADS[:4])
+@pytest.mark.parametrize("Tq", [1, 3])
+@pytest.mark.parametrize("T", [0, 1, 250])
+def test_own_tokens_fold_in_causally(Hq, Hkv, D, Tq, T, isa, threads):  # noqa: F811
+    """The step's own exact tokens after the merged ones: the merged partial and the own one
+    (causal among themselves) merged by log-sum-exp."""
+    args = pair_inputs(Hkv, Hq // Hkv, Tq, T, D, True, True, seed=Tq + T)
+    gen = torch.Generator().manual_seed(D)
+    kn, vn = torch.randn(2, 1, Hkv, Tq, D, generator=gen)
+    out, lse = native(args, kn, vn)
+    a = merged_decode_ref(*args)
+    causal = torch.ones(Tq, Tq, dtype=torch.bool).tril()
+    b = segment_attention(args[0], kn, vn, causal)
+    total = torch.logaddexp(a[1], b.lse)
+    ref = (torch.exp(a[1] - total)[..., None].nan_to_num(0) * a[0]
+           + torch.exp(b.lse - total)[..., None] * b.out)  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, total, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", HEADS)
+def test_retained_rows_per_token(Hq, Hkv, D, isa):  # noqa: F811
+    """scope=layer: one group of retained tokens, a row of Hkv * D per token, the factors given
+    whole (unit off): as Layout.override maps them for the reference."""
+    T, gen = 77, torch.Generator().manual_seed(Hq * D)
+    q = torch.randn(1, Hq, 1, D, generator=gen)
+    ek, ev = torch.randn(2, Hkv, T, D, generator=gen)
+    sk, sv = (0.5 + torch.rand(2, T, generator=gen)).expand(Hkv, 2, T).transpose(0, 1)
+    idx = torch.tensor([0, 5, 6, 40, T - 1], dtype=torch.int32)
+    rk, rv = torch.randn(2, len(idx), Hkv * D, generator=gen)
+    ov = torch.full((Hkv, T), -1, dtype=torch.int32)
+    r = torch.arange(len(idx), dtype=torch.int32)
+    ov[:, idx.long()] = r[None, :] * Hkv + torch.arange(Hkv, dtype=torch.int32)[:, None]
+    ref = merged_decode_ref(q, ek, sk, ev, sv, False, ov, rk.reshape(-1, D), ov, rv.reshape(-1, D))
+    roff = torch.tensor([0, len(idx)])
+    got = ops.merged_attn(
+        q, ek, sk, ev, sv, False, idx, roff, rk, idx, roff, rv, 0, None, None, D**-0.5
+    )
+    close(got, ref)
+
+
+def test_bad_arguments_are_refused():
+    args = pair_inputs(2, 3, 1, 20, 64, True, True, seed=1)
+    q, ek, sk, ev, sv, unit, ovk, rk, ovv, rv = args
+    ridx, roff, rows = sorted_rows(ovk, rk)
+    for bad in (
+        (ridx.flip(0), roff, rows),  # not ascending
+        (ridx + 20, roff, rows),  # outside T
+        (ridx, roff[:-1], rows),  # roff too short
+        (ridx, roff, rows[:, :32]),  # rows too narrow
+    ):
+        with pytest.raises(RuntimeError):
+            ops.merged_attn(q, ek, sk, ev, sv, True, *bad, None, None, None, 1, None, None, 0.1)
+    with pytest.raises(RuntimeError):  # E_K and E_V of two dtypes
+        ops.merged_attn(q, ek, sk, ev.half(), sv, True, *[None] * 6, 1, None, None, 0.1)
+
+
+# --- the manager ------------------------------------------------------------------------------
+SPECS = [
+    "minicache:gamma=0.3",
+    "minicache:gamma=0.3,scope=layer",
+    "minicache:gamma=0.2,decode_retain=1",  # retained rows also added while decoding
+    "minicache:start=0,retain=topk:0.25,retain_rule=paper",
+]
+
+
+@pytest.fixture
+def model_with_kernels():
+    """model6 whose RoPE carries the native kernels (as Transformer.use_native_step sets them
+    on a GGUF model): managers built on it attend natively, the model itself stays torch."""
+    m = model6()
+    m.rope.kernels = ops
+    yield m
+    m.rope.kernels = None
+
+
+def count_native(monkeypatch, kv) -> list:
+    calls = []
+    for view in kv.views.values():
+        real = view.attend_native
+        monkeypatch.setattr(view, "attend_native", lambda *a, r=real: calls.append(1) or r(*a))
+    return calls
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_equals_the_torch_path(monkeypatch, model_with_kernels, spec):
+    m, P, steps = model_with_kernels, 75, 6
+    old = new_kv(m, spec)
+    for st in old.stores():  # the same manager with the kernels unset: today's torch path
+        st.kernels = None
+    ref = drive(m, old, prompt(P, seed=3), 32, steps)
+    toks = ref[P - 1 : -1].argmax(-1).tolist()
+    kv = new_kv(m, spec)
+    calls = count_native(monkeypatch, kv)
+    got = drive(m, kv, prompt(P, seed=3), 32, steps, tokens=toks)
+    assert len(calls) == 2 * len(kv.pairs) * steps  # every paired layer, every step
+    assert any(p.k.ridx.numel() for p in kv.pairs)  # retained rows were put back
+    assert torch.equal(got[:P], ref[:P])  # prefill: the same path
+    torch.testing.assert_close(got[P:], ref[P:], atol=1e-4, rtol=1e-4)
+    assert kv.nbytes() == old.nbytes()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_multi_token_decode_calls(model_with_kernels):
+    """Decode calls of several tokens at once (the pending slot holds them; own tokens
+    causal) equal the torch path."""
+    m, P = model_with_kernels, 40
+    kvs = [new_kv(m, "minicache:gamma=0.3"), new_kv(m, "minicache:gamma=0.3")]
+    for st in kvs[1].stores():
+        st.kernels = None
+    outs = []
+    for kv in kvs:
+        drive(m, kv, prompt(P, seed=6), 64)
+        n, logits = P, []
+        with torch.inference_mode():
+            for span in (2, 3, 1):
+                ids = torch.tensor([prompt(span, seed=n)])
+                logits.append(m(ids, torch.arange(n, n + span), kv)[0])
+                kv.end_step()
+                n += span
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    assert math.isfinite(float(outs[0].abs().max()))
