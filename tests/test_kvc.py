@@ -107,9 +107,9 @@ def same_graph(a, b, path="kv", seen=None):
             same_graph(fa[k], fb[k], f"{path}.{k}", seen)
 
 
-def _round_trip(tmp_path, model, text):
+def _round_trip(tmp_path, model, text, dtype=None):
     rt = _runtime(tmp_path, model)
-    spec = check(text)
+    spec = check(text).with_dtype(dtype)
     s = Session(model, None, rt.new_kv(spec), ubatch=64)
     s.prefill(test_kv_methods.prompt(DOC, seed=3))
     path = kvc.save(tmp_path / "doc.kvc", s.kv, s.tokens, rt)
@@ -137,6 +137,15 @@ def test_every_method_and_stack_round_trips_bit_for_bit(tmp_path, text):
     head, body = _sizes(path)
     assert head < 64 * 1024, head
     assert body <= 1.05 * header["kv_bytes"], (body, header["kv_bytes"])
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("text", ["full", "snapkv", "h2o"])
+def test_a_dense_store_in_another_kv_type_round_trips(tmp_path, text, dtype):
+    """--kv-dtype's stores: the file holds the rows as stored (f16 halves, q8_0 / q4_0
+    blocks) and records the type; the cache goes on bit for bit."""
+    path, header = _round_trip(tmp_path, test_kv_methods.tiny(), text, dtype)
+    assert header["spec"]["dtype"] == dtype
 
 
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2"])
@@ -370,6 +379,8 @@ def test_every_mismatch_with_the_file_is_one_line_naming_both(tiny, tmp_path):
         ("--kv", "snapkv:window=8", "--kv-budget", "0.5"): ("options differ", "window=8"),
         ("--kv", "snapkv", "--kv-budget", "0.25"): (held, "not --kv-budget 0.25"),
         ("--kv-budget", "0.25"): (held, "not --kv-budget 0.25"),
+        ("--kv-dtype", "q8_0"): ("holds an f16 cache", "not --kv-dtype q8_0"),
+        ("--kv", "snapkv", "--kv-budget", "0.5", "-ctk", "f32"): ("f16", "--kv-dtype f32"),
     }
     for flags, needles in asked.items():
         r = _run("generate", "-m", m, "--kv-cache", str(out), *flags, "-p", "x", "-n", "1")
