@@ -163,7 +163,13 @@ class Engine:
         self.graph = None
         if modes - {"off"}:
             self.graph = BatchGraph(model, sessions[0].context, capture="on" in modes)
-        self.per_token = model.config.kv_bytes_per_token(model.dtype.itemsize)
+        # a full cache's bytes per token in the sessions' KV type (--kv-dtype)
+        c, t = model.config, sessions[0].kv.kv_type
+        self.per_token = (
+            2 * c.n_layers * c.n_kv_heads * t.row_bytes(c.head_dim)
+            if t is not None
+            else c.kv_bytes_per_token(model.dtype.itemsize)
+        )
         self.stats = EngineStats()
         # as of the last step: sequences holding a slot, the bytes their caches hold, and what
         # full caches would hold for the same tokens (kvrun serve's /metrics reads these)
