@@ -685,6 +685,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 
 #include "qkernels_x8.h"
 #include "qstep.h"
+#include "kivi_attn.h"  // KIVI
 
 Table make_table() {
   Table t;
@@ -704,6 +705,8 @@ Table make_table() {
   t.rope = rope_row;
   t.silu_mul = silu_mul_row;
   t.attn_chunk = attn_chunk;
+  t.kivi_chunk = kivi_chunk;  // KIVI
+  t.kivi_dequant = kivi_dequant;
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;
