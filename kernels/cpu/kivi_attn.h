@@ -107,7 +107,7 @@ void kivi_by_group(const float* x, int64_t xs, int64_t n, int64_t m, float* y, i
 void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, int64_t gd,
                         const float* p, int64_t kb, const float* alpha, float* pw, float* zs) {
   const float* vs = b.vs + b0 * b.vs_t;
-  const float* vz = b.vz + b0 * b.vs_t;
+  const float* vz = b.vz + b0 * b.vz_t;
   for (int64_t i = 0; i < r; i++) {
     const float* pi = p + i * kb;
     float* w = pw + i * kb * gd;
@@ -115,7 +115,7 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
     for (int64_t g = 0; g < gd; g++) z[g] *= alpha[i];
     int64_t j = 0;
 #if defined(__AVX2__)
-    if (gd == 1 && b.vs_t == 1) {
+    if (gd == 1 && b.vs_t == 1 && b.vz_t == 1) {
       __m256 za = _mm256_setzero_ps();
       for (; j + 8 <= nb; j += 8) {
         const __m256 pv = _mm256_loadu_ps(pi + j);
@@ -123,7 +123,7 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
         za = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + j), za);
       }
       z[0] += hsum(za);
-    } else if (gd == 2 && b.vs_t == 2) {  // p0 p0 p1 p1 ... against (token, group) pairs
+    } else if (gd == 2 && b.vs_t == 2 && b.vz_t == 2) {  // p0 p0 p1 p1 ... against (token, group) pairs
       __m256 za = _mm256_setzero_ps();
       for (; j + 8 <= nb; j += 8) {
         const __m256 pv = _mm256_loadu_ps(pi + j);
@@ -145,7 +145,7 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
       const float pj = pi[j];
       for (int64_t g = 0; g < gd; g++) {
         w[j * gd + g] = pj * vs[j * b.vs_t + g];
-        z[g] += pj * vz[j * b.vs_t + g];
+        z[g] += pj * vz[j * b.vz_t + g];
       }
     }
   }
@@ -155,7 +155,7 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
 void kivi_key_columns(const KiviHead& b, int64_t gi0, int64_t ng, int64_t d, float* cs,
                       float* cz) {
   kivi_by_group(b.ks + gi0, b.ks_c, d, ng, cs, d);
-  kivi_by_group(b.kz + gi0, b.ks_c, d, ng, cz, d);
+  kivi_by_group(b.kz + gi0, b.kz_c, d, ng, cz, d);
 }
 
 // qs (r, d) = q * a key group's scales cs (d), zc (r) = q . its zeros cz (d)
@@ -535,6 +535,16 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
 #endif
   for (int64_t b0 = j0; b0 < j0 + n; b0 += kb) {
     const int64_t nb = std::min(kb, j0 + n - b0);
+    // keys are d rows (channels) far apart, too many streams for the hardware prefetcher:
+    // fetch each row's words, scales and zeros two blocks ahead
+    if (b0 + 2 * kb < j0 + n) {
+      const int64_t pw_ = (b0 + 2 * kb) * bits / 32, pg = (b0 + 2 * kb) / G;
+      for (int64_t c = 0; c < d; c++) {
+        __builtin_prefetch(b.kc + c * b.kc_c + pw_);
+        __builtin_prefetch(b.ks + c * b.ks_c + pg);
+        __builtin_prefetch(b.kz + c * b.kz_c + pg);
+      }
+    }
 #if defined(__AVX2__)
     if (simd) {
       switch (bits) {
@@ -565,13 +575,83 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
     for (int64_t c = 0; c < d; c++) out[i * d + c] += zs[i * gd + c / G];
 }
 
+#if defined(__AVX2__)
+// 8x8 floats transposed in registers
+inline void kivi_transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// kivi_dequant 8 channels by 8 tokens at a time (keys transposed in registers), 8 channels of
+// a token at a time (values); a product, then a sum, as the reference
+template <int B>
+void kivi_dequant_avx2(const KiviHead& b, int G, int64_t t0, int64_t n, int64_t d, float* k,
+                       float* v) {
+  for (int64_t t = 0; t < n; t += 8) {
+    const int64_t g = (t0 + t) / G;
+    int64_t at;
+    __m256i sh;
+    kivi_where<B>(t0 + t, at, sh);
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; i++) {
+        const int64_t c = c0 + i;
+        const __m256 x = kivi_code8<B>(b.kc + c * b.kc_c, at, sh);
+        r[i] = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(b.ks[c * b.ks_c + g])),
+                             _mm256_set1_ps(b.kz[c * b.kz_c + g]));
+      }
+      kivi_transpose8(r);
+      for (int i = 0; i < 8; i++) _mm256_storeu_ps(k + (t + i) * d + c0, r[i]);
+    }
+  }
+  for (int64_t t = 0; t < n; t++) {
+    const int32_t* w = b.vc + (t0 + t) * b.vc_t;
+    const float* vs = b.vs + (t0 + t) * b.vs_t;
+    const float* vz = b.vz + (t0 + t) * b.vz_t;
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {
+      int64_t at;
+      __m256i sh;
+      kivi_where<B>(c0, at, sh);
+      const __m256 x = kivi_code8<B>(w, at, sh);
+      const __m256 y = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(vs[c0 / G])),
+                                     _mm256_set1_ps(vz[c0 / G]));
+      _mm256_storeu_ps(v + t * d + c0, y);
+    }
+  }
+}
+#endif
+
 // KiviDequantFn
 void kivi_dequant(const KiviHead& b, int bits, int G, int64_t t0, int64_t n, int64_t d, float* k,
                   float* v) {
+#if defined(__AVX2__)
+  if (d % 8 == 0 && G % 8 == 0) {
+    switch (bits) {
+      case 1: return kivi_dequant_avx2<1>(b, G, t0, n, d, k, v);
+      case 2: return kivi_dequant_avx2<2>(b, G, t0, n, d, k, v);
+      case 4: return kivi_dequant_avx2<4>(b, G, t0, n, d, k, v);
+      default: return kivi_dequant_avx2<8>(b, G, t0, n, d, k, v);
+    }
+  }
+#endif
   for (int64_t c = 0; c < d; c++) {
     const int32_t* w = b.kc + c * b.kc_c;
     const float* ks = b.ks + c * b.ks_c;
-    const float* kz = b.kz + c * b.ks_c;
+    const float* kz = b.kz + c * b.kz_c;
     for (int64_t t = 0; t < n; t++) {
       const int64_t g = (t0 + t) / G;
       k[t * d + c] = kivi_code(w, bits, t0 + t) * ks[g] + kz[g];
@@ -580,7 +660,7 @@ void kivi_dequant(const KiviHead& b, int bits, int G, int64_t t0, int64_t n, int
   for (int64_t t = 0; t < n; t++) {
     const int32_t* w = b.vc + (t0 + t) * b.vc_t;
     const float* vs = b.vs + (t0 + t) * b.vs_t;
-    const float* vz = b.vz + (t0 + t) * b.vs_t;
+    const float* vz = b.vz + (t0 + t) * b.vz_t;
     for (int64_t c = 0; c < d; c++) v[t * d + c] = kivi_code(w, bits, c) * vs[c / G] + vz[c / G];
   }
 }

@@ -80,38 +80,50 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
 }
 
 // ---------------------------------------------------------------------------- the body
-// The six body tensors of KiviLayer.body(), checked: views with contiguous last dimensions
+// KiviLayer's six body buffers (its Buffers' whole tensors, room included) and the tokens held,
+// checked: keys (H, D, >= tb*b/32) words and (H, D, >= tb/G) scales, zeros; values
+// (H, >= tb, D*b/32) words and (H, >= tb, D/G) scales, zeros; contiguous last dimensions
 struct KiviBody {
   int64_t H, Tb, D, bits, G;
   const at::Tensor *kc, *ks, *kz, *vc, *vs, *vz;
 
   KiviBody(const at::Tensor& kc_, const at::Tensor& ks_, const at::Tensor& kz_,
-           const at::Tensor& vc_, const at::Tensor& vs_, const at::Tensor& vz_, int64_t bits_,
-           int64_t group)
+           const at::Tensor& vc_, const at::Tensor& vs_, const at::Tensor& vz_, int64_t tb,
+           int64_t bits_, int64_t group)
       : kc(&kc_), ks(&ks_), kz(&kz_), vc(&vc_), vs(&vs_), vz(&vz_) {
     for (const at::Tensor* t : {ks, kz, vs, vz}) check_f32(*t, "kivi scales and zeros");
     for (const at::Tensor* t : {kc, vc})
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt, "kivi codes: int32");
     for (const at::Tensor* t : {kc, ks, kz, vc, vs, vz})
       TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "kivi body: 3-D, contiguous last dim");
-    H = vc->size(0), Tb = vc->size(1), D = kc->size(1), bits = bits_, G = group;
+    H = kc->size(0), Tb = tb, D = kc->size(1), bits = bits_, G = group;
     check_kivi_layout(bits, G, D);
     const int64_t per = 32 / bits;
-    TORCH_CHECK(Tb % G == 0 && kc->size(0) == H && kc->size(2) == Tb / per &&
-                    vc->size(2) == D / per && ks->sizes() == kz->sizes() &&
-                    ks->strides() == kz->strides() && ks->size(0) == H && ks->size(1) == D &&
-                    ks->size(2) == Tb / G && vs->sizes() == vz->sizes() &&
-                    vs->strides() == vz->strides() && vs->size(0) == H && vs->size(1) == Tb &&
-                    vs->size(2) == D / G,
-                "kivi body: shapes do not fit ", bits, " bits, group ", G);
+    bool ok = Tb >= 0 && Tb % G == 0;
+    for (const at::Tensor* t : {ks, kz})
+      ok = ok && t->size(0) == H && t->size(1) == D && t->size(2) >= Tb / G;
+    for (const at::Tensor* t : {vs, vz})
+      ok = ok && t->size(0) == H && t->size(1) >= Tb && t->size(2) == D / G;
+    ok = ok && kc->size(2) >= Tb / per && vc->size(0) == H && vc->size(1) >= Tb &&
+         vc->size(2) == D / per;
+    TORCH_CHECK(ok, "kivi body: buffers do not hold ", Tb, " tokens of ", bits, " bits, group ", G);
   }
 
   kvq::KiviHead head(int64_t h) const {
-    return {kc->data_ptr<int32_t>() + h * kc->stride(0), kc->stride(1),
-            ks->data_ptr<float>() + h * ks->stride(0),   kz->data_ptr<float>() + h * kz->stride(0),
-            ks->stride(1),                               vc->data_ptr<int32_t>() + h * vc->stride(0),
-            vc->stride(1),                               vs->data_ptr<float>() + h * vs->stride(0),
-            vz->data_ptr<float>() + h * vz->stride(0),   vs->stride(1)};
+    kvq::KiviHead b;
+    b.kc = kc->data_ptr<int32_t>() + h * kc->stride(0);
+    b.kc_c = kc->stride(1);
+    b.ks = ks->data_ptr<float>() + h * ks->stride(0);
+    b.kz = kz->data_ptr<float>() + h * kz->stride(0);
+    b.ks_c = ks->stride(1);
+    b.kz_c = kz->stride(1);
+    b.vc = vc->data_ptr<int32_t>() + h * vc->stride(0);
+    b.vc_t = vc->stride(1);
+    b.vs = vs->data_ptr<float>() + h * vs->stride(0);
+    b.vz = vz->data_ptr<float>() + h * vz->stride(0);
+    b.vs_t = vs->stride(1);
+    b.vz_t = vz->stride(1);
+    return b;
   }
 };
 
@@ -128,37 +140,24 @@ void merge_partial(int64_t R, int64_t d, float* part, float* mx, float* sm, cons
   }
 }
 
-// One layer of KiviLayer.partials in one call: q (1, Hq, Tq, D) over the packed body (slots
-// 0 .. Tb - 1) then the dense tail tk, tv (H, Tt, D) float32 (slots Tb ..), every slot visible
-// when n_new = 0, else the last n_new slots are the queries' own and query i sees the slots up
-// to its own (the body's too, where a flush put own tokens there) -> [out (1, Hq, Tq, D),
-// lse (1, Hq, Tq)], merged exactly over both.
-std::vector<at::Tensor> kivi_attn(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& ks,
-                                  const at::Tensor& kz, const at::Tensor& vc, const at::Tensor& vs,
-                                  const at::Tensor& vz, const at::Tensor& tk, const at::Tensor& tv,
-                                  int64_t bits, int64_t group, int64_t n_new, double scale) {
-  check_f32(q_, "q");
-  check_f32(tk, "tail k");
-  check_f32(tv, "tail v");
-  const KiviBody body(kc, ks, kz, vc, vs, vz, bits, group);
-  const int64_t H = body.H, Tb = body.Tb, D = body.D, G = group;
-  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(3) == D && q_.size(1) % H == 0,
-              "kivi_attn: q (1, Hq, Tq, D) with Hq a multiple of the body's heads");
+// The attention of q (Hq, Tq, D) contiguous over a packed body (slots 0 .. Tb - 1) then a
+// dense tail tk, tv (H, >= Tt, D) float32 (slots Tb .. Tb + Tt - 1), merged exactly: every slot
+// visible when n_new = 0, else the last n_new slots are the queries' own and query i sees the
+// slots up to its own (the body's too, where a flush put own tokens there). out (Hq * Tq, D);
+// lse (Hq * Tq) or nullptr.
+void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, const at::Tensor& tk,
+               const at::Tensor& tv, int64_t Tt, int64_t n_new, float sc, float* out, float* lse) {
+  const int64_t H = body.H, Tb = body.Tb, D = body.D, G = body.G, bits = body.bits;
   TORCH_CHECK(tk.dim() == 3 && tk.sizes() == tv.sizes() && tk.strides() == tv.strides() &&
-                  tk.size(0) == H && tk.size(2) == D && tk.stride(2) == 1,
-              "kivi_attn: tail k and v (H, Tt, D) alike, contiguous rows");
-  const at::Tensor q = q_.contiguous();
-  const int64_t Hq = q.size(1), Tq = q.size(2), g = Hq / H, R = g * Tq;
-  const int64_t Tt = tk.size(1), L = Tb + Tt;
-  TORCH_CHECK(n_new >= 0 && n_new <= L, "kivi_attn: n_new ", n_new, " of ", L, " slots");
-  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
-  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+                  tk.size(0) == H && tk.size(1) >= Tt && tk.size(2) == D && tk.stride(2) == 1,
+              "kivi: tail k and v (H, >= Tt, D) alike, contiguous rows");
+  TORCH_CHECK(Hq % H == 0, "kivi: query heads are not a multiple of the store's ", H);
+  const int64_t g = Hq / H, R = g * Tq, L = Tb + Tt;
+  TORCH_CHECK(n_new >= 0 && n_new <= L, "kivi: n_new ", n_new, " of ", L, " slots");
   // the rows of KV head h are (g, Tq): row a * Tq + i is query i; it sees slots below lim[i]
   std::vector<int64_t> lim(R);
   for (int64_t r = 0; r < R; r++) lim[r] = n_new ? std::min(L, L - n_new + r % Tq + 1) : L;
   const int64_t lo = R ? *std::min_element(lim.begin(), lim.end()) : L;
-  const float sc = (float)scale;
-  const float* qp = q.data_ptr<float>();
   std::vector<float> qs(Hq * Tq * D);  // q times the scale: the body's scores take it folded in
   for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * sc;
   const float *tkp = tk.data_ptr<float>(), *tvp = tv.data_ptr<float>();
@@ -208,17 +207,83 @@ std::vector<at::Tensor> kivi_attn(const at::Tensor& q_, const at::Tensor& kc, co
         }
         if (in_body) merge_partial(R, D, part, mx, sm, p2, m2, s2);
       },
-      out.data_ptr<float>(), lse.data_ptr<float>());
+      out, lse);
+}
+
+// One layer of KiviLayer.partials in one call: q (1, Hq, Tq, D) over the body (tb tokens of
+// the six body buffers) and the tail (tt rows of tk, tv) as kivi_rows says -> [out (1, Hq, Tq,
+// D), lse (1, Hq, Tq)]
+std::vector<at::Tensor> kivi_attn(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& ks,
+                                  const at::Tensor& kz, const at::Tensor& vc, const at::Tensor& vs,
+                                  const at::Tensor& vz, int64_t tb, const at::Tensor& tk,
+                                  const at::Tensor& tv, int64_t tt, int64_t bits, int64_t group,
+                                  int64_t n_new, double scale) {
+  check_f32(q_, "q");
+  check_f32(tk, "tail k");
+  check_f32(tv, "tail v");
+  const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(3) == body.D,
+              "kivi_attn: q (1, Hq, Tq, D)");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = body.D;
+  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  kivi_rows(q.data_ptr<float>(), Hq, Tq, body, tk, tv, tt, n_new, (float)scale,
+            out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }
 
-// Body tokens [t0, t1) (whole groups) dequantized -> [k, v (1, H, t1 - t0, D) float32], the
-// torch reference's values (KiviLayer.dequantized)
+// A decode row of a KIVI store in one call, as rope_append_attend is a dense cache's: q, k
+// (1, H, 1, D) rotated by RoPE (row pos of cos, ssin), k and v written to tail row tt of tk, tv
+// (H, > tt, D), q attending over the body (tb tokens) and tail rows 0 .. tt -> (1, Hq, 1, D)
+at::Tensor kivi_rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cos, const at::Tensor& ssin, int64_t pos,
+                                   const at::Tensor& kc, const at::Tensor& ks,
+                                   const at::Tensor& kz, const at::Tensor& vc,
+                                   const at::Tensor& vs, const at::Tensor& vz, int64_t tb,
+                                   at::Tensor& tk, at::Tensor& tv, int64_t tt, int64_t bits,
+                                   int64_t group, double scale) {
+  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin}) check_f32(*t, "tensors");
+  check_f32(tk, "tail k");
+  check_f32(tv, "tail v");
+  const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
+  const int64_t hq = q.size(1), H = body.H, d = body.D;
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && q.size(3) == d &&
+                  k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == 1 && k.size(1) == H &&
+                  k.size(2) == 1 && k.size(3) == d && q.stride(3) == 1 && k.stride(3) == 1 &&
+                  v.stride(3) == 1,
+              "kivi_rope_append_attend: q (1, Hq, 1, D), k and v (1, H, 1, D)");
+  TORCH_CHECK(tk.dim() == 3 && tk.sizes() == tv.sizes() && tk.strides() == tv.strides() &&
+                  tk.size(0) == H && tk.size(2) == d && tk.stride(2) == 1 && tt >= 0 &&
+                  tt < tk.size(1),
+              "kivi_rope_append_attend: tail buffers (H, cap, D) with room for row tt");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
+              "kivi_rope_append_attend: cos and ssin tables (>= pos + 1, D)");
+  const kvq::Table* t = current();
+  std::vector<float> qr(hq * d);
+  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
+  for (int64_t h = 0; h < hq; h++)
+    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
+  float *kb = tk.data_ptr<float>(), *vb = tv.data_ptr<float>();
+  const int64_t hs = tk.stride(0), rs = tk.stride(1);
+  for (int64_t h = 0; h < H; h++) {
+    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + h * hs + tt * rs, d);
+    std::memcpy(vb + h * hs + tt * rs, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
+  }
+  at::Tensor out = at::empty({1, hq, 1, d}, q.options());
+  kivi_rows(qr.data(), hq, 1, body, tk, tv, tt + 1, 1, (float)scale, out.data_ptr<float>(),
+            nullptr);
+  return out;
+}
+
+// Body tokens [t0, t1) (whole groups, of the body buffers) dequantized -> [k, v (1, H, t1 - t0,
+// D) float32], the torch reference's values (KiviLayer.dequantized)
 std::vector<at::Tensor> kivi_dequant(const at::Tensor& kc, const at::Tensor& ks,
                                      const at::Tensor& kz, const at::Tensor& vc,
                                      const at::Tensor& vs, const at::Tensor& vz, int64_t bits,
                                      int64_t group, int64_t t0, int64_t t1) {
-  const KiviBody body(kc, ks, kz, vc, vs, vz, bits, group);
+  const KiviBody body(kc, ks, kz, vc, vs, vz, t1, bits, group);
   const int64_t H = body.H, D = body.D, G = group, n = t1 - t0;
   TORCH_CHECK(t0 >= 0 && t0 <= t1 && t1 <= body.Tb && t0 % G == 0 && t1 % G == 0,
               "kivi_dequant: [", t0, ", ", t1, ") is not whole groups of the body");

@@ -10,9 +10,11 @@
 //   quantize_act(x, kind) -> [q, d, s or bsums]: the activation blocks a product makes
 //   rmsnorm, rope, silu_mul, attn_decode: the rest of a decode step (qstep.h), float32
 //   attn_partial: one segment's attention (out, lse) over float32 K/V, every key visible
-//   kivi_pack, kivi_attn, kivi_dequant: the KIVI store's flush (bit for bit kivi_pack_ref), one
-//                                 layer's attention over its packed body and dense tail (out,
-//                                 lse), and a range of the body dequantized (kivi_ops.h)
+//   kivi_pack, kivi_attn, kivi_rope_append_attend, kivi_dequant: the KIVI store's flush (bit
+//                                 for bit kivi_pack_ref), one layer's attention over its packed
+//                                 body and dense tail (out, lse), a decode row rotated, stored
+//                                 and attended in one call, a range of the body dequantized
+//                                 (kivi_ops.h)
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -578,7 +580,7 @@ std::vector<at::Tensor> attn_partial(const at::Tensor& q_, const at::Tensor& k,
   return {out, lse};
 }
 
-#include "kivi_ops.h"  // KIVI: kivi_pack, kivi_attn, kivi_dequant
+#include "kivi_ops.h"  // KIVI
 
 // One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
 // cos, ssin tables (>= pos + 1, D)),
@@ -766,8 +768,14 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("kivi_pack(Tensor k, Tensor v, int bits, int group) -> Tensor[]", &kivi_pack);
   m.def(
       "kivi_attn(Tensor q, Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, "
-      "Tensor tk, Tensor tv, int bits, int group, int n_new, float scale) -> Tensor[]",
+      "int tb, Tensor tk, Tensor tv, int tt, int bits, int group, int n_new, float scale) -> "
+      "Tensor[]",
       &kivi_attn);
+  m.def(
+      "kivi_rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
+      "Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int tb, Tensor(a!) tk, "
+      "Tensor(b!) tv, int tt, int bits, int group, float scale) -> Tensor",
+      &kivi_rope_append_attend);
   m.def(
       "kivi_dequant(Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int bits, "
       "int group, int t0, int t1) -> Tensor[]",

@@ -93,13 +93,13 @@ struct KiviHead {
   const int32_t* kc;  // key words, channel c's at kc + c * kc_c: tokens packed along
   int64_t kc_c;
   const float* ks;  // key scales and zeros, channel c's groups of G tokens at + c * ks_c
-  const float* kz;
-  int64_t ks_c;
+  const float* kz;  // (and + c * kz_c)
+  int64_t ks_c, kz_c;
   const int32_t* vc;  // value words, token t's at vc + t * vc_t: channels packed along
   int64_t vc_t;
   const float* vs;  // value scales and zeros, token t's groups of G channels at + t * vs_t
-  const float* vz;
-  int64_t vs_t;
+  const float* vz;  // (and + t * vz_t)
+  int64_t vs_t, vz_t;
 };
 
 // body tokens a KIVI chunk scores at once (whole groups: at least 4, about 128 tokens)
