@@ -689,6 +689,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 #include "qstep.h"
 #include "kvrows.h"
 #include "merged_attn.h"
+#include "kivi_attn.h"  // KIVI
 
 Table make_table() {
   Table t;
@@ -711,6 +712,8 @@ Table make_table() {
   t.merged_chunk = merged_chunk;
   t.codebook_chunk = codebook_chunk;
   t.best_rows = best_rows;
+  t.kivi_chunk = kivi_chunk;  // KIVI
+  t.kivi_dequant = kivi_dequant;
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;

@@ -17,6 +17,11 @@
 //   codebook_attn: (out, lse) over SpindleKV's slots, codebook rows gathered, keys rotated at
 //                their positions, a keep mask per query head
 //   codebook_assign: SpindleKV's decode tokens into the codebooks (join the best row, or add)
+//   kivi_pack, kivi_attn, kivi_rope_append_attend, kivi_dequant: the KIVI store's flush (bit
+//                                 for bit kivi_pack_ref), one layer's attention over its packed
+//                                 body and dense tail (out, lse), a decode row rotated, stored
+//                                 and attended in one call, a range of the body dequantized
+//                                 (kivi_ops.h)
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -1063,6 +1068,7 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
   }
   return {idx, mag};
 }
+#include "kivi_ops.h"  // KIVI
 
 // One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
 // cos, ssin tables (>= pos + 1, D)),
@@ -1270,6 +1276,22 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       &codebook_attn);
   m.def("codebook_assign(Tensor x, Tensor(a!) shelf, Tensor(b!) counts, float theta) -> Tensor[]",
         &codebook_assign);
+  // KIVI (kivi_ops.h)
+  m.def("kivi_pack(Tensor k, Tensor v, int bits, int group) -> Tensor[]", &kivi_pack);
+  m.def(
+      "kivi_attn(Tensor q, Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, "
+      "int tb, Tensor tk, Tensor tv, int tt, int bits, int group, int n_new, float scale) -> "
+      "Tensor[]",
+      &kivi_attn);
+  m.def(
+      "kivi_rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
+      "Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int tb, Tensor(a!) tk, "
+      "Tensor(b!) tv, int tt, int bits, int group, float scale) -> Tensor",
+      &kivi_rope_append_attend);
+  m.def(
+      "kivi_dequant(Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int bits, "
+      "int group, int t0, int t1) -> Tensor[]",
+      &kivi_dequant);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
       "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, int kv_type=0) -> Tensor",

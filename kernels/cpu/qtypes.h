@@ -3,6 +3,7 @@
 // and qops.cpp (the torch ops, which pick a table at run time).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -97,12 +98,51 @@ typedef void (*AttnFn)(const float* q, int g, const float* k, int64_t ks, const 
                        int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
                        float* sm, float* scores);
 
+// ---- KIVI (kivi_attn.h): one KV head of a packed body (kvrun/kv/stores/kivi.py's layout, the
+// public KIVI one), each pointer at the head's first token; code i of a word sits at bits
+// [b*i, b*i + b)
+struct KiviHead {
+  const int32_t* kc;  // key words, channel c's at kc + c * kc_c: tokens packed along
+  int64_t kc_c;
+  const float* ks;  // key scales and zeros, channel c's groups of G tokens at + c * ks_c
+  const float* kz;  // (and + c * kz_c)
+  int64_t ks_c, kz_c;
+  const int32_t* vc;  // value words, token t's at vc + t * vc_t: channels packed along
+  int64_t vc_t;
+  const float* vs;  // value scales and zeros, token t's groups of G channels at + t * vs_t
+  const float* vz;  // (and + t * vz_t)
+  int64_t vs_t, vz_t;
+};
+
+// body tokens a KIVI chunk scores at once (whole groups: at least 4, about 128 tokens)
+inline int64_t kivi_block(int64_t group) { return group * std::max<int64_t>(4, (128 + group - 1) / group); }
+
+// floats of scratch a KIVI chunk needs for r rows
+inline int64_t kivi_scratch(int64_t r, int64_t d, int64_t group) {
+  const int64_t kb = kivi_block(group), gd = d / group;
+  return r * (kb + d + 2 + kb * gd + gd) + 2 * kb / group * d + 2 * kb * gd + 64;
+}
+
+// KIVI body attention of r query rows q (r, d), already multiplied by the softmax scale, over
+// body tokens [j0, j0 + n) (whole groups) of one head: out (r, d) the value rows weighted by
+// exp(score - mx), mx and sm (r) as AttnFn's; lim (r) or nullptr: row i sees tokens t < lim[i]
+typedef void (*KiviChunkFn)(const float* q, int64_t r, const KiviHead& b, int bits, int group,
+                            int64_t j0, int64_t n, int64_t d, const int64_t* lim, float* out,
+                            float* mx, float* sm, float* scratch);
+// body tokens [t0, t0 + n) (whole groups) of one head dequantized: k, v (n, d) rows,
+// code * scale + zero (the torch reference's arithmetic: a product, then a sum)
+typedef void (*KiviDequantFn)(const KiviHead& b, int bits, int group, int64_t t0, int64_t n,
+                              int64_t d, float* k, float* v);
+// ---- end KIVI
+
 struct Table {
   const char* name;
   RowFn rmsnorm;
   RopeFn rope;
   SiluMulFn silu_mul;
   AttnFn attn_chunk;
+  KiviChunkFn kivi_chunk;  // KIVI (kivi_attn.h)
+  KiviDequantFn kivi_dequant;
   Quant32Fn quant32;
   QuantKFn quantK;
   GemmFn gemm[NTYPES];     // row-major GGUF blocks

@@ -87,8 +87,12 @@ class KVCache(KVManager):
         """One decode row (q, k pre-RoPE) rotated, stored and attended in one native call
         (kvrun.kv.stores.dense.DenseSeg.rotate_append_attend), where that is all the step
         asks: native step kernels, no store, no scores or positions held, no per-step queries
-        or sliding window. None where it does not apply."""
-        d = self.layers[layer].dense
+        or sliding window; or a KIVI store's row, where the step only appends to its tail
+        (KiviLayer.rotate_append_attend). None where it does not apply."""
+        st = self.layers[layer]
+        if st.kivi is not None:
+            return self._kivi_row(st, layer, q, k, v, positions, pos)
+        d = st.dense
         if (
             d.kernels is None
             or k.shape[2] != 1
@@ -103,6 +107,30 @@ class KVCache(KVManager):
         if pos is None:
             pos = self.rope.position(positions)
         return d.rotate_append_attend(self.rope.at(layer), q, k, v, pos)
+
+    def _kivi_row(self, st: Layer, layer: int, q, k, v, positions, pos: int | None):
+        """`decode`'s KIVI step (`_to_store`) in one native call where it applies."""
+        if (
+            st.kivi.kernels is None
+            or k.shape[2] != 1
+            or k.shape[0] != 1
+            or q.dtype != torch.float32
+            or self.in_prefill
+            or self.static
+            or self.keys_pre_rope
+            or not self._store_row_ok(st)
+        ):
+            return None
+        self._layer(layer, 1)  # a sliding window past the length is refused as in `decode`
+        if pos is None:
+            pos = self.rope.position(positions)
+        out = st.kivi.rotate_append_attend(self.rope.at(layer), q, k, v, pos)
+        return out.to(self.dtype)
+
+    def _store_row_ok(self, st: Layer) -> bool:
+        """Whether a decode row only appends to the layer's KIVI tail before it attends (a
+        manager that flushes first says when it does)."""
+        return True
 
     def position_rows(self) -> int:
         """Rows of int32 positions per slot (0, 1 or Hkv), held and counted only for decode-time
@@ -161,7 +189,9 @@ class KVCache(KVManager):
 
     def _kivi(self) -> KiviLayer | None:
         lay = self.kivi_layout
-        return lay and KiviLayer.of(lay, self.config, self.dtype, self.device, self.name)
+        return lay and KiviLayer.of(
+            lay, self.config, self.dtype, self.device, self.name, self.rope.kernels
+        )
 
     def _layer(self, layer: int, T: int) -> Layer:
         """The layer's state; a sliding window past the length needs positions to mask by."""

@@ -12,6 +12,7 @@ from ...kernels.kivi_decode import kivi_decode
 from ...kernels.kivi_pack import kivi_pack, unpack_codes
 from ..attention import Partial, segment_attention
 from ..state import Like, state
+from . import kivi_native
 from .buffer import Buffer
 
 
@@ -29,7 +30,8 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_codes(words, bits).to(torch.uint8)
 
 
-# a .kvc file holds the body (tq tokens) and the tail (tr); H, D, bits, G, R are the run's
+# a .kvc file holds the body (tq tokens) and the tail (tr); H, D, bits, G, R and the kernels are
+# the run's
 @state(
     _vq=Like({1: "tq"}),
     _vs=Like({1: "tq"}),
@@ -52,6 +54,7 @@ class KiviLayer:
         residual: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kernels=None,
     ):
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"kivi: bits {bits} must be 1, 2, 4 or 8 (32/bits codes per int32)")
@@ -66,6 +69,9 @@ class KiviLayer:
             raise ValueError(f"kivi: head_dim {head_dim} must be a multiple of group {group}")
         self.H, self.D, self.bits, self.G, self.R = n_kv_heads, head_dim, bits, group, residual
         self.dtype, self.device = dtype, torch.device(device)
+        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): attention and flushes
+        # in C++ over a float32 store (kivi_native); None: the torch path (Triton on CUDA)
+        self.kernels = kernels if self.device.type == "cpu" and dtype == torch.float32 else None
         H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32
         self._kq = Buffer((H, D, 0), 2, i32, dev)  # (Hkv, D, Tq*b/32) keys by token
         self._ks = Buffer((H, D, 0), 2, dtype, dev)  # (Hkv, D, Tq/G)
@@ -77,7 +83,7 @@ class KiviLayer:
         self._tv = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D)
 
     @classmethod
-    def of(cls, layout: dict, config, dtype, device, where: str) -> KiviLayer:
+    def of(cls, layout: dict, config, dtype, device, where: str, kernels=None) -> KiviLayer:
         """A layer's store in a spec's KIVI layout; a misfit is a one-line error naming `where`."""
         try:
             return cls(
@@ -88,6 +94,7 @@ class KiviLayer:
                 layout["residual"],
                 dtype,
                 device,
+                kernels,
             )
         except ValueError as e:
             raise KvrunError(f"{where}: {e}") from None
@@ -136,8 +143,10 @@ class KiviLayer:
         if n == 0:
             return 0
         tk, tv = self.tail()
-        # (Hkv, D, n*b/32), (Hkv, D, n/G) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on CUDA
-        packed = kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G)
+        # (Hkv, D, n*b/32), (Hkv, D, n/G) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on CUDA,
+        # the native kernels on CPU (bit for bit the reference)
+        pack = kivi_pack if self.kernels is None else self.kernels.kivi_pack
+        packed = pack(tk[:, :n], tv[:, :n], self.bits, self.G)
         for buf, x in zip(
             (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed, strict=True
         ):
@@ -161,6 +170,8 @@ class KiviLayer:
         Tq = q.shape[2]
         if n_new not in (0, Tq) or n_new > self.length:
             raise ValueError(f"kivi: n_new {n_new} must be 0 or Tq={Tq}, at most {self.length}")
+        if self.kernels is not None and q.dtype == torch.float32:  # body and tail merged
+            return kivi_native.partials(self.kernels, self, q, n_new)
         parts = []
         if self.body_len:
             parts.append(self._attend_body(q, n_new))
@@ -168,6 +179,28 @@ class KiviLayer:
         mask = self._mask(self.body_len, self.length, Tq, n_new)
         parts.append(segment_attention(q, tk[None], tv[None], mask))
         return parts
+
+    def rooms(self) -> tuple[torch.Tensor, ...]:
+        """The body's six buffers and the tail's two, room included: the native kernels read
+        body_len and tail_len slots of them (no views made per call)."""
+        bufs = (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz, self._tk, self._tv)
+        return tuple(b.buf for b in bufs)
+
+    def rotate_append_attend(self, rope, q, k, v, pos: int) -> torch.Tensor:
+        """A decode row at position `pos` on the native kernels: q and k (1, H, 1, D) rotated,
+        k and v appended to the tail, q attending over the body and the tail, in one call
+        (rope.apply, append and partials' arithmetic) -> (1, Hq, 1, D) float32."""
+        n = self.tail_len
+        self._tk.reserve(n + 1)
+        self._tv.reserve(n + 1)
+        cos, ssin = rope.signed_tables(pos + 1)
+        kc, ks, kz, vc, vs, vz, tk, tv = self.rooms()
+        out = self.kernels.kivi_rope_append_attend(
+            q, k, v, cos, ssin, pos, kc, ks, kz, vc, vs, vz, self.body_len, tk, tv, n,
+            self.bits, self.G, q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        self._tk.n = self._tv.n = n + 1
+        return out
 
     @property
     def end(self) -> int:
@@ -212,8 +245,12 @@ class KiviLayer:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(Hkv, length, D) fp32 K and V: the body dequantized, then the tail."""
-        kq, ks, kz, vq, vs, vz = self.body()
-        k = dequantize(unpack(kq, self.bits), ks, kz, -1, self.G).transpose(1, 2)  # (Hkv, Tq, D)
-        v = dequantize(unpack(vq, self.bits), vs, vz, -1, self.G)  # (Hkv, Tq, D)
+        if self.kernels is not None:  # the same products, then sums, in C++
+            k, v = self.kernels.kivi_dequant(*self.body(), self.bits, self.G, 0, self.body_len)
+            k, v = k[0], v[0]  # (Hkv, Tq, D)
+        else:
+            kq, ks, kz, vq, vs, vz = self.body()
+            k = dequantize(unpack(kq, self.bits), ks, kz, -1, self.G).transpose(1, 2)
+            v = dequantize(unpack(vq, self.bits), vs, vz, -1, self.G)  # (Hkv, Tq, D)
         tk, tv = self.tail()
         return torch.cat([k, tk.float()], 1), torch.cat([v, tv.float()], 1)

@@ -43,7 +43,9 @@ class MiniCacheKV(KVManager):
 
     def _kivi(self) -> KiviLayer | None:
         lay = self.kivi_layout
-        return lay and KiviLayer.of(lay, self.config, self.dtype, self.device, self.name)
+        return lay and KiviLayer.of(
+            lay, self.config, self.dtype, self.device, self.name, self.rope.kernels
+        )
 
     def reset(self) -> None:
         super().reset()

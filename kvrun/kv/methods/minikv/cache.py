@@ -181,6 +181,9 @@ class MiniKVCache(KVCache):
             st.kivi.flush(r)
         return combine(st.kivi.partials(q, positions, k.shape[2], None), self.dtype)
 
+    def _store_row_ok(self, st) -> bool:
+        return st.kivi.tail_len + 1 < self.kivi_layout["residual"]  # no flush due before it
+
     def end_prefill(self) -> None:
         """The driver's: the selection, then the kept tokens into the 2-bit store in position
         order (in whole groups, `_flush_unit`); with quant=none they join the turns held."""

@@ -1,0 +1,301 @@
+// The KIVI store's torch ops (kvrun/kv/stores/kivi.py): its flush (quantize and pack, bit for
+// bit kernels/kivi_pack.py's reference), one layer's attention over the packed body and the
+// dense tail in one split_keys call, and a range of the body dequantized (for a prefill
+// chunk's many queries, which torch's flash attention serves best). Included by qops.cpp
+// after attn_partial, inside its anonymous namespace.
+
+// ---------------------------------------------------------------------------- flush
+// G values x[0], x[stride], ... quantized as kivi_pack_ref quantizes a group (min and max in
+// float32, scale = (max - min) / (2^b - 1), codes round-half-even((x - min) / scale) clamped,
+// code 0 for a flat group), packed into G / (32 / b) words, code i at bits [b*i, b*i + b)
+void kivi_quant_group(const float* x, int64_t stride, int64_t G, int bits, int32_t* words,
+                      float* scale, float* zero) {
+  float lo = x[0], hi = x[0];
+  for (int64_t j = 1; j < G; j++) {
+    const float v = x[j * stride];
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  const float top = (float)((1 << bits) - 1);
+  const float s = (hi - lo) / top;
+  *zero = lo;
+  *scale = s;
+  const int per = 32 / bits;
+  for (int64_t w = 0; w < G / per; w++) {
+    uint32_t word = 0;
+    for (int i = 0; i < per; i++) {
+      uint32_t code = 0;
+      if (s != 0.f) {
+        const float y = std::nearbyint((x[(w * per + i) * stride] - lo) / s);
+        code = (uint32_t)std::min(std::max(y, 0.f), top);
+      }
+      word |= code << (i * bits);
+    }
+    words[w] = (int32_t)word;
+  }
+}
+
+void check_kivi_layout(int64_t bits, int64_t group, int64_t d) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "kivi: bits must be 1, 2, 4 or 8");
+  TORCH_CHECK(group > 0 && group % (32 / bits) == 0 && d % group == 0,
+              "kivi: the group must be a multiple of 32 / bits dividing head_dim");
+}
+
+// k, v (H, n, D) float32 with contiguous rows -> [k_codes (H, D, n*b/32) int32, k_scale,
+// k_zero (H, D, n/G), v_codes (H, n, D*b/32) int32, v_scale, v_zero (H, n, D/G)]: kivi_pack_ref
+std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int64_t bits,
+                                  int64_t group) {
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "kivi_pack: k and v (H, n, D) with contiguous rows");
+  const int64_t H = k.size(0), n = k.size(1), D = k.size(2), G = group, per = 32 / bits;
+  check_kivi_layout(bits, group, D);
+  TORCH_CHECK(n % G == 0, "kivi_pack: ", n, " tokens are not whole groups of ", G);
+  const auto i32 = k.options().dtype(at::kInt);
+  at::Tensor kc = at::empty({H, D, n / per}, i32), ks = at::empty({H, D, n / G}, k.options());
+  at::Tensor kz = at::empty_like(ks), vc = at::empty({H, n, D / per}, i32);
+  at::Tensor vs = at::empty({H, n, D / G}, k.options()), vz = at::empty_like(vs);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t khs = k.stride(0), kts = k.stride(1), vhs = v.stride(0), vts = v.stride(1);
+  at::parallel_for(0, H * D, 16, [&](int64_t b, int64_t e) {
+    for (int64_t hc = b; hc < e; hc++) {
+      const int64_t h = hc / D, c = hc % D;
+      for (int64_t g = 0; g < n / G; g++)
+        kivi_quant_group(kp + h * khs + g * G * kts + c, kts, G, (int)bits,
+                         kc.data_ptr<int32_t>() + hc * (n / per) + g * (G / per),
+                         ks.data_ptr<float>() + hc * (n / G) + g, kz.data_ptr<float>() + hc * (n / G) + g);
+    }
+  });
+  at::parallel_for(0, H * n, 64, [&](int64_t b, int64_t e) {
+    for (int64_t ht = b; ht < e; ht++) {
+      const float* x = vp + (ht / n) * vhs + (ht % n) * vts;
+      for (int64_t g = 0; g < D / G; g++)
+        kivi_quant_group(x + g * G, 1, G, (int)bits,
+                         vc.data_ptr<int32_t>() + ht * (D / per) + g * (G / per),
+                         vs.data_ptr<float>() + ht * (D / G) + g, vz.data_ptr<float>() + ht * (D / G) + g);
+    }
+  });
+  return {kc, ks, kz, vc, vs, vz};
+}
+
+// ---------------------------------------------------------------------------- the body
+// KiviLayer's six body buffers (its Buffers' whole tensors, room included) and the tokens held,
+// checked: keys (H, D, >= tb*b/32) words and (H, D, >= tb/G) scales, zeros; values
+// (H, >= tb, D*b/32) words and (H, >= tb, D/G) scales, zeros; contiguous last dimensions
+struct KiviBody {
+  int64_t H, Tb, D, bits, G;
+  const at::Tensor *kc, *ks, *kz, *vc, *vs, *vz;
+
+  KiviBody(const at::Tensor& kc_, const at::Tensor& ks_, const at::Tensor& kz_,
+           const at::Tensor& vc_, const at::Tensor& vs_, const at::Tensor& vz_, int64_t tb,
+           int64_t bits_, int64_t group)
+      : kc(&kc_), ks(&ks_), kz(&kz_), vc(&vc_), vs(&vs_), vz(&vz_) {
+    for (const at::Tensor* t : {ks, kz, vs, vz}) check_f32(*t, "kivi scales and zeros");
+    for (const at::Tensor* t : {kc, vc})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt, "kivi codes: int32");
+    for (const at::Tensor* t : {kc, ks, kz, vc, vs, vz})
+      TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "kivi body: 3-D, contiguous last dim");
+    H = kc->size(0), Tb = tb, D = kc->size(1), bits = bits_, G = group;
+    check_kivi_layout(bits, G, D);
+    const int64_t per = 32 / bits;
+    bool ok = Tb >= 0 && Tb % G == 0;
+    for (const at::Tensor* t : {ks, kz})
+      ok = ok && t->size(0) == H && t->size(1) == D && t->size(2) >= Tb / G;
+    for (const at::Tensor* t : {vs, vz})
+      ok = ok && t->size(0) == H && t->size(1) >= Tb && t->size(2) == D / G;
+    ok = ok && kc->size(2) >= Tb / per && vc->size(0) == H && vc->size(1) >= Tb &&
+         vc->size(2) == D / per;
+    TORCH_CHECK(ok, "kivi body: buffers do not hold ", Tb, " tokens of ", bits, " bits, group ", G);
+  }
+
+  kvq::KiviHead head(int64_t h) const {
+    kvq::KiviHead b;
+    b.kc = kc->data_ptr<int32_t>() + h * kc->stride(0);
+    b.kc_c = kc->stride(1);
+    b.ks = ks->data_ptr<float>() + h * ks->stride(0);
+    b.kz = kz->data_ptr<float>() + h * kz->stride(0);
+    b.ks_c = ks->stride(1);
+    b.kz_c = kz->stride(1);
+    b.vc = vc->data_ptr<int32_t>() + h * vc->stride(0);
+    b.vc_t = vc->stride(1);
+    b.vs = vs->data_ptr<float>() + h * vs->stride(0);
+    b.vz = vz->data_ptr<float>() + h * vz->stride(0);
+    b.vs_t = vs->stride(1);
+    b.vz_t = vz->stride(1);
+    return b;
+  }
+};
+
+// part, mx, sm (R rows) merged with another partial of the same rows (p2, m2, s2)
+void merge_partial(int64_t R, int64_t d, float* part, float* mx, float* sm, const float* p2,
+                   const float* m2, const float* s2) {
+  for (int64_t i = 0; i < R; i++) {
+    const float m = std::max(mx[i], m2[i]);
+    if (m == -INFINITY) continue;
+    const float a = std::exp(mx[i] - m), b = std::exp(m2[i] - m);
+    for (int64_t c = 0; c < d; c++) part[i * d + c] = part[i * d + c] * a + p2[i * d + c] * b;
+    sm[i] = sm[i] * a + s2[i] * b;
+    mx[i] = m;
+  }
+}
+
+// The attention of q (Hq, Tq, D) contiguous over a packed body (slots 0 .. Tb - 1) then a
+// dense tail tk, tv (H, >= Tt, D) float32 (slots Tb .. Tb + Tt - 1), merged exactly: every slot
+// visible when n_new = 0, else the last n_new slots are the queries' own and query i sees the
+// slots up to its own (the body's too, where a flush put own tokens there). out (Hq * Tq, D);
+// lse (Hq * Tq) or nullptr.
+void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, const at::Tensor& tk,
+               const at::Tensor& tv, int64_t Tt, int64_t n_new, float sc, float* out, float* lse) {
+  const int64_t H = body.H, Tb = body.Tb, D = body.D, G = body.G, bits = body.bits;
+  TORCH_CHECK(tk.dim() == 3 && tk.sizes() == tv.sizes() && tk.strides() == tv.strides() &&
+                  tk.size(0) == H && tk.size(1) >= Tt && tk.size(2) == D && tk.stride(2) == 1,
+              "kivi: tail k and v (H, >= Tt, D) alike, contiguous rows");
+  TORCH_CHECK(Hq % H == 0, "kivi: query heads are not a multiple of the store's ", H);
+  const int64_t g = Hq / H, R = g * Tq, L = Tb + Tt;
+  TORCH_CHECK(n_new >= 0 && n_new <= L, "kivi: n_new ", n_new, " of ", L, " slots");
+  // the rows of KV head h are (g, Tq): row a * Tq + i is query i; it sees slots below lim[i]
+  std::vector<int64_t> lim(R);
+  for (int64_t r = 0; r < R; r++) lim[r] = n_new ? std::min(L, L - n_new + r % Tq + 1) : L;
+  const int64_t lo = R ? *std::min_element(lim.begin(), lim.end()) : L;
+  std::vector<float> qs(Hq * Tq * D);  // q times the scale: the body's scores take it folded in
+  for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * sc;
+  const float *tkp = tk.data_ptr<float>(), *tvp = tv.data_ptr<float>();
+  const int64_t ths = tk.stride(0), tts = tk.stride(1);
+  const kvq::Table* tab = current();
+  const int64_t kscr = kvq::kivi_scratch(R, D, G);
+  split_keys(
+      H, R, L, D, G * ((256 + G - 1) / G),
+      [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+          std::vector<float>& scratch) {
+        const int64_t jb = std::min(j0 + n, Tb), t0 = std::max(j0, Tb) - Tb, t1 = j0 + n - Tb;
+        const bool in_body = j0 < Tb, in_tail = t1 > t0;
+        const int64_t nt = in_tail ? t1 - t0 : 0;
+        scratch.resize(kscr + R * (D + 2) + R * nt + 2 * g * (D + 1));
+        float* p2 = scratch.data() + kscr;  // the tail's partial, then gathered rows
+        float *m2 = p2 + R * D, *s2 = m2 + R, *att = s2 + R, *qg = att + R * nt;
+        float *pg = qg + g * D, *mg = pg + g * D, *sg = mg + g;
+        if (in_body)
+          tab->kivi_chunk(qs.data() + h * R * D, R, body.head(h), (int)bits, (int)G, j0, jb - j0,
+                          D, lo >= jb ? nullptr : lim.data(), part, mx, sm, scratch.data());
+        if (!in_tail) return;
+        float *P = in_body ? p2 : part, *M = in_body ? m2 : mx, *S = in_body ? s2 : sm;
+        const float *kt = tkp + h * ths, *vt = tvp + h * ths;
+        if (lo - Tb >= t1) {  // every row sees the whole range
+          tab->attn_chunk(qp + h * R * D, (int)R, kt + t0 * tts, tts, vt + t0 * tts, tts, nt, D,
+                          sc, P, M, S, att);
+        } else {  // query i sees [t0, lim[i] - Tb): its g rows (one per query head) at a time
+          for (int64_t r = 0; r < R; r++) {
+            M[r] = -INFINITY;
+            S[r] = 0.f;
+            for (int64_t c = 0; c < D; c++) P[r * D + c] = 0.f;
+          }
+          for (int64_t i = 0; i < Tq; i++) {
+            const int64_t e = std::min(t1, lim[i] - Tb);
+            if (e <= t0) continue;
+            for (int64_t a = 0; a < g; a++)
+              std::memcpy(qg + a * D, qp + (h * R + a * Tq + i) * D, D * sizeof(float));
+            tab->attn_chunk(qg, (int)g, kt + t0 * tts, tts, vt + t0 * tts, tts, e - t0, D, sc, pg,
+                            mg, sg, att);
+            for (int64_t a = 0; a < g; a++) {
+              const int64_t r = a * Tq + i;
+              std::memcpy(P + r * D, pg + a * D, D * sizeof(float));
+              M[r] = mg[a];
+              S[r] = sg[a];
+            }
+          }
+        }
+        if (in_body) merge_partial(R, D, part, mx, sm, p2, m2, s2);
+      },
+      out, lse);
+}
+
+// One layer of KiviLayer.partials in one call: q (1, Hq, Tq, D) over the body (tb tokens of
+// the six body buffers) and the tail (tt rows of tk, tv) as kivi_rows says -> [out (1, Hq, Tq,
+// D), lse (1, Hq, Tq)]
+std::vector<at::Tensor> kivi_attn(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& ks,
+                                  const at::Tensor& kz, const at::Tensor& vc, const at::Tensor& vs,
+                                  const at::Tensor& vz, int64_t tb, const at::Tensor& tk,
+                                  const at::Tensor& tv, int64_t tt, int64_t bits, int64_t group,
+                                  int64_t n_new, double scale) {
+  check_f32(q_, "q");
+  check_f32(tk, "tail k");
+  check_f32(tv, "tail v");
+  const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(3) == body.D,
+              "kivi_attn: q (1, Hq, Tq, D)");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = body.D;
+  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  kivi_rows(q.data_ptr<float>(), Hq, Tq, body, tk, tv, tt, n_new, (float)scale,
+            out.data_ptr<float>(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+// A decode row of a KIVI store in one call, as rope_append_attend is a dense cache's: q, k
+// (1, H, 1, D) rotated by RoPE (row pos of cos, ssin), k and v written to tail row tt of tk, tv
+// (H, > tt, D), q attending over the body (tb tokens) and tail rows 0 .. tt -> (1, Hq, 1, D)
+at::Tensor kivi_rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cos, const at::Tensor& ssin, int64_t pos,
+                                   const at::Tensor& kc, const at::Tensor& ks,
+                                   const at::Tensor& kz, const at::Tensor& vc,
+                                   const at::Tensor& vs, const at::Tensor& vz, int64_t tb,
+                                   at::Tensor& tk, at::Tensor& tv, int64_t tt, int64_t bits,
+                                   int64_t group, double scale) {
+  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin}) check_f32(*t, "tensors");
+  check_f32(tk, "tail k");
+  check_f32(tv, "tail v");
+  const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
+  const int64_t hq = q.size(1), H = body.H, d = body.D;
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && q.size(3) == d &&
+                  k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == 1 && k.size(1) == H &&
+                  k.size(2) == 1 && k.size(3) == d && q.stride(3) == 1 && k.stride(3) == 1 &&
+                  v.stride(3) == 1,
+              "kivi_rope_append_attend: q (1, Hq, 1, D), k and v (1, H, 1, D)");
+  TORCH_CHECK(tk.dim() == 3 && tk.sizes() == tv.sizes() && tk.strides() == tv.strides() &&
+                  tk.size(0) == H && tk.size(2) == d && tk.stride(2) == 1 && tt >= 0 &&
+                  tt < tk.size(1),
+              "kivi_rope_append_attend: tail buffers (H, cap, D) with room for row tt");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
+              "kivi_rope_append_attend: cos and ssin tables (>= pos + 1, D)");
+  const kvq::Table* t = current();
+  std::vector<float> qr(hq * d);
+  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
+  for (int64_t h = 0; h < hq; h++)
+    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
+  float *kb = tk.data_ptr<float>(), *vb = tv.data_ptr<float>();
+  const int64_t hs = tk.stride(0), rs = tk.stride(1);
+  for (int64_t h = 0; h < H; h++) {
+    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + h * hs + tt * rs, d);
+    std::memcpy(vb + h * hs + tt * rs, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
+  }
+  at::Tensor out = at::empty({1, hq, 1, d}, q.options());
+  kivi_rows(qr.data(), hq, 1, body, tk, tv, tt + 1, 1, (float)scale, out.data_ptr<float>(),
+            nullptr);
+  return out;
+}
+
+// Body tokens [t0, t1) (whole groups, of the body buffers) dequantized -> [k, v (1, H, t1 - t0,
+// D) float32], the torch reference's values (KiviLayer.dequantized)
+std::vector<at::Tensor> kivi_dequant(const at::Tensor& kc, const at::Tensor& ks,
+                                     const at::Tensor& kz, const at::Tensor& vc,
+                                     const at::Tensor& vs, const at::Tensor& vz, int64_t bits,
+                                     int64_t group, int64_t t0, int64_t t1) {
+  const KiviBody body(kc, ks, kz, vc, vs, vz, t1, bits, group);
+  const int64_t H = body.H, D = body.D, G = group, n = t1 - t0;
+  TORCH_CHECK(t0 >= 0 && t0 <= t1 && t1 <= body.Tb && t0 % G == 0 && t1 % G == 0,
+              "kivi_dequant: [", t0, ", ", t1, ") is not whole groups of the body");
+  at::Tensor k = at::empty({1, H, n, D}, ks.options()), v = at::empty({1, H, n, D}, ks.options());
+  const kvq::Table* tab = current();
+  const int64_t per = std::max<int64_t>(G, 256 / G * G), blocks = (n + per - 1) / per;
+  at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t task = b; task < e; task++) {
+      const int64_t h = task / blocks, s = task % blocks * per, m = std::min(per, n - s);
+      tab->kivi_dequant(body.head(h), (int)bits, (int)G, t0 + s, m, D,
+                        k.data_ptr<float>() + (h * n + s) * D, v.data_ptr<float>() + (h * n + s) * D);
+    }
+  });
+  return {k, v};
+}
