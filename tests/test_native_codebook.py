@@ -12,7 +12,7 @@ from test_kernels_codebook import _slots, _tables
 from test_kv_methods import drive, new_kv, prompt, tiny
 
 from kvrun.kernels.codebook_decode import codebook_decode_ref
-from kvrun.kv.methods.spindlekv.store import Shelf, assign
+from kvrun.kv.methods.spindlekv.store import Shelf, assign, pack_bits
 
 pytestmark = needs_native
 F16, F32 = torch.float16, torch.float32
@@ -102,6 +102,79 @@ def test_codebook_assign_matches_assign(books, dtype, rows, isa, threads):  # no
             torch.testing.assert_close(b.rows(), r, atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("books", [1, 3])
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("masked,unseen", [(True, False), (False, True)])
+def test_codebook_step_codes_stores_and_attends(books, dtype, masked, unseen, isa, threads):  # noqa: F811
+    """One decode token: coded as `assign` codes it (the search rides along the attention;
+    rows no slot points at, `unseen`, searched apart), written as the next slot (position,
+    every keep bit), and attended over with the rest as codebook_decode_ref does."""
+    H, g, D, C, n, cap = 3, 3, 64, 150, 200, 205
+    gen = torch.Generator().manual_seed(books * 10 + masked + 2 * unseen)
+    unit = lambda m: torch.nn.functional.normalize(torch.randn(m, D, generator=gen), dim=1)  # noqa: E731
+    shelves = [torch.zeros(books, C + 8, D, dtype=dtype) for _ in range(2)]
+    for sh in shelves:
+        sh[:, :C] = unit(books * C).view(books, C, D).to(dtype)
+    hi = C - 20 if unseen else C  # the last rows no slot points at
+    idx = [torch.randint(0, hi, (H, cap), generator=gen, dtype=torch.int16) for _ in range(2)]
+    for ix in idx:  # every row below hi is some slot's, in each head's book
+        ix[:, :hi] = torch.arange(hi, dtype=torch.int16)
+    mags = [(0.5 + 3 * torch.rand(H, cap, generator=gen)).to(dtype) for _ in range(2)]
+    pos = torch.randint(0, 250, (H, cap), generator=gen, dtype=torch.int32)
+    bits = torch.rand(H, cap, g, generator=gen) < 0.6
+    mask = pack_bits(bits)
+    x = [torch.randn(H, D, generator=gen) for _ in range(2)]
+    for xi, sh in zip(x, shelves, strict=True):  # head 0 near a row, head 2 near head 1
+        xi[0] = 2 * sh[0, 5].float() + 0.01 * xi[0]
+        if unseen:  # head 1 near a row no slot points at
+            xi[1] = 2 * sh[1 if books > 1 else 0, C - 3].float() + 0.01 * xi[1]
+        xi[2] = 3 * xi[1] + 0.01 * xi[2]
+    q = torch.randn(1, H * g, 1, D, generator=gen)
+    cos, sin = _tables(D)
+    # the reference: assign per book, the slot appended, attention over n + 1 slots
+    want, cols = [s.clone() for s in shelves], []
+    for ws, xi, th in zip(want, x, (0.9, 0.8), strict=True):
+        ids, ms = [], []
+        for b in range(books):
+            rows = ws[b, : C + 8][: int((ws[b].abs().sum(-1) > 0).sum())]
+            i, new, m = assign(rows, xi if books == 1 else xi[b : b + 1], th)
+            ws[b, len(rows) : len(rows) + len(new)] = new
+            ids.append(i)
+            ms.append(m)
+        cols.append((torch.cat(ids), torch.cat(ms)))
+    ref_idx = [ix.clone() for ix in idx]
+    ref_mag = [m.clone() for m in mags]
+    for ri, rm, (i, m) in zip(ref_idx, ref_mag, cols, strict=True):
+        ri[:, n], rm[:, n] = i.to(ri.dtype), m.to(rm.dtype)
+    ref_pos, ref_mask = pos.clone(), mask.clone()
+    ref_pos[:, n], ref_mask[:, n] = 17, pack_bits(torch.ones(H, 1, g, dtype=torch.bool))[:, 0]
+    off = None if books == 1 else torch.arange(H, dtype=torch.int32) * (C + 8)
+    table = [w[0] if books == 1 else w.view(-1, D) for w in want]
+    sl = slice(0, n + 1)
+    ref = codebook_decode_ref(
+        q, table[0], ref_idx[0][:, sl], ref_mag[0][:, sl], table[1], ref_idx[1][:, sl],
+        ref_mag[1][:, sl], ref_pos[:, sl], cos, sin, ref_mask[:, sl] if masked else None, off, off,
+    )  # fmt: skip
+    counts = [torch.full((books,), C) for _ in range(2)]
+    out = ops.codebook_step(
+        q, x[0], x[1], 17, shelves[0], counts[0], 0.9, shelves[1], counts[1], 0.8, idx[0],
+        idx[1], mags[0], mags[1], pos, mask, n, masked, cos, sin, D**-0.5,
+    )  # fmt: skip
+    if unseen:  # found only by the search apart
+        assert cols[0][0][1] == C - 3
+    tol = 2e-5 if dtype == F32 else 1e-3
+    torch.testing.assert_close(out, ref[0], atol=tol, rtol=tol)
+    for got, w in zip(shelves, want, strict=True):  # new rows: u = x / ||x|| summed apart
+        torch.testing.assert_close(got, w, atol=0, rtol=1e-6)
+    for i in range(2):
+        assert torch.equal(idx[i], ref_idx[i])
+        torch.testing.assert_close(mags[i], ref_mag[i], atol=0, rtol=1e-6)
+    assert torch.equal(pos, ref_pos) and torch.equal(mask, ref_mask)
+    assert [c.tolist() for c in counts] == [
+        [int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want
+    ]
+
+
 def test_assign_refuses_a_full_shelf():
     shelf = Shelf(1, 64, F32, "cpu")
     shelf.reserve(2)
@@ -111,6 +184,19 @@ def test_assign_refuses_a_full_shelf():
 
 
 # --- the manager ------------------------------------------------------------------------------
+class Counted:
+    """The native ops, with the calls of the attention ones counted."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        real = getattr(ops, name)
+        if name not in ("codebook_attn", "codebook_step"):
+            return real
+        return lambda *a: self.calls.append(name) or real(*a)
+
+
 SPECS = [
     "spindlekv:window=8,theta_k=0.6,theta_v=0.5",
     "spindlekv:window=8,theta_k=0.6,theta_v=0.5,codebook_scope=head",
@@ -133,17 +219,18 @@ def test_decode_equals_the_torch_path(monkeypatch, spec):
         m.rope.kernels = None
     for st in old.layers:
         st.kernels = None
-    calls, real = [], ops.codebook_attn
+    calls = []
     for st in kv.layers:  # count the native calls (the kernels object is the store's own)
-        st.kernels = type("K", (), {"codebook_attn": None, "codebook_assign": None})()
-        st.kernels.codebook_attn = lambda *a: calls.append(1) or real(*a)
-        st.kernels.codebook_assign = ops.codebook_assign
+        st.kernels = Counted(calls)
     ids = prompt(P, seed=21)
     ref = drive(m, old, ids, 32, n_decode=12)
     got = drive(m, kv, ids, 32, n_decode=12, tokens=ref[P - 1 : -1].argmax(-1).tolist())
     assert not all(st.all_bits for st in kv.layers)  # partial keep bits were used
-    per_step = 2 if "decode_codebook=off" in spec else 1  # coded slots (+ dense decode slots)
-    assert len(calls) == 12 * len(kv.layers) * per_step
+    if "codebook=off" in spec:  # slots of each kind attended apart, the token kept dense
+        per_step = 2 if "decode_codebook=off" in spec else 1
+        assert calls == ["codebook_attn"] * 12 * len(kv.layers) * per_step
+    else:  # the token coded, stored and attended over in one call
+        assert calls == ["codebook_step"] * 12 * len(kv.layers)
     assert torch.equal(got[:P], ref[:P])
     torch.testing.assert_close(got[P:], ref[P:], rtol=0, atol=1e-4)
     assert [b.n for st in kv.layers for b in st.books_k + st.books_v] == [

@@ -26,6 +26,40 @@ inline float elem_at(const void* p, int elem, int64_t i) {
                         : static_cast<const float*>(p)[i];
 }
 
+#if defined(__AVX2__)
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// the horizontal sums of up to 4 accumulators at once: out[i] = sum of x[i]'s lanes
+template <int N>
+inline void hsum4(const __m256* x, float* out) {
+  static_assert(N >= 1 && N <= 4, "up to 4 sums");
+  const __m256 z = _mm256_setzero_ps();
+  const __m256 t0 = _mm256_hadd_ps(x[0], N > 1 ? x[1] : z);
+  const __m256 t1 = N > 2 ? _mm256_hadd_ps(x[2], N > 3 ? x[3] : z) : z;
+  const __m256 t2 = _mm256_hadd_ps(t0, t1);
+  const __m128 r = _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1));
+  alignas(16) float tmp[4];
+  _mm_store_ps(tmp, r);
+  for (int i = 0; i < N; i++) out[i] = tmp[i];
+}
+
+#if defined(__AVX512F__)
+inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 ld16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// the two halves of x added: 8 lanes
+inline __m256 fold8(__m512 x) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(x), hi);
+}
+#endif
+#endif  // __AVX2__
+
 // A head's retained tokens from token j0 on, walked in order alongside the keys.
 struct Retained {
   const int32_t* idx = nullptr;
@@ -84,6 +118,54 @@ inline bool slot_visible(const CodebookArgs& a, int64_t h, int64_t s, int64_t r)
   if (a.mask == nullptr) return true;
   const int64_t j = r / a.tq;
   return (a.mask[h * a.k_h + s * a.k_s + j / 8] >> (j % 8)) & 1;
+}
+
+// The search of one visited row r (book b) for the vectors u[a0 .. a0 + k): a dot product
+// each, kept where larger (ties: the lower row).
+inline void found(float s, int64_t r, float& best, int64_t& row) {
+  if (s > best || (s == best && r < row)) {
+    best = s;
+    row = r;
+  }
+}
+
+template <typename T>
+inline void search_row(const float* u, int64_t k, const T* x, int64_t d, int64_t r, float* best,
+                       int64_t* row) {
+#if defined(__AVX2__)
+  if (d % 8 == 0 && k <= 4) {
+    __m256 acc[4];
+    for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 x8 = ld8(x + c);
+      for (int64_t i = 0; i < k; i++)
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(u + i * d + c), x8, acc[i]);
+    }
+    float dot[4];
+    hsum4<4>(acc, dot);
+    for (int64_t i = 0; i < k; i++) found(dot[i], r, best[i], row[i]);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < k; i++) {
+    float s = 0.f;
+    for (int64_t c = 0; c < d; c++) s += u[i * d + c] * ld1(x + c);
+    found(s, r, best[i], row[i]);
+  }
+}
+
+// slot s of head h visited: its K and V rows searched (coded slots only)
+template <typename T>
+inline void search_slot(const CodebookArgs& a, Search* sr, int64_t h, int64_t s, const T* kr,
+                        const T* vr) {
+  const int64_t d = a.d, a0 = sr->per_head ? h : 0, k = sr->per_head ? 1 : sr->nu;
+  const int64_t bk = book_index(a.k, h, s) - (a.k.off != nullptr ? a.k.off[h] : 0);
+  const int64_t bv = book_index(a.v, h, s) - (a.v.off != nullptr ? a.v.off[h] : 0);
+  const int64_t w = sr->per_head ? h * sr->words : 0;
+  sr->seen_k[w + bk / 64] |= 1ull << (bk % 64);
+  sr->seen_v[w + bv / 64] |= 1ull << (bv % 64);
+  search_row(sr->uk + a0 * d, k, kr, d, bk, sr->best + a0, sr->row + a0);
+  search_row(sr->uv + a0 * d, k, vr, d, bv, sr->best + sr->nu + a0, sr->row + sr->nu + a0);
 }
 
 // ------------------------------------------------------------------------------- portable
@@ -148,12 +230,13 @@ void merged_portable(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, floa
 
 template <typename T>
 void codebook_portable(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, float* out,
-                       float* mx, float* sm, float* scores) {
+                       float* mx, float* sm, float* scores, Search* sr) {
   const int64_t d = a.d, hd = d / 2;
   const float* q = a.q + h * a.R * d;
   std::vector<float> k(n * d);  // the chunk's keys, rotated
   for (int64_t j = 0; j < n; j++) {
     const T* c = book_row<T>(a.k, h, j0 + j);
+    if (sr != nullptr) search_slot(a, sr, h, j0 + j, c, book_row<T>(a.v, h, j0 + j));
     const int64_t p = a.pos[h * a.p_h + (j0 + j) * a.p_s];
     const float *cs = a.cos + p * a.cs_r, *sn = a.sin + p * a.cs_r;
     for (int64_t i = 0; i < hd; i++) {
@@ -194,12 +277,10 @@ void best_rows_portable(const float* u, int64_t nu, const T* book, int64_t strid
 
 #if defined(__AVX2__)
 // ----------------------------------------------------------------------------------- AVX2
-inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 ld8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 constexpr int64_t SKB = 128;  // keys per block
+constexpr float kNegInf = -INFINITY;
+constexpr int64_t PREFETCH = 16;  // gathered rows asked for this many keys ahead
 
 // A block's scores sc (HG rows, stride ss, n keys) -> exp(score - running max) in place, -inf
 // scores 0; the running max and sum per row, r: the factor on the row's earlier sums.
@@ -235,35 +316,54 @@ inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm
   }
 }
 
-// out (HG, d) = out * r[a] + sum_j p[a][j] row_j, rows by pointer: 64 columns a pass
+
+// out (HG, d) = out * r[a] + sum_j p[a][j] row_j, rows by pointer: 64 columns a pass (with
+// AVX2 alone 32 for several rows, so the accumulators stay in its 16 registers)
 template <int HG, typename T>
 inline void weigh_ptrs(const float* p, int64_t ps, int64_t n, const T* const* vp, int64_t d,
                        const float* r, float* out) {
+#if defined(__AVX512F__)
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
-    __m256 acc[HG][8];
+    __m512 acc[HG][4];
     for (int a = 0; a < HG; a++) {
-      const __m256 ra = _mm256_set1_ps(r[a]);
-      for (int c = 0; c < 8; c++)
-        acc[a][c] = _mm256_mul_ps(_mm256_loadu_ps(out + a * d + c0 + 8 * c), ra);
+      const __m512 ra = _mm512_set1_ps(r[a]);
+      for (int c = 0; c < 4; c++)
+        acc[a][c] = _mm512_mul_ps(_mm512_loadu_ps(out + a * d + c0 + 16 * c), ra);
     }
     for (int64_t j = 0; j < n; j++) {
-      __m256 vv[8];
-      for (int c = 0; c < 8; c++) vv[c] = ld8(vp[j] + c0 + 8 * c);
+      __m512 vv[4];
+      for (int c = 0; c < 4; c++) vv[c] = ld16(vp[j] + c0 + 16 * c);
       for (int a = 0; a < HG; a++) {
-        const __m256 pa = _mm256_set1_ps(p[a * ps + j]);
-        for (int c = 0; c < 8; c++) acc[a][c] = _mm256_fmadd_ps(pa, vv[c], acc[a][c]);
+        const __m512 pa = _mm512_set1_ps(p[a * ps + j]);
+        for (int c = 0; c < 4; c++) acc[a][c] = _mm512_fmadd_ps(pa, vv[c], acc[a][c]);
       }
     }
     for (int a = 0; a < HG; a++)
-      for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + a * d + c0 + 8 * c, acc[a][c]);
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + a * d + c0 + 16 * c, acc[a][c]);
   }
+#else
+  constexpr int C = HG > 1 ? 4 : 8;  // 8-float vectors per pass
+  for (int64_t c0 = 0; c0 < d; c0 += 8 * C) {
+    __m256 acc[HG][C];
+    for (int a = 0; a < HG; a++) {
+      const __m256 ra = _mm256_set1_ps(r[a]);
+      for (int c = 0; c < C; c++)
+        acc[a][c] = _mm256_mul_ps(_mm256_loadu_ps(out + a * d + c0 + 8 * c), ra);
+    }
+    for (int64_t j = 0; j < n; j++) {
+      __m256 vv[C];
+      for (int c = 0; c < C; c++) vv[c] = ld8(vp[j] + c0 + 8 * c);
+      for (int a = 0; a < HG; a++) {
+        const __m256 pa = _mm256_set1_ps(p[a * ps + j]);
+        for (int c = 0; c < C; c++) acc[a][c] = _mm256_fmadd_ps(pa, vv[c], acc[a][c]);
+      }
+    }
+    for (int a = 0; a < HG; a++)
+      for (int c = 0; c < C; c++) _mm256_storeu_ps(out + a * d + c0 + 8 * c, acc[a][c]);
+  }
+#endif
 }
 
-inline float sumsq(const __m256* x, int k) {
-  __m256 s = _mm256_mul_ps(x[0], x[0]);
-  for (int i = 1; i < k; i++) s = _mm256_fmadd_ps(x[i], x[i], s);
-  return hsum(s);
-}
 
 // HG query rows of head h over merged keys [j0, j0 + n)
 template <int HG, typename T>
@@ -309,7 +409,9 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
         if (n2 > 0.f) f /= std::sqrt(n2);
       }
       const float fs = f * a.scale;
-      for (int i = 0; i < HG; i++) sc[i * SKB + j] = hsum(acc[i]) * fs;
+      float dot[HG];
+      hsum4<HG>(acc, dot);
+      for (int i = 0; i < HG; i++) sc[i * SKB + j] = dot[i] * fs;
     }
     softmax_block<HG>(sc, SKB, nb, mx, sm, r);
     for (int i = 0; i < HG; i++)
@@ -318,10 +420,47 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
   }
 }
 
+// dot[i] = q_i . RoPE(k) for HG rows q (stride d): k = (lo cos - hi sin, hi cos + lo sin)
+// of its halves lo, hi, with cs, sn the first d / 2 of its position's table rows
+template <int HG, typename T>
+inline void rope_dots(const float* q, int64_t d, const T* kr, const float* cs, const float* sn,
+                      float* dot) {
+  const int64_t hd = d / 2;
+  __m256 a8[HG];
+#if defined(__AVX512F__)
+  __m512 acc[HG];
+  for (int i = 0; i < HG; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < hd; c += 16) {
+    const __m512 lo = ld16(kr + c), hi = ld16(kr + hd + c);
+    const __m512 c16 = _mm512_loadu_ps(cs + c), s16 = _mm512_loadu_ps(sn + c);
+    const __m512 klo = _mm512_fmsub_ps(lo, c16, _mm512_mul_ps(hi, s16));
+    const __m512 khi = _mm512_fmadd_ps(hi, c16, _mm512_mul_ps(lo, s16));
+    for (int i = 0; i < HG; i++) {
+      acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + c), klo, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + hd + c), khi, acc[i]);
+    }
+  }
+  for (int i = 0; i < HG; i++) a8[i] = fold8(acc[i]);
+#else
+  for (int i = 0; i < HG; i++) a8[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < hd; c += 8) {
+    const __m256 lo = ld8(kr + c), hi = ld8(kr + hd + c);
+    const __m256 c8 = _mm256_loadu_ps(cs + c), s8 = _mm256_loadu_ps(sn + c);
+    const __m256 klo = _mm256_fmsub_ps(lo, c8, _mm256_mul_ps(hi, s8));
+    const __m256 khi = _mm256_fmadd_ps(hi, c8, _mm256_mul_ps(lo, s8));
+    for (int i = 0; i < HG; i++) {
+      a8[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), klo, a8[i]);
+      a8[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + hd + c), khi, a8[i]);
+    }
+  }
+#endif
+  hsum4<HG>(a8, dot);
+}
+
 // HG query rows (rows r0.. of head h) over codebook slots [j0, j0 + n)
 template <int HG, typename T>
 void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q, int64_t j0,
-                    int64_t n, float* out, float* mx, float* sm) {
+                    int64_t n, float* out, float* mx, float* sm, Search* sr) {
   const int64_t d = a.d, hd = d / 2;
   float sc[HG * SKB], r[HG], mv[SKB];
   const T* vp[SKB];
@@ -330,30 +469,57 @@ void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q
     sm[i] = 0.f;
   }
   for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
+  int mbyte[HG], mbit[HG];  // each row's keep bit: query head (r0 + i) / tq of the group
+  for (int i = 0; i < HG; i++) {
+    const int64_t qh = (r0 + i) / a.tq;
+    mbyte[i] = a.mask != nullptr ? (int)(qh / 8) : 0;
+    mbit[i] = a.mask != nullptr ? (int)(qh % 8) : 0;
+  }
+  static const uint8_t all[1] = {1};  // no mask: every row sees every slot
+  const T* kp[SKB];
+  int64_t cp[SKB];  // each slot's row offset in the RoPE tables
+  float mk[SKB];
   for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0);
+    for (int64_t j = 0; j < nb; j++) {  // the block's rows first: their loads go out early
+      const int64_t s = b0 + j;
+      kp[j] = book_row<T>(a.k, h, s);
+      vp[j] = book_row<T>(a.v, h, s);
+      cp[j] = a.pos[h * a.p_h + s * a.p_s] * a.cs_r;
+      mk[j] = book_mag(a.k, h, s);
+      mv[j] = book_mag(a.v, h, s);
+    }
+    for (int64_t j = 0; j < std::min(PREFETCH, nb); j++) {  // the loop below asks for the rest
+      _mm_prefetch(reinterpret_cast<const char*>(kp[j]), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vp[j]), _MM_HINT_T1);
+    }
     for (int64_t j = 0; j < nb; j++) {
       const int64_t s = b0 + j;
-      vp[j] = book_row<T>(a.v, h, s);
-      mv[j] = book_mag(a.v, h, s);
-      const T* kr = book_row<T>(a.k, h, s);
-      const int64_t p = a.pos[h * a.p_h + s * a.p_s];
-      const float *cs = a.cos + p * a.cs_r, *sn = a.sin + p * a.cs_r;
-      __m256 acc[HG];
-      for (int i = 0; i < HG; i++) acc[i] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < hd; c += 8) {  // k = (lo cos - hi sin, hi cos + lo sin)
-        const __m256 lo = ld8(kr + c), hi = ld8(kr + hd + c);
-        const __m256 c8 = _mm256_loadu_ps(cs + c), s8 = _mm256_loadu_ps(sn + c);
-        const __m256 klo = _mm256_fmsub_ps(lo, c8, _mm256_mul_ps(hi, s8));
-        const __m256 khi = _mm256_fmadd_ps(hi, c8, _mm256_mul_ps(lo, s8));
-        for (int i = 0; i < HG; i++) {
-          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), klo, acc[i]);
-          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + hd + c), khi, acc[i]);
+      if (j + PREFETCH < nb) {  // gathered rows: the hardware cannot guess where they are
+        const int64_t f = j + PREFETCH;
+        for (int64_t c = 0; c < d * (int64_t)sizeof(T); c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(kp[f]) + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < d * (int64_t)sizeof(T); c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(vp[f]) + c, _MM_HINT_T1);
+        for (int64_t c = 0; c < hd * 4; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(a.cos + cp[f]) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(a.sin + cp[f]) + c, _MM_HINT_T0);
         }
       }
-      const float fs = book_mag(a.k, h, s) * a.scale;
-      for (int i = 0; i < HG; i++)
-        sc[i * SKB + j] = slot_visible(a, h, s, r0 + i) ? hsum(acc[i]) * fs : -INFINITY;
+      if (sr != nullptr) search_slot(a, sr, h, s, kp[j], vp[j]);
+      float dot[HG];
+      rope_dots<HG, T>(q, d, kp[j], a.cos + cp[j], a.sin + cp[j], dot);
+      const float fs = mk[j] * a.scale;
+      const uint8_t* bits = a.mask != nullptr ? a.mask + h * a.k_h + s * a.k_s : all;
+      for (int i = 0; i < HG; i++) {  // no branch: keep bits follow no pattern
+        const float x = dot[i] * fs;
+        const uint32_t keep = 0u - (uint32_t)((bits[mbyte[i]] >> mbit[i]) & 1);
+        uint32_t xb, nb;
+        std::memcpy(&xb, &x, 4);
+        std::memcpy(&nb, &kNegInf, 4);
+        xb = (xb & keep) | (nb & ~keep);
+        std::memcpy(&sc[i * SKB + j], &xb, 4);
+      }
     }
     softmax_block<HG>(sc, SKB, nb, mx, sm, r);
     for (int i = 0; i < HG; i++)
@@ -422,7 +588,8 @@ void merged_chunk(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* 
 
 // CodebookChunkFn: KV head h's R rows over slots [j0, j0 + n)
 void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, float* part,
-                    float* mx, float* sm, float* scratch) {
+                    float* mx, float* sm, float* scratch, Search* sr) {
+  if (a.k.idx == nullptr) sr = nullptr;  // dense slots: no codebook to search
   const bool f16 = a.elem == EL_F16;
 #if defined(__AVX2__)
   if (a.d % 64 == 0) {
@@ -430,9 +597,10 @@ void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, flo
     row_groups(a.R, [&](int64_t r0, int64_t hn) {
       const float* qh = q + r0 * a.d;
       float* o = part + r0 * a.d;
+      Search* s0 = r0 == 0 ? sr : nullptr;  // the first group of rows searches
 #define KVQ_BOOK(HG)                                                                     \
-  f16 ? codebook_heads<HG, uint16_t>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0)           \
-      : codebook_heads<HG, float>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0)
+  f16 ? codebook_heads<HG, uint16_t>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0, s0)       \
+      : codebook_heads<HG, float>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0, s0)
       if (hn == 3) KVQ_BOOK(3);
       else if (hn == 2) KVQ_BOOK(2);
       else KVQ_BOOK(1);
@@ -441,8 +609,8 @@ void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, flo
     return;
   }
 #endif
-  if (f16) codebook_portable<uint16_t>(a, h, j0, n, part, mx, sm, scratch);
-  else codebook_portable<float>(a, h, j0, n, part, mx, sm, scratch);
+  if (f16) codebook_portable<uint16_t>(a, h, j0, n, part, mx, sm, scratch, sr);
+  else codebook_portable<float>(a, h, j0, n, part, mx, sm, scratch, sr);
 }
 
 // BestRowFn

@@ -22,6 +22,7 @@
 //                                 body and dense tail (out, lse), a decode row rotated, stored
 //                                 and attended in one call, a range of the body dequantized
 //                                 (kivi_ops.h)
+//   codebook_step: a SpindleKV decode token coded, stored as a slot and attended, in one call
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -920,33 +921,28 @@ kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag
   return b;
 }
 
-// SpindleKV's decode attention (kernels/codebook_decode.py's arguments, and scale): q (1, Hq,
-// Tq, D) post-RoPE over slots (Hkv, S): keys RoPE(book_k[off_k[h] + idx_k] * mag_k, pos),
-// values book_v[off_v[h] + idx_v] * mag_v (dense slots: book (Hkv, S, D), idx and mag None);
-// query head j of a group sees the slots with bit j of `mask` set (None: all) -> [out, lse].
-std::vector<at::Tensor> codebook_attn(const at::Tensor& q_, const at::Tensor& book_k,
-                                      const OptT& idx_k, const OptT& mag_k,
-                                      const at::Tensor& book_v, const OptT& idx_v,
-                                      const OptT& mag_v, const at::Tensor& pos,
-                                      const at::Tensor& cos, const at::Tensor& sin,
-                                      const OptT& mask, const OptT& off_k, const OptT& off_v,
-                                      double scale) {
-  check_f32(q_, "q");
+// codebook_attn's arguments checked and filled in (q contiguous, the caller's).
+kvq::CodebookArgs codebook_args(const at::Tensor& q, const at::Tensor& book_k, const OptT& idx_k,
+                                const OptT& mag_k, const at::Tensor& book_v, const OptT& idx_v,
+                                const OptT& mag_v, const at::Tensor& pos, const at::Tensor& cos,
+                                const at::Tensor& sin, const OptT& mask, const OptT& off_k,
+                                const OptT& off_v, double scale) {
+  check_f32(q, "q");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(3) % 2 == 0 && pos.dim() == 2 &&
-                  pos.size(0) > 0 && q_.size(1) % pos.size(0) == 0 &&
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(3) % 2 == 0 && q.is_contiguous() &&
+                  pos.dim() == 2 && pos.size(0) > 0 && q.size(1) % pos.size(0) == 0 &&
                   pos.scalar_type() == at::kInt,
               "codebook_attn: q (1, Hq, Tq, D), pos (Hkv, S) int32");
-  const at::Tensor q = q_.contiguous();
   const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), H = pos.size(0), S = pos.size(1);
-  const int64_t g = Hq / H, R = g * Tq;
+  const int64_t g = Hq / H;
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() &&
                   cos.size(1) == D && cos.stride(1) == 1,
               "codebook_attn: cos, sin tables (P, D) alike");
   const int elem = row_elem(book_k, "book_k");
   kvq::CodebookArgs a{};
-  a.q = q.data_ptr<float>(), a.R = R, a.d = D, a.tq = Tq, a.scale = (float)scale, a.elem = elem;
+  a.q = q.data_ptr<float>(), a.R = g * Tq, a.d = D, a.tq = Tq, a.scale = (float)scale;
+  a.elem = elem;
   a.k = book_side(book_k, idx_k, mag_k, off_k, H, S, D, elem);
   a.v = book_side(book_v, idx_v, mag_v, off_v, H, S, D, elem);
   a.pos = pos.data_ptr<int32_t>(), a.p_h = pos.stride(0), a.p_s = pos.stride(1);
@@ -962,113 +958,367 @@ std::vector<at::Tensor> codebook_attn(const at::Tensor& q_, const at::Tensor& bo
                 "codebook_attn: mask (Hkv, S, ceil(g / 8)) uint8");
     a.mask = mask->data_ptr<uint8_t>(), a.k_h = mask->stride(0), a.k_s = mask->stride(1);
   }
-  at::Tensor out = at::empty({1, Hq, Tq, D}, q.options());
-  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  return a;
+}
+
+// split_keys over the S slots of a: out (Hkv * R, d), lse; with `searches` (one per thread)
+// the decode token's codebook search rides along (kvq::Search).
+void codebook_split(const kvq::CodebookArgs& a, int64_t H, int64_t S, float* out, float* lse,
+                    std::vector<kvq::Search>* searches) {
   const Table* tab = current();
   split_keys(
-      H, R, S, D, 64,
+      H, a.R, S, a.d, 64,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
           std::vector<float>& scratch) {
-        scratch.resize(R * n);
-        tab->codebook_chunk(a, h, j0, n, part, mx, sm, scratch.data());
+        scratch.resize(a.R * n);
+        kvq::Search* sr = searches != nullptr ? &(*searches)[at::get_thread_num()] : nullptr;
+        tab->codebook_chunk(a, h, j0, n, part, mx, sm, scratch.data(), sr);
       },
-      out.data_ptr<float>(), lse.data_ptr<float>());
+      out, lse);
+}
+
+// SpindleKV's decode attention (kernels/codebook_decode.py's arguments, and scale): q (1, Hq,
+// Tq, D) post-RoPE over slots (Hkv, S): keys RoPE(book_k[off_k[h] + idx_k] * mag_k, pos),
+// values book_v[off_v[h] + idx_v] * mag_v (dense slots: book (Hkv, S, D), idx and mag None);
+// query head j of a group sees the slots with bit j of `mask` set (None: all) -> [out, lse].
+std::vector<at::Tensor> codebook_attn(const at::Tensor& q_, const at::Tensor& book_k,
+                                      const OptT& idx_k, const OptT& mag_k,
+                                      const at::Tensor& book_v, const OptT& idx_v,
+                                      const OptT& mag_v, const at::Tensor& pos,
+                                      const at::Tensor& cos, const at::Tensor& sin,
+                                      const OptT& mask, const OptT& off_k, const OptT& off_v,
+                                      double scale) {
+  check_f32(q_, "q");
+  const at::Tensor q = q_.contiguous();
+  const kvq::CodebookArgs a = codebook_args(q, book_k, idx_k, mag_k, book_v, idx_v, mag_v, pos,
+                                            cos, sin, mask, off_k, off_v, scale);
+  at::Tensor out = at::empty({1, q.size(1), q.size(2), q.size(3)}, q.options());
+  at::Tensor lse = at::empty({1, q.size(1), q.size(2)}, q.options());
+  codebook_split(a, pos.size(0), pos.size(1), out.data_ptr<float>(), lse.data_ptr<float>(),
+                 nullptr);
   return {out, lse};
 }
 
-// SpindleKV's decode-time merging (spindlekv/store.py's `assign`) for x (H, D) float32, one
-// vector per KV head in head order, on a shelf (n_books, cap, D) whose book b holds counts[b]
-// rows (n_books 1: shared by every head; H: one per head): each unit vector u = x / ||x||
-// joins the first row with the largest u . row if that exceeds theta, else becomes a new row
-// (u in the shelf's dtype) that later heads may join. New rows are written in place and
-// counts advanced; the caller leaves room -> [idx (H,) int64, ||x|| (H,) float32].
-std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
-                                        at::Tensor& counts, double theta) {
-  check_f32(x, "x");
-  const int elem = row_elem(shelf, "shelf");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && shelf.dim() == 3 && shelf.is_contiguous() &&
-                  shelf.size(2) == x.size(1),
-              "codebook_assign: x (H, D), shelf (n_books, cap, D) contiguous");
-  const int64_t H = x.size(0), D = x.size(1), nb = shelf.size(0), cap = shelf.size(1);
-  TORCH_CHECK(nb == 1 || nb == H, "codebook_assign: one book, or one per head");
-  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == nb &&
-                  counts.is_contiguous(),
-              "codebook_assign: counts (n_books,) int64");
-  int64_t* cnt = counts.data_ptr<int64_t>();
-  for (int64_t b = 0; b < nb; b++)
-    TORCH_CHECK(cnt[b] >= 0 && cnt[b] + (nb == 1 ? H : 1) <= cap,
-                "codebook_assign: no room for the new rows");
-  at::Tensor idx = at::empty({H}, x.options().dtype(at::kLong));
-  at::Tensor mag = at::empty({H}, x.options());
-  std::vector<float> u(H * D), best(H, -INFINITY);
-  std::vector<int64_t> arg(H, 0);
-  float* mp = mag.data_ptr<float>();
+// x (H, D) rows (stride xs) -> unit vectors u (H, D) (0 for a zero row) and norms mag (H)
+void unit_rows(const float* x, int64_t xs, int64_t H, int64_t D, float* u, float* mag) {
   for (int64_t h = 0; h < H; h++) {
-    const float* xr = x.data_ptr<float>() + h * x.stride(0);
+    const float* xr = x + h * xs;
     float ss = 0.f;
     for (int64_t i = 0; i < D; i++) ss += xr[i] * xr[i];
-    mp[h] = std::sqrt(ss);
-    const float div = mp[h] > 0.f ? mp[h] : 1.f;
+    mag[h] = std::sqrt(ss);
+    const float div = mag[h] > 0.f ? mag[h] : 1.f;
     for (int64_t i = 0; i < D; i++) u[h * D + i] = xr[i] / div;
   }
-  const Table* tab = current();
-  const int64_t es = shelf.element_size();
-  char* base = static_cast<char*>(shelf.data_ptr());
-  auto book = [&](int64_t b) { return base + b * cap * D * es; };
-  // the rows there before this call, for every head of a book at once; split over threads
-  // in blocks (first maximum per block, then over blocks in order: the first overall)
-  const int64_t per = nb == 1 ? H : 1;
-  for (int64_t b = 0; b < nb; b++) {
-    const int64_t n = cnt[b], h0 = nb == 1 ? 0 : b;
-    constexpr int64_t BLOCK = 512;
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-    std::vector<float> bb(blocks * per, -INFINITY);
-    std::vector<int64_t> ba(blocks * per, 0);
-    dynamic_for(blocks, n * per * D >= (1 << 17) ? 1 : blocks, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; i++) {
-        const int64_t r0 = i * BLOCK, m = std::min(BLOCK, n - r0);
-        tab->best_rows(u.data() + h0 * D, per, book(b) + r0 * D * es, elem, D, m, D,
-                       bb.data() + i * per, ba.data() + i * per);
-        for (int64_t k = 0; k < per; k++) ba[i * per + k] += r0;
-      }
-    });
-    for (int64_t i = 0; i < blocks; i++)
-      for (int64_t k = 0; k < per; k++)
-        if (bb[i * per + k] > best[h0 + k]) {
-          best[h0 + k] = bb[i * per + k];
-          arg[h0 + k] = ba[i * per + k];
-        }
+}
+
+// A shelf (n_books, cap, D) of `elem`: book b's rows from row b * cap.
+struct Shelf {
+  char* base;
+  int elem;
+  int64_t nb, cap, D;
+  int64_t* cnt;  // rows used per book
+  char* row(int64_t b, int64_t r) const {
+    return base + (b * cap + r) * D * (elem == kvq::EL_F16 ? 2 : 4);
   }
-  std::vector<int64_t> before(cnt, cnt + nb);
-  int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t h = 0; h < H; h++) {  // in head order: rows made by earlier heads count
-    const int64_t b = nb == 1 ? 0 : h;
+};
+
+// For every head, the first row with the largest u . row among the rows its book held before
+// the call: searched for every head of a book at once, in blocks over the threads (the first
+// maximum of each block, then over the blocks in order: the first overall).
+void scan_rows(const float* u, int64_t H, const Shelf& sh, float* best, int64_t* arg,
+               const Table* tab) {
+  const int64_t D = sh.D, nb = sh.nb, per = nb == 1 ? H : 1;
+  constexpr int64_t BLOCK = 512;
+  std::vector<int64_t> first(nb + 1, 0);  // each book's first block
+  for (int64_t b = 0; b < nb; b++) first[b + 1] = first[b] + (sh.cnt[b] + BLOCK - 1) / BLOCK;
+  const int64_t blocks = first[nb];
+  std::vector<float> bb(blocks * per, -INFINITY);
+  std::vector<int64_t> ba(blocks * per, 0);
+  int64_t rows = 0;
+  for (int64_t b = 0; b < nb; b++) rows += sh.cnt[b];
+  dynamic_for(blocks, rows * per * D >= (1 << 17) ? 1 : blocks, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      int64_t b = 0;
+      while (i >= first[b + 1]) b++;
+      const int64_t r0 = (i - first[b]) * BLOCK, m = std::min(BLOCK, sh.cnt[b] - r0);
+      tab->best_rows(u + (nb == 1 ? 0 : b) * D, per, sh.row(b, r0), sh.elem, D, m, D,
+                     bb.data() + i * per, ba.data() + i * per);
+      for (int64_t k = 0; k < per; k++) ba[i * per + k] += r0;
+    }
+  });
+  for (int64_t h = 0; h < H; h++) best[h] = -INFINITY, arg[h] = 0;
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t i = first[b]; i < first[b + 1]; i++)
+      for (int64_t k = 0; k < per; k++) {
+        const int64_t h = (nb == 1 ? 0 : b) + k;
+        if (bb[i * per + k] > best[h]) {
+          best[h] = bb[i * per + k];
+          arg[h] = ba[i * per + k];
+        }
+      }
+}
+
+// SpindleKV's decode-time merging (spindlekv/store.py's `assign`), once each head's best row
+// among the rows there before is known (best, arg): in head order, a head joins the better of
+// that and the rows earlier heads of the call added if above theta, else its unit vector u
+// becomes a new row (in the shelf's dtype, written in place, cnt advanced; the caller checked
+// the room) -> idx (H).
+void join_or_add(const float* u, int64_t H, const Shelf& sh, const float* best,
+                 const int64_t* arg, double theta, int64_t* idx, const Table* tab) {
+  const int64_t D = sh.D;
+  std::vector<int64_t> before(sh.cnt, sh.cnt + sh.nb);
+  for (int64_t h = 0; h < H; h++) {
+    const int64_t b = sh.nb == 1 ? 0 : h;
     float bv = best[h];
     int64_t av = arg[h];
-    const int64_t made = cnt[b] - before[b];
+    const int64_t made = sh.cnt[b] - before[b];
     if (made > 0) {
       float nbv = bv;
       int64_t nav = 0;
-      tab->best_rows(u.data() + h * D, 1, book(b) + before[b] * D * es, elem, D, made, D, &nbv, &nav);
+      tab->best_rows(u + h * D, 1, sh.row(b, before[b]), sh.elem, D, made, D, &nbv, &nav);
       if (nbv > bv) {
         bv = nbv;
         av = before[b] + nav;
       }
     }
     if ((double)bv > theta) {
-      ip[h] = av;
+      idx[h] = av;
       continue;
     }
-    char* row = book(b) + cnt[b] * D * es;
-    if (elem == kvq::EL_F16)
-      for (int64_t i = 0; i < D; i++) reinterpret_cast<uint16_t*>(row)[i] = kvq::fp32_to_fp16(u[h * D + i]);
+    char* row = sh.row(b, sh.cnt[b]);
+    if (sh.elem == kvq::EL_F16)
+      for (int64_t i = 0; i < D; i++)
+        reinterpret_cast<uint16_t*>(row)[i] = kvq::fp32_to_fp16(u[h * D + i]);
     else
-      std::memcpy(row, u.data() + h * D, D * sizeof(float));
-    ip[h] = cnt[b]++;
+      std::memcpy(row, u + h * D, D * sizeof(float));
+    idx[h] = sh.cnt[b]++;
   }
+}
+
+// A shelf tensor (n_books, cap, D) and its counts (n_books,) int64 checked for H heads' new
+// rows.
+Shelf check_shelf(at::Tensor& shelf, at::Tensor& counts, int64_t H, int64_t D, const char* op) {
+  const int elem = row_elem(shelf, "shelf");
+  TORCH_CHECK(shelf.dim() == 3 && shelf.is_contiguous() && shelf.size(2) == D &&
+                  (shelf.size(0) == 1 || shelf.size(0) == H),
+              op, ": shelf (1 or H, cap, D) contiguous");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 &&
+                  counts.size(0) == shelf.size(0) && counts.is_contiguous(),
+              op, ": counts (n_books,) int64");
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < shelf.size(0); b++)
+    TORCH_CHECK(cnt[b] >= 0 && cnt[b] + (shelf.size(0) == 1 ? H : 1) <= shelf.size(1), op,
+                ": no room for the new rows");
+  return {static_cast<char*>(shelf.data_ptr()), elem, shelf.size(0), shelf.size(1), D, cnt};
+}
+
+// SpindleKV's decode-time merging (spindlekv/store.py's `assign`) of x (H, D) float32, one
+// vector per KV head in head order, into a shelf (n_books, cap, D) whose book b holds
+// counts[b] rows (n_books 1: shared by every head; H: one per head): each unit vector
+// u = x / ||x|| joins the first row with the largest u . row if that exceeds theta, else
+// becomes a new row (u in the shelf's dtype) that later heads may join. New rows are written
+// in place and counts advanced; the caller leaves room -> [idx (H,) int64, ||x|| (H,) float32].
+std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
+                                        at::Tensor& counts, double theta) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "codebook_assign: x (H, D)");
+  const int64_t H = x.size(0), D = x.size(1);
+  const Shelf sh = check_shelf(shelf, counts, H, D, "codebook_assign");
+  at::Tensor idx = at::empty({H}, x.options().dtype(at::kLong));
+  at::Tensor mag = at::empty({H}, x.options());
+  std::vector<float> u(H * D), best(H);
+  std::vector<int64_t> arg(H);
+  const Table* tab = current();
+  unit_rows(x.data_ptr<float>(), x.stride(0), H, D, u.data(), mag.data_ptr<float>());
+  scan_rows(u.data(), H, sh, best.data(), arg.data(), tab);
+  join_or_add(u.data(), H, sh, best.data(), arg.data(), theta, idx.data_ptr<int64_t>(), tab);
   return {idx, mag};
 }
 #include "kivi_ops.h"  // KIVI
+
+// One SpindleKV decode token in one call: k, v (Hkv, D) pre-RoPE coded into the shelves as
+// codebook_assign does (theta_k, theta_v), written as slot n of the coded segment's buffers
+// (idx_k, idx_v, mag_k, mag_v, pos_c (Hkv, cap) and mask (Hkv, cap, ceil(g/8)): position
+// `pos`, every keep bit set), and q (1, Hq, 1, D) post-RoPE attending over slots 0..n as
+// codebook_attn does (masked: by the keep bits) -> out (1, Hq, 1, D). Each index must fit its
+// buffer (the caller widens int16 first).
+//
+// The codebooks are read once: the search for the token's rows rides along the attention
+// over slots 0..n-1 (each row a slot points at is compared as it is gathered; every row is
+// some slot's, and any row none visits is searched after), then the token's own slot is
+// merged into the attention by log-sum-exp.
+at::Tensor codebook_step(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                         int64_t pos, at::Tensor& shelf_k, at::Tensor& counts_k, double theta_k,
+                         at::Tensor& shelf_v, at::Tensor& counts_v, double theta_v,
+                         at::Tensor& idx_k, at::Tensor& idx_v, at::Tensor& mag_k,
+                         at::Tensor& mag_v, at::Tensor& pos_c, at::Tensor& mask, int64_t n,
+                         bool masked, const at::Tensor& cos, const at::Tensor& sin,
+                         double scale) {
+  check_f32(q_, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  const int64_t H = k.size(0), D = k.size(1);
+  TORCH_CHECK(k.dim() == 2 && k.sizes() == v.sizes() && k.stride(1) == 1 && v.stride(1) == 1 &&
+                  q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && q_.size(3) == D &&
+                  q_.size(1) % H == 0,
+              "codebook_step: q (1, Hq, 1, D), k and v (Hkv, D)");
+  const at::Tensor q = q_.contiguous();
+  const int64_t g = q.size(1) / H;
+  const Shelf sk = check_shelf(shelf_k, counts_k, H, D, "codebook_step");
+  const Shelf sv = check_shelf(shelf_v, counts_v, H, D, "codebook_step");
+  TORCH_CHECK(sk.elem == sv.elem, "codebook_step: K and V shelves of one dtype");
+  for (const at::Tensor* t : {&idx_k, &idx_v, &mag_k, &mag_v, &pos_c})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == H && t->size(1) > n && n >= 0 &&
+                    t->is_contiguous(),
+                "codebook_step: slot buffers (Hkv, cap > n) contiguous");
+  for (const at::Tensor* t : {&idx_k, &idx_v})
+    TORCH_CHECK(t->scalar_type() == at::kShort || t->scalar_type() == at::kInt,
+                "codebook_step: int16 or int32 indices");
+  TORCH_CHECK(mag_k.scalar_type() == mag_v.scalar_type(), "codebook_step: magnitudes alike");
+  TORCH_CHECK(pos_c.scalar_type() == at::kInt && mask.scalar_type() == at::kByte &&
+                  mask.dim() == 3 && mask.size(0) == H && mask.size(1) == pos_c.size(1) &&
+                  mask.size(2) == (g + 7) / 8 && mask.is_contiguous(),
+              "codebook_step: pos_c int32, mask (Hkv, cap, ceil(g/8)) uint8");
+  TORCH_CHECK(cos.dim() == 2 && pos >= 0 && pos < cos.size(0), "codebook_step: tables past pos");
+  const Table* tab = current();
+  auto book = [&](const at::Tensor& shelf) {
+    return shelf.size(0) == 1 ? shelf[0] : shelf.view({shelf.size(0) * shelf.size(1), D});
+  };
+  auto offsets = [&](const at::Tensor& shelf) -> OptT {  // book h starts at row h * cap
+    if (shelf.size(0) == 1) return c10::nullopt;
+    at::Tensor off = at::empty({H}, shelf.options().dtype(at::kInt));
+    for (int64_t h = 0; h < H; h++) off.data_ptr<int32_t>()[h] = (int32_t)(h * shelf.size(1));
+    return off;
+  };
+  const OptT off_k = offsets(shelf_k), off_v = offsets(shelf_v);
+  // the token's unit vectors and norms
+  std::vector<float> uk(H * D), uv(H * D), mk(H), mv(H);
+  unit_rows(k.data_ptr<float>(), k.stride(0), H, D, uk.data(), mk.data());
+  unit_rows(v.data_ptr<float>(), v.stride(0), H, D, uv.data(), mv.data());
+  // attention over slots 0..n-1, the search alongside (one Search per thread)
+  const int64_t per_head = sk.nb == 1 ? 0 : 1, books = per_head ? H : 1;
+  int64_t most = 0;
+  for (int64_t b = 0; b < books; b++) most = std::max({most, sk.cnt[b], sv.cnt[b]});
+  const int64_t words = (most + 63) / 64, threads = at::get_num_threads();
+  std::vector<float> best(threads * 2 * H, -INFINITY);
+  std::vector<int64_t> row(threads * 2 * H, INT64_MAX);
+  std::vector<uint64_t> seen(threads * 2 * books * words, 0);
+  std::vector<kvq::Search> searches(threads);
+  for (int64_t t = 0; t < threads; t++)
+    searches[t] = {uk.data(), uv.data(), H, per_head, best.data() + t * 2 * H,
+                   row.data() + t * 2 * H, seen.data() + t * 2 * books * words,
+                   seen.data() + (t * 2 + 1) * books * words, words};
+  at::Tensor out = at::empty({1, q.size(1), 1, D}, q.options());
+  std::vector<float> lse(H * g);
+  if (n > 0) {
+    const kvq::CodebookArgs a = codebook_args(
+        q, book(shelf_k), OptT(idx_k.narrow(1, 0, n)), OptT(mag_k.narrow(1, 0, n)),
+        book(shelf_v), OptT(idx_v.narrow(1, 0, n)), OptT(mag_v.narrow(1, 0, n)),
+        pos_c.narrow(1, 0, n), cos, sin, masked ? OptT(mask.narrow(1, 0, n)) : c10::nullopt,
+        off_k, off_v, scale);
+    codebook_split(a, H, n, out.data_ptr<float>(), lse.data(), &searches);
+  } else {
+    std::fill(out.data_ptr<float>(), out.data_ptr<float>() + H * g * D, 0.f);
+    std::fill(lse.begin(), lse.end(), -INFINITY);
+  }
+  // the threads' searches merged (the largest dot, then the lowest row); rows no slot visited
+  // searched now; then each head joins a row or adds one, as codebook_assign
+  std::vector<int64_t> ik(H), iv(H);
+  for (int side = 0; side < 2; side++) {
+    const Shelf& sh = side == 0 ? sk : sv;
+    const float* u = side == 0 ? uk.data() : uv.data();
+    std::vector<float> b(H, -INFINITY);
+    std::vector<int64_t> r(H, INT64_MAX);
+    for (int64_t t = 0; t < threads; t++)
+      for (int64_t h = 0; h < H; h++) {
+        const int64_t i = t * 2 * H + side * H + h;
+        if (best[i] > b[h] || (best[i] == b[h] && row[i] < r[h])) b[h] = best[i], r[h] = row[i];
+      }
+    for (int64_t bk = 0; bk < books; bk++)
+      for (int64_t i = 0; i < sh.cnt[bk]; i++) {
+        uint64_t w = 0;
+        for (int64_t t = 0; t < threads; t++)
+          w |= seen[((t * 2 + side) * books + bk) * words + i / 64];
+        if ((w >> (i % 64)) & 1) continue;
+        for (int64_t h = per_head ? bk : 0; h < (per_head ? bk + 1 : H); h++) {
+          float s = -INFINITY;
+          int64_t a = 0;
+          tab->best_rows(u + h * D, 1, sh.row(bk, i), sh.elem, D, 1, D, &s, &a);
+          if (s > b[h] || (s == b[h] && i < r[h])) b[h] = s, r[h] = i;
+        }
+      }
+    for (int64_t h = 0; h < H; h++)
+      if (r[h] == INT64_MAX) r[h] = 0;  // an empty book: nothing found
+    join_or_add(u, H, sh, b.data(), r.data(), side == 0 ? theta_k : theta_v,
+                side == 0 ? ik.data() : iv.data(), tab);
+  }
+  // slot n written
+  auto put_idx = [&](at::Tensor& buf, const std::vector<int64_t>& ix) {
+    const int64_t cap = buf.size(1);
+    for (int64_t h = 0; h < H; h++) {
+      if (buf.scalar_type() == at::kShort) {
+        TORCH_CHECK(ix[h] <= 32767, "codebook_step: an index past int16 (widen first)");
+        buf.data_ptr<int16_t>()[h * cap + n] = (int16_t)ix[h];
+      } else {
+        buf.data_ptr<int32_t>()[h * cap + n] = (int32_t)ix[h];
+      }
+    }
+  };
+  auto put_mag = [&](at::Tensor& buf, const std::vector<float>& m) {
+    const int64_t cap = buf.size(1);
+    for (int64_t h = 0; h < H; h++) {
+      if (buf.scalar_type() == at::kHalf)
+        buf.data_ptr<at::Half>()[h * cap + n] = at::Half(m[h]);
+      else
+        buf.data_ptr<float>()[h * cap + n] = m[h];
+    }
+  };
+  put_idx(idx_k, ik);
+  put_idx(idx_v, iv);
+  put_mag(mag_k, mk);
+  put_mag(mag_v, mv);
+  const int64_t cap = pos_c.size(1), nbytes = mask.size(2);
+  for (int64_t h = 0; h < H; h++) {
+    pos_c.data_ptr<int32_t>()[h * cap + n] = (int32_t)pos;
+    uint8_t* m = mask.data_ptr<uint8_t>() + (h * cap + n) * nbytes;
+    for (int64_t j = 0; j < nbytes; j++)
+      m[j] = (uint8_t)(j + 1 < nbytes || g % 8 == 0 ? 0xFF : (1 << (g % 8)) - 1);
+  }
+  // the token's own slot, seen by every query head, merged by log-sum-exp: its key
+  // RoPE(row_k * mag_k, pos), its value row_v * mag_v as the buffers hold them
+  const float* cs = cos.data_ptr<float>() + pos * cos.stride(0);
+  const float* sn = sin.data_ptr<float>() + pos * sin.stride(0);
+  std::vector<float> kr(D), vr(D);
+  float* o = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const bool half = mag_k.scalar_type() == at::kHalf;
+  for (int64_t h = 0; h < H; h++) {
+    const char* rk = sk.row(per_head ? h : 0, ik[h]);
+    const char* rv = sv.row(per_head ? h : 0, iv[h]);
+    for (int64_t i = 0; i < D; i++) {
+      kr[i] = sk.elem == kvq::EL_F16 ? kvq::fp16_to_fp32(reinterpret_cast<const uint16_t*>(rk)[i])
+                                     : reinterpret_cast<const float*>(rk)[i];
+      vr[i] = sv.elem == kvq::EL_F16 ? kvq::fp16_to_fp32(reinterpret_cast<const uint16_t*>(rv)[i])
+                                     : reinterpret_cast<const float*>(rv)[i];
+    }
+    const float fk = (half ? (float)at::Half(mk[h]) : mk[h]) * (float)scale;
+    const float fv = half ? (float)at::Half(mv[h]) : mv[h];
+    for (int64_t j = 0; j < g; j++) {
+      const float* qr = qp + (h * g + j) * D;
+      float s = 0.f;
+      for (int64_t i = 0; i < D / 2; i++) {
+        const float lo = kr[i], hi = kr[D / 2 + i];
+        s += qr[i] * (lo * cs[i] - hi * sn[i]) + qr[D / 2 + i] * (hi * cs[i] + lo * sn[i]);
+      }
+      s *= fk;
+      const float l = lse[h * g + j], m = std::max(l, s);
+      const float old = std::exp(l - m), w = std::exp(s - m), total = old + w;
+      float* orow = o + (h * g + j) * D;
+      for (int64_t i = 0; i < D; i++) orow[i] = (orow[i] * old + w * fv * vr[i]) / total;
+    }
+  }
+  return out;
+}
 
 // One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
 // cos, ssin tables (>= pos + 1, D)),
@@ -1292,6 +1542,13 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "kivi_dequant(Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int bits, "
       "int group, int t0, int t1) -> Tensor[]",
       &kivi_dequant);
+  m.def(
+      "codebook_step(Tensor q, Tensor k, Tensor v, int pos, Tensor(a!) shelf_k, "
+      "Tensor(b!) counts_k, float theta_k, Tensor(c!) shelf_v, Tensor(d!) counts_v, "
+      "float theta_v, Tensor(e!) idx_k, Tensor(f!) idx_v, Tensor(g!) mag_k, Tensor(h!) mag_v, "
+      "Tensor(i!) pos_c, Tensor(j!) mask, int n, bool masked, Tensor cos, Tensor sin, "
+      "float scale) -> Tensor",
+      &codebook_step);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
       "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, int kv_type=0) -> Tensor",

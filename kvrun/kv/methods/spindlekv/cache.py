@@ -196,6 +196,11 @@ class SpindleKVCache(KVManager):
 
     def decode(self, layer, qr, k, v, positions):
         st = self.layers[layer]
+        if k.shape[2] == 1 and self._fuse(st, qr):  # coded and attended in one native call
+            pos = self.rope.position(positions)
+            out = st.step_native(qr, k[0, :, 0], v[0, :, 0], pos, self.opt)
+            if out is not None:
+                return out
         for i in range(k.shape[2]):  # each token coded, then attended over
             pos = positions[i : i + 1].to(torch.int32).expand(k.shape[1], 1)
             st.store_token(layer, k[0, :, i], v[0, :, i], pos, self.ones_mask, self.opt)

@@ -434,6 +434,46 @@ class CodedLayer:
             mask,
         )
 
+    def step_native(self, q, k, v, pos: int, o) -> torch.Tensor | None:
+        """`store_token` and attention over the slots in one native call (codebook_step): k, v
+        (Hkv, D) pre-RoPE at position pos coded into the books and stored as the next coded
+        slot, q (1, Hq, 1, D) attending over every slot -> (1, Hq, 1, D). None where it does
+        not apply: no kernels, dense slots, decode tokens kept dense, or int16 indices that a
+        new entry may outgrow (the Python path widens them)."""
+        if (
+            self.kernels is None
+            or self.pos_c is None
+            or self.pos_d is not None
+            or not (o["codebook"] and o["decode_codebook"])
+            or q.dtype != torch.float32
+        ):
+            return None
+        H = k.shape[0]
+        for books, dt in zip((self.books_k, self.books_v), self.idx_dtype, strict=True):
+            if dt == torch.int16 and max(b.n for b in books) + H > INT16_MAX:
+                return None
+        bufs = [self.bufs[name] for name in CODED]
+        n = bufs[0].n
+        for b in bufs:
+            b.reserve(n + 1)
+        counts = []
+        for shelf in (self.shelf_k, self.shelf_v):
+            books = shelf.books
+            shelf.reserve(max(b.n for b in books) + (H if len(books) == 1 else 1))
+            counts.append(torch.tensor([b.n for b in books]))
+        cos, sin = self.rope.tables(pos + 1)
+        out = self.kernels.codebook_step(
+            q, k, v, pos, self.shelf_k.data, counts[0], o["theta_k"], self.shelf_v.data,
+            counts[1], o["theta_v"], *(b.buf for b in bufs), n, not self.all_bits, cos, sin,
+            q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        for b in bufs:
+            b.n = n + 1
+        for shelf, c in zip((self.shelf_k, self.shelf_v), counts, strict=True):
+            for b, m in zip(shelf.books, c.tolist(), strict=True):
+                b.n = m
+        return out
+
     def widen(self, layer: int, strict: bool) -> None:
         """Indices int32 past 32767 entries (kvrun's rule: no width in the paper); strict raises."""
         for i, (books, name) in enumerate(((self.books_k, "key"), (self.books_v, "value"))):
