@@ -47,8 +47,10 @@ class MiniCacheKV(KVManager):
 
     def reset(self) -> None:
         super().reset()
+        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): pairs attend and merge
+        # natively (merged_attn, minicache_merge); None: torch
+        self.kernels = kernels = self.rope.kernels
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
-        kernels = self.rope.kernels
         if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D), as `full` keeps them
             self.plain = {
                 i: DenseSeg(self.H, self.D, self.dtype, self.device, kernels=kernels) for i in plain
@@ -180,7 +182,8 @@ class MiniCacheKV(KVManager):
         dirs = []
         for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
             ga, gb = lay.groups(xa), lay.groups(xb)  # (g, n, m)
-            e, na, nb, d = merge(ga, gb, self.t, self.sin_eps)
+            fn = merge if self.kernels is None else self.kernels.minicache_merge
+            e, na, nb, d = fn(ga, gb, self.t, self.sin_eps)
             keep = None
             if prefill:  # retention over this turn's tokens
                 keep, thr = retention(d, self.gamma, self.rule, self.retain)
