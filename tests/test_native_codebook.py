@@ -169,9 +169,7 @@ def test_codebook_step_codes_stores_and_attends(books, dtype, masked, unseen, is
         assert torch.equal(idx[i], ref_idx[i])
         torch.testing.assert_close(mags[i], ref_mag[i], atol=0, rtol=1e-6)
     assert torch.equal(pos, ref_pos) and torch.equal(mask, ref_mask)
-    assert counts == [
-        [int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want
-    ]
+    assert counts == [[int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want]
 
 
 def test_assign_refuses_a_full_shelf():

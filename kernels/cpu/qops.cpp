@@ -1065,7 +1065,7 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   std::vector<int64_t> ck(counts_k.begin(), counts_k.end()), cv(counts_v.begin(), counts_v.end());
   const Shelf sk = check_shelf(shelf_k, ck.data(), (int64_t)ck.size(), H, D, "codebook_step");
   const Shelf sv = check_shelf(shelf_v, cv.data(), (int64_t)cv.size(), H, D, "codebook_step");
-  TORCH_CHECK(sk.elem == sv.elem, "codebook_step: K and V shelves of one dtype");
+  TORCH_CHECK(sk.elem == sv.elem && sk.nb == sv.nb, "codebook_step: K and V shelves alike");
   for (const at::Tensor* t : {&idx_k, &idx_v, &mag_k, &mag_v, &pos_c})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == H && t->size(1) > n && n >= 0 &&
                     t->is_contiguous(),
@@ -1102,11 +1102,13 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   std::vector<float> best(threads * 2 * H, -INFINITY);
   std::vector<int64_t> row(threads * 2 * H, INT64_MAX);
   std::vector<uint64_t> seen(threads * 2 * books * words, 0);
+  const std::vector<int64_t> before_k(sk.cnt, sk.cnt + sk.nb), before_v(sv.cnt, sv.cnt + sv.nb);
   std::vector<kvq::Search> searches(threads);
   for (int64_t t = 0; t < threads; t++)
     searches[t] = {uk.data(), uv.data(), H, per_head, best.data() + t * 2 * H,
                    row.data() + t * 2 * H, seen.data() + t * 2 * books * words,
-                   seen.data() + (t * 2 + 1) * books * words, words};
+                   seen.data() + (t * 2 + 1) * books * words, words, before_k.data(),
+                   before_v.data()};
   at::Tensor out = at::empty({1, q.size(1), 1, D}, q.options());
   std::vector<float> lse(H * g);
   if (n > 0) {

@@ -75,7 +75,9 @@ class MiniCacheKV(KVManager):
             and not (self.in_prefill or self.static)
             and not (window and self.seen + 1 > window)
         ):
-            return st.rotate_append_attend(self.rope.at(layer), q, k, v, self.rope.position(positions))
+            return st.rotate_append_attend(
+                self.rope.at(layer), q, k, v, self.rope.position(positions)
+            )
         return super().attend(layer, q, k, v, positions)
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
@@ -107,7 +109,8 @@ class MiniCacheKV(KVManager):
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
         pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
-        if self._fuse(pair, k.shape[2]) and view.kernels is not None and pair.k is not None:
+        native = view.kernels is not None and pair.k is not None and q.dtype == torch.float32
+        if native and self._fuse(pair, k.shape[2]):
             out = view.attend_native(q, k, v).to(self.dtype)  # merged and own tokens, one op
         elif self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact
             parts = view.partials(q, positions, 0, None) + [self.layout.own(q, k, v)]
