@@ -155,9 +155,8 @@ def test_codebook_step_codes_stores_and_attends(books, dtype, masked, unseen, is
         q, table[0], ref_idx[0][:, sl], ref_mag[0][:, sl], table[1], ref_idx[1][:, sl],
         ref_mag[1][:, sl], ref_pos[:, sl], cos, sin, ref_mask[:, sl] if masked else None, off, off,
     )  # fmt: skip
-    counts = [torch.full((books,), C) for _ in range(2)]
-    out = ops.codebook_step(
-        q, x[0], x[1], 17, shelves[0], counts[0], 0.9, shelves[1], counts[1], 0.8, idx[0],
+    out, *counts = ops.codebook_step(
+        q, x[0], x[1], 17, shelves[0], [C] * books, 0.9, shelves[1], [C] * books, 0.8, idx[0],
         idx[1], mags[0], mags[1], pos, mask, n, masked, cos, sin, D**-0.5,
     )  # fmt: skip
     if unseen:  # found only by the search apart
@@ -170,9 +169,7 @@ def test_codebook_step_codes_stores_and_attends(books, dtype, masked, unseen, is
         assert torch.equal(idx[i], ref_idx[i])
         torch.testing.assert_close(mags[i], ref_mag[i], atol=0, rtol=1e-6)
     assert torch.equal(pos, ref_pos) and torch.equal(mask, ref_mask)
-    assert [c.tolist() for c in counts] == [
-        [int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want
-    ]
+    assert counts == [[int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want]
 
 
 def test_assign_refuses_a_full_shelf():

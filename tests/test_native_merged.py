@@ -12,6 +12,7 @@ from native_attention import HEADS, LENGTHS, isa, needs_native, ops, threads  # 
 from test_kernels_merged import model6, pair_inputs
 from test_kv_methods import drive, new_kv, prompt
 
+import kvrun.kv.methods.minicache.store as restore_mod
 from kvrun.kernels.merged_decode import merged_decode_ref
 from kvrun.kv.attention import segment_attention
 
@@ -115,6 +116,25 @@ def test_bad_arguments_are_refused():
         ops.merged_attn(q, ek, sk, ev.half(), sv, True, *[None] * 6, 1, None, None, 0.1)
 
 
+@pytest.mark.parametrize("t,sin_eps", [(0.6, 1e-6), (0.5, 1e-6), (1.0, 0.0), (0.3, 0.5)])
+def test_minicache_merge_matches_merge(t, sin_eps):
+    """The SLERP merge, LERP fallback and degenerate rows (zero, parallel, antipodal) as
+    minicache.store.merge computes them."""
+    gen = torch.Generator().manual_seed(int(10 * t))
+    xa = torch.randn(3, 300, 64, generator=gen)
+    xb = 0.5 * xa + torch.randn(3, 300, 64, generator=gen)
+    xb[0, 0] = 0  # zero rows
+    xa[1, 1] = 0
+    xb[2, 2] = -xa[2, 2]  # antipodal
+    xb[2, 3] = 2 * xa[2, 3]  # parallel
+    xb[2, 4] = xa[2, 4] + 1e-4 * xb[2, 4]  # sin(Omega) ~ 0: LERP
+    got = ops.minicache_merge(xa, xb, t, sin_eps)
+    want = restore_mod.merge(xa, xb, t, sin_eps)
+    for g_, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w, atol=1e-5, rtol=1e-5)
+    assert all(bool(x.isfinite().all()) for x in got)
+
+
 # --- the manager ------------------------------------------------------------------------------
 SPECS = [
     "minicache:gamma=0.3",
@@ -134,6 +154,14 @@ def model_with_kernels():
     m.rope.kernels = None
 
 
+def torch_path(kv):
+    """The same manager with the kernels unset: today's torch path."""
+    kv.kernels = None
+    for st in kv.stores():
+        st.kernels = None
+    return kv
+
+
 def count_native(monkeypatch, kv) -> list:
     calls = []
     for view in kv.views.values():
@@ -146,9 +174,7 @@ def count_native(monkeypatch, kv) -> list:
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_equals_the_torch_path(monkeypatch, model_with_kernels, spec):
     m, P, steps = model_with_kernels, 75, 6
-    old = new_kv(m, spec)
-    for st in old.stores():  # the same manager with the kernels unset: today's torch path
-        st.kernels = None
+    old = torch_path(new_kv(m, spec))
     ref = drive(m, old, prompt(P, seed=3), 32, steps)
     toks = ref[P - 1 : -1].argmax(-1).tolist()
     kv = new_kv(m, spec)
@@ -166,9 +192,7 @@ def test_multi_token_decode_calls(model_with_kernels):
     """Decode calls of several tokens at once (the pending slot holds them; own tokens
     causal) equal the torch path."""
     m, P = model_with_kernels, 40
-    kvs = [new_kv(m, "minicache:gamma=0.3"), new_kv(m, "minicache:gamma=0.3")]
-    for st in kvs[1].stores():
-        st.kernels = None
+    kvs = [new_kv(m, "minicache:gamma=0.3"), torch_path(new_kv(m, "minicache:gamma=0.3"))]
     outs = []
     for kv in kvs:
         drive(m, kv, prompt(P, seed=6), 64)

@@ -132,6 +132,23 @@ inline void found(float s, int64_t r, float& best, int64_t& row) {
 template <typename T>
 inline void search_row(const float* u, int64_t k, const T* x, int64_t d, int64_t r, float* best,
                        int64_t* row) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && k <= 4) {
+    __m512 acc[4];
+    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 x16 = ld16(x + c);
+      for (int64_t i = 0; i < k; i++)
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(u + i * d + c), x16, acc[i]);
+    }
+    __m256 a8[4];
+    for (int i = 0; i < 4; i++) a8[i] = fold8(acc[i]);
+    float dot[4];
+    hsum4<4>(a8, dot);
+    for (int64_t i = 0; i < k; i++) found(dot[i], r, best[i], row[i]);
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   if (d % 8 == 0 && k <= 4) {
     __m256 acc[4];
@@ -161,11 +178,15 @@ inline void search_slot(const CodebookArgs& a, Search* sr, int64_t h, int64_t s,
   const int64_t d = a.d, a0 = sr->per_head ? h : 0, k = sr->per_head ? 1 : sr->nu;
   const int64_t bk = book_index(a.k, h, s) - (a.k.off != nullptr ? a.k.off[h] : 0);
   const int64_t bv = book_index(a.v, h, s) - (a.v.off != nullptr ? a.v.off[h] : 0);
-  const int64_t w = sr->per_head ? h * sr->words : 0;
-  sr->seen_k[w + bk / 64] |= 1ull << (bk % 64);
-  sr->seen_v[w + bv / 64] |= 1ull << (bv % 64);
-  search_row(sr->uk + a0 * d, k, kr, d, bk, sr->best + a0, sr->row + a0);
-  search_row(sr->uv + a0 * d, k, vr, d, bv, sr->best + sr->nu + a0, sr->row + sr->nu + a0);
+  const int64_t b = sr->per_head ? h : 0, w = b * sr->words;
+  if (bk < sr->cnt_k[b]) {  // a row past the book's (spare room) is no entry
+    sr->seen_k[w + bk / 64] |= 1ull << (bk % 64);
+    search_row(sr->uk + a0 * d, k, kr, d, bk, sr->best + a0, sr->row + a0);
+  }
+  if (bv < sr->cnt_v[b]) {
+    sr->seen_v[w + bv / 64] |= 1ull << (bv % 64);
+    search_row(sr->uv + a0 * d, k, vr, d, bv, sr->best + sr->nu + a0, sr->row + sr->nu + a0);
+  }
 }
 
 // ------------------------------------------------------------------------------- portable

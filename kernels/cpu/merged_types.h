@@ -79,6 +79,8 @@ struct Search {
   uint64_t* seen_k;  // (books, words)
   uint64_t* seen_v;
   int64_t words;
+  const int64_t* cnt_k;  // rows each book held before the token (the rows searched)
+  const int64_t* cnt_v;
 };
 
 typedef void (*MergedChunkFn)(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* part,

@@ -23,6 +23,7 @@
 //                                 and attended in one call, a range of the body dequantized
 //                                 (kivi_ops.h)
 //   codebook_step: a SpindleKV decode token coded, stored as a slot and attended, in one call
+//   minicache_merge: MiniCache's SLERP merge of two layers' rows (direction, norms, angle)
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   refine_top: the output head's top logits recomputed from the exact weights
@@ -1095,17 +1096,14 @@ void join_or_add(const float* u, int64_t H, const Shelf& sh, const float* best,
   }
 }
 
-// A shelf tensor (n_books, cap, D) and its counts (n_books,) int64 checked for H heads' new
-// rows.
-Shelf check_shelf(at::Tensor& shelf, at::Tensor& counts, int64_t H, int64_t D, const char* op) {
+// A shelf tensor (n_books, cap, D) and its books' row counts cnt (n_books) checked for H
+// heads' new rows.
+Shelf check_shelf(at::Tensor& shelf, int64_t* cnt, int64_t n_cnt, int64_t H, int64_t D,
+                  const char* op) {
   const int elem = row_elem(shelf, "shelf");
   TORCH_CHECK(shelf.dim() == 3 && shelf.is_contiguous() && shelf.size(2) == D &&
-                  (shelf.size(0) == 1 || shelf.size(0) == H),
-              op, ": shelf (1 or H, cap, D) contiguous");
-  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 &&
-                  counts.size(0) == shelf.size(0) && counts.is_contiguous(),
-              op, ": counts (n_books,) int64");
-  int64_t* cnt = counts.data_ptr<int64_t>();
+                  (shelf.size(0) == 1 || shelf.size(0) == H) && n_cnt == shelf.size(0),
+              op, ": shelf (1 or H, cap, D) contiguous, a count per book");
   for (int64_t b = 0; b < shelf.size(0); b++)
     TORCH_CHECK(cnt[b] >= 0 && cnt[b] + (shelf.size(0) == 1 ? H : 1) <= shelf.size(1), op,
                 ": no room for the new rows");
@@ -1123,7 +1121,10 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "codebook_assign: x (H, D)");
   const int64_t H = x.size(0), D = x.size(1);
-  const Shelf sh = check_shelf(shelf, counts, H, D, "codebook_assign");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.is_contiguous(),
+              "codebook_assign: counts (n_books,) int64");
+  const Shelf sh = check_shelf(shelf, counts.data_ptr<int64_t>(), counts.size(0), H, D,
+                               "codebook_assign");
   at::Tensor idx = at::empty({H}, x.options().dtype(at::kLong));
   at::Tensor mag = at::empty({H}, x.options());
   std::vector<float> u(H * D), best(H);
@@ -1136,6 +1137,60 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
 }
 #include "kivi_ops.h"  // KIVI
 
+// MiniCache's MERGE (minicache/store.py's `merge`, the same float32 steps) of rows xa, xb
+// (..., m) -> [E (..., m), n_a, n_b, d = Omega / pi (...)]: SLERP of the unit rows with weight
+// t on xb where sin(Omega) >= sin_eps, else normalised LERP (u_b below 1e-6); zero rows give
+// u = 0.
+std::vector<at::Tensor> minicache_merge(const at::Tensor& xa_, const at::Tensor& xb_, double t,
+                                        double sin_eps) {
+  check_f32(xa_, "xa");
+  check_f32(xb_, "xb");
+  TORCH_CHECK(xa_.sizes() == xb_.sizes() && xa_.dim() >= 1, "minicache_merge: xa, xb alike");
+  const at::Tensor xa = xa_.contiguous(), xb = xb_.contiguous();
+  const int64_t m = xa.size(-1), rows = m ? xa.numel() / m : 0;
+  auto lead = xa.sizes().vec();
+  lead.pop_back();
+  at::Tensor e = at::empty_like(xa);
+  at::Tensor na = at::empty(lead, xa.options()), nb = at::empty(lead, xa.options());
+  at::Tensor dd = at::empty(lead, xa.options());
+  const float ta = (float)(1.0 - t), tb = (float)t, eps = (float)sin_eps;
+  std::vector<float> ua(m), ub(m);
+  for (int64_t r = 0; r < rows; r++) {
+    const float *a = xa.data_ptr<float>() + r * m, *b = xb.data_ptr<float>() + r * m;
+    float sa = 0.f, sb = 0.f;
+    for (int64_t i = 0; i < m; i++) sa += a[i] * a[i], sb += b[i] * b[i];
+    const float la = std::sqrt(sa), lb = std::sqrt(sb);
+    const float da = la > 0.f ? la : 1.f, db = lb > 0.f ? lb : 1.f;
+    float sd = 0.f, ss = 0.f;
+    for (int64_t i = 0; i < m; i++) {
+      ua[i] = a[i] / da, ub[i] = b[i] / db;
+      sd += (ub[i] - ua[i]) * (ub[i] - ua[i]);
+      ss += (ub[i] + ua[i]) * (ub[i] + ua[i]);
+    }
+    const float omega = 2.f * std::atan2(std::sqrt(sd), std::sqrt(ss));
+    const float s = std::sin(omega);
+    const bool slerp = s >= eps && s > 0.f;
+    const float sdiv = slerp ? s : 1.f;
+    const float wa = std::sin(ta * omega) / sdiv, wb = std::sin(tb * omega) / sdiv;
+    float* er = e.data_ptr<float>() + r * m;
+    if (slerp) {
+      for (int64_t i = 0; i < m; i++) er[i] = wa * ua[i] + wb * ub[i];
+    } else {
+      float sl = 0.f;
+      for (int64_t i = 0; i < m; i++) {
+        er[i] = ta * ua[i] + tb * ub[i];
+        sl += er[i] * er[i];
+      }
+      const float ln = std::sqrt(sl), dl = ln > 0.f ? ln : 1.f;
+      for (int64_t i = 0; i < m; i++) er[i] = ln >= 1e-6f ? er[i] / dl : ub[i];
+    }
+    na.data_ptr<float>()[r] = la;
+    nb.data_ptr<float>()[r] = lb;
+    dd.data_ptr<float>()[r] = omega / (float)M_PI;
+  }
+  return {e, na, nb, dd};
+}
+
 // One SpindleKV decode token in one call: k, v (Hkv, D) pre-RoPE coded into the shelves as
 // codebook_assign does (theta_k, theta_v), written as slot n of the coded segment's buffers
 // (idx_k, idx_v, mag_k, mag_v, pos_c (Hkv, cap) and mask (Hkv, cap, ceil(g/8)): position
@@ -1147,9 +1202,10 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
 // over slots 0..n-1 (each row a slot points at is compared as it is gathered; every row is
 // some slot's, and any row none visits is searched after), then the token's own slot is
 // merged into the attention by log-sum-exp.
-at::Tensor codebook_step(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
-                         int64_t pos, at::Tensor& shelf_k, at::Tensor& counts_k, double theta_k,
-                         at::Tensor& shelf_v, at::Tensor& counts_v, double theta_v,
+std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step(
+    const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, int64_t pos,
+    at::Tensor& shelf_k, at::IntArrayRef counts_k, double theta_k, at::Tensor& shelf_v,
+    at::IntArrayRef counts_v, double theta_v,
                          at::Tensor& idx_k, at::Tensor& idx_v, at::Tensor& mag_k,
                          at::Tensor& mag_v, at::Tensor& pos_c, at::Tensor& mask, int64_t n,
                          bool masked, const at::Tensor& cos, const at::Tensor& sin,
@@ -1164,9 +1220,10 @@ at::Tensor codebook_step(const at::Tensor& q_, const at::Tensor& k, const at::Te
               "codebook_step: q (1, Hq, 1, D), k and v (Hkv, D)");
   const at::Tensor q = q_.contiguous();
   const int64_t g = q.size(1) / H;
-  const Shelf sk = check_shelf(shelf_k, counts_k, H, D, "codebook_step");
-  const Shelf sv = check_shelf(shelf_v, counts_v, H, D, "codebook_step");
-  TORCH_CHECK(sk.elem == sv.elem, "codebook_step: K and V shelves of one dtype");
+  std::vector<int64_t> ck(counts_k.begin(), counts_k.end()), cv(counts_v.begin(), counts_v.end());
+  const Shelf sk = check_shelf(shelf_k, ck.data(), (int64_t)ck.size(), H, D, "codebook_step");
+  const Shelf sv = check_shelf(shelf_v, cv.data(), (int64_t)cv.size(), H, D, "codebook_step");
+  TORCH_CHECK(sk.elem == sv.elem && sk.nb == sv.nb, "codebook_step: K and V shelves alike");
   for (const at::Tensor* t : {&idx_k, &idx_v, &mag_k, &mag_v, &pos_c})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == H && t->size(1) > n && n >= 0 &&
                     t->is_contiguous(),
@@ -1203,11 +1260,13 @@ at::Tensor codebook_step(const at::Tensor& q_, const at::Tensor& k, const at::Te
   std::vector<float> best(threads * 2 * H, -INFINITY);
   std::vector<int64_t> row(threads * 2 * H, INT64_MAX);
   std::vector<uint64_t> seen(threads * 2 * books * words, 0);
+  const std::vector<int64_t> before_k(sk.cnt, sk.cnt + sk.nb), before_v(sv.cnt, sv.cnt + sv.nb);
   std::vector<kvq::Search> searches(threads);
   for (int64_t t = 0; t < threads; t++)
     searches[t] = {uk.data(), uv.data(), H, per_head, best.data() + t * 2 * H,
                    row.data() + t * 2 * H, seen.data() + t * 2 * books * words,
-                   seen.data() + (t * 2 + 1) * books * words, words};
+                   seen.data() + (t * 2 + 1) * books * words, words, before_k.data(),
+                   before_v.data()};
   at::Tensor out = at::empty({1, q.size(1), 1, D}, q.options());
   std::vector<float> lse(H * g);
   if (n > 0) {
@@ -1317,7 +1376,7 @@ at::Tensor codebook_step(const at::Tensor& q_, const at::Tensor& k, const at::Te
       for (int64_t i = 0; i < D; i++) orow[i] = (orow[i] * old + w * fv * vr[i]) / total;
     }
   }
-  return out;
+  return {out, ck, cv};
 }
 
 // One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
@@ -1542,12 +1601,14 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "kivi_dequant(Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int bits, "
       "int group, int t0, int t1) -> Tensor[]",
       &kivi_dequant);
+  m.def("minicache_merge(Tensor xa, Tensor xb, float t, float sin_eps) -> Tensor[]",
+        &minicache_merge);
   m.def(
       "codebook_step(Tensor q, Tensor k, Tensor v, int pos, Tensor(a!) shelf_k, "
-      "Tensor(b!) counts_k, float theta_k, Tensor(c!) shelf_v, Tensor(d!) counts_v, "
-      "float theta_v, Tensor(e!) idx_k, Tensor(f!) idx_v, Tensor(g!) mag_k, Tensor(h!) mag_v, "
-      "Tensor(i!) pos_c, Tensor(j!) mask, int n, bool masked, Tensor cos, Tensor sin, "
-      "float scale) -> Tensor",
+      "int[] counts_k, float theta_k, Tensor(b!) shelf_v, int[] counts_v, float theta_v, "
+      "Tensor(c!) idx_k, Tensor(d!) idx_v, Tensor(e!) mag_k, Tensor(f!) mag_v, "
+      "Tensor(g!) pos_c, Tensor(h!) mask, int n, bool masked, Tensor cos, Tensor sin, "
+      "float scale) -> (Tensor, int[], int[])",
       &codebook_step);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "

@@ -49,8 +49,10 @@ class MiniCacheKV(KVManager):
 
     def reset(self) -> None:
         super().reset()
+        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): pairs attend and merge
+        # natively (merged_attn, minicache_merge); None: torch
+        self.kernels = kernels = self.rope.kernels
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
-        kernels = self.rope.kernels
         if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D), as `full` keeps them
             self.plain = {
                 i: DenseSeg(self.H, self.D, self.dtype, self.device, kernels=kernels) for i in plain
@@ -75,7 +77,9 @@ class MiniCacheKV(KVManager):
             and not (self.in_prefill or self.static)
             and not (window and self.seen + 1 > window)
         ):
-            return st.rotate_append_attend(self.rope.at(layer), q, k, v, self.rope.position(positions))
+            return st.rotate_append_attend(
+                self.rope.at(layer), q, k, v, self.rope.position(positions)
+            )
         return super().attend(layer, q, k, v, positions)
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
@@ -107,7 +111,8 @@ class MiniCacheKV(KVManager):
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
         pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
-        if self._fuse(pair, k.shape[2]) and view.kernels is not None and pair.k is not None:
+        native = view.kernels is not None and pair.k is not None and q.dtype == torch.float32
+        if native and self._fuse(pair, k.shape[2]):
             out = view.attend_native(q, k, v).to(self.dtype)  # merged and own tokens, one op
         elif self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact
             parts = view.partials(q, positions, 0, None) + [self.layout.own(q, k, v)]
@@ -182,7 +187,8 @@ class MiniCacheKV(KVManager):
         dirs = []
         for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
             ga, gb = lay.groups(xa), lay.groups(xb)  # (g, n, m)
-            e, na, nb, d = merge(ga, gb, self.t, self.sin_eps)
+            fn = merge if self.kernels is None else self.kernels.minicache_merge
+            e, na, nb, d = fn(ga, gb, self.t, self.sin_eps)
             keep = None
             if prefill:  # retention over this turn's tokens
                 keep, thr = retention(d, self.gamma, self.rule, self.retain)

@@ -12,7 +12,7 @@ from fractions import Fraction
 import torch
 
 from ....kernels import use_triton
-from ...attention import combine, pool_scores, window_scores
+from ...attention import combine, pool_scores, sdpa, window_scores
 from ...cache import keep_indices
 from ...protocol import KVManager
 from ...state import Int, ListInto, state
@@ -196,8 +196,8 @@ class SpindleKVCache(KVManager):
 
     def decode(self, layer, qr, k, v, positions):
         st = self.layers[layer]
-        if k.shape[2] == 1 and self._fuse(st, qr):  # coded and attended in one native call
-            pos = self.rope.position(positions)
+        if st.kernels is not None and k.shape[2] == 1 and self._fuse(st, qr):
+            pos = self.rope.position(positions)  # coded and attended in one native call
             out = st.step_native(qr, k[0, :, 0], v[0, :, 0], pos, self.opt)
             if out is not None:
                 return out
@@ -218,7 +218,14 @@ class SpindleKVCache(KVManager):
         n = kp.shape[1]
         tpos = torch.arange(self.turn_start, self.turn_start + n, device=positions.device)
         kr = self.rope.at(layer).apply(kp[None], tpos)  # (1, Hkv, n, D) the turn so far, exact
-        out = st.attend(qr, positions, self.config.window(layer), kr, vp[None], tpos)
+        window = self.config.window(layer)
+        if st.n_slots == 0 and not (window and n > window):  # the turn alone, causal
+            # the mask position_mask gives, built from the slots (the chunk is the turn's last T)
+            rows = torch.arange(n - T, n, device=kr.device)[:, None]
+            mask = torch.arange(n, device=kr.device)[None, :] <= rows if T > 1 else None
+            out = sdpa(qr, kr, vp[None], mask)
+        else:
+            out = st.attend(qr, positions, window, kr, vp[None], tpos)
         prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
         st.qwin = torch.cat([prev, qr[0]], dim=1)[:, -self.window :]  # the window's queries
         if st.turn_n == 0:  # compress now, so the peak is one layer of full KV
@@ -235,7 +242,7 @@ class SpindleKVCache(KVManager):
             return False
         if window is not None and self.seen + 1 > window:
             return False
-        return st.pos_c is not None or use_triton(qr) or st.kernels is not None
+        return st.kernels is not None or "pos_c" in st.bufs or use_triton(qr)
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers)

@@ -439,38 +439,40 @@ class CodedLayer:
         (Hkv, D) pre-RoPE at position pos coded into the books and stored as the next coded
         slot, q (1, Hq, 1, D) attending over every slot -> (1, Hq, 1, D). None where it does
         not apply: no kernels, dense slots, decode tokens kept dense, or int16 indices that a
-        new entry may outgrow (the Python path widens them)."""
+        new entry may outgrow (the Python path widens them). Lean: it runs per layer per step."""
+        bufs = self.bufs
         if (
             self.kernels is None
-            or self.pos_c is None
-            or self.pos_d is not None
+            or "pos_c" not in bufs
+            or "pos_d" in bufs
             or not (o["codebook"] and o["decode_codebook"])
             or q.dtype != torch.float32
         ):
             return None
         H = k.shape[0]
-        for books, dt in zip((self.books_k, self.books_v), self.idx_dtype, strict=True):
-            if dt == torch.int16 and max(b.n for b in books) + H > INT16_MAX:
+        nk, nv = [b.n for b in self.books_k], [b.n for b in self.books_v]
+        for n_, dt in ((nk, self.idx_dtype[0]), (nv, self.idx_dtype[1])):
+            if dt == torch.int16 and max(n_) + H > INT16_MAX:
                 return None
-        bufs = [self.bufs[name] for name in CODED]
-        n = bufs[0].n
-        for b in bufs:
-            b.reserve(n + 1)
-        counts = []
-        for shelf in (self.shelf_k, self.shelf_v):
-            books = shelf.books
-            shelf.reserve(max(b.n for b in books) + (H if len(books) == 1 else 1))
-            counts.append(torch.tensor([b.n for b in books]))
+        cols = [bufs[name] for name in CODED]
+        n = cols[0].n
+        for b in cols:
+            if b.buf.shape[1] <= n:
+                b.reserve(n + 1)
+        room = H if len(nk) == 1 else 1  # new rows a step may add to a book
+        for shelf, counts in ((self.shelf_k, nk), (self.shelf_v, nv)):
+            if shelf.data.shape[1] < max(counts) + room:
+                shelf.reserve(max(counts) + room)
         cos, sin = self.rope.tables(pos + 1)
-        out = self.kernels.codebook_step(
-            q, k, v, pos, self.shelf_k.data, counts[0], o["theta_k"], self.shelf_v.data,
-            counts[1], o["theta_v"], *(b.buf for b in bufs), n, not self.all_bits, cos, sin,
+        out, nk, nv = self.kernels.codebook_step(
+            q, k, v, pos, self.shelf_k.data, nk, o["theta_k"], self.shelf_v.data, nv,
+            o["theta_v"], *(b.buf for b in cols), n, not self.all_bits, cos, sin,
             q.shape[-1] ** -0.5,
         )  # fmt: skip
-        for b in bufs:
+        for b in cols:
             b.n = n + 1
-        for shelf, c in zip((self.shelf_k, self.shelf_v), counts, strict=True):
-            for b, m in zip(shelf.books, c.tolist(), strict=True):
+        for books, counts in ((self.books_k, nk), (self.books_v, nv)):
+            for b, m in zip(books, counts, strict=True):
                 b.n = m
         return out
 
