@@ -18,6 +18,7 @@
 // products in the same order; built with -ffp-contract=off so no multiply-add is fused).
 
 #include <cmath>
+#include <vector>
 
 #include "qlayout.h"
 #include "qtypes.h"
@@ -685,6 +686,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 
 #include "qkernels_x8.h"
 #include "qstep.h"
+#include "tova_attn.h"
 
 Table make_table() {
   Table t;
@@ -704,6 +706,10 @@ Table make_table() {
   t.rope = rope_row;
   t.silu_mul = silu_mul_row;
   t.attn_chunk = attn_chunk;
+  t.attn_chunk_scores = attn_chunk_scores;  // tova_attn.h
+  t.probs_row = probs_row;
+  t.fold_row = fold_row;
+  t.attn_rows_probs = attn_rows_probs;
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;
