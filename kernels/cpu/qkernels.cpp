@@ -690,6 +690,7 @@ void gemm_simd(const uint8_t* w, int64_t row_bytes, int64_t n, const Act& a, int
 #include "kvrows.h"
 #include "merged_attn.h"
 #include "kivi_attn.h"  // KIVI
+#include "tova_attn.h"
 
 Table make_table() {
   Table t;
@@ -714,6 +715,10 @@ Table make_table() {
   t.best_rows = best_rows;
   t.kivi_chunk = kivi_chunk;  // KIVI
   t.kivi_dequant = kivi_dequant;
+  t.attn_chunk_scores = attn_chunk_scores;  // tova_attn.h
+  t.probs_row = probs_row;
+  t.fold_row = fold_row;
+  t.attn_rows_probs = attn_rows_probs;
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;

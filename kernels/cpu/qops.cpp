@@ -26,6 +26,14 @@
 //   minicache_merge: MiniCache's SLERP merge of two layers' rows (direction, norms, angle)
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
+//   attn_probs: a decode row's attention (out) and the probabilities it used (p), optionally
+//                 added to accumulated scores (H2O) (tova_attn.h)
+//   rope_append_probs: rope_append_attend that also gives those probabilities (and appends
+//                 the new slot's position and accumulated score)
+//   attn_colsum: a prefill chunk's causal attention and each key's probability summed (or the
+//                 maximum) over the rows and heads (H2O, MiniKV, KVzip)
+//   evict_one: one slot out per KV head (or layer) by scores and position rank, the last slot
+//                 written over it (TOVA / H2O at their budget: no compaction)
 //   refine_top: the output head's top logits recomputed from the exact weights
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
@@ -1427,6 +1435,364 @@ at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at
   return out;
 }
 
+// ------------------------------------- attention that keeps its probabilities (tova_attn.h)
+// For the methods that score keys by the attention they draw: one pass computes the output and
+// the probabilities (TOVA's step scores, H2O's and MiniKV's column sums, KVzip's maxima).
+
+void check_rows(const at::Tensor& k, const at::Tensor& v, const char* op) {
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == 1 && k.stride(3) == 1 &&
+                  v.stride(3) == 1,
+              op, ": k and v (1, Hkv, T, D) with contiguous rows");
+}
+
+// One decode row per head (q (Hq, D) contiguous) over t keys: key j of KV head h at
+// k + h * khs + j * kts (values alike) -> out (Hq, D) and p (Hq, t), the probabilities the row
+// attended with: the raw scores kept per chunk, made exact once the merge gives each row's
+// log-sum-exp. acc (rows of stride as), where given, gets p added: each KV head's group summed
+// (Hkv rows) or per query head (Hq rows).
+void attend_probs_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t khs,
+                       int64_t kts, const float* v, int64_t vhs, int64_t vts, int64_t hkv,
+                       int64_t t, float scale, float* out, float* p, float* acc, int64_t acc_rows,
+                       int64_t as, const Table* tab) {
+  const int64_t g = hq / hkv;
+  std::vector<float> lse(hq);
+  split_keys(
+      hkv, g, t, d, 256,
+      [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+          std::vector<float>& scratch) {
+        scratch.resize(g * n);
+        tab->attn_chunk_scores(q + h * g * d, (int)g, k + h * khs + j0 * kts, kts,
+                               v + h * vhs + j0 * vts, vts, n, d, scale, part, mx, sm,
+                               scratch.data(), p + h * g * t + j0, t);
+      },
+      out, lse.data());
+  for (int64_t r = 0; r < hq; r++) tab->probs_row(p + r * t, t, lse[r]);
+  if (acc != nullptr)
+    for (int64_t r = 0; r < hq; r++)
+      tab->fold_row(p + r * t, t, 1.f, 0, acc + (acc_rows == hq ? r : r / g) * as);
+}
+
+void check_acc(const at::Tensor& a, int64_t hq, int64_t hkv, int64_t t, const char* op) {
+  check_f32(a, "acc");
+  TORCH_CHECK(a.dim() == 2 && a.size(1) == t && a.stride(1) == 1 &&
+                  (a.size(0) == hkv || a.size(0) == hq),
+              op, ": acc (Hkv or Hq, T) with contiguous rows");
+}
+
+// One decode row per head: q (1, Hq, 1, D) over every key of k, v (1, Hkv, T, D) ->
+// [out (1, Hq, 1, D), p (Hq, T)] (attend_probs_rows); acc (Hkv or Hq, T), where given, gets p
+// added in place.
+std::vector<at::Tensor> attn_probs(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                                   double scale, const c10::optional<at::Tensor>& acc) {
+  check_f32(q_, "q");
+  check_rows(k, v, "attn_probs");
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && k.size(3) == q_.size(3) &&
+                  q_.size(1) % k.size(1) == 0,
+              "attn_probs: q (1, Hq, 1, D)");
+  const at::Tensor q = q_.contiguous();
+  const int64_t Hq = q.size(1), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  at::Tensor out = at::empty({1, Hq, 1, D}, q.options());
+  at::Tensor p = at::empty({Hq, T}, q.options());
+  if (acc.has_value()) check_acc(*acc, Hq, Hkv, T, "attn_probs");
+  attend_probs_rows(q.data_ptr<float>(), Hq, D, k.data_ptr<float>(), k.stride(1), k.stride(2),
+                    v.data_ptr<float>(), v.stride(1), v.stride(2), Hkv, T, (float)scale,
+                    out.data_ptr<float>(), p.data_ptr<float>(),
+                    acc.has_value() ? acc->data_ptr<float>() : nullptr,
+                    acc.has_value() ? acc->size(0) : 0, acc.has_value() ? acc->stride(0) : 0,
+                    current());
+  return {out, p};
+}
+
+// rope_append_attend for a cache that scores its slots by the step's attention (TOVA, H2O):
+// q, k rotated (row pos of cos, ssin), k and v written to slot n of kbuf, vbuf, q attending
+// over slots 0..n with its probabilities -> [out (1, Hq, 1, D), p (Hq, n + 1), q rotated
+// (1, Hq, 1, D), kpos (R, n + 1) int32 with pos appended (empty without kpos), acc
+// (A, n + 1) with the new slot's 0 appended, then p added (empty without acc)].
+std::vector<at::Tensor> rope_append_probs(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& cos,
+                                          const at::Tensor& ssin, int64_t pos, at::Tensor& kbuf,
+                                          at::Tensor& vbuf, int64_t n, double scale,
+                                          const c10::optional<at::Tensor>& kpos,
+                                          const c10::optional<at::Tensor>& acc) {
+  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin, static_cast<const at::Tensor*>(&kbuf),
+                              static_cast<const at::Tensor*>(&vbuf)})
+    check_f32(*t, "tensors");
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
+                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
+                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "rope_append_probs: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() && kbuf.size(1) == hkv &&
+                  kbuf.size(3) == d && kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 &&
+                  n < kbuf.size(2),
+              "rope_append_probs: buffers (1, Hkv, cap, D) with room for slot n");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
+              "rope_append_probs: cos and ssin tables (>= pos + 1, D)");
+  const Table* t = current();
+  const int64_t cap = kbuf.size(2);
+  at::Tensor qr = at::empty({1, hq, 1, d}, q.options());
+  float* qp = qr.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
+  for (int64_t h = 0; h < hq; h++) t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qp + h * d, d);
+  float* kb = kbuf.data_ptr<float>();
+  float* vb = vbuf.data_ptr<float>();
+  for (int64_t h = 0; h < hkv; h++) {
+    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + (h * cap + n) * d, d);
+    std::memcpy(vb + (h * cap + n) * d, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
+  }
+  at::Tensor kp_new, acc_new;
+  if (kpos.has_value()) {
+    const at::Tensor& kp = *kpos;
+    TORCH_CHECK(kp.scalar_type() == at::kInt && kp.dim() == 2 && kp.size(1) == n &&
+                    kp.stride(1) == 1,
+                "rope_append_probs: kpos (R, n) int32 with contiguous rows");
+    kp_new = at::empty({kp.size(0), n + 1}, kp.options());
+    for (int64_t r = 0; r < kp.size(0); r++) {
+      int32_t* dst = kp_new.data_ptr<int32_t>() + r * (n + 1);
+      std::memcpy(dst, kp.data_ptr<int32_t>() + r * kp.stride(0), n * sizeof(int32_t));
+      dst[n] = (int32_t)pos;
+    }
+  } else {
+    kp_new = at::empty({0}, q.options().dtype(at::kInt));
+  }
+  if (acc.has_value()) {
+    check_acc(*acc, hq, hkv, n, "rope_append_probs");
+    const int64_t rows = acc->size(0);
+    acc_new = at::empty({rows, n + 1}, q.options());
+    for (int64_t r = 0; r < rows; r++) {
+      float* dst = acc_new.data_ptr<float>() + r * (n + 1);
+      std::memcpy(dst, acc->data_ptr<float>() + r * acc->stride(0), n * sizeof(float));
+      dst[n] = 0.f;
+    }
+  } else {
+    acc_new = at::empty({0}, q.options());
+  }
+  at::Tensor out = at::empty({1, hq, 1, d}, q.options());
+  at::Tensor p = at::empty({hq, n + 1}, q.options());
+  attend_probs_rows(qp, hq, d, kb, cap * d, d, vb, cap * d, d, hkv, n + 1, (float)scale,
+                    out.data_ptr<float>(), p.data_ptr<float>(),
+                    acc.has_value() ? acc_new.data_ptr<float>() : nullptr,
+                    acc.has_value() ? acc_new.size(0) : 0, n + 1, t);
+  return {out, p, qr, kp_new, acc_new};
+}
+
+// A prefill chunk's attention with each key's probabilities folded over query rows and heads:
+// q (1, Hq, Tq, D) over k, v (1, Hkv, T, D) (v absent: no output) -> [out (1, Hq, Tq, D),
+// lse (1, Hq, Tq), col (Hkv, T), or (Hq, T) per_head]. Visibility: without kpos, causal by
+// slot (the queries are the last Tq slots), or every key (causal false); with kpos (1 or Hkv, T) int32 and qpos (Tq,)
+// int64, key j is seen from query i when kpos[j] <= qpos[i] and, window > 0, within it.
+// other (Hq, Tq), where given: the log-sum-exp of keys held elsewhere, so the column sums are
+// of the softmax over those too (out and lse cover these keys only: a Partial). mode 0 sums
+// the probabilities, mode 1 takes their maximum, mode 2 gives no col (attention alone, causal
+// or by position, with its lse). Each KV head's query rows go in blocks,
+// every block holding all its scores so its softmax is exact in one pass; the blocks' column
+// partials are folded in a fixed order (the sums do not depend on the threads).
+std::vector<at::Tensor> attn_colsum(const at::Tensor& q_, const at::Tensor& k,
+                                    const c10::optional<at::Tensor>& v_, double scale,
+                                    const c10::optional<at::Tensor>& kpos_,
+                                    const c10::optional<at::Tensor>& qpos_, int64_t window,
+                                    const c10::optional<at::Tensor>& other_, bool per_head,
+                                    int64_t mode, bool causal) {
+  check_f32(q_, "q");
+  check_rows(k, v_.has_value() ? *v_ : k, "attn_colsum");
+  const at::Tensor q = q_.contiguous();
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k.size(3) == q.size(3) &&
+                  q.size(1) % k.size(1) == 0 && mode >= 0 && mode <= 2,
+              "attn_colsum: q (1, Hq, Tq, D), mode 0, 1 or 2");
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  const int64_t g = Hq / Hkv, ncr = per_head ? g : 1;
+  at::Tensor kpos, qpos, other;
+  if (kpos_.has_value()) {
+    kpos = kpos_->contiguous();
+    TORCH_CHECK(qpos_.has_value() && kpos.scalar_type() == at::kInt && kpos.dim() == 2 &&
+                    kpos.size(1) == T && (kpos.size(0) == 1 || kpos.size(0) == Hkv),
+                "attn_colsum: kpos (1 or Hkv, T) int32 with qpos");
+    qpos = qpos_->to(at::kLong).contiguous();
+    TORCH_CHECK(qpos.numel() == Tq, "attn_colsum: qpos (Tq,)");
+  } else {
+    TORCH_CHECK(Tq <= T || !causal, "attn_colsum: the queries are the last Tq of the T slots");
+  }
+  if (other_.has_value()) {
+    other = other_->to(at::kFloat).contiguous();
+    TORCH_CHECK(other.numel() == Hq * Tq, "attn_colsum: other (Hq, Tq)");
+  }
+  at::Tensor out = at::zeros({1, Hq, Tq, D}, q.options());
+  at::Tensor lse = at::empty({1, Hq, Tq}, q.options());
+  at::Tensor col = at::zeros({mode == 2 ? 0 : Hkv * ncr, T}, q.options());
+  if (Tq == 0 || T == 0) {
+    lse.fill_(-INFINITY);
+    return {out, lse, col};
+  }
+  const Table* tab = current();
+  const int64_t rb = std::max<int64_t>(1, 24 / g);  // query rows a block: ~24 rows of scores
+  const int64_t qb = std::max<int64_t>(rb * 4, (Tq + 31) / 32 / rb * rb + rb);  // rows a task
+  const int64_t nb = (Tq + qb - 1) / qb, tasks = Hkv * nb;
+  const float *qd = q.data_ptr<float>(), *kd = k.data_ptr<float>();
+  const float* vd = v_.has_value() ? v_->data_ptr<float>() : nullptr;
+  const int64_t vhs = v_.has_value() ? v_->stride(1) : 0, vts = v_.has_value() ? v_->stride(2) : 0;
+  const int32_t* kp = kpos.defined() ? kpos.data_ptr<int32_t>() : nullptr;
+  const int64_t* qp = qpos.defined() ? qpos.data_ptr<int64_t>() : nullptr;
+  const float* od = other.defined() ? other.data_ptr<float>() : nullptr;
+  float *outd = out.data_ptr<float>(), *lsed = lse.data_ptr<float>();
+  const bool cols = mode != 2;
+  std::vector<float> part(cols ? tasks * ncr * T : 0);
+  std::vector<int64_t> hi_of(tasks, 0);
+  // the keys rows [i0, i1) can see: a prefix of the slots (by slot, or up to the last key
+  // whose position the last row reaches)
+  auto reach = [&](int64_t h, int64_t i1) -> int64_t {
+    if (kp == nullptr) return causal ? T - Tq + i1 : T;
+    const int32_t* kr = kp + (kpos.size(0) == 1 ? 0 : h) * T;
+    int64_t qmax = qp[0];
+    for (int64_t i = 0; i < i1; i++) qmax = std::max(qmax, qp[i]);
+    int64_t hi = T;
+    while (hi > 0 && kr[hi - 1] > qmax) hi--;
+    return hi;
+  };
+  dynamic_for(tasks, 1, [&](int64_t b0, int64_t e0) {
+    std::vector<float> qbuf, obuf, lbuf, s;
+    std::vector<int64_t> lim;
+    for (int64_t task = b0; task < e0; task++) {
+      const int64_t h = task % Hkv, blk = nb - 1 - task / Hkv;  // the longest rows first
+      const int64_t i0 = blk * qb, i1 = std::min(Tq, i0 + qb);
+      const int64_t hi_task = reach(h, i1);
+      hi_of[task] = hi_task;
+      float* pt = cols ? part.data() + task * ncr * T : nullptr;
+      for (int64_t c = 0; cols && c < ncr; c++) std::fill(pt + c * T, pt + c * T + hi_task, 0.f);
+      const int32_t* kr = kp == nullptr ? nullptr : kp + (kpos.size(0) == 1 ? 0 : h) * T;
+      for (int64_t s0 = i0; s0 < i1; s0 += rb) {
+        const int64_t m = std::min(rb, i1 - s0), R = g * m;
+        const int64_t hi = std::min(hi_task, reach(h, s0 + m));
+        qbuf.resize(R * D);
+        obuf.resize(R * D);
+        lbuf.resize(R);
+        lim.resize(R);
+        s.resize(cols ? R * std::max<int64_t>(hi, 1) : 0);
+        for (int64_t a = 0; a < g; a++)
+          for (int64_t i = 0; i < m; i++) {
+            const int64_t r = a * m + i, row = (h * g + a) * Tq + s0 + i;
+            std::memcpy(qbuf.data() + r * D, qd + row * D, D * sizeof(float));
+            lim[r] = kp == nullptr ? (causal ? T - Tq + s0 + i + 1 : T) : qp[s0 + i];
+          }
+        tab->attn_rows_probs(qbuf.data(), (int)R, D, kd + h * k.stride(1), k.stride(2),
+                             vd ? vd + h * vhs : nullptr, vts, hi, (float)scale, kr, lim.data(),
+                             window, obuf.data(), lbuf.data(), cols ? s.data() : nullptr, hi);
+        for (int64_t a = 0; a < g; a++)
+          for (int64_t i = 0; i < m; i++) {
+            const int64_t r = a * m + i, row = (h * g + a) * Tq + s0 + i;
+            if (vd) std::memcpy(outd + row * D, obuf.data() + r * D, D * sizeof(float));
+            lsed[row] = lbuf[r];
+            if (!cols) continue;
+            float w = 1.f;  // this segment's share of the row's softmax over every segment
+            if (od != nullptr && od[row] != -INFINITY)
+              w = lbuf[r] == -INFINITY ? 0.f : 1.f / (1.f + std::exp(od[row] - lbuf[r]));
+            tab->fold_row(s.data() + r * hi, hi, w, (int)mode, pt + (per_head ? a : 0) * T);
+          }
+      }
+    }
+  });
+  if (!cols) return {out, lse, col};
+  // the blocks' partials, folded in block order per (row of col, stretch of keys)
+  float* cd = col.data_ptr<float>();
+  constexpr int64_t STRETCH = 2048;
+  const int64_t ns = (T + STRETCH - 1) / STRETCH;
+  dynamic_for(Hkv * ncr * ns, 1, [&](int64_t b0, int64_t e0) {
+    for (int64_t w = b0; w < e0; w++) {
+      const int64_t rowc = w / ns, j0 = (w % ns) * STRETCH, j1 = std::min(T, j0 + STRETCH);
+      const int64_t h = rowc / ncr, c = rowc % ncr;
+      float* y = cd + rowc * T;
+      for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t task = (nb - 1 - blk) * Hkv + h;
+        const int64_t e = std::min(j1, hi_of[task]);
+        if (e > j0) tab->fold_row(part.data() + (task * ncr + c) * T + j0, e - j0, 1.f, (int)mode, y + j0);
+      }
+    }
+  });
+  return {out, lse, col};
+}
+
+// One slot out per row of scores, written over by the last slot (no compaction): scores
+// (H, C) of the first C of the n occupied slots (the rest rank as +inf), pos (H, >= n) int32
+// their positions. Ranking as kvrun.kv.cache.keep_indices ranks in position order: the
+// `first` lowest and `last` highest positions of a row are protected (+inf), then the score,
+// ties to the lower position; the slot ranked last leaves. H = 1: one slot for every KV head.
+// K, V (kbuf, vbuf (1, Hkv, cap, D), contiguous), pos and acc (Hkv * r rows, >= n) move their
+// last slot into it. Returns the slots evicted (H,); the caller drops the last slot.
+at::Tensor evict_one(const at::Tensor& scores_, at::Tensor& pos, int64_t first, int64_t last,
+                     at::Tensor& kbuf, at::Tensor& vbuf, int64_t n,
+                     const c10::optional<at::Tensor>& acc) {
+  const at::Tensor scores = scores_.contiguous();
+  check_f32(scores, "scores");
+  check_f32(kbuf, "kbuf");
+  check_f32(vbuf, "vbuf");
+  const int64_t H = scores.size(0), C = scores.size(1), Hkv = kbuf.size(1), D = kbuf.size(3);
+  TORCH_CHECK(scores.dim() == 2 && pos.dim() == 2 && pos.scalar_type() == at::kInt &&
+                  pos.size(0) == H && pos.size(1) >= n && pos.stride(1) == 1 && C <= n && n > 0 &&
+                  (H == 1 || H == Hkv),
+              "evict_one: scores (1 or Hkv, C <= n), pos (the same rows, >= n) int32");
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() && kbuf.is_contiguous() &&
+                  vbuf.is_contiguous() && kbuf.size(2) >= n,
+              "evict_one: kbuf, vbuf (1, Hkv, cap >= n, D) contiguous");
+  at::Tensor victims = at::empty({H}, pos.options().dtype(at::kLong));
+  const float* sp = scores.data_ptr<float>();
+  int32_t* pp = pos.data_ptr<int32_t>();
+  std::vector<int32_t> tmp(n);
+  for (int64_t r = 0; r < H; r++) {
+    const int32_t* pr = pp + r * pos.stride(0);
+    // the first-lowest and last-highest positions of the row (positions are distinct)
+    int64_t lo = INT64_MIN, hi = INT64_MAX;
+    if (first > 0) {
+      std::copy(pr, pr + n, tmp.begin());
+      const int64_t f = std::min(first, n) - 1;
+      std::nth_element(tmp.begin(), tmp.begin() + f, tmp.end());
+      lo = tmp[f];
+    }
+    if (last > 0) {
+      std::copy(pr, pr + n, tmp.begin());
+      const int64_t f = n - std::min(last, n);
+      std::nth_element(tmp.begin(), tmp.begin() + f, tmp.end());
+      hi = tmp[f];
+    }
+    int64_t best = -1;
+    float bs = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+      const bool inf = j >= C || pr[j] <= lo || pr[j] >= hi;
+      const float s = inf ? INFINITY : sp[r * C + j];
+      if (best < 0 || s < bs || (s == bs && pr[j] > pr[best])) {
+        best = j;
+        bs = s;
+      }
+    }
+    victims[r] = best;
+  }
+  const int64_t* vic = victims.data_ptr<int64_t>();
+  const int64_t L = n - 1, cap = kbuf.size(2);
+  float *kb = kbuf.data_ptr<float>(), *vb = vbuf.data_ptr<float>();
+  for (int64_t h = 0; h < Hkv; h++) {
+    const int64_t j = vic[H == 1 ? 0 : h];
+    if (j == L) continue;
+    std::memcpy(kb + (h * cap + j) * D, kb + (h * cap + L) * D, D * sizeof(float));
+    std::memcpy(vb + (h * cap + j) * D, vb + (h * cap + L) * D, D * sizeof(float));
+  }
+  for (int64_t r = 0; r < H; r++)
+    pp[r * pos.stride(0) + vic[r]] = pp[r * pos.stride(0) + L];
+  if (acc.has_value()) {
+    at::Tensor a = *acc;
+    check_f32(a, "acc");
+    TORCH_CHECK(a.dim() == 2 && a.size(1) >= n && a.stride(1) == 1 && a.size(0) % Hkv == 0,
+                "evict_one: acc (Hkv * r, >= n)");
+    float* ap = a.data_ptr<float>();
+    const int64_t per = a.size(0) / Hkv;
+    for (int64_t row = 0; row < a.size(0); row++) {
+      const int64_t j = vic[H == 1 ? 0 : row / per];
+      ap[row * a.stride(0) + j] = ap[row * a.stride(0) + L];
+    }
+  }
+  return victims;
+}
+
 // ----------------------------------------------------- a decoder layer's decode step, fused
 // The arithmetic of kvrun.model.Block for decode rows, op for op (the same row functions and
 // products, so the modules and the fused loop agree bit for bit), in two calls a layer.
@@ -1610,6 +1976,23 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "Tensor(g!) pos_c, Tensor(h!) mask, int n, bool masked, Tensor cos, Tensor sin, "
       "float scale) -> (Tensor, int[], int[])",
       &codebook_step);
+  // attention that keeps its probabilities (tova_attn.h)
+  m.def("attn_probs(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!)? acc=None) -> Tensor[]",
+        &attn_probs);
+  m.def(
+      "rope_append_probs(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
+      "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, Tensor? kpos=None, Tensor? acc=None) "
+      "-> Tensor[]",
+      &rope_append_probs);
+  m.def(
+      "attn_colsum(Tensor q, Tensor k, Tensor? v, float scale, Tensor? kpos=None, "
+      "Tensor? qpos=None, int window=0, Tensor? other=None, bool per_head=False, int mode=0, "
+      "bool causal=True) -> Tensor[]",
+      &attn_colsum);
+  m.def(
+      "evict_one(Tensor scores, Tensor(a!) pos, int first, int last, Tensor(b!) kbuf, "
+      "Tensor(c!) vbuf, int n, Tensor(d!)? acc=None) -> Tensor",
+      &evict_one);
   m.def(
       "rope_append_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
       "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, int kv_type=0) -> Tensor",

@@ -134,6 +134,16 @@ typedef void (*KiviChunkFn)(const float* q, int64_t r, const KiviHead& b, int bi
 typedef void (*KiviDequantFn)(const KiviHead& b, int bits, int group, int64_t t0, int64_t n,
                               int64_t d, float* k, float* v);
 // ---- end KIVI
+// attention that keeps its probabilities (tova_attn.h)
+typedef void (*AttnScoresFn)(const float* q, int g, const float* k, int64_t ks, const float* v,
+                             int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
+                             float* sm, float* scores, float* sout, int64_t ldo);
+typedef void (*ProbsRowFn)(float* s, int64_t n, float lse);
+typedef void (*FoldRowFn)(const float* x, int64_t n, float w, int mode, float* y);
+typedef void (*AttnRowsFn)(const float* q, int R, int64_t d, const float* k, int64_t ks,
+                           const float* v, int64_t vs, int64_t n, float scale, const int32_t* kp,
+                           const int64_t* lim, int64_t win, float* out, float* lse, float* s,
+                           int64_t ls);
 
 struct Table {
   const char* name;
@@ -154,6 +164,11 @@ struct Table {
   MergedChunkFn merged_chunk;
   CodebookChunkFn codebook_chunk;
   BestRowFn best_rows;
+  // attention that keeps its probabilities (tova_attn.h)
+  AttnScoresFn attn_chunk_scores;
+  ProbsRowFn probs_row;
+  FoldRowFn fold_row;
+  AttnRowsFn attn_rows_probs;
 };
 
 // fp16 <-> fp32 without F16C (round to nearest even, as F16C's _cvtss_sh(x, 0) does)

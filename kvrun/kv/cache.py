@@ -39,6 +39,7 @@ class Layer:
     dense: DenseSeg  # the dense store, or a KIVI stack's staging area
     kivi: KiviLayer | None  # the KIVI store, or None
     queries: torch.Tensor | None = None  # (Hq, <=w, D) the newest queries, for score()
+    probs: torch.Tensor | None = None  # (Hq, T) the step's attention, where kept (Ctx.probs)
 
 
 @state(layers=ListInto())
@@ -67,13 +68,11 @@ class KVCache(KVManager):
             self.pos_rows = config.n_kv_heads
         self._cap = 0
         # decode rows that only store and attend (`attend`'s one-call path where it applies)
-        self._plain_decode = (
-            self.kivi_layout is None
-            and not m.cumulative
-            and not (self.n_queries and "step" in self.points)
-            and not config.any_window
-            and not self.keys_pre_rope
-        )
+        one_call = self.kivi_layout is None and not config.any_window and not self.keys_pre_rope
+        step_scores = m.cumulative or (self.n_queries == 1 and "step" in self.points)
+        self._plain_decode = one_call and not step_scores
+        # ... or that also keep the probabilities they attend with (TOVA's step, H2O's sums)
+        self._scored_decode = one_call and step_scores
         self.layers: list[Layer] = []
         self.reset()
 
@@ -87,8 +86,10 @@ class KVCache(KVManager):
         """One decode row (q, k pre-RoPE) rotated, stored and attended in one native call
         (kvrun.kv.stores.dense.DenseSeg.rotate_append_attend), where that is all the step
         asks: native step kernels, no store, no scores or positions held, no per-step queries
-        or sliding window; or a KIVI store's row, where the step only appends to its tail
-        (KiviLayer.rotate_append_attend). None where it does not apply."""
+        or sliding window (in any --kv-dtype); or where the step's probabilities are all it adds
+        (TOVA's step scores, H2O's sums: `rotate_append_probs`, float32 stores); or a KIVI
+        store's row, where the step only appends to its tail (KiviLayer.rotate_append_attend).
+        None where it does not apply."""
         st = self.layers[layer]
         if st.kivi is not None:
             return self._kivi_row(st, layer, q, k, v, positions, pos)
@@ -99,14 +100,20 @@ class KVCache(KVManager):
             or k.shape[0] != 1
             or self.in_prefill
             or self.static
-            or not self._plain_decode
-            or d.pos is not None
-            or d.acc is not None
+            or q.dtype != torch.float32
         ):
+            return None
+        plain = self._plain_decode and d.pos is None and d.acc is None
+        if not plain and not (self._scored_decode and d.native_f32(q)):
             return None
         if pos is None:
             pos = self.rope.position(positions)
-        return d.rotate_append_attend(self.rope.at(layer), q, k, v, pos)
+        if plain:  # the store's own type (--kv-dtype) read natively
+            return d.rotate_append_attend(self.rope.at(layer), q, k, v, pos)
+        out, p, qr = d.rotate_append_probs(self.rope.at(layer), q, k, v, pos)
+        if self.n_queries:  # the step's query and its probabilities score the step (select)
+            st.queries, st.probs = qr[0], p
+        return out.to(self.dtype)
 
     def _kivi_row(self, st: Layer, layer: int, q, k, v, positions, pos: int | None):
         """`decode`'s KIVI step (`_to_store`) in one native call where it applies."""
@@ -222,6 +229,11 @@ class KVCache(KVManager):
             return self._to_store(st, q, k, v)
         if self.n_queries and "step" in self.points:
             st.queries = q[0]  # (Hq, 1, D) the step's query scores the step's eviction
+            if self.config.window(layer) is None and st.dense.native_f32(q):
+                d = st.dense  # natively, the step's own probabilities score it (no 2nd pass)
+                d.append(k, v, positions)
+                out, st.probs = d.attend_probs(q)
+                return out.to(self.dtype)
         window, d = self.config.window(layer), st.dense
         if window and d.pos is not None and d.length >= window and not self.method.cumulative:
             # the window's ring: the token takes the slot of the oldest position (out of the
@@ -239,6 +251,8 @@ class KVCache(KVManager):
         T, window, d = k.shape[2], self.config.window(layer), st.dense
         d.append(k, v, positions)
         if self.method.cumulative:
+            if d.native_f32(q):  # one pass gives the output and the probabilities
+                return self._attend_native(d, q, positions, window).to(self.dtype)
             mask = d.mask(positions, T, window)
             if T == 1 and mask is None and q.is_cuda:  # one kernel, probabilities out
                 out, _, p = dense_decode(q, d.k, d.v, return_probs=True)
@@ -255,10 +269,22 @@ class KVCache(KVManager):
             return dense_attention(q, d.k, d.v, positions, k_pos, window)
         return d.attend(q, positions, T, window)
 
+    def _attend_native(self, d: DenseSeg, q, positions, window: int | None) -> torch.Tensor:
+        """`_attend`'s cumulative scores on the native kernels: a decode row (every held
+        position older, no window) adds its probabilities to acc as it attends; a chunk
+        attends causally by position (or slot) with its column sums."""
+        if q.shape[2] == 1 and window is None and not self.in_prefill:
+            return d.attend_probs(q)[0]
+        out, _, col = d.kernels.attn_colsum(
+            q, d.k, d.v, q.shape[-1] ** -0.5, d.pos, positions, window or 0
+        )
+        d.acc += col
+        return out
+
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)
         for st in self.layers:
-            st.queries = None
+            st.queries = st.probs = None
 
     bound_in_prefill = True  # False: a method that reads the whole turn bounds after selecting
 
@@ -268,7 +294,8 @@ class KVCache(KVManager):
         for i, st in enumerate(self.layers):
             window, d = self.config.window(i), st.dense
             if window and d.pos is not None and d.length > window:
-                d.keep(d.pos.topk(window, dim=1).indices.sort(dim=1).values)
+                newest, slots = d.pos.topk(window, dim=1)  # (R, window) positions, slots
+                d.keep(slots.gather(1, newest.argsort(dim=1)))  # in position order
 
     def end_chunk(self, n_tokens: int) -> None:
         super().end_chunk(n_tokens)
@@ -303,7 +330,7 @@ class KVCache(KVManager):
         if "step" in self.points:
             self.select("step")
             for st in self.layers:
-                st.queries = None
+                st.queries = st.probs = None
         self.bound_windows()
         if self.kivi_layout is not None:
             r = self.kivi_layout["residual"]
@@ -322,23 +349,45 @@ class KVCache(KVManager):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and (st.queries is not None or not self.n_queries):
                 ctx = Ctx(
-                    i, o, self.config, d.k[0], d.v[0], st.queries, d.pos, d.acc, self.seen, Bl
+                    i,
+                    o,
+                    self.config,
+                    d.k[0],
+                    d.v[0],
+                    st.queries,
+                    d.pos,
+                    d.acc,
+                    self.seen,
+                    Bl,
+                    st.probs,
                 )
-                d.keep(self.top(m.score(ctx), d.length, Bl))
-            if d.pos is not None:
-                self.report(i, point, d.pos)
+                scores = m.score(ctx)
+                # one in, one out (a decode step at the budget): written over, not compacted
+                one = d.length == Bl + 1 and d.evict_one(scores, m.sinks, m.kept_recent(Bl))
+                if not one:
+                    d.keep(self.top(scores, d.length, Bl, None if d.in_order() else d.pos))
+            if d.pos is not None:  # the hook sees position order, whatever the slots' order
+                self.report(i, point, d.pos if self.on_select is None else d.pos.sort(1).values)
 
-    def top(self, scores: torch.Tensor, T: int, k: int) -> torch.Tensor:
-        """Kept slots (H, k) by scores (H, C) of the C oldest; newer ones, sinks, recent kept."""
+    def top(
+        self, scores: torch.Tensor, T: int, k: int, pos: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Kept slots (H, k) by scores (H, C) of the C oldest; newer ones, sinks, recent kept.
+        pos (1 or Hkv, T): slots out of position order, ranked in it (`DenseSeg.evict_one`)."""
         if scores.shape[1] < T:
             pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
             scores = torch.cat([scores, pad], dim=1)
+        order = None
+        if pos is not None:  # slots by position: the rule below reads position order
+            order = pos.argsort(dim=1).expand(max(len(pos), len(scores)), -1)
+            scores = scores.expand(len(order), -1).gather(1, order)
         first, last = self.method.sinks, self.method.kept_recent(k)
         protected = None
         if first or last:
             j = torch.arange(T, device=scores.device)
             protected = ((j < first) | (j >= T - last))[None]
-        return keep_indices(scores, protected, k)
+        idx = keep_indices(scores, protected, k)
+        return idx if order is None else order.gather(1, idx)
 
     def decode_segment(self, i: int) -> StaticSegment:
         """The store layer i's decode tokens go to: what the static (CUDA-graph) step writes

@@ -185,9 +185,15 @@ class Ctx:
     attention: torch.Tensor | None  # (Hkv, T) fp32 column sums (Method.cumulative)
     n: int  # tokens seen
     budget: int  # B_l, the slots this layer keeps
+    # (Hq, T) fp32 the probabilities the step's own attention used (the saved query's, over
+    # every held slot), where the native step kept them; else None
+    probs: torch.Tensor | None = None
 
     def window_scores(self) -> torch.Tensor:  # (Hq, T - w) fp32
-        """The saved queries' attention to the T - w older slots (attention.window_scores)."""
+        """The saved queries' attention to the T - w older slots (attention.window_scores);
+        the step's own probabilities where it kept them (no second pass over the keys)."""
+        if self.probs is not None:
+            return self.probs[:, : self.keys.shape[1] - self.queries.shape[1]]
         sw = self.config.window(self.layer)
         return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
 

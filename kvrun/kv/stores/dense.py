@@ -1,5 +1,6 @@
 """A dense segment of one layer: K (post-RoPE) and V in the KV type (--kv-dtype: the model's
-float dtype, f16, bf16, or llama.cpp's q8_0 / q4_0 blocks), slots in position order."""
+float dtype, f16, bf16, or llama.cpp's q8_0 / q4_0 blocks), slots in position order (or in any
+order where positions are held and a step wrote over a slot: an eviction, a window's ring)."""
 
 from __future__ import annotations
 
@@ -136,8 +137,71 @@ class DenseSeg:
         self._k.n = self._v.n = n + 1
         return out
 
+    def native_f32(self, q: torch.Tensor) -> bool:
+        """Whether the native kernels attend here: set, and q and K/V float32."""
+        return (
+            self.kernels is not None
+            and q.dtype == torch.float32
+            and self._k.buf.dtype == torch.float32
+        )
+
+    def attend_probs(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode row q (1, Hq, 1, D) over every slot on the native kernels (`native_f32`):
+        out (1, Hq, 1, D) fp32 and the probabilities it used (Hq, T); accumulated scores (acc)
+        get them added, each KV head's group summed, in the same pass (H2O §3)."""
+        return self.kernels.attn_probs(q, self.k, self.v, q.shape[-1] ** -0.5, self.acc)
+
+    def evict_one(self, scores: torch.Tensor, first: int, last: int) -> bool:
+        """One slot out per row of scores (H, C), ranked as `cache.keep_indices` ranks in
+        position order (`first` lowest and `last` highest positions protected, ties to the lower
+        position); the last slot is written over it: slots leave position order (`pos` keeps
+        it), nothing is compacted. Only on the native kernels, with positions of the scores'
+        rows; False (nothing done) elsewhere."""
+        n = self.length
+        if (
+            self.kernels is None
+            or self.pos is None
+            or self._k.buf.dtype != torch.float32
+            or scores.dtype != torch.float32
+            or scores.shape[0] != self.pos.shape[0]
+            or self.pos.stride(1) != 1
+            or n < 2
+        ):
+            return False
+        buf_k, buf_v = self._k.buf, self._v.buf
+        self.kernels.evict_one(scores, self.pos, first, last, buf_k, buf_v, n, self.acc)
+        self._k.n = self._v.n = n - 1
+        self.pos = self.pos[:, : n - 1]
+        if self.acc is not None:
+            self.acc = self.acc[:, : n - 1]
+        return True
+
+    def in_order(self) -> bool:
+        """Whether the slots are in position order (`evict_one` moves them out of it)."""
+        p = self.pos
+        return p is None or p.shape[1] < 2 or bool((p[:, 1:] > p[:, :-1]).all())
+
+    def rotate_append_probs(self, rope, q, k, v, pos: int) -> tuple[torch.Tensor, ...]:
+        """`rotate_append_attend` that also gives (out, the probabilities it used (Hq, T), q
+        rotated): the position joins `pos`, acc gets a 0 for the new slot and then the
+        probabilities (each KV head's group summed), all in the one native call."""
+        n = self._k.n
+        self.reserve(n + 1)
+        cos, ssin = rope.signed_tables(pos + 1)
+        out, p, qr, rows, acc = self.kernels.rope_append_probs(
+            q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5,
+            self.pos, self.acc,
+        )  # fmt: skip
+        self._k.n = self._v.n = n + 1
+        if self.pos is not None:
+            self.pos = rows
+        if self.acc is not None:
+            self.acc = acc
+        return out, p, qr
+
     def keep(self, idx: torch.Tensor) -> None:
-        """Keep slots idx (Hkv, T') or (1, T') (same for every head), ascending."""
+        """Keep slots idx (Hkv, T') or (1, T') (same for every head), in the order given
+        (position order: the selection's)."""
         _, Hkv, _, row = self._k.buf.shape
         full = idx.expand(Hkv, -1)
         gather = full[None, :, :, None].expand(1, Hkv, full.shape[1], row)

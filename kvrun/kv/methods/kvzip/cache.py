@@ -9,7 +9,7 @@ import math
 import torch
 
 from ....errors import KvrunError
-from ...attention import combine, sdpa
+from ...attention import Partial, combine, sdpa
 from ...cache import KVCache, keep_indices
 from ...protocol import KVManager, Pass
 from ...state import Int, ListOf, Nothing, state
@@ -134,12 +134,28 @@ class Reconstruct(KVManager):
     def prefill(self, layer, q, k, v, positions):
         st, own, T = self.owner.layers[layer], self.own[layer], k.shape[2]
         own.append(k, v, positions)
-        self._score(layer, q, st.dense, own, T)
+        ops = self.rope.kernels  # the native CPU kernels, on float32 K/V
+        if ops is not None and not q.dtype == st.dense.k.dtype == torch.float32:
+            ops = None
+        self._score(layer, q, st.dense, own, T, ops)
         if st.kivi is not None and st.kivi.length:  # a KIVI body: its partial, combined
             parts = st.kivi.partials(q, positions, 0, None)
             parts += st.dense.partials(q, positions, 0, None) + own.partials(q, positions, T, None)
             return combine(parts, self.dtype)
+        if ops is not None:
+            return self._attend_native(ops, q, st.dense, own, positions)
         return self._attend_dense(q, st.dense, own, positions, T)
+
+    def _attend_native(self, ops, q, d: DenseSeg, own: DenseSeg, positions) -> torch.Tensor:
+        """The pass's attention on the native kernels: the cache's slots (every one seen, or by
+        position where it keeps them) and its own tokens (causal), two partials combined."""
+        scale = q.shape[-1] ** -0.5
+        if d.mask(positions, 0, None) is None:
+            cache = ops.attn_colsum(q, d.k, d.v, scale, mode=2, causal=False)[:2]
+        else:  # padding (scope=layer) or a sliding window: by position
+            cache = ops.attn_colsum(q, d.k, d.v, scale, d.pos, positions, mode=2)[:2]
+        mine = ops.attn_colsum(q, own.k, own.v, scale, mode=2)[:2]
+        return combine([Partial(*cache), Partial(*mine)], self.dtype)
 
     def _attend_dense(self, q, d: DenseSeg, own: DenseSeg, positions, T: int) -> torch.Tensor:
         """The pass's attention over the cache and its own tokens as one SDPA call with one
@@ -160,14 +176,19 @@ class Reconstruct(KVManager):
         v = torch.cat([d.v, own.v], dim=2)
         return sdpa(q, k, v, mask).to(self.dtype)
 
-    def _score(self, layer: int, q, d: DenseSeg, own: DenseSeg, T: int) -> None:
+    def _score(self, layer: int, q, d: DenseSeg, own: DenseSeg, T: int, ops=None) -> None:
         """Max over the group's query heads and pass rows of the softmax over the sinks, the
-        chunk's slots and the pass's own tokens (causal)."""
+        chunk's slots and the pass's own tokens (causal); in one native pass where `ops`."""
         o = self.owner
         base = d.length - o.turn  # the turn's first slot
         a, b = base + self.a, base + self.b  # the chunk's slots
         s0 = min(o.opt["sinks"], self.a)  # the turn's sinks before the chunk
         keys = torch.cat([d.k[0, :, base : base + s0], d.k[0, :, a:b], own.k[0]], dim=1).float()
+        z = o.scores[layer][:, self.a : self.b]
+        if ops is not None:  # the pass rows are the last T keys: causal by slot
+            col = ops.attn_colsum(q, keys[None], None, q.shape[-1] ** -0.5, mode=1)[2]
+            torch.maximum(z, col[:, s0 : s0 + b - a], out=z)
+            return
         Hkv, K, D = keys.shape
         Hq, n_own = q.shape[1], own.length
         qg = q[0].float().view(Hkv, Hq // Hkv, T, D) / math.sqrt(D)
@@ -180,7 +201,6 @@ class Reconstruct(KVManager):
             logits = logits.masked_fill(col[None, :] > rows[:, None], float("-inf"))
             p = torch.softmax(logits, dim=-1)[..., s0 : s0 + b - a]  # (Hkv, G, rows, b - a)
             best = torch.maximum(best, p.amax(dim=(1, 2)))
-        z = o.scores[layer][:, self.a : self.b]
         torch.maximum(z, best, out=z)
 
     def nbytes(self) -> int:

@@ -67,14 +67,20 @@ def heavy_recent(acc: torch.Tensor, heavy: int, recent: int, n_kv: int, length_n
     return keep_indices(acc, protected, heavy + recent)
 
 
-def prompt_colsum(q, k, v, older: list[Partial], per_head: bool, mode: str):
+def prompt_colsum(q, k, v, older: list[Partial], per_head: bool, mode: str, kernels=None):
     """(Partial, colsum (Hkv or Hq, T)): q (1, Hq, Tq, D) over the turn's k, v (1, Hkv, T, D),
-    causal, each row normalised over all it sees (earlier turns' partials `older` too)."""
+    causal, each row normalised over all it sees (earlier turns' partials `older` too).
+    kernels: the native CPU ones (colsum=auto on float32 K/V: one pass, kernels/cpu)."""
     if mode == "dense" and not older:
         return dense_colsum(q, k, v, per_head)
+    other = torch.logsumexp(torch.stack([p.lse for p in older]), 0) if older else None
+    if mode == "auto" and kernels is not None and q.dtype == k.dtype == torch.float32:
+        out, lse, col = kernels.attn_colsum(
+            q, k, v, q.shape[-1] ** -0.5, other=other, per_head=per_head
+        )
+        return Partial(out, lse), col
     # two launches on CUDA (Triton), blocks of 256 query rows in torch elsewhere
     fn = {"triton": colsum_triton, "chunked": colsum_ref}.get(mode, colsum)
-    other = torch.logsumexp(torch.stack([p.lse for p in older]), 0) if older else None
     out, lse, col = fn(q, k, v, per_head, other)
     return Partial(out, lse[None]), col
 
@@ -162,9 +168,8 @@ class MiniKVCache(KVCache):
         else:
             older = []
         d = st.dense
-        part, col = prompt_colsum(
-            q, d.k, d.v, older, self.opt["gqa_agg"] == "max", self.opt["colsum"]
-        )
+        per_head, mode = self.opt["gqa_agg"] == "max", self.opt["colsum"]
+        part, col = prompt_colsum(q, d.k, d.v, older, per_head, mode, self.rope.kernels)
         d.acc += col
         return combine(older + [part], self.dtype)
 

@@ -1,0 +1,352 @@
+// Attention over float32 K/V that keeps the probabilities it computes, for the methods that
+// score keys by them: TOVA's step (the newest query's softmax), H2O's and MiniKV's column sums,
+// KVzip's reconstruction maxima. Included by qkernels.cpp after qstep.h (whose exp8, hsum,
+// scores_rows and weigh_rows it uses), one copy per instruction set; qops.cpp drives it.
+//
+// Decode (attn_chunk_scores): qstep.h's chunk of keys, also writing every raw score; once the
+// driver's merge gives each row's log-sum-exp, probs_row turns them into probabilities
+// (no second pass over the cache).
+//
+// Prefill (attn_rows_probs): a block of query rows of one KV head holds all its scores (R x n
+// floats), so each row's softmax is exact in one go: max, exp, sum, then out = P V and the
+// probabilities folded into column sums (or maxima). Keys go in blocks of KB so a block of K
+// (or V) stays in L2 while every row of the block reads it.
+
+#if defined(__AVX2__)
+// heads_scores<HG>: attn_heads (qstep.h) that also stores each raw score at sout[a * ldo + j]
+template <int HG>
+void heads_scores(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                  int64_t t, int64_t d, float scale, float* out, float* mx, float* sm,
+                  float* sout, int64_t ldo) {
+  constexpr int64_t KB = 128;
+  float sc[HG * KB], r[HG];
+  for (int a = 0; a < HG; a++) {
+    mx[a] = -INFINITY;
+    sm[a] = 0.f;
+  }
+  for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
+  for (int64_t j0 = 0; j0 < t; j0 += KB) {
+    const int64_t n = t - j0 < KB ? t - j0 : KB;
+    scores_rows<HG>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
+    for (int a = 0; a < HG; a++) {
+      float* s = sc + a * KB;
+      std::memcpy(sout + a * ldo + j0, s, n * sizeof(float));
+      float m = mx[a];
+      for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+      r[a] = std::exp(mx[a] - m);
+      __m256 tv = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(s + j, e);
+        tv = _mm256_add_ps(tv, e);
+      }
+      float total = hsum(tv);
+      for (; j < n; j++) {
+        s[j] = std::exp(s[j] - m);
+        total += s[j];
+      }
+      sm[a] = sm[a] * r[a] + total;
+      mx[a] = m;
+    }
+    weigh_rows<HG>(sc, KB, n, v + j0 * vs, vs, d, r, out);
+  }
+}
+
+// 4 partial-sum vectors -> their 4 sums
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// S rows (RR of them, q (RR, d)) over keys [j0, j1): s[r][j] = q_r . k_j * scale, 4 keys a step
+template <int RR>
+inline void qk_tile(const float* q, int64_t d, const float* k, int64_t ks, int64_t j0,
+                    int64_t j1, float scale, float* s, int64_t ls) {
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) {
+    __m256 acc[RR][4];
+    for (int r = 0; r < RR; r++)
+      for (int x = 0; x < 4; x++) acc[r][x] = _mm256_setzero_ps();
+    const float* kj = k + j * ks;
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 k0 = _mm256_loadu_ps(kj + c), k1 = _mm256_loadu_ps(kj + ks + c);
+      const __m256 k2 = _mm256_loadu_ps(kj + 2 * ks + c), k3 = _mm256_loadu_ps(kj + 3 * ks + c);
+      for (int r = 0; r < RR; r++) {
+        const __m256 qv = _mm256_loadu_ps(q + r * d + c);
+        acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(qv, k2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(qv, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < RR; r++)
+      _mm_storeu_ps(s + r * ls + j, _mm_mul_ps(hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), sc));
+  }
+  for (; j < j1; j++)
+    for (int r = 0; r < RR; r++) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + c), _mm256_loadu_ps(k + j * ks + c), a);
+      s[r * ls + j] = hsum(a) * scale;
+    }
+}
+
+// out rows (RR of them, 16 columns from c0) += sum_j p[r][j] v_j over keys [j0, j1)
+template <int RR>
+inline void pv_tile(const float* p, int64_t lp, const float* v, int64_t vs, int64_t j0, int64_t j1,
+                    int64_t c0, float* out, int64_t d) {
+  __m256 acc[RR][2];
+  for (int r = 0; r < RR; r++) {
+    acc[r][0] = _mm256_loadu_ps(out + r * d + c0);
+    acc[r][1] = _mm256_loadu_ps(out + r * d + c0 + 8);
+  }
+  for (int64_t j = j0; j < j1; j++) {
+    const __m256 v0 = _mm256_loadu_ps(v + j * vs + c0), v1 = _mm256_loadu_ps(v + j * vs + c0 + 8);
+    for (int r = 0; r < RR; r++) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * lp + j);
+      acc[r][0] = _mm256_fmadd_ps(pr, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(pr, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < RR; r++) {
+    _mm256_storeu_ps(out + r * d + c0, acc[r][0]);
+    _mm256_storeu_ps(out + r * d + c0 + 8, acc[r][1]);
+  }
+}
+#endif
+
+// Decode: attn_chunk (qstep.h) for g query heads over t keys, also writing each raw score
+// (q . k * scale) at sout[a * ldo + j]. scores: scratch of g * t floats (portable path).
+void attn_chunk_scores(const float* q, int g, const float* k, int64_t ks, const float* v,
+                       int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
+                       float* sm, float* scores, float* sout, int64_t ldo) {
+#if defined(__AVX2__)
+  if (d % 64 == 0) {
+    const int groups = (g + 2) / 3;
+    for (int gi = 0, h0 = 0; gi < groups; gi++) {
+      const int hn = (g - h0) / (groups - gi) + ((g - h0) % (groups - gi) ? 1 : 0);
+      const float* qh = q + h0 * d;
+      float *oh = out + h0 * d, *so = sout + h0 * ldo;
+      if (hn == 3) heads_scores<3>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
+      else if (hn == 2) heads_scores<2>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
+      else heads_scores<1>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
+      h0 += hn;
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < g; h++)
+    for (int64_t j = 0; j < t; j++) {
+      float s = 0.f;
+      for (int64_t i = 0; i < d; i++) s += q[h * d + i] * k[j * ks + i];
+      scores[h * t + j] = sout[h * ldo + j] = s * scale;
+    }
+  for (int h = 0; h < g; h++) {
+    float* sc = scores + h * t;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < t; j++) m = sc[j] > m ? sc[j] : m;
+    float total = 0.f;
+    for (int64_t j = 0; j < t; j++) {
+      sc[j] = std::exp(sc[j] - m);
+      total += sc[j];
+    }
+    mx[h] = m;
+    sm[h] = total;
+  }
+  for (int64_t i = 0; i < g * d; i++) out[i] = 0.f;
+  for (int h = 0; h < g; h++)
+    for (int64_t j = 0; j < t; j++) {
+      const float p = scores[h * t + j];
+      for (int64_t i = 0; i < d; i++) out[h * d + i] += p * v[j * vs + i];
+    }
+}
+
+// s[j] = exp(s[j] - lse) for j < n: a row's raw scores -> its probabilities (0 where lse = -inf)
+void probs_row(float* s, int64_t n, float lse) {
+  if (lse == -INFINITY) {
+    for (int64_t j = 0; j < n; j++) s[j] = 0.f;
+    return;
+  }
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 l = _mm256_set1_ps(lse);
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), l)));
+#endif
+  for (; j < n; j++) s[j] = std::exp(s[j] - lse);
+}
+
+// y[j] += w * x[j] (mode 0) or y[j] = max(y[j], w * x[j]) (mode 1) for j < n
+void fold_row(const float* x, int64_t n, float w, int mode, float* y) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 wv = _mm256_set1_ps(w);
+  if (mode == 0)
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(y + j, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
+  else
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(y + j, _mm256_max_ps(_mm256_loadu_ps(y + j), _mm256_mul_ps(wv, _mm256_loadu_ps(x + j))));
+#endif
+  if (mode == 0)
+    for (; j < n; j++) y[j] += w * x[j];
+  else
+    for (; j < n; j++) y[j] = y[j] > w * x[j] ? y[j] : w * x[j];
+}
+
+// the largest of x[0..n) (-inf for n = 0)
+inline float max_row(const float* x, int64_t n) {
+  float m = -INFINITY;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  m = _mm_cvtss_f32(h);
+#endif
+  for (; j < n; j++) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// x[j] = exp(x[j] - m) for j < n; returns their sum
+inline float exp_sum_row(float* x, int64_t n, float m) {
+  float total = 0.f;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 tv = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv));
+    _mm256_storeu_ps(x + j, e);
+    tv = _mm256_add_ps(tv, e);
+  }
+  total = hsum(tv);
+#endif
+  for (; j < n; j++) {
+    x[j] = std::exp(x[j] - m);
+    total += x[j];
+  }
+  return total;
+}
+
+// Prefill: R query rows (q (R, d) contiguous) of one KV head over its keys [0, n): key j at
+// k + j * ks, value j at v + j * vs (v null: no out). Row r sees key j where kp is null and
+// j < lim[r] (causal by slot), else where kp[j] <= lim[r] (its position) and, with win > 0,
+// lim[r] - kp[j] < win. Gives out (R, d) normalised (0 for a row that sees nothing) and lse (R)
+// (-inf there); with s (R rows of ls >= n floats), each row's probabilities there (masked keys
+// 0). Flash-style: blocks of KB keys with a running maximum, K and V of a block read from L1 by
+// every row; a block's weights stay in s beside their maximum, and once each row's log-sum-exp
+// is known one multiply per block turns them into probabilities (no second exp).
+void attn_rows_probs(const float* q, int R, int64_t d, const float* k, int64_t ks,
+                     const float* v, int64_t vs, int64_t n, float scale, const int32_t* kp,
+                     const int64_t* lim, int64_t win, float* out, float* lse, float* s,
+                     int64_t ls) {
+  constexpr int64_t KB = 64;  // keys a block: 16 KB of K (and of V) at d = 64
+  const int64_t nb = (n + KB - 1) / KB;
+#if defined(__AVX2__)
+  const bool vec = d % 16 == 0;
+#else
+  const bool vec = false;
+#endif
+  std::vector<float> sb(s ? 0 : R * KB), bm(s ? R * nb : 0), mx(R, -INFINITY), sm(R, 0.f);
+  if (v != nullptr)
+    for (int64_t i = 0; i < R * d; i++) out[i] = 0.f;
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t j0 = b * KB, m = n - j0 < KB ? n - j0 : KB;
+    float* blk = s ? s + j0 : sb.data();
+    const int64_t lb = s ? ls : KB;
+    const float* kb = k + j0 * ks;
+#if defined(__AVX2__)
+    if (vec) {
+      int r = 0;
+      for (; r + 3 <= R; r += 3) qk_tile<3>(q + r * d, d, kb, ks, 0, m, scale, blk + r * lb, lb);
+      if (R - r == 2) qk_tile<2>(q + r * d, d, kb, ks, 0, m, scale, blk + r * lb, lb);
+      if (R - r == 1) qk_tile<1>(q + r * d, d, kb, ks, 0, m, scale, blk + r * lb, lb);
+    }
+#endif
+    if (!vec)
+      for (int r = 0; r < R; r++)
+        for (int64_t j = 0; j < m; j++) {
+          float a = 0.f;
+          for (int64_t c = 0; c < d; c++) a += q[r * d + c] * kb[j * ks + c];
+          blk[r * lb + j] = a * scale;
+        }
+    for (int r = 0; r < R; r++) {
+      float* sr = blk + r * lb;
+      // keys [seen, m) of the block hidden by slot, or each one by position
+      const int64_t seen = kp ? m : (lim[r] - j0 < 0 ? 0 : (lim[r] - j0 < m ? lim[r] - j0 : m));
+      auto hidden = [&](int64_t j) {
+        if (kp == nullptr) return j >= seen;
+        const int64_t dist = lim[r] - (int64_t)kp[j0 + j];
+        return dist < 0 || (win > 0 && dist >= win);
+      };
+      if (kp != nullptr)
+        for (int64_t j = 0; j < m; j++)
+          if (hidden(j)) sr[j] = -INFINITY;
+      const float mb = max_row(sr, seen);
+      float alpha = 1.f;
+      if (mb == -INFINITY) {  // nothing of the block seen by this row
+        for (int64_t j = 0; j < m; j++) sr[j] = 0.f;
+      } else {
+        const float mnew = mb > mx[r] ? mb : mx[r];
+        alpha = std::exp(mx[r] - mnew);  // 0 for the first block the row sees
+        float total = exp_sum_row(sr, seen, mnew);
+        for (int64_t j = 0; j < m; j++)  // exp8 clamps: a hidden key's weight made exactly 0
+          if (hidden(j)) {
+            total -= j < seen ? sr[j] : 0.f;
+            sr[j] = 0.f;
+          }
+        sm[r] = sm[r] * alpha + total;
+        mx[r] = mnew;
+      }
+      if (s) bm[r * nb + b] = mx[r];
+      if (v != nullptr && alpha != 1.f)
+        for (int64_t c = 0; c < d; c++) out[r * d + c] *= alpha;
+    }
+    if (v == nullptr) continue;
+    const float* vb = v + j0 * vs;
+#if defined(__AVX2__)
+    if (vec) {
+      for (int r = 0; r < R; r += 6) {
+        const int rr = R - r < 6 ? R - r : 6;
+        for (int64_t c0 = 0; c0 < d; c0 += 16) {
+          const float* p = blk + r * lb;
+          float* o = out + r * d;
+          switch (rr) {
+            case 6: pv_tile<6>(p, lb, vb, vs, 0, m, c0, o, d); break;
+            case 5: pv_tile<5>(p, lb, vb, vs, 0, m, c0, o, d); break;
+            case 4: pv_tile<4>(p, lb, vb, vs, 0, m, c0, o, d); break;
+            case 3: pv_tile<3>(p, lb, vb, vs, 0, m, c0, o, d); break;
+            case 2: pv_tile<2>(p, lb, vb, vs, 0, m, c0, o, d); break;
+            default: pv_tile<1>(p, lb, vb, vs, 0, m, c0, o, d);
+          }
+        }
+      }
+      continue;
+    }
+#endif
+    for (int r = 0; r < R; r++)
+      for (int64_t j = 0; j < m; j++) {
+        const float p = blk[r * lb + j];
+        for (int64_t c = 0; c < d; c++) out[r * d + c] += p * vb[j * vs + c];
+      }
+  }
+  for (int r = 0; r < R; r++) {
+    const bool none = sm[r] == 0.f;
+    lse[r] = none ? -INFINITY : mx[r] + std::log(sm[r]);
+    if (v != nullptr) {
+      const float inv = none ? 0.f : 1.f / sm[r];
+      for (int64_t c = 0; c < d; c++) out[r * d + c] *= inv;
+    }
+    if (s == nullptr) continue;
+    for (int64_t b = 0; b < nb; b++) {  // the block's weights -> probabilities
+      const int64_t j0 = b * KB, m = n - j0 < KB ? n - j0 : KB;
+      const float f = none || bm[r * nb + b] == -INFINITY ? 0.f : std::exp(bm[r * nb + b] - lse[r]);
+      float* sr = s + r * ls + j0;
+      for (int64_t j = 0; j < m; j++) sr[j] *= f;
+    }
+  }
+}
