@@ -71,7 +71,7 @@ class KVCache(KVManager):
         one_call = self.kivi_layout is None and not config.any_window and not self.keys_pre_rope
         step_scores = m.cumulative or (self.n_queries == 1 and "step" in self.points)
         self._plain_decode = one_call and not step_scores
-        # ... or that also keep the probabilities they attend with (TOVA's step, H2O's sums)
+        # ... or that also keep the probabilities they attend with (a step's scores, cumulative sums)
         self._scored_decode = one_call and step_scores
         self.layers: list[Layer] = []
         self.reset()
@@ -87,7 +87,7 @@ class KVCache(KVManager):
         (kvrun.kv.stores.dense.DenseSeg.rotate_append_attend), where that is all the step
         asks: native step kernels, no store, no scores or positions held, no per-step queries
         or sliding window (in any --kv-dtype); or where the step's probabilities are all it adds
-        (TOVA's step scores, H2O's sums: `rotate_append_probs`, float32 stores); or a KIVI
+        (a step's scores, cumulative sums: `rotate_append_probs`, float32 stores); or a KIVI
         store's row, where the step only appends to its tail (KiviLayer.rotate_append_attend).
         None where it does not apply."""
         st = self.layers[layer]
