@@ -50,7 +50,14 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
     float m = mx[i];
     int64_t j = 0;
 #if defined(__AVX2__)
-    __m256 mv = _mm256_set1_ps(m);
+    __m256 mv = _mm256_set1_ps(m), m1 = mv, m2 = mv, m3 = mv;  // four chains: max's latency
+    for (; j + 32 <= e; j += 32) {
+      mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + j));
+      m1 = _mm256_max_ps(m1, _mm256_loadu_ps(sr + j + 8));
+      m2 = _mm256_max_ps(m2, _mm256_loadu_ps(sr + j + 16));
+      m3 = _mm256_max_ps(m3, _mm256_loadu_ps(sr + j + 24));
+    }
+    mv = _mm256_max_ps(_mm256_max_ps(mv, m1), _mm256_max_ps(m2, m3));
     for (; j + 8 <= e; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + j));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
