@@ -18,6 +18,28 @@ inline float kivi_code(const int32_t* w, int bits, int64_t i) {
   return (float)(((uint32_t)w[i / per] >> ((i % per) * bits)) & ((1u << bits) - 1u));
 }
 
+#if defined(__AVX512F__)
+// exp8 (qstep.h) 16 lanes wide
+inline __m512 kivi_exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 // the softmax of a block of nb scores a row, s (r, kb) in place: masked (t >= lim), the running
 // maximum and sum updated, alpha (r) the factor the row's earlier sums are to be scaled by
 void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* s, int64_t kb,
@@ -28,7 +50,14 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
     float m = mx[i];
     int64_t j = 0;
 #if defined(__AVX2__)
-    __m256 mv = _mm256_set1_ps(m);
+    __m256 mv = _mm256_set1_ps(m), m1 = mv, m2 = mv, m3 = mv;  // four chains: max's latency
+    for (; j + 32 <= e; j += 32) {
+      mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + j));
+      m1 = _mm256_max_ps(m1, _mm256_loadu_ps(sr + j + 8));
+      m2 = _mm256_max_ps(m2, _mm256_loadu_ps(sr + j + 16));
+      m3 = _mm256_max_ps(m3, _mm256_loadu_ps(sr + j + 24));
+    }
+    mv = _mm256_max_ps(_mm256_max_ps(mv, m1), _mm256_max_ps(m2, m3));
     for (; j + 8 <= e; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + j));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -43,6 +72,15 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
     alpha[i] = std::exp(mx[i] - m);  // 0 on the first visible block (exp(-inf))
     float total = 0.f;
     j = 0;
+#if defined(__AVX512F__)
+    __m512 tw = _mm512_setzero_ps();
+    for (; j + 16 <= e; j += 16) {
+      const __m512 x = kivi_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(m)));
+      _mm512_storeu_ps(sr + j, x);
+      tw = _mm512_add_ps(tw, x);
+    }
+    total = _mm512_reduce_add_ps(tw);
+#endif
 #if defined(__AVX2__)
     __m256 tv = _mm256_setzero_ps();
     for (; j + 8 <= e; j += 8) {
@@ -50,7 +88,7 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
       _mm256_storeu_ps(sr + j, x);
       tv = _mm256_add_ps(tv, x);
     }
-    total = hsum(tv);
+    total += hsum(tv);
 #endif
     for (; j < e; j++) {
       sr[j] = std::exp(sr[j] - m);
@@ -536,13 +574,20 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
   for (int64_t b0 = j0; b0 < j0 + n; b0 += kb) {
     const int64_t nb = std::min(kb, j0 + n - b0);
     // keys are d rows (channels) far apart, too many streams for the hardware prefetcher:
-    // fetch each row's words, scales and zeros two blocks ahead
-    if (b0 + 2 * kb < j0 + n) {
-      const int64_t pw_ = (b0 + 2 * kb) * bits / 32, pg = (b0 + 2 * kb) / G;
-      for (int64_t c = 0; c < d; c++) {
-        __builtin_prefetch(b.kc + c * b.kc_c + pw_);
-        __builtin_prefetch(b.ks + c * b.ks_c + pg);
-        __builtin_prefetch(b.kz + c * b.kz_c + pg);
+    // each row's next line of words (scales, zeros) is fetched two blocks ahead
+    const int64_t ahead = b0 + 2 * kb;
+    if (ahead < j0 + n) {
+      const int64_t wa = ahead * bits / 32, ga = ahead / G;  // word and group ahead
+      if (wa % 16 < kb * bits / 32 || kb * bits / 32 >= 16) {
+        const int32_t* kc = b.kc + wa;
+        for (int64_t c = 0; c < d; c++, kc += b.kc_c) __builtin_prefetch(kc);
+      }
+      if (ga % 16 < kb / G || kb / G >= 16) {
+        const float *ks = b.ks + ga, *kz = b.kz + ga;
+        for (int64_t c = 0; c < d; c++, ks += b.ks_c, kz += b.kz_c) {
+          __builtin_prefetch(ks);
+          __builtin_prefetch(kz);
+        }
       }
     }
 #if defined(__AVX2__)

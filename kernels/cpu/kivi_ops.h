@@ -164,8 +164,15 @@ void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, co
   const int64_t ths = tk.stride(0), tts = tk.stride(1);
   const kvq::Table* tab = current();
   const int64_t kscr = kvq::kivi_scratch(R, D, G);
+  // chunks of keys: as many per head as make the tasks a multiple of the threads (3 heads on
+  // 2 threads: 2 chunks a head, not split_keys' 3), where they stay long enough
+  const int64_t threads = at::get_num_threads();
+  int64_t min_chunk = G * ((256 + G - 1) / G), nc = 1;
+  while ((H * nc) % threads && nc < threads) nc++;
+  const int64_t even = ((L + nc - 1) / nc + G - 1) / G * G;
+  if (even >= min_chunk && even * 4 * threads >= H * L) min_chunk = even;
   split_keys(
-      H, R, L, D, G * ((256 + G - 1) / G),
+      H, R, L, D, min_chunk,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
           std::vector<float>& scratch) {
         const int64_t jb = std::min(j0 + n, Tb), t0 = std::max(j0, Tb) - Tb, t1 = j0 + n - Tb;

@@ -115,7 +115,7 @@ struct KiviHead {
 };
 
 // body tokens a KIVI chunk scores at once (whole groups: at least 4, about 128 tokens)
-inline int64_t kivi_block(int64_t group) { return group * std::max<int64_t>(4, (128 + group - 1) / group); }
+inline int64_t kivi_block(int64_t group) { return group * std::max<int64_t>(4, (256 + group - 1) / group); }
 
 // floats of scratch a KIVI chunk needs for r rows
 inline int64_t kivi_scratch(int64_t r, int64_t d, int64_t group) {
