@@ -245,3 +245,31 @@ def test_decode_equals_the_torch_path(monkeypatch, spec):
         b.n for st in old.layers for b in st.books_k + st.books_v
     ]
     assert kv.nbytes() == old.nbytes()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_multi_token_decode_calls():
+    """Decode calls of several tokens at once (each coded by codebook_assign, the slots
+    attended by codebook_attn) equal the torch path."""
+    m, P, spec = tiny(6), 60, "spindlekv:window=8,theta_k=0.6,theta_v=0.5"
+    m.rope.kernels = ops
+    try:
+        kvs = [new_kv(m, spec, "0.3"), new_kv(m, spec, "0.3")]
+    finally:
+        m.rope.kernels = None
+    for st in kvs[1].layers:
+        st.kernels = None
+    outs = []
+    for kv in kvs:
+        drive(m, kv, prompt(P, seed=8), 32)
+        n, logits = P, []
+        with torch.inference_mode():
+            for span in (2, 3, 1, 2):
+                ids = torch.tensor([prompt(span, seed=n)])
+                logits.append(m(ids, torch.arange(n, n + span), kv)[0])
+                kv.end_step()
+                n += span
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+    books = [[b.n for st in kv.layers for b in st.books_k + st.books_v] for kv in kvs]
+    assert books[0] == books[1]
