@@ -18,7 +18,6 @@ pytestmark = needs_native
 F16, F32 = torch.float16, torch.float32
 
 VARIANTS = [  # idx, mask, scope, dtype, Tq
-    (torch.int16, "partial", "layer", F32, 1),
     (torch.int32, None, "layer", F32, 2),
     (torch.int16, "blind", "head", F32, 1),  # per-head books at offsets; a row sees nothing
     (None, "partial", "dense", F32, 1),  # dense slots: the identity gather
@@ -31,12 +30,7 @@ def call(fn, q, slots, cos, sin, *extra):
     return fn(q, bk, ik, mk, bv, iv, mv, pos, cos, sin, m, ok, ov, *extra)
 
 
-@pytest.mark.parametrize("Hq,Hkv,D", HEADS)
-@pytest.mark.parametrize("S", LENGTHS)
-@pytest.mark.parametrize("idx,mask,scope,dtype,Tq", VARIANTS)
-def test_codebook_attn_matches_reference(Hq, Hkv, D, S, idx, mask, scope, dtype, Tq, isa, threads):  # noqa: F811
-    if scope == "head" and D * Hkv > 256:  # per-head books 33,000 rows apart: keep them small
-        pytest.skip("per-head books on the smaller shapes")
+def check_attn(Hq, Hkv, D, S, idx, mask, scope, dtype, Tq):
     slots, _ = _slots(Hkv, Hq // Hkv, S, D, idx, mask, scope, seed=S * 7 + Hq)
     slots = [t.to(dtype) if i in (0, 2, 3, 5) and t is not None else t for i, t in enumerate(slots)]
     gen = torch.Generator().manual_seed(S + D)
@@ -47,6 +41,23 @@ def test_codebook_attn_matches_reference(Hq, Hkv, D, S, idx, mask, scope, dtype,
     tol = 2e-5 if dtype == F32 else 1e-3
     torch.testing.assert_close(out, ref[0], atol=tol, rtol=tol)
     torch.testing.assert_close(lse, ref[1], atol=tol, rtol=tol)  # -inf where a row sees nothing
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", HEADS)
+@pytest.mark.parametrize("S", LENGTHS)
+def test_codebook_attn_matches_reference(Hq, Hkv, D, S, isa, threads):  # noqa: F811
+    """Coded slots (int16 indices, one book) with partial keep bits, one query row."""
+    check_attn(Hq, Hkv, D, S, torch.int16, "partial", "layer", F32, 1)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", HEADS)
+@pytest.mark.parametrize("S", [33, 1027])
+@pytest.mark.parametrize("idx,mask,scope,dtype,Tq", VARIANTS)
+def test_codebook_attn_variants(Hq, Hkv, D, S, idx, mask, scope, dtype, Tq, isa):  # noqa: F811
+    """int32 indices and two query rows, per-head books, dense slots, float16 books."""
+    if scope == "head" and D * Hkv > 256:  # per-head books 33,000 rows apart: keep them small
+        pytest.skip("per-head books on the smaller shapes")
+    check_attn(Hq, Hkv, D, S, idx, mask, scope, dtype, Tq)
 
 
 def test_bad_slots_are_refused():
@@ -234,3 +245,31 @@ def test_decode_equals_the_torch_path(monkeypatch, spec):
         b.n for st in old.layers for b in st.books_k + st.books_v
     ]
     assert kv.nbytes() == old.nbytes()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_multi_token_decode_calls():
+    """Decode calls of several tokens at once (each coded by codebook_assign, the slots
+    attended by codebook_attn) equal the torch path."""
+    m, P, spec = tiny(6), 60, "spindlekv:window=8,theta_k=0.6,theta_v=0.5"
+    m.rope.kernels = ops
+    try:
+        kvs = [new_kv(m, spec, "0.3"), new_kv(m, spec, "0.3")]
+    finally:
+        m.rope.kernels = None
+    for st in kvs[1].layers:
+        st.kernels = None
+    outs = []
+    for kv in kvs:
+        drive(m, kv, prompt(P, seed=8), 32)
+        n, logits = P, []
+        with torch.inference_mode():
+            for span in (2, 3, 1, 2):
+                ids = torch.tensor([prompt(span, seed=n)])
+                logits.append(m(ids, torch.arange(n, n + span), kv)[0])
+                kv.end_step()
+                n += span
+        outs.append(torch.cat(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+    books = [[b.n for st in kv.layers for b in st.books_k + st.books_v] for kv in kvs]
+    assert books[0] == books[1]

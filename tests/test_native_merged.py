@@ -206,3 +206,34 @@ def test_multi_token_decode_calls(model_with_kernels):
         outs.append(torch.cat(logits))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     assert math.isfinite(float(outs[0].abs().max()))
+
+
+@pytest.mark.parametrize("spec,budget", [("minicache", None), ("spindlekv", "0.1")])
+def test_default_model_greedy_tokens_agree(default_runtime, spec, budget):
+    """The default model (float32 weights, torch's products) after a real prompt: its stores on
+    the native ops (the kernels handed to them) and on the torch path decode the same greedy
+    tokens, logits within 1e-3. (On the GGUF path the products quantize their activations to
+    8 bits, so a last-bit difference can move a logit by ~0.1: there only near-ties differ.)"""
+    from kvrun.generate import Session
+    from kvrun.kv import check
+    from kvrun.sampling import SamplingConfig
+
+    rt = default_runtime
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        ids = rt.tokenizer.encode(f.read()[:1200])
+    runs = []
+    for native in (True, False):
+        rt.model.rope.kernels = ops if native else None  # the stores take the kernels built
+        try:
+            kv = rt.new_kv(check(spec, budget))
+        finally:
+            rt.model.rope.kernels = None
+        s = Session(rt.model, rt.tokenizer, kv)
+        toks = s.generate(ids, 12, SamplingConfig(temp=0), seed=0).tokens
+        with torch.inference_mode():
+            logits = torch.stack([s.decode(t) for t in toks[-2:]])
+        runs.append((toks, logits, kv))
+    (a, la, kv), (b, lb, _) = runs
+    assert len(a) == 12 and a == b
+    torch.testing.assert_close(la, lb, atol=1e-3, rtol=0)
+    assert all(getattr(st, "kernels", ops) is ops for st in kv.stores())  # native throughout
