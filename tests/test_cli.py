@@ -53,11 +53,11 @@ def test_generate_json_has_every_field_and_is_deterministic(default_gguf):
     assert out["generated_tokens"] == len(out["tokens"]) > 0
     assert out["kv"]["method"] == "full"
     assert out["kv_bytes"] == out["kv_bytes_full"] > 0
-    # full cache in fp32: 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 4 bytes per token
+    # full cache in f16 (--kv-dtype auto on the CPU): 2 (K,V) * 30 layers * 3 kv heads * 64 dims * 2 bytes
     # a reply cut by -n leaves its last token unfed; one that ended at EOS fed them all
     unfed = 1 if out["stop_reason"] == "length" else 0
     held = out["prompt_tokens"] + out["generated_tokens"] - unfed
-    assert out["kv_bytes"] == held * 2 * 30 * 3 * 64 * 4
+    assert out["kv_bytes"] == held * 2 * 30 * 3 * 64 * 2
     assert out["settings"]["seed"] >= 0
     b = run(*args)
     assert json.loads(b.stdout)["tokens"] == out["tokens"]

@@ -164,6 +164,7 @@ def serve(
         names=list(dict.fromkeys([name, Path(name).stem, Path(name).name])),
         default_kv=kv.method,
         default_budget=kv.budget,
+        default_dtype=kv.dtype,
         context=model.ctx_size or 0,
         api_key=api_key,
         queue=queue,

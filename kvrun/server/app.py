@@ -54,6 +54,7 @@ class Settings:
     grace: float = 5.0  # seconds in-flight streams get after SIGTERM before an error event
     read_timeout: float = 30.0  # seconds for a request's headers, and again for its body
     max_connections: int = 512
+    default_dtype: str = "auto"  # --kv-dtype, for every request's cache
 
 
 class ApiError(Exception):
@@ -238,7 +239,7 @@ class Server:
         if budget is None and body.kv is None:  # the server's budget goes with its method
             budget = self.s.default_budget
         try:
-            return check(kv, budget)
+            return check(kv, budget).with_dtype(self.s.default_dtype)
         except KvrunError as e:
             raise ApiError(400, str(e), "invalid_kv", "kv") from None
 
