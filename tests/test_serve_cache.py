@@ -87,9 +87,11 @@ def test_cache_mem_sizes():
 def servers(default_gguf):
     from test_serve import Served
 
-    kept = Served(default_gguf, "-np", "2")
+    # float32 caches: a reused prefix then equals its recomputation to float noise (an f16
+    # cache rounds K/V, and a different summation order can round an element the other way)
+    kept = Served(default_gguf, "-np", "2", "--kv-dtype", "f32")
     try:
-        bare = Served(default_gguf, "-np", "2", "--cache-mem", "0")
+        bare = Served(default_gguf, "-np", "2", "--cache-mem", "0", "--kv-dtype", "f32")
     except Exception:
         kept.stop()
         raise
@@ -237,7 +239,7 @@ def test_lru_eviction_under_a_small_cache_mem(default_gguf):
     from test_serve import Served
 
     limit = 3 * 2**20
-    s = Served(default_gguf, "-np", "1", "--cache-mem", "3M")
+    s = Served(default_gguf, "-np", "1", "--cache-mem", "3M", "--kv-dtype", "f32")  # sized for f32
     try:
         c = s.client()
         convs = [[{"role": "user", "content": f"Say hello to {who}."}] for who in ("Ann", "Bob")]
