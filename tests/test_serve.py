@@ -82,15 +82,17 @@ class Served:
 
 @pytest.fixture(scope="module")
 def server(default_gguf):
-    s = Served(default_gguf, "-np", "2", "--queue", "64", "--max-body", "1")
+    # float32 caches: test_logprobs_and_echo compares the server's log-probabilities with
+    # kvrun perplexity's to 1e-4; in f16 the two paths round keys at different steps (2e-3)
+    s = Served(default_gguf, "-np", "2", "--queue", "64", "--max-body", "1", "--kv-dtype", "f32")
     yield s
     s.stop()
 
 
 def kvrun_generate(gguf, *args: str) -> dict:
-    """`kvrun generate --json` greedy, on the same weights as the server."""
+    """`kvrun generate --json` greedy, on the same weights and cache type as the server."""
     cmd = [sys.executable, "-m", "kvrun", "generate", "-m", str(gguf), "--json", "--temp", "0",
-           "-c", str(CTX), *WEIGHTS, *args]  # fmt: skip
+           "-c", str(CTX), "--kv-dtype", "f32", *WEIGHTS, *args]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout)
 
