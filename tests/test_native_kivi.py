@@ -204,7 +204,7 @@ def test_greedy_tokens_equal_torch_path(default_runtime, spec):
 
     rt = default_runtime
     text = "The GNU General Public License is a free, copyleft license for software. " * 12
-    ids = rt.tokenizer.encode(text)[:300]
+    ids = rt.tokenizer.encode(text)[:170]  # a flush during the prefill, more at its end
 
     def run(kernels):
         kv = rt.new_kv(check(spec))
@@ -212,6 +212,6 @@ def test_greedy_tokens_equal_torch_path(default_runtime, spec):
             if st.kivi is not None:
                 st.kivi.kernels = kernels
         session = Session(rt.model, rt.tokenizer, kv, ubatch=128)
-        return session.generate(ids, 24, SamplingConfig(temp=0), seed=0).tokens
+        return session.generate(ids, 16, SamplingConfig(temp=0), seed=0).tokens
 
     assert run(ops) == run(None)

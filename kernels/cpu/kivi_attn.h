@@ -424,16 +424,20 @@ inline void kivi_values_tile16(const KiviHead& b, int G, int64_t b0, int64_t nb,
     for (int v = 0; v < CV; v++)
       acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(out + i * d + c0 + 16 * v), _mm512_set1_ps(alpha[i]));
   const int32_t* w = b.vc + b0 * b.vc_t;
-  const int64_t wt = b.vc_t, ld = kb * gd;
-  const float* p = pw;
-  for (int64_t j = 0; j < nb; j++, w += wt, p += gd) {
+  const int64_t wt = b.vc_t;
+  const float* pr[RB];  // each row's weights of token j, by group
+#pragma GCC unroll 4
+  for (int i = 0; i < RB; i++) pr[i] = pw + i * kb * gd;
+  for (int64_t j = 0; j < nb; j++, w += wt) {
 #pragma GCC unroll 4
     for (int v = 0; v < CV; v++) {
       const __m512 cv = kivi_code16<B>(w, at[v], sh[v]);
 #pragma GCC unroll 4
       for (int i = 0; i < RB; i++)
-        acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * ld + grp[v]]), cv, acc[i][v]);
+        acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(pr[i][grp[v]]), cv, acc[i][v]);
     }
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++) pr[i] += gd;
   }
 #pragma GCC unroll 4
   for (int i = 0; i < RB; i++)
@@ -446,6 +450,8 @@ inline void kivi_values_rows16(const KiviHead& b, int G, int64_t b0, int64_t nb,
                                const float* pw, int64_t kb, int64_t gd, const float* alpha,
                                float* out) {
   int64_t c0 = 0;
+  for (; c0 + 64 <= d; c0 += 64)
+    kivi_values_tile16<B, RB, 4>(b, G, b0, nb, c0, d, pw, kb, gd, alpha, out);
   for (; c0 + 32 <= d; c0 += 32)
     kivi_values_tile16<B, RB, 2>(b, G, b0, nb, c0, d, pw, kb, gd, alpha, out);
   if (c0 < d) kivi_values_tile16<B, RB, 1>(b, G, b0, nb, c0, d, pw, kb, gd, alpha, out);

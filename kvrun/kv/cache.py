@@ -131,8 +131,7 @@ class KVCache(KVManager):
         self._layer(layer, 1)  # a sliding window past the length is refused as in `decode`
         if pos is None:
             pos = self.rope.position(positions)
-        out = st.kivi.rotate_append_attend(self.rope.at(layer), q, k, v, pos)
-        return out.to(self.dtype)
+        return st.kivi.rotate_append_attend(self.rope.at(layer), q, k, v, pos)  # float32
 
     def _store_row_ok(self, st: Layer) -> bool:
         """Whether a decode row only appends to the layer's KIVI tail before it attends (a

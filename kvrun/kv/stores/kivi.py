@@ -183,23 +183,27 @@ class KiviLayer:
     def rooms(self) -> tuple[torch.Tensor, ...]:
         """The body's six buffers and the tail's two, room included: the native kernels read
         body_len and tail_len slots of them (no views made per call)."""
-        bufs = (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz, self._tk, self._tv)
-        return tuple(b.buf for b in bufs)
+        return (
+            self._kq.buf, self._ks.buf, self._kz.buf, self._vq.buf, self._vs.buf, self._vz.buf,
+            self._tk.buf, self._tv.buf,
+        )  # fmt: skip
 
     def rotate_append_attend(self, rope, q, k, v, pos: int) -> torch.Tensor:
         """A decode row at position `pos` on the native kernels: q and k (1, H, 1, D) rotated,
         k and v appended to the tail, q attending over the body and the tail, in one call
         (rope.apply, append and partials' arithmetic) -> (1, Hq, 1, D) float32."""
-        n = self.tail_len
-        self._tk.reserve(n + 1)
-        self._tv.reserve(n + 1)
+        tk, tv = self._tk, self._tv
+        n = tk.n
+        if n >= tk.buf.shape[1]:
+            tk.reserve(n + 1)
+            tv.reserve(n + 1)
         cos, ssin = rope.signed_tables(pos + 1)
-        kc, ks, kz, vc, vs, vz, tk, tv = self.rooms()
         out = self.kernels.kivi_rope_append_attend(
-            q, k, v, cos, ssin, pos, kc, ks, kz, vc, vs, vz, self.body_len, tk, tv, n,
-            self.bits, self.G, q.shape[-1] ** -0.5,
+            q, k, v, cos, ssin, pos, self._kq.buf, self._ks.buf, self._kz.buf, self._vq.buf,
+            self._vs.buf, self._vz.buf, self._vq.n, tk.buf, tv.buf, n, self.bits, self.G,
+            self.D**-0.5,
         )  # fmt: skip
-        self._tk.n = self._tv.n = n + 1
+        tk.n = tv.n = n + 1
         return out
 
     @property
