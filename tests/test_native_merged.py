@@ -130,8 +130,12 @@ def test_minicache_merge_matches_merge(t, sin_eps):
     xb[2, 4] = xa[2, 4] + 1e-4 * xb[2, 4]  # sin(Omega) ~ 0: LERP
     got = ops.minicache_merge(xa, xb, t, sin_eps)
     want = restore_mod.merge(xa, xb, t, sin_eps)
-    for g_, w in zip(got, want, strict=True):
+    for g_, w in zip(got[:4], want, strict=True):
         torch.testing.assert_close(g_, w, atol=1e-5, rtol=1e-5)
+    norm = torch.linalg.vector_norm(want[0], dim=-1)  # merged_attn's factors n / ||E||
+    inv = 1 / torch.where(norm > 0, norm, 1.0)
+    torch.testing.assert_close(got[4], want[1] * inv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[5], want[2] * inv, atol=1e-5, rtol=1e-5)
     assert all(bool(x.isfinite().all()) for x in got)
 
 
@@ -185,6 +189,15 @@ def test_decode_equals_the_torch_path(monkeypatch, model_with_kernels, spec):
     assert torch.equal(got[:P], ref[:P])  # prefill: the same path
     torch.testing.assert_close(got[P:], ref[P:], atol=1e-4, rtol=1e-4)
     assert kv.nbytes() == old.nbytes()
+    lay = kv.layout
+    for p in kv.pairs:  # the kept factors, extended step by step, as made afresh
+        for second in (False, True):
+            for half, kept in zip((p.k, p.v), p.factors[second], strict=True):
+                e = lay.groups(half.e.data)
+                norm = torch.linalg.vector_norm(e, dim=-1)
+                n = (half.nb if second else half.na).data
+                want = n / torch.where(norm > 0, norm, 1.0)
+                torch.testing.assert_close(kept.data, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -386,8 +386,65 @@ inline void weigh_ptrs(const float* p, int64_t ps, int64_t n, const T* const* vp
 }
 
 
-// HG query rows of head h over merged keys [j0, j0 + n)
-template <int HG, typename T>
+// dot[i] = q_i . x for HG rows q (stride d) and one row x of d (a multiple of 16); with NORM
+// also *xx = x . x. Two accumulators a row: the multiply-adds need not wait on each other.
+template <int HG, bool NORM, typename T>
+inline void row_dots(const float* q, int64_t d, const T* x, float* dot, float* xx) {
+  __m256 a8[HG];
+#if defined(__AVX512F__)
+  if (d % 32 == 0) {
+    __m512 a0[HG], a1[HG], n0 = _mm512_setzero_ps(), n1 = _mm512_setzero_ps();
+    for (int i = 0; i < HG; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512 x0 = ld16(x + c), x1 = ld16(x + c + 16);
+      for (int i = 0; i < HG; i++) {
+        a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + c), x0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + c + 16), x1, a1[i]);
+      }
+      if (NORM) {
+        n0 = _mm512_fmadd_ps(x0, x0, n0);
+        n1 = _mm512_fmadd_ps(x1, x1, n1);
+      }
+    }
+    for (int i = 0; i < HG; i++) a8[i] = fold8(_mm512_add_ps(a0[i], a1[i]));
+    if (NORM) *xx = hsum(fold8(_mm512_add_ps(n0, n1)));
+    hsum4<HG>(a8, dot);
+    return;
+  }
+#endif
+  __m256 a1[HG], n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
+  for (int i = 0; i < HG; i++) a8[i] = a1[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m256 x0 = ld8(x + c), x1 = ld8(x + c + 8);
+    for (int i = 0; i < HG; i++) {
+      a8[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), x0, a8[i]);
+      a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c + 8), x1, a1[i]);
+    }
+    if (NORM) {
+      n0 = _mm256_fmadd_ps(x0, x0, n0);
+      n1 = _mm256_fmadd_ps(x1, x1, n1);
+    }
+  }
+  for (int i = 0; i < HG; i++) a8[i] = _mm256_add_ps(a8[i], a1[i]);
+  if (NORM) *xx = hsum(_mm256_add_ps(n0, n1));
+  hsum4<HG>(a8, dot);
+}
+
+// x . x for a row of d (a multiple of 16)
+template <typename T>
+inline float sumsq(const T* x, int64_t d) {
+  __m256 n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m256 x0 = ld8(x + c), x1 = ld8(x + c + 8);
+    n0 = _mm256_fmadd_ps(x0, x0, n0);
+    n1 = _mm256_fmadd_ps(x1, x1, n1);
+  }
+  return hsum(_mm256_add_ps(n0, n1));
+}
+
+// HG query rows of head h over merged keys [j0, j0 + n); UNIT: each E row divided by its norm
+// here (else the factors are whole)
+template <int HG, typename T, bool UNIT>
 void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, int64_t n,
                   float* out, float* mx, float* sm) {
   const int64_t d = a.d;
@@ -404,34 +461,18 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
   for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0);
     for (int64_t j = 0; j < nb; j++) {
-      kp[j] = merged_row<T>(a.k, rk, h, b0 + j, a.unit, fk[j], nk[j]);
-      vp[j] = merged_row<T>(a.v, rv, h, b0 + j, a.unit, fv[j], nv[j]);
+      kp[j] = merged_row<T>(a.k, rk, h, b0 + j, UNIT, fk[j], nk[j]);
+      vp[j] = merged_row<T>(a.v, rv, h, b0 + j, UNIT, fv[j], nv[j]);
     }
     for (int64_t j = 0; j < nb; j++) {
-      __m256 acc[HG], kk = _mm256_setzero_ps(), vv = _mm256_setzero_ps();
-      for (int i = 0; i < HG; i++) acc[i] = _mm256_setzero_ps();
-      const T* kr = kp[j];
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 k8 = ld8(kr + c);
-        for (int i = 0; i < HG; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), k8, acc[i]);
-        kk = _mm256_fmadd_ps(k8, k8, kk);
-      }
-      if (nv[j]) {  // the value's norm, read now so the weighing finds the row in cache
-        for (int64_t c = 0; c < d; c += 8) {
-          const __m256 v8 = ld8(vp[j] + c);
-          vv = _mm256_fmadd_ps(v8, v8, vv);
-        }
-        const float n2 = hsum(vv);
-        if (n2 > 0.f) fv[j] /= std::sqrt(n2);
-      }
-      float f = fk[j];
-      if (nk[j]) {
-        const float n2 = hsum(kk);
-        if (n2 > 0.f) f /= std::sqrt(n2);
+      float dot[HG], kk = 0.f, f = fk[j];
+      row_dots<HG, UNIT, T>(q, d, kp[j], dot, &kk);
+      if (UNIT && nk[j] && kk > 0.f) f /= std::sqrt(kk);
+      if (UNIT && nv[j]) {  // the value's norm, read now so the weighing finds the row in cache
+        const float vv = sumsq(vp[j], d);
+        if (vv > 0.f) fv[j] /= std::sqrt(vv);
       }
       const float fs = f * a.scale;
-      float dot[HG];
-      hsum4<HG>(acc, dot);
       for (int i = 0; i < HG; i++) sc[i * SKB + j] = dot[i] * fs;
     }
     softmax_block<HG>(sc, SKB, nb, mx, sm, r);
@@ -593,8 +634,10 @@ void merged_chunk(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* 
       const float* qh = q + r0 * a.d;
       float* o = part + r0 * a.d;
 #define KVQ_MERGED(HG)                                                                   \
-  f16 ? merged_heads<HG, uint16_t>(a, h, qh, j0, n, o, mx + r0, sm + r0)                 \
-      : merged_heads<HG, float>(a, h, qh, j0, n, o, mx + r0, sm + r0)
+  f16 ? (a.unit ? merged_heads<HG, uint16_t, true>(a, h, qh, j0, n, o, mx + r0, sm + r0)  \
+                : merged_heads<HG, uint16_t, false>(a, h, qh, j0, n, o, mx + r0, sm + r0)) \
+      : (a.unit ? merged_heads<HG, float, true>(a, h, qh, j0, n, o, mx + r0, sm + r0)     \
+                : merged_heads<HG, float, false>(a, h, qh, j0, n, o, mx + r0, sm + r0))
       if (hn == 3) KVQ_MERGED(3);
       else if (hn == 2) KVQ_MERGED(2);
       else KVQ_MERGED(1);

@@ -1146,9 +1146,9 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
 #include "kivi_ops.h"  // KIVI
 
 // MiniCache's MERGE (minicache/store.py's `merge`, the same float32 steps) of rows xa, xb
-// (..., m) -> [E (..., m), n_a, n_b, d = Omega / pi (...)]: SLERP of the unit rows with weight
-// t on xb where sin(Omega) >= sin_eps, else normalised LERP (u_b below 1e-6); zero rows give
-// u = 0.
+// (..., m) -> [E (..., m), n_a, n_b, d = Omega / pi, and the factors n_a / ||E||, n_b / ||E||
+// (...) merged_attn takes (0 where ||E|| = 0)]: SLERP of the unit rows with weight t on xb
+// where sin(Omega) >= sin_eps, else normalised LERP (u_b below 1e-6); zero rows give u = 0.
 std::vector<at::Tensor> minicache_merge(const at::Tensor& xa_, const at::Tensor& xb_, double t,
                                         double sin_eps) {
   check_f32(xa_, "xa");
@@ -1161,6 +1161,7 @@ std::vector<at::Tensor> minicache_merge(const at::Tensor& xa_, const at::Tensor&
   at::Tensor e = at::empty_like(xa);
   at::Tensor na = at::empty(lead, xa.options()), nb = at::empty(lead, xa.options());
   at::Tensor dd = at::empty(lead, xa.options());
+  at::Tensor fa = at::empty(lead, xa.options()), fb = at::empty(lead, xa.options());
   const float ta = (float)(1.0 - t), tb = (float)t, eps = (float)sin_eps;
   std::vector<float> ua(m), ub(m);
   for (int64_t r = 0; r < rows; r++) {
@@ -1195,8 +1196,13 @@ std::vector<at::Tensor> minicache_merge(const at::Tensor& xa_, const at::Tensor&
     na.data_ptr<float>()[r] = la;
     nb.data_ptr<float>()[r] = lb;
     dd.data_ptr<float>()[r] = omega / (float)M_PI;
+    float se = 0.f;
+    for (int64_t i = 0; i < m; i++) se += er[i] * er[i];
+    const float ne = std::sqrt(se), inv = 1.f / (ne > 0.f ? ne : 1.f);
+    fa.data_ptr<float>()[r] = la * inv;
+    fb.data_ptr<float>()[r] = lb * inv;
   }
-  return {e, na, nb, dd};
+  return {e, na, nb, dd, fa, fb};
 }
 
 // One SpindleKV decode token in one call: k, v (Hkv, D) pre-RoPE coded into the shelves as

@@ -188,7 +188,7 @@ class MiniCacheKV(KVManager):
         for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
             ga, gb = lay.groups(xa), lay.groups(xb)  # (g, n, m)
             fn = merge if self.kernels is None else self.kernels.minicache_merge
-            e, na, nb, d = fn(ga, gb, self.t, self.sin_eps)
+            e, na, nb, d, *factors = fn(ga, gb, self.t, self.sin_eps)
             keep = None
             if prefill:  # retention over this turn's tokens
                 keep, thr = retention(d, self.gamma, self.rule, self.retain)
@@ -200,6 +200,8 @@ class MiniCacheKV(KVManager):
             e = lay.heads(e)  # (Hkv, n, D) fp32
             half.append(e, na, nb, keep, ga, gb, start)
             dirs.append(e)
+            if factors:  # the native kernel's per-key factors, kept up to date
+                lay.extend_factors(pair, len(dirs) - 1, start, factors)
         if pair.kivi is not None:
             pair.kivi.append(dirs[0].to(self.dtype), dirs[1].to(self.dtype))
             if prefill:

@@ -183,6 +183,11 @@ class Pair:
         # nbytes): unit directions (uK, uV) of the dense restore, merged_decode's override maps
         self.work: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fwork: list | None = None
+        # the native kernel's per-key factors n / ||E|| (g, T) fp32 of layers a (False) and b
+        # (True), for E_K and E_V: derived from E and the norms, which never change once merged,
+        # so kept and extended as tokens merge (8 bytes per token and group a half, beside E's
+        # 4 * D; scratch as the restore workspace is, not in nbytes; rebuilt after a .kvc load)
+        self.factors: dict[bool, list[Buffer]] | None = None
 
     def kvc_check(self, loader) -> str | None:
         """The halves as this spec's MiniCache makes them (kvrun.kv.state)."""
@@ -302,14 +307,39 @@ class Layout:
             ov[half.groups(), idx] = r
         return ov, inv
 
-    def native_args(self, half: Half, second: bool, inv) -> tuple:
-        """merged_attn's (E, factors, ridx, roff, rows) of a half for layer b (second) or a; inv:
-        1/||E|| per token (scope=layer, `override`'s), else the kernel divides by each row's."""
-        e, norms = half.e.data, (half.nb if second else half.na).data  # (Hkv, T, D), (g, T)
-        scale = (norms[0].float() * inv).expand(self.H, -1) if self.token else norms.float()
+    def native_factors(self, pair: Pair, second: bool) -> list[torch.Tensor]:
+        """n / ||E|| (g, T) fp32 of layer b (second) or a for E_K and E_V (0 where ||E|| = 0,
+        as `override`'s and fused_args' arithmetic), the pair's kept factors extended to its
+        merged tokens."""
+        if pair.factors is None:
+            pair.factors = {}
+        bufs = pair.factors.setdefault(second, [])
+        for i, half in enumerate((pair.k, pair.v)):
+            if len(bufs) == i:
+                bufs.append(Buffer((self.g, 0), 1, torch.float32, half.na.buf.device))
+            n0 = bufs[i].n
+            if n0 < pair.length:
+                e = self.groups(half.e.data[:, n0:].float())  # (g, n, m) the new tokens
+                norm = torch.linalg.vector_norm(e, dim=-1)
+                inv = 1 / torch.where(norm > 0, norm, 1.0)
+                bufs[i].append((half.nb if second else half.na).data[:, n0:].float() * inv)
+        return [b.data for b in bufs]
+
+    def extend_factors(self, pair: Pair, i: int, start: int, factors) -> None:
+        """The factors (g, n) of layers a and b that minicache_merge gave for tokens from `start`
+        on, onto the pair's kept ones of half i (0 K, 1 V) where those end there."""
+        for second, f in zip((False, True), factors, strict=True):
+            bufs = (pair.factors or {}).get(second)
+            if bufs is not None and len(bufs) > i and bufs[i].n == start:
+                bufs[i].append(f)
+
+    def native_args(self, half: Half, second: bool, factors: torch.Tensor) -> tuple:
+        """merged_attn's (E, factors (Hkv, T), ridx, roff, rows) of a half for layer b (second)
+        or a."""
+        scale = factors.expand(self.H, -1) if self.token else factors
         if half.ridx.numel() == 0:
-            return e, scale, None, None, None
-        return e, scale, half.ridx, half.roff, half.rb if second else half.ra
+            return half.e.data, scale, None, None, None
+        return half.e.data, scale, half.ridx, half.roff, half.rb if second else half.ra
 
     def fused_args(self, half: Half, work, second: bool):
         """merged_decode's (scale (Hkv, T), map, rows (N, D), unit) of a half; work: override's."""
@@ -377,16 +407,12 @@ class PairLayer:
         """q (1, Hq, T, D) over the merged tokens (a dense E) and the step's own exact k_new,
         v_new (1, Hkv, T, D), causal among themselves, in one native call (merged_attn)."""
         pair, lay = self.pair, self.layout
-        inv = None
-        if lay.token:  # 1/||E|| of a whole token: layer a computes, b reuses
-            if pair.fwork is None:
-                pair.fwork = [lay.override(h, pair.length)[1] for h in (pair.k, pair.v)]
-            inv = pair.fwork
-        ka = lay.native_args(pair.k, self.second, inv and inv[0])
-        va = lay.native_args(pair.v, self.second, inv and inv[1])
+        fk, fv = lay.native_factors(pair, self.second)
+        ka = lay.native_args(pair.k, self.second, fk)
+        va = lay.native_args(pair.v, self.second, fv)
         out, _ = self.kernels.merged_attn(
-            q, ka[0], ka[1], va[0], va[1], not lay.token, *ka[2:], *va[2:], int(not lay.token),
-            k_new, v_new, q.shape[-1] ** -0.5,
+            q, ka[0], ka[1], va[0], va[1], False, *ka[2:], *va[2:], int(not lay.token), k_new,
+            v_new, q.shape[-1] ** -0.5,
         )  # fmt: skip
         return out
 
