@@ -275,20 +275,8 @@ class KVCache(KVManager):
         for i, st in enumerate(self.layers):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and (st.queries is not None or not self.n_queries):
-                ctx = Ctx(
-                    i,
-                    o,
-                    self.config,
-                    d.k[0],
-                    d.v[0],
-                    st.queries,
-                    d.pos,
-                    d.acc,
-                    self.seen,
-                    Bl,
-                    st.probs,
-                )
-                scores = m.score(ctx)
+                held = (d.k[0], d.v[0], st.queries, d.pos, d.acc)
+                scores = m.score(Ctx(i, o, self.config, *held, self.seen, Bl, st.probs))
                 # one in, one out (a decode step at the budget): written over, not compacted
                 one = d.length == Bl + 1 and d.evict_one(scores, m.sinks, recent[Bl])
                 if not one:
