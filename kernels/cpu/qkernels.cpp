@@ -719,6 +719,9 @@ Table make_table() {
   t.probs_row = probs_row;
   t.fold_row = fold_row;
   t.attn_rows_probs = attn_rows_probs;
+#if defined(__AVX512F__)
+  t.pack_kt = pack_kt;
+#endif
 #if defined(__AVX2__)
   t.gemm[Q4_0] = gemm_simd<Q4_0>;
   t.gemm[Q4_1] = gemm_simd<Q4_1>;

@@ -1643,6 +1643,15 @@ std::vector<at::Tensor> attn_colsum(const at::Tensor& q_, const at::Tensor& k,
   const int64_t* qp = qpos.defined() ? qpos.data_ptr<int64_t>() : nullptr;
   const float* od = other.defined() ? other.data_ptr<float>() : nullptr;
   float *outd = out.data_ptr<float>(), *lsed = lse.data_ptr<float>();
+  // K packed once for the broadcast product, where the instruction set has one (AVX-512)
+  const bool packed = tab->pack_kt != nullptr && D % 16 == 0;
+  const int64_t tpad = (T + 63) / 64 * 64;
+  std::vector<float> kt(packed ? Hkv * tpad * D : 0);
+  if (packed)
+    dynamic_for(Hkv, 1, [&](int64_t b0, int64_t e0) {
+      for (int64_t h = b0; h < e0; h++)
+        tab->pack_kt(kd + h * k.stride(1), k.stride(2), T, D, kt.data() + h * tpad * D);
+    });
   const bool cols = mode != 2;
   std::vector<float> part(cols ? tasks * ncr * T : 0);
   std::vector<int64_t> hi_of(tasks, 0);
@@ -1675,7 +1684,8 @@ std::vector<at::Tensor> attn_colsum(const at::Tensor& q_, const at::Tensor& k,
         obuf.resize(R * D);
         lbuf.resize(R);
         lim.resize(R);
-        s.resize(cols ? R * std::max<int64_t>(hi, 1) : 0);
+        const int64_t ls = (hi + 15) / 16 * 16;  // room for whole groups of 16 (pack_kt)
+        s.resize(cols ? R * std::max<int64_t>(ls, 1) : 0);
         for (int64_t a = 0; a < g; a++)
           for (int64_t i = 0; i < m; i++) {
             const int64_t r = a * m + i, row = (h * g + a) * Tq + s0 + i;
@@ -1683,8 +1693,9 @@ std::vector<at::Tensor> attn_colsum(const at::Tensor& q_, const at::Tensor& k,
             lim[r] = kp == nullptr ? (causal ? T - Tq + s0 + i + 1 : T) : qp[s0 + i];
           }
         tab->attn_rows_probs(qbuf.data(), (int)R, D, kd + h * k.stride(1), k.stride(2),
+                             packed ? kt.data() + h * tpad * D : nullptr,
                              vd ? vd + h * vhs : nullptr, vts, hi, (float)scale, kr, lim.data(),
-                             window, obuf.data(), lbuf.data(), cols ? s.data() : nullptr, hi);
+                             window, obuf.data(), lbuf.data(), cols ? s.data() : nullptr, ls);
         for (int64_t a = 0; a < g; a++)
           for (int64_t i = 0; i < m; i++) {
             const int64_t r = a * m + i, row = (h * g + a) * Tq + s0 + i;
@@ -1694,7 +1705,7 @@ std::vector<at::Tensor> attn_colsum(const at::Tensor& q_, const at::Tensor& k,
             float w = 1.f;  // this segment's share of the row's softmax over every segment
             if (od != nullptr && od[row] != -INFINITY)
               w = lbuf[r] == -INFINITY ? 0.f : 1.f / (1.f + std::exp(od[row] - lbuf[r]));
-            tab->fold_row(s.data() + r * hi, hi, w, (int)mode, pt + (per_head ? a : 0) * T);
+            tab->fold_row(s.data() + r * ls, hi, w, (int)mode, pt + (per_head ? a : 0) * T);
           }
       }
     }

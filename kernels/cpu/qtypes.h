@@ -141,9 +141,10 @@ typedef void (*AttnScoresFn)(const float* q, int g, const float* k, int64_t ks, 
 typedef void (*ProbsRowFn)(float* s, int64_t n, float lse);
 typedef void (*FoldRowFn)(const float* x, int64_t n, float w, int mode, float* y);
 typedef void (*AttnRowsFn)(const float* q, int R, int64_t d, const float* k, int64_t ks,
-                           const float* v, int64_t vs, int64_t n, float scale, const int32_t* kp,
-                           const int64_t* lim, int64_t win, float* out, float* lse, float* s,
-                           int64_t ls);
+                           const float* kt, const float* v, int64_t vs, int64_t n, float scale,
+                           const int32_t* kp, const int64_t* lim, int64_t win, float* out,
+                           float* lse, float* s, int64_t ls);
+typedef void (*PackKtFn)(const float* k, int64_t ks, int64_t n, int64_t d, float* kt);
 
 struct Table {
   const char* name;
@@ -169,6 +170,7 @@ struct Table {
   ProbsRowFn probs_row;
   FoldRowFn fold_row;
   AttnRowsFn attn_rows_probs;
+  PackKtFn pack_kt;  // null where the broadcast product does not pay (no AVX-512)
 };
 
 // fp16 <-> fp32 without F16C (round to nearest even, as F16C's _cvtss_sh(x, 0) does)

@@ -117,6 +117,134 @@ inline void pv_tile(const float* p, int64_t lp, const float* v, int64_t vs, int6
 }
 #endif
 
+#if defined(__AVX512F__)
+// K packed for the broadcast product: groups of 16 keys, kt[(b * d + c) * 16 + x] = key b * 16 + x,
+// column c; zero past n up to a multiple of 64 keys (a whole block)
+void pack_kt(const float* k, int64_t ks, int64_t n, int64_t d, float* kt) {
+  const int64_t groups = (n + 63) / 64 * 4;
+  for (int64_t b = 0; b < groups; b++)
+    for (int64_t x = 0; x < 16; x++) {
+      const int64_t j = b * 16 + x;
+      for (int64_t c = 0; c < d; c++) kt[(b * d + c) * 16 + x] = j < n ? k[j * ks + c] : 0.f;
+    }
+}
+
+// s rows (RR, from q (RR, d)) for 16 * KV packed keys: each column of K broadcast against a row's
+// query value, no horizontal sums
+template <int RR, int KV>
+inline void qk512(const float* q, int64_t d, const float* kt, float scale, float* s, int64_t ls) {
+  __m512 acc[RR][KV];
+  for (int r = 0; r < RR; r++)
+    for (int x = 0; x < KV; x++) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c++) {
+    __m512 kk[KV];
+    for (int x = 0; x < KV; x++) kk[x] = _mm512_loadu_ps(kt + (x * d + c) * 16);
+    for (int r = 0; r < RR; r++) {
+      const __m512 qb = _mm512_set1_ps(q[r * d + c]);
+      for (int x = 0; x < KV; x++) acc[r][x] = _mm512_fmadd_ps(qb, kk[x], acc[r][x]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < RR; r++)
+    for (int x = 0; x < KV; x++) _mm512_storeu_ps(s + r * ls + 16 * x, _mm512_mul_ps(acc[r][x], sc));
+}
+
+template <int RR>
+inline void qk512_rows(const float* q, int64_t d, const float* kt, int64_t m, float scale,
+                       float* s, int64_t ls) {
+  int64_t j = 0;
+  for (; j + 32 <= m; j += 32) qk512<RR, 2>(q, d, kt + j * d, scale, s + j, ls);
+  for (; j < m; j += 16) qk512<RR, 1>(q, d, kt + j * d, scale, s + j, ls);  // ls has room
+}
+
+// out rows (RR, 64 columns from c0) += sum_j p[r][j] v_j
+template <int RR>
+inline void pv512(const float* p, int64_t lp, const float* v, int64_t vs, int64_t m, int64_t c0,
+                  float* out, int64_t d) {
+  __m512 acc[RR][4];
+  for (int r = 0; r < RR; r++)
+    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_loadu_ps(out + r * d + c0 + 16 * c);
+  for (int64_t j = 0; j < m; j++) {
+    __m512 vv[4];
+    for (int c = 0; c < 4; c++) vv[c] = _mm512_loadu_ps(v + j * vs + c0 + 16 * c);
+    for (int r = 0; r < RR; r++) {
+      const __m512 pr = _mm512_set1_ps(p[r * lp + j]);
+      for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RR; r++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * d + c0 + 16 * c, acc[r][c]);
+}
+#endif
+
+// s rows (R, stride ls) = q_r . k_j * scale over a block's m keys (key j at k + j * ks), or from
+// kt (the block's keys packed, pack_kt; s rows then have room to a multiple of 16)
+inline void qk_block(const float* q, int R, int64_t d, const float* k, int64_t ks,
+                     const float* kt, int64_t m, float scale, float* s, int64_t ls) {
+  int r = 0;
+#if defined(__AVX512F__)
+  if (kt != nullptr) {
+    for (; r + 12 <= R; r += 12) qk512_rows<12>(q + r * d, d, kt, m, scale, s + r * ls, ls);
+    for (; r + 4 <= R; r += 4) qk512_rows<4>(q + r * d, d, kt, m, scale, s + r * ls, ls);
+    for (; r < R; r++) qk512_rows<1>(q + r * d, d, kt, m, scale, s + r * ls, ls);
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if (d % 16 == 0) {
+    for (; r + 3 <= R; r += 3) qk_tile<3>(q + r * d, d, k, ks, 0, m, scale, s + r * ls, ls);
+    if (R - r == 2) qk_tile<2>(q + r * d, d, k, ks, 0, m, scale, s + r * ls, ls);
+    if (R - r == 1) qk_tile<1>(q + r * d, d, k, ks, 0, m, scale, s + r * ls, ls);
+    return;
+  }
+#endif
+  for (; r < R; r++)
+    for (int64_t j = 0; j < m; j++) {
+      float a = 0.f;
+      for (int64_t c = 0; c < d; c++) a += q[r * d + c] * k[j * ks + c];
+      s[r * ls + j] = a * scale;
+    }
+}
+
+// out rows (R, d) += sum_j p[r][j] v_j over a block's m keys (value j at v + j * vs)
+inline void pv_block(const float* p, int R, int64_t lp, const float* v, int64_t vs, int64_t m,
+                     int64_t d, float* out) {
+#if defined(__AVX512F__)
+  if (d % 64 == 0) {
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      int r = 0;
+      for (; r + 6 <= R; r += 6) pv512<6>(p + r * lp, lp, v, vs, m, c0, out + r * d, d);
+      for (; r + 2 <= R; r += 2) pv512<2>(p + r * lp, lp, v, vs, m, c0, out + r * d, d);
+      for (; r < R; r++) pv512<1>(p + r * lp, lp, v, vs, m, c0, out + r * d, d);
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if (d % 16 == 0) {
+    for (int r = 0; r < R; r += 6) {
+      const int rr = R - r < 6 ? R - r : 6;
+      for (int64_t c0 = 0; c0 < d; c0 += 16) {
+        const float* pr = p + r * lp;
+        float* o = out + r * d;
+        switch (rr) {
+          case 6: pv_tile<6>(pr, lp, v, vs, 0, m, c0, o, d); break;
+          case 5: pv_tile<5>(pr, lp, v, vs, 0, m, c0, o, d); break;
+          case 4: pv_tile<4>(pr, lp, v, vs, 0, m, c0, o, d); break;
+          case 3: pv_tile<3>(pr, lp, v, vs, 0, m, c0, o, d); break;
+          case 2: pv_tile<2>(pr, lp, v, vs, 0, m, c0, o, d); break;
+          default: pv_tile<1>(pr, lp, v, vs, 0, m, c0, o, d);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < R; r++)
+    for (int64_t j = 0; j < m; j++)
+      for (int64_t c = 0; c < d; c++) out[r * d + c] += p[r * lp + j] * v[j * vs + c];
+}
+
 // Decode: attn_chunk (qstep.h) for g query heads over t keys, also writing each raw score
 // (q . k * scale) at sout[a * ldo + j]. scores: scratch of g * t floats (portable path).
 void attn_chunk_scores(const float* q, int g, const float* k, int64_t ks, const float* v,
@@ -195,12 +323,38 @@ void fold_row(const float* x, int64_t n, float w, int mode, float* y) {
     for (; j < n; j++) y[j] = y[j] > w * x[j] ? y[j] : w * x[j];
 }
 
+#if defined(__AVX512F__)
+// exp8 (qstep.h) 16 lanes at a time: the same polynomial
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 // the largest of x[0..n) (-inf for n = 0)
 inline float max_row(const float* x, int64_t n) {
   float m = -INFINITY;
   int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 m16 = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= n; j += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(x + j));
+  m = _mm512_reduce_max_ps(m16);
+#endif
 #if defined(__AVX2__)
-  __m256 mv = _mm256_set1_ps(-INFINITY);
+  __m256 mv = _mm256_set1_ps(m);
   for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -215,6 +369,16 @@ inline float max_row(const float* x, int64_t n) {
 inline float exp_sum_row(float* x, int64_t n, float m) {
   float total = 0.f;
   int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 m16 = _mm512_set1_ps(m);
+  __m512 t16 = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), m16));
+    _mm512_storeu_ps(x + j, e);
+    t16 = _mm512_add_ps(t16, e);
+  }
+  total = _mm512_reduce_add_ps(t16);
+#endif
 #if defined(__AVX2__)
   const __m256 mv = _mm256_set1_ps(m);
   __m256 tv = _mm256_setzero_ps();
@@ -223,7 +387,7 @@ inline float exp_sum_row(float* x, int64_t n, float m) {
     _mm256_storeu_ps(x + j, e);
     tv = _mm256_add_ps(tv, e);
   }
-  total = hsum(tv);
+  total += hsum(tv);
 #endif
   for (; j < n; j++) {
     x[j] = std::exp(x[j] - m);
@@ -233,7 +397,8 @@ inline float exp_sum_row(float* x, int64_t n, float m) {
 }
 
 // Prefill: R query rows (q (R, d) contiguous) of one KV head over its keys [0, n): key j at
-// k + j * ks, value j at v + j * vs (v null: no out). Row r sees key j where kp is null and
+// k + j * ks (kt, where given: the same keys packed by pack_kt), value j at v + j * vs (v null:
+// no out); s rows, where kt is given, with room to a multiple of 16. Row r sees key j where kp is null and
 // j < lim[r] (causal by slot), else where kp[j] <= lim[r] (its position) and, with win > 0,
 // lim[r] - kp[j] < win. Gives out (R, d) normalised (0 for a row that sees nothing) and lse (R)
 // (-inf there); with s (R rows of ls >= n floats), each row's probabilities there (masked keys
@@ -241,16 +406,11 @@ inline float exp_sum_row(float* x, int64_t n, float m) {
 // every row; a block's weights stay in s beside their maximum, and once each row's log-sum-exp
 // is known one multiply per block turns them into probabilities (no second exp).
 void attn_rows_probs(const float* q, int R, int64_t d, const float* k, int64_t ks,
-                     const float* v, int64_t vs, int64_t n, float scale, const int32_t* kp,
-                     const int64_t* lim, int64_t win, float* out, float* lse, float* s,
-                     int64_t ls) {
+                     const float* kt, const float* v, int64_t vs, int64_t n, float scale,
+                     const int32_t* kp, const int64_t* lim, int64_t win, float* out, float* lse,
+                     float* s, int64_t ls) {
   constexpr int64_t KB = 64;  // keys a block: 16 KB of K (and of V) at d = 64
   const int64_t nb = (n + KB - 1) / KB;
-#if defined(__AVX2__)
-  const bool vec = d % 16 == 0;
-#else
-  const bool vec = false;
-#endif
   std::vector<float> sb(s ? 0 : R * KB), bm(s ? R * nb : 0), mx(R, -INFINITY), sm(R, 0.f);
   if (v != nullptr)
     for (int64_t i = 0; i < R * d; i++) out[i] = 0.f;
@@ -258,22 +418,7 @@ void attn_rows_probs(const float* q, int R, int64_t d, const float* k, int64_t k
     const int64_t j0 = b * KB, m = n - j0 < KB ? n - j0 : KB;
     float* blk = s ? s + j0 : sb.data();
     const int64_t lb = s ? ls : KB;
-    const float* kb = k + j0 * ks;
-#if defined(__AVX2__)
-    if (vec) {
-      int r = 0;
-      for (; r + 3 <= R; r += 3) qk_tile<3>(q + r * d, d, kb, ks, 0, m, scale, blk + r * lb, lb);
-      if (R - r == 2) qk_tile<2>(q + r * d, d, kb, ks, 0, m, scale, blk + r * lb, lb);
-      if (R - r == 1) qk_tile<1>(q + r * d, d, kb, ks, 0, m, scale, blk + r * lb, lb);
-    }
-#endif
-    if (!vec)
-      for (int r = 0; r < R; r++)
-        for (int64_t j = 0; j < m; j++) {
-          float a = 0.f;
-          for (int64_t c = 0; c < d; c++) a += q[r * d + c] * kb[j * ks + c];
-          blk[r * lb + j] = a * scale;
-        }
+    qk_block(q, R, d, k + j0 * ks, ks, kt ? kt + j0 * d : nullptr, m, scale, blk, lb);
     for (int r = 0; r < R; r++) {
       float* sr = blk + r * lb;
       // keys [seen, m) of the block hidden by slot, or each one by position
@@ -289,13 +434,13 @@ void attn_rows_probs(const float* q, int R, int64_t d, const float* k, int64_t k
       const float mb = max_row(sr, seen);
       float alpha = 1.f;
       if (mb == -INFINITY) {  // nothing of the block seen by this row
-        for (int64_t j = 0; j < m; j++) sr[j] = 0.f;
+        std::fill(sr, sr + m, 0.f);
       } else {
         const float mnew = mb > mx[r] ? mb : mx[r];
         alpha = std::exp(mx[r] - mnew);  // 0 for the first block the row sees
         float total = exp_sum_row(sr, seen, mnew);
-        for (int64_t j = 0; j < m; j++)  // exp8 clamps: a hidden key's weight made exactly 0
-          if (hidden(j)) {
+        for (int64_t j = kp ? 0 : seen; j < m; j++)  // exp8 clamps: a hidden key's weight
+          if (hidden(j)) {                           // made exactly 0
             total -= j < seen ? sr[j] : 0.f;
             sr[j] = 0.f;
           }
@@ -306,33 +451,7 @@ void attn_rows_probs(const float* q, int R, int64_t d, const float* k, int64_t k
       if (v != nullptr && alpha != 1.f)
         for (int64_t c = 0; c < d; c++) out[r * d + c] *= alpha;
     }
-    if (v == nullptr) continue;
-    const float* vb = v + j0 * vs;
-#if defined(__AVX2__)
-    if (vec) {
-      for (int r = 0; r < R; r += 6) {
-        const int rr = R - r < 6 ? R - r : 6;
-        for (int64_t c0 = 0; c0 < d; c0 += 16) {
-          const float* p = blk + r * lb;
-          float* o = out + r * d;
-          switch (rr) {
-            case 6: pv_tile<6>(p, lb, vb, vs, 0, m, c0, o, d); break;
-            case 5: pv_tile<5>(p, lb, vb, vs, 0, m, c0, o, d); break;
-            case 4: pv_tile<4>(p, lb, vb, vs, 0, m, c0, o, d); break;
-            case 3: pv_tile<3>(p, lb, vb, vs, 0, m, c0, o, d); break;
-            case 2: pv_tile<2>(p, lb, vb, vs, 0, m, c0, o, d); break;
-            default: pv_tile<1>(p, lb, vb, vs, 0, m, c0, o, d);
-          }
-        }
-      }
-      continue;
-    }
-#endif
-    for (int r = 0; r < R; r++)
-      for (int64_t j = 0; j < m; j++) {
-        const float p = blk[r * lb + j];
-        for (int64_t c = 0; c < d; c++) out[r * d + c] += p * vb[j * vs + c];
-      }
+    if (v != nullptr) pv_block(blk, R, lb, v + j0 * vs, vs, m, d, out);
   }
   for (int r = 0; r < R; r++) {
     const bool none = sm[r] == 0.f;

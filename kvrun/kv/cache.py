@@ -113,7 +113,7 @@ class KVCache(KVManager):
         out, p, qr = d.rotate_append_probs(self.rope.at(layer), q, k, v, pos)
         if self.n_queries:  # the step's query and its probabilities score the step (select)
             st.queries, st.probs = qr[0], p
-        return out.to(self.dtype)
+        return out  # float32, the model's dtype (native_f32)
 
     def _kivi_row(self, st: Layer, layer: int, q, k, v, positions, pos: int | None):
         """`decode`'s KIVI step (`_to_store`) in one native call where it applies."""
@@ -344,25 +344,14 @@ class KVCache(KVManager):
         T = max(st.dense.length for st in self.layers)  # local layers hold at most a window
         B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
         budgets = m.budgets(B, T, L)
+        recent = {Bl: m.kept_recent(Bl) for Bl in set(budgets)}  # once per budget, not layer
         for i, st in enumerate(self.layers):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and (st.queries is not None or not self.n_queries):
-                ctx = Ctx(
-                    i,
-                    o,
-                    self.config,
-                    d.k[0],
-                    d.v[0],
-                    st.queries,
-                    d.pos,
-                    d.acc,
-                    self.seen,
-                    Bl,
-                    st.probs,
-                )
-                scores = m.score(ctx)
+                held = (d.k[0], d.v[0], st.queries, d.pos, d.acc)
+                scores = m.score(Ctx(i, o, self.config, *held, self.seen, Bl, st.probs))
                 # one in, one out (a decode step at the budget): written over, not compacted
-                one = d.length == Bl + 1 and d.evict_one(scores, m.sinks, m.kept_recent(Bl))
+                one = d.length == Bl + 1 and d.evict_one(scores, m.sinks, recent[Bl])
                 if not one:
                     d.keep(self.top(scores, d.length, Bl, None if d.in_order() else d.pos))
             if d.pos is not None:  # the hook sees position order, whatever the slots' order

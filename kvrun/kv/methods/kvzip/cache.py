@@ -9,11 +9,12 @@ import math
 import torch
 
 from ....errors import KvrunError
-from ...attention import Partial, combine, sdpa
+from ...attention import combine, sdpa
 from ...cache import KVCache, keep_indices
 from ...protocol import KVManager, Pass
 from ...state import Int, ListOf, Nothing, state
 from ...stores.dense import DenseSeg
+from . import native
 
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -137,25 +138,15 @@ class Reconstruct(KVManager):
         ops = self.rope.kernels  # the native CPU kernels, on float32 K/V
         if ops is not None and not q.dtype == st.dense.k.dtype == torch.float32:
             ops = None
+        body = st.kivi is not None and st.kivi.length
+        if ops is not None and not body and st.dense.mask(positions, 0, None) is None:
+            return native.reconstruct(ops, self, layer, q, st.dense, own)
         self._score(layer, q, st.dense, own, T, ops)
-        if st.kivi is not None and st.kivi.length:  # a KIVI body: its partial, combined
+        if body:  # a KIVI body: its partial, combined
             parts = st.kivi.partials(q, positions, 0, None)
             parts += st.dense.partials(q, positions, 0, None) + own.partials(q, positions, T, None)
             return combine(parts, self.dtype)
-        if ops is not None:
-            return self._attend_native(ops, q, st.dense, own, positions)
         return self._attend_dense(q, st.dense, own, positions, T)
-
-    def _attend_native(self, ops, q, d: DenseSeg, own: DenseSeg, positions) -> torch.Tensor:
-        """The pass's attention on the native kernels: the cache's slots (every one seen, or by
-        position where it keeps them) and its own tokens (causal), two partials combined."""
-        scale = q.shape[-1] ** -0.5
-        if d.mask(positions, 0, None) is None:
-            cache = ops.attn_colsum(q, d.k, d.v, scale, mode=2, causal=False)[:2]
-        else:  # padding (scope=layer) or a sliding window: by position
-            cache = ops.attn_colsum(q, d.k, d.v, scale, d.pos, positions, mode=2)[:2]
-        mine = ops.attn_colsum(q, own.k, own.v, scale, mode=2)[:2]
-        return combine([Partial(*cache), Partial(*mine)], self.dtype)
 
     def _attend_dense(self, q, d: DenseSeg, own: DenseSeg, positions, T: int) -> torch.Tensor:
         """The pass's attention over the cache and its own tokens as one SDPA call with one

@@ -28,7 +28,7 @@ class MiniKV(Method):
     residual = Option(128, "KIVI fp residual flush length", lo=1)
     colsum = Option(
         "auto",
-        "column sums: triton on CUDA, chunked on CPU; dense = reference",
+        "column sums: triton on CUDA, native kernels (else chunked torch) on CPU; dense = reference",
         choices=("auto", "chunked", "dense", "triton"),
     )
     gqa_agg = Option("sum", "KV-head score from its query heads", choices=("sum", "max"))
