@@ -18,7 +18,7 @@ from test_kv_methods import Events, drive, new_kv, prompt, tiny
 
 from kvrun import kvc
 from kvrun.kernels.colsum import colsum_ref
-from kvrun.kv import check
+from kvrun.kv import build, check
 from kvrun.kv.attention import attention_colsum, position_mask, segment_attention
 from kvrun.kv.cache import keep_indices
 from kvrun.kv.stores.dense import DenseSeg
@@ -74,6 +74,56 @@ def test_rope_append_probs_is_rope_append_attend_with_probs(Hq, Hkv, D, n, isa):
     torch.testing.assert_close(p, ref_p, **TOL)
     assert rows.tolist() == [list(range(n)) + [n + 2]] * Hkv
     torch.testing.assert_close(acc2, torch.cat([acc, torch.zeros(Hkv, 1)], 1) + col_of(p, Hkv))
+
+
+TYPES = {"f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}  # --kv-dtype: the kernels' codes
+
+
+def typed(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 rows -> (the rows in KV type `name`, those rows decoded back to float32)."""
+    rows = ops.kv_encode(x, TYPES[name])
+    return rows, ops.kv_decode(rows, TYPES[name], x.shape[-1])
+
+
+@pytest.mark.parametrize("kv_type", TYPES)
+@pytest.mark.parametrize("Hq,Hkv,D", HEADS[::2])
+@pytest.mark.parametrize("T", [1, *LENGTHS])
+def test_attn_probs_reads_typed_rows(kv_type, Hq, Hkv, D, T, isa, threads):  # noqa: F811
+    """K/V held in a KV type (f16, bf16, llama.cpp's q8_0 / q4_0): the output, probabilities
+    and acc of attn_probs over the same rows decoded to float32."""
+    q, k, v = qkv(Hq, Hkv, D, 1, T, Hq * 100 + T)
+    (kt, kf), (vt, vf) = typed(k, kv_type), typed(v, kv_type)
+    acc = torch.rand(Hkv, T)
+    ref_acc = acc.clone()
+    out, p = ops.attn_probs(q, kt, vt, D**-0.5, acc, TYPES[kv_type])
+    ref_out, ref_p = ops.attn_probs(q, kf, vf, D**-0.5, ref_acc)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(p, ref_p, **TOL)
+    torch.testing.assert_close(acc, ref_acc, **TOL)
+
+
+@pytest.mark.parametrize("kv_type", TYPES)
+@pytest.mark.parametrize("n", [0, 7, 250])
+def test_rope_append_probs_writes_typed_rows(kv_type, n, isa):  # noqa: F811
+    """The fused step over typed buffers writes the rows rope_append_attend writes in that
+    type and gives attn_probs' output and probabilities over them."""
+    Hq, Hkv, D, code = 6, 2, 64, TYPES[kv_type]
+    q, k, v = qkv(Hq, Hkv, D, 1, 1, n)
+    kb, vb = (
+        typed(torch.randn(1, Hkv, n + 3, D), kv_type)[0],
+        typed(torch.randn(1, Hkv, n + 3, D), kv_type)[0],
+    )
+    cos, ssin = torch.randn(n + 5, D), torch.randn(n + 5, D)
+    kb2, vb2 = kb.clone(), vb.clone()
+    want = ops.rope_append_attend(q, k, v, cos, ssin, n + 2, kb2, vb2, n, D**-0.5, code)
+    out, p, qr, _, _ = ops.rope_append_probs(
+        q, k, v, cos, ssin, n + 2, kb, vb, n, D**-0.5, None, None, code
+    )
+    assert torch.equal(kb, kb2) and torch.equal(vb, vb2)
+    torch.testing.assert_close(out, want, **TOL)
+    ref_out, ref_p = ops.attn_probs(qr, kb[:, :, : n + 1], vb[:, :, : n + 1], D**-0.5, None, code)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(p, ref_p, **TOL)
 
 
 def col_of(p: torch.Tensor, Hkv: int) -> torch.Tensor:
@@ -179,6 +229,14 @@ def test_evict_one_ranks_as_keep_indices_in_position_order(rows, Hkv, first, las
             assert torch.equal(kb[0, h, : n - 1], before[0][0, h, src])
             assert torch.equal(vb[0, h, : n - 1], before[1][0, h, src])
             assert torch.equal(pos[r, : n - 1], before[2][r, src])
+        if seed % 5 == 0:  # rows in a KV type: the same slots move, byte for byte
+            pos2, q8 = before[2].clone(), typed(before[0][..., :n, :].repeat(1, 1, 1, 4), "q8_0")[0]
+            q8_before = q8.clone()
+            ops.evict_one(scores, pos2, first, last, q8, q8.clone(), n, None)
+            for h in range(Hkv):
+                s_ = int(out[0 if rows == 1 else h])
+                src = [x if x != s_ else n - 1 for x in range(n - 1)]
+                assert torch.equal(q8[0, h, : n - 1], q8_before[0, h, src])
             assert torch.equal(acc[2 * h : 2 * h + 2, : n - 1], before[3][2 * h : 2 * h + 2, src])
 
 
@@ -195,12 +253,17 @@ def native_tiny():
         m.rope.kernels = None
 
 
-def run(model, spec, budget, kernels, turns, monkeypatch=None):
-    """Turns [(ids, ubatch, tokens)] through one cache: (logits, events, cache)."""
+def run(model, spec, budget, kernels, turns, monkeypatch=None, dtype=None):
+    """Turns [(ids, ubatch, tokens)] through one cache (dtype: its --kv-dtype, None the
+    model's): (logits, events, cache)."""
     model.rope.kernels = kernels
     try:
         ev = Events()
-        kv = new_kv(model, spec, budget, hook=ev)
+        if dtype is None:
+            kv = new_kv(model, spec, budget, hook=ev)
+        else:
+            kv = build(check(spec, budget).with_dtype(dtype), model.config, model.rope, "cpu",
+                       torch.float32, on_select=ev)  # fmt: skip
         ev.kv = kv
         out = [drive(model, kv, ids, ub, len(t), tokens=t) for ids, ub, t in turns]
     finally:
@@ -230,6 +293,25 @@ def test_native_keeps_what_torch_keeps(n_heads, spec, budget, monkeypatch):
     assert got_ev == want_ev and len(got_ev) > 60
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert sum(written) >= 30 * len(kv.layers)  # every step wrote over a slot
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("spec,budget", SPECS[::2])
+def test_native_keeps_what_torch_keeps_in_a_kv_type(dtype, spec, budget, monkeypatch):
+    """The same over a cache in a KV type (the CPU's default is f16): the step's probabilities
+    come from the typed rows natively, and evictions write over typed slots."""
+    m = tiny(4)
+    want, want_ev, _ = run(m, spec, budget, None, TURNS, dtype=dtype)
+    evict, written = DenseSeg.evict_one, []
+    monkeypatch.setattr(DenseSeg, "evict_one", lambda *a: written.append(evict(*a)) or written[-1])
+    got, got_ev, kv = run(m, spec, budget, ops, TURNS, dtype=dtype)
+    assert all(st.dense.kv_type is not None for st in kv.layers)
+    assert got_ev == want_ev and len(got_ev) > 60
+    # a rotated key that differs in its last float32 bit may round to the next f16 / q8_0 step
+    # (q8_0's is 1/127 of the block's largest value): the kept sets above are the exact check
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    if not spec.startswith("streaming"):
+        assert written.count(True) >= 30 * len(kv.layers)  # steps wrote over typed slots
 
 
 @pytest.mark.parametrize("spec,budget", SPECS[:6])

@@ -27,13 +27,13 @@
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   attn_probs: a decode row's attention (out) and the probabilities it used (p), optionally
-//                 added to accumulated scores (H2O) (tova_attn.h)
+//                 added to accumulated scores (H2O) (tova_attn.h); K/V in any KV type
 //   rope_append_probs: rope_append_attend that also gives those probabilities (and appends
 //                 the new slot's position and accumulated score)
 //   attn_colsum: a prefill chunk's causal attention and each key's probability summed (or the
 //                 maximum) over the rows and heads (H2O, MiniKV, KVzip)
 //   evict_one: one slot out per KV head (or layer) by scores and position rank, the last slot
-//                 written over it (TOVA / H2O at their budget: no compaction)
+//                 written over it (TOVA / H2O at their budget: no compaction); rows of any type
 //   refine_top: the output head's top logits recomputed from the exact weights
 //   isa() -> str                  the instruction set the products run on
 //   set_isa(name) -> str          pick one ("best", "portable", "avx2", ...); returns the one taken
@@ -573,9 +573,35 @@ void merge_tile(int64_t R, int64_t d, float* part, float* mx, float* sm, const f
   }
 }
 
+// The keys [0, n) of one KV head's chunk held in a KV type (row i at k + i * kts bytes, values
+// alike), a tile of KV_TILE at a time converted to float32 in the thread's scratch and attended
+// by `tile(kt, vt, m, a, part, mx, sm, sc)` (tile a..a+m as contiguous rows, sc scratch for R *
+// m scores); later tiles merge into the first's (part, mx, sm) exactly. Only the stored bytes
+// stream from memory.
+template <class Tile>
+void typed_tiles(kvq::DequantFn load, const uint8_t* k, int64_t kts, const uint8_t* v,
+                 int64_t vts, int64_t n, int64_t R, int64_t d, float* part, float* mx, float* sm,
+                 std::vector<float>& scratch, Tile&& tile) {
+  scratch.resize(2 * KV_TILE * d + R * KV_TILE + R * d + 2 * R);
+  float *kt = scratch.data(), *vt = kt + KV_TILE * d, *sc = vt + KV_TILE * d;
+  float *p2 = sc + R * KV_TILE, *mx2 = p2 + R * d, *sm2 = mx2 + R;
+  for (int64_t a = 0; a < n; a += KV_TILE) {
+    const int64_t m = std::min(KV_TILE, n - a);
+    for (int64_t i = 0; i < m; i++) {
+      load(k + (a + i) * kts, d, kt + i * d);
+      load(v + (a + i) * vts, d, vt + i * d);
+    }
+    if (a == 0) {
+      tile(kt, vt, m, a, part, mx, sm, sc);
+    } else {
+      tile(kt, vt, m, a, p2, mx2, sm2, sc);
+      merge_tile(R, d, part, mx, sm, p2, mx2, sm2);
+    }
+  }
+}
+
 // `attend_rows` over K/V rows of KV type `type`: row j of KV head h at k + h * khs + j * kts
-// bytes (values alike). A tile of keys at a time is converted to float32 in the thread's
-// scratch and attended by the same row kernel, so only the stored bytes stream from memory.
+// bytes (values alike), read through `typed_tiles`.
 void attend_typed(const float* q, int64_t hq, int64_t d, const uint8_t* k, int64_t khs,
                   int64_t kts, const uint8_t* v, int64_t vhs, int64_t vts, int type, int64_t hkv,
                   int64_t t, float scale, float* out, const Table* tab, int64_t tq, float* lse) {
@@ -586,27 +612,17 @@ void attend_typed(const float* q, int64_t hq, int64_t d, const uint8_t* k, int64
     return;
   }
   const int64_t R = hq / hkv * tq;
-  const kvq::DequantFn load = tab->kv_load[type];
   split_keys(
       hkv, R, t, d, KV_TILE,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
           std::vector<float>& scratch) {
-        scratch.resize(2 * KV_TILE * d + R * KV_TILE + R * d + 2 * R);
-        float *kt = scratch.data(), *vt = kt + KV_TILE * d, *sc = vt + KV_TILE * d;
-        float *p2 = sc + R * KV_TILE, *mx2 = p2 + R * d, *sm2 = mx2 + R;
-        for (int64_t a = 0; a < n; a += KV_TILE) {
-          const int64_t m = std::min(KV_TILE, n - a);
-          for (int64_t i = 0; i < m; i++) {
-            load(k + h * khs + (j0 + a + i) * kts, d, kt + i * d);
-            load(v + h * vhs + (j0 + a + i) * vts, d, vt + i * d);
-          }
-          if (a == 0) {
-            tab->attn_chunk(q + h * R * d, (int)R, kt, d, vt, d, m, d, scale, part, mx, sm, sc);
-          } else {
-            tab->attn_chunk(q + h * R * d, (int)R, kt, d, vt, d, m, d, scale, p2, mx2, sm2, sc);
-            merge_tile(R, d, part, mx, sm, p2, mx2, sm2);
-          }
-        }
+        typed_tiles(tab->kv_load[type], k + h * khs + j0 * kts, kts, v + h * vhs + j0 * vts, vts,
+                    n, R, d, part, mx, sm, scratch,
+                    [&](const float* kt, const float* vt, int64_t m, int64_t, float* o, float* x,
+                        float* s, float* sc) {
+                      tab->attn_chunk(q + h * R * d, (int)R, kt, d, vt, d, m, d, scale, o, x, s,
+                                      sc);
+                    });
       },
       out, lse);
 }
@@ -1393,34 +1409,33 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   return {out, ck, cv};
 }
 
-// One decode row of a plain dense cache: q, k (1, H, 1, D) rotated by RoPE (row pos of the
-// cos, ssin tables (>= pos + 1, D)),
-// k and v (1, Hkv, 1, D) written to slot n of the buffers kbuf, vbuf (1, Hkv, cap, D), then q
-// attends over slots 0..n -> (1, Hq, 1, D). The same row functions as `rope` and `attn_decode`.
-at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& cos, const at::Tensor& ssin, int64_t pos,
-                              at::Tensor& kbuf, at::Tensor& vbuf, int64_t n, double scale,
-                              int64_t kv_type) {
-  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin}) check_f32(*t, "tensors");
+// A decode row's checks and store, shared by rope_append_attend and rope_append_probs: q, k
+// (1, H, 1, D) rotated by RoPE (row pos of the cos, ssin tables (>= pos + 1, D)), q into qr
+// (Hq, D), k and v (1, Hkv, 1, D) written to slot n of kbuf, vbuf (1, Hkv, cap, row) in KV type
+// `kv_type` (kv_type_of). Returns the type.
+int rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& cos, const at::Tensor& ssin, int64_t pos, at::Tensor& kbuf,
+               at::Tensor& vbuf, int64_t n, int64_t kv_type, float* qr, const Table* t,
+               const char* op) {
+  for (const at::Tensor* x : {&q, &k, &v, &cos, &ssin}) check_f32(*x, "tensors");
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
                   k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
                   q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "rope_append_attend: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
+              op, ": q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
   TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() &&
                   kbuf.scalar_type() == vbuf.scalar_type() && kbuf.size(1) == hkv &&
                   kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 && n < kbuf.size(2),
-              "rope_append_attend: buffers (1, Hkv, cap, row) with room for slot n");
+              op, ": buffers (1, Hkv, cap, row) with room for slot n");
   const int type = kv_type_of(kbuf, kv_type, d);
   TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
                   cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
-              "rope_append_attend: cos and ssin tables (>= pos + 1, D)");
-  const Table* t = current();
+              op, ": cos and ssin tables (>= pos + 1, D)");
   const int64_t cap = kbuf.size(2), rb = kvq::kv_row_bytes(type, d);
-  std::vector<float> qr(hq * d), kr(d);
+  std::vector<float> kr(d);
   const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
   for (int64_t h = 0; h < hq; h++)
-    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
+    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr + h * d, d);
   uint8_t* kb = static_cast<uint8_t*>(kbuf.data_ptr());
   uint8_t* vb = static_cast<uint8_t*>(vbuf.data_ptr());
   for (int64_t h = 0; h < hkv; h++) {
@@ -1435,8 +1450,24 @@ at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at
       t->kv_store[type](vs, d, vrow);
     }
   }
+  return type;
+}
+
+// One decode row of a plain dense cache (rope_store), then q attending over slots 0..n ->
+// (1, Hq, 1, D). The same row functions as `rope` and `attn_decode`.
+at::Tensor rope_append_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cos, const at::Tensor& ssin, int64_t pos,
+                              at::Tensor& kbuf, at::Tensor& vbuf, int64_t n, double scale,
+                              int64_t kv_type) {
+  const Table* t = current();
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  std::vector<float> qr(hq * d);
+  const int type =
+      rope_store(q, k, v, cos, ssin, pos, kbuf, vbuf, n, kv_type, qr.data(), t, "rope_append_attend");
+  const int64_t cap = kbuf.size(2), rb = kvq::kv_row_bytes(type, d);
   at::Tensor out = at::empty({1, hq, 1, d}, q.options());
-  attend_typed(qr.data(), hq, d, kb, cap * rb, rb, vb, cap * rb, rb, type, hkv, n + 1,
+  attend_typed(qr.data(), hq, d, static_cast<const uint8_t*>(kbuf.data_ptr()), cap * rb, rb,
+               static_cast<const uint8_t*>(vbuf.data_ptr()), cap * rb, rb, type, hkv, n + 1,
                (float)scale, out.data_ptr<float>(), t, 1, nullptr);
   return out;
 }
@@ -1453,25 +1484,38 @@ void check_rows(const at::Tensor& k, const at::Tensor& v, const char* op) {
               op, ": k and v (1, Hkv, T, D) with contiguous rows");
 }
 
-// One decode row per head (q (Hq, D) contiguous) over t keys: key j of KV head h at
-// k + h * khs + j * kts (values alike) -> out (Hq, D) and p (Hq, t), the probabilities the row
-// attended with: the raw scores kept per chunk, made exact once the merge gives each row's
-// log-sum-exp. acc (rows of stride as), where given, gets p added: each KV head's group summed
-// (Hkv rows) or per query head (Hq rows).
-void attend_probs_rows(const float* q, int64_t hq, int64_t d, const float* k, int64_t khs,
-                       int64_t kts, const float* v, int64_t vhs, int64_t vts, int64_t hkv,
-                       int64_t t, float scale, float* out, float* p, float* acc, int64_t acc_rows,
-                       int64_t as, const Table* tab) {
+// One decode row per head (q (Hq, D) contiguous) over t keys in KV type `type`: key j of KV
+// head h at k + h * khs + j * kts bytes (values alike) -> out (Hq, D) and p (Hq, t), the
+// probabilities the row attended with: the raw scores kept per chunk, made exact once the merge
+// gives each row's log-sum-exp. acc (rows of stride as), where given, gets p added: each KV
+// head's group summed (Hkv rows) or per query head (Hq rows).
+void attend_probs_rows(const float* q, int64_t hq, int64_t d, const uint8_t* k, int64_t khs,
+                       int64_t kts, const uint8_t* v, int64_t vhs, int64_t vts, int type,
+                       int64_t hkv, int64_t t, float scale, float* out, float* p, float* acc,
+                       int64_t acc_rows, int64_t as, const Table* tab) {
   const int64_t g = hq / hkv;
   std::vector<float> lse(hq);
+  const bool f32 = type == kvq::KV_F32;
   split_keys(
-      hkv, g, t, d, 256,
+      hkv, g, t, d, f32 ? 256 : KV_TILE,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
           std::vector<float>& scratch) {
-        scratch.resize(g * n);
-        tab->attn_chunk_scores(q + h * g * d, (int)g, k + h * khs + j0 * kts, kts,
-                               v + h * vhs + j0 * vts, vts, n, d, scale, part, mx, sm,
-                               scratch.data(), p + h * g * t + j0, t);
+        const float* qh = q + h * g * d;
+        const uint8_t *kh = k + h * khs + j0 * kts, *vh = v + h * vhs + j0 * vts;
+        float* ph = p + h * g * t + j0;
+        if (f32) {
+          scratch.resize(g * n);
+          tab->attn_chunk_scores(qh, (int)g, reinterpret_cast<const float*>(kh), kts / 4,
+                                 reinterpret_cast<const float*>(vh), vts / 4, n, d, scale, part,
+                                 mx, sm, scratch.data(), ph, t);
+          return;
+        }
+        typed_tiles(tab->kv_load[type], kh, kts, vh, vts, n, g, d, part, mx, sm, scratch,
+                    [&](const float* kt, const float* vt, int64_t m, int64_t a, float* o,
+                        float* x, float* s, float* sc) {
+                      tab->attn_chunk_scores(qh, (int)g, kt, d, vt, d, m, d, scale, o, x, s, sc,
+                                             ph + a, t);
+                    });
       },
       out, lse.data());
   for (int64_t r = 0; r < hq; r++) tab->probs_row(p + r * t, t, lse[r]);
@@ -1487,23 +1531,28 @@ void check_acc(const at::Tensor& a, int64_t hq, int64_t hkv, int64_t t, const ch
               op, ": acc (Hkv or Hq, T) with contiguous rows");
 }
 
-// One decode row per head: q (1, Hq, 1, D) over every key of k, v (1, Hkv, T, D) ->
-// [out (1, Hq, 1, D), p (Hq, T)] (attend_probs_rows); acc (Hkv or Hq, T), where given, gets p
-// added in place.
+// One decode row per head: q (1, Hq, 1, D) over every key of k, v (1, Hkv, T, row) in a KV
+// type (kv_type_of) -> [out (1, Hq, 1, D), p (Hq, T)] (attend_probs_rows); acc (Hkv or Hq, T),
+// where given, gets p added in place.
 std::vector<at::Tensor> attn_probs(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
-                                   double scale, const c10::optional<at::Tensor>& acc) {
+                                   double scale, const c10::optional<at::Tensor>& acc,
+                                   int64_t type) {
   check_f32(q_, "q");
-  check_rows(k, v, "attn_probs");
-  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && k.size(3) == q_.size(3) &&
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && k.dim() == 4 &&
+                  k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.size(0) == 1 &&
                   q_.size(1) % k.size(1) == 0,
-              "attn_probs: q (1, Hq, 1, D)");
+              "attn_probs: q (1, Hq, 1, D), k and v (1, Hkv, T, row)");
   const at::Tensor q = q_.contiguous();
   const int64_t Hq = q.size(1), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  const int t = kv_type_of(k, type, D);
+  kv_type_of(v, type, D);
+  const int64_t es = k.element_size();
   at::Tensor out = at::empty({1, Hq, 1, D}, q.options());
   at::Tensor p = at::empty({Hq, T}, q.options());
   if (acc.has_value()) check_acc(*acc, Hq, Hkv, T, "attn_probs");
-  attend_probs_rows(q.data_ptr<float>(), Hq, D, k.data_ptr<float>(), k.stride(1), k.stride(2),
-                    v.data_ptr<float>(), v.stride(1), v.stride(2), Hkv, T, (float)scale,
+  attend_probs_rows(q.data_ptr<float>(), Hq, D, static_cast<const uint8_t*>(k.data_ptr()),
+                    k.stride(1) * es, k.stride(2) * es, static_cast<const uint8_t*>(v.data_ptr()),
+                    v.stride(1) * es, v.stride(2) * es, t, Hkv, T, (float)scale,
                     out.data_ptr<float>(), p.data_ptr<float>(),
                     acc.has_value() ? acc->data_ptr<float>() : nullptr,
                     acc.has_value() ? acc->size(0) : 0, acc.has_value() ? acc->stride(0) : 0,
@@ -1512,7 +1561,7 @@ std::vector<at::Tensor> attn_probs(const at::Tensor& q_, const at::Tensor& k, co
 }
 
 // rope_append_attend for a cache that scores its slots by the step's attention (TOVA, H2O):
-// q, k rotated (row pos of cos, ssin), k and v written to slot n of kbuf, vbuf, q attending
+// rope_store (kbuf, vbuf in KV type kv_type), q attending
 // over slots 0..n with its probabilities -> [out (1, Hq, 1, D), p (Hq, n + 1), q rotated
 // (1, Hq, 1, D), kpos (R, n + 1) int32 with pos appended (empty without kpos), acc
 // (A, n + 1) with the new slot's 0 appended, then p added (empty without acc)].
@@ -1521,34 +1570,14 @@ std::vector<at::Tensor> rope_append_probs(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& ssin, int64_t pos, at::Tensor& kbuf,
                                           at::Tensor& vbuf, int64_t n, double scale,
                                           const c10::optional<at::Tensor>& kpos,
-                                          const c10::optional<at::Tensor>& acc) {
-  for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin, static_cast<const at::Tensor*>(&kbuf),
-                              static_cast<const at::Tensor*>(&vbuf)})
-    check_f32(*t, "tensors");
-  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
-  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
-                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
-                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "rope_append_probs: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
-  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() && kbuf.size(1) == hkv &&
-                  kbuf.size(3) == d && kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 &&
-                  n < kbuf.size(2),
-              "rope_append_probs: buffers (1, Hkv, cap, D) with room for slot n");
-  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
-                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
-              "rope_append_probs: cos and ssin tables (>= pos + 1, D)");
+                                          const c10::optional<at::Tensor>& acc,
+                                          int64_t kv_type) {
   const Table* t = current();
-  const int64_t cap = kbuf.size(2);
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3), cap = kbuf.size(2);
   at::Tensor qr = at::empty({1, hq, 1, d}, q.options());
-  float* qp = qr.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
-  for (int64_t h = 0; h < hq; h++) t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qp + h * d, d);
-  float* kb = kbuf.data_ptr<float>();
-  float* vb = vbuf.data_ptr<float>();
-  for (int64_t h = 0; h < hkv; h++) {
-    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + (h * cap + n) * d, d);
-    std::memcpy(vb + (h * cap + n) * d, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
-  }
+  const int type = rope_store(q, k, v, cos, ssin, pos, kbuf, vbuf, n, kv_type,
+                              qr.data_ptr<float>(), t, "rope_append_probs");
+  const int64_t rb = kvq::kv_row_bytes(type, d);
   at::Tensor kp_new, acc_new;
   if (kpos.has_value()) {
     const at::Tensor& kp = *kpos;
@@ -1578,7 +1607,9 @@ std::vector<at::Tensor> rope_append_probs(const at::Tensor& q, const at::Tensor&
   }
   at::Tensor out = at::empty({1, hq, 1, d}, q.options());
   at::Tensor p = at::empty({hq, n + 1}, q.options());
-  attend_probs_rows(qp, hq, d, kb, cap * d, d, vb, cap * d, d, hkv, n + 1, (float)scale,
+  attend_probs_rows(qr.data_ptr<float>(), hq, d, static_cast<const uint8_t*>(kbuf.data_ptr()),
+                    cap * rb, rb, static_cast<const uint8_t*>(vbuf.data_ptr()), cap * rb, rb,
+                    type, hkv, n + 1, (float)scale,
                     out.data_ptr<float>(), p.data_ptr<float>(),
                     acc.has_value() ? acc_new.data_ptr<float>() : nullptr,
                     acc.has_value() ? acc_new.size(0) : 0, n + 1, t);
@@ -1742,16 +1773,16 @@ at::Tensor evict_one(const at::Tensor& scores_, at::Tensor& pos, int64_t first, 
                      const c10::optional<at::Tensor>& acc) {
   const at::Tensor scores = scores_.contiguous();
   check_f32(scores, "scores");
-  check_f32(kbuf, "kbuf");
-  check_f32(vbuf, "vbuf");
-  const int64_t H = scores.size(0), C = scores.size(1), Hkv = kbuf.size(1), D = kbuf.size(3);
+  const int64_t H = scores.size(0), C = scores.size(1), Hkv = kbuf.size(1);
+  const int64_t rb = kbuf.size(3) * kbuf.element_size();  // a slot's bytes, in any KV type
   TORCH_CHECK(scores.dim() == 2 && pos.dim() == 2 && pos.scalar_type() == at::kInt &&
                   pos.size(0) == H && pos.size(1) >= n && pos.stride(1) == 1 && C <= n && n > 0 &&
                   (H == 1 || H == Hkv),
               "evict_one: scores (1 or Hkv, C <= n), pos (the same rows, >= n) int32");
-  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() && kbuf.is_contiguous() &&
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() &&
+                  kbuf.scalar_type() == vbuf.scalar_type() && kbuf.is_contiguous() &&
                   vbuf.is_contiguous() && kbuf.size(2) >= n,
-              "evict_one: kbuf, vbuf (1, Hkv, cap >= n, D) contiguous");
+              "evict_one: kbuf, vbuf (1, Hkv, cap >= n, row) contiguous, of one type");
   at::Tensor victims = at::empty({H}, pos.options().dtype(at::kLong));
   const float* sp = scores.data_ptr<float>();
   int32_t* pp = pos.data_ptr<int32_t>();
@@ -1786,12 +1817,12 @@ at::Tensor evict_one(const at::Tensor& scores_, at::Tensor& pos, int64_t first, 
   }
   const int64_t* vic = victims.data_ptr<int64_t>();
   const int64_t L = n - 1, cap = kbuf.size(2);
-  float *kb = kbuf.data_ptr<float>(), *vb = vbuf.data_ptr<float>();
+  uint8_t *kb = static_cast<uint8_t*>(kbuf.data_ptr()), *vb = static_cast<uint8_t*>(vbuf.data_ptr());
   for (int64_t h = 0; h < Hkv; h++) {
     const int64_t j = vic[H == 1 ? 0 : h];
     if (j == L) continue;
-    std::memcpy(kb + (h * cap + j) * D, kb + (h * cap + L) * D, D * sizeof(float));
-    std::memcpy(vb + (h * cap + j) * D, vb + (h * cap + L) * D, D * sizeof(float));
+    std::memcpy(kb + (h * cap + j) * rb, kb + (h * cap + L) * rb, rb);
+    std::memcpy(vb + (h * cap + j) * rb, vb + (h * cap + L) * rb, rb);
   }
   for (int64_t r = 0; r < H; r++)
     pp[r * pos.stride(0) + vic[r]] = pp[r * pos.stride(0) + L];
@@ -1994,12 +2025,14 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "float scale) -> (Tensor, int[], int[])",
       &codebook_step);
   // attention that keeps its probabilities (tova_attn.h)
-  m.def("attn_probs(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!)? acc=None) -> Tensor[]",
-        &attn_probs);
+  m.def(
+      "attn_probs(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!)? acc=None, int type=0) "
+      "-> Tensor[]",
+      &attn_probs);
   m.def(
       "rope_append_probs(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
-      "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, Tensor? kpos=None, Tensor? acc=None) "
-      "-> Tensor[]",
+      "Tensor(a!) kbuf, Tensor(b!) vbuf, int n, float scale, Tensor? kpos=None, Tensor? acc=None, "
+      "int kv_type=0) -> Tensor[]",
       &rope_append_probs);
   m.def(
       "attn_colsum(Tensor q, Tensor k, Tensor? v, float scale, Tensor? kpos=None, "

@@ -104,7 +104,7 @@ class KVCache(KVManager):
         ):
             return None
         plain = self._plain_decode and d.pos is None and d.acc is None
-        if not plain and not (self._scored_decode and d.native_f32(q)):
+        if not plain and not (self._scored_decode and d.native_scores(q)):
             return None
         if pos is None:
             pos = self.rope.position(positions)
@@ -113,7 +113,7 @@ class KVCache(KVManager):
         out, p, qr = d.rotate_append_probs(self.rope.at(layer), q, k, v, pos)
         if self.n_queries:  # the step's query and its probabilities score the step (select)
             st.queries, st.probs = qr[0], p
-        return out  # float32, the model's dtype (native_f32)
+        return out  # float32, the model's dtype (native_scores)
 
     def _kivi_row(self, st: Layer, layer: int, q, k, v, positions, pos: int | None):
         """`decode`'s KIVI step (`_to_store`) in one native call where it applies."""
@@ -228,7 +228,7 @@ class KVCache(KVManager):
             return self._to_store(st, q, k, v)
         if self.n_queries and "step" in self.points:
             st.queries = q[0]  # (Hq, 1, D) the step's query scores the step's eviction
-            if self.config.window(layer) is None and st.dense.native_f32(q):
+            if self.config.window(layer) is None and st.dense.native_scores(q):
                 d = st.dense  # natively, the step's own probabilities score it (no 2nd pass)
                 d.append(k, v, positions)
                 out, st.probs = d.attend_probs(q)
@@ -250,7 +250,7 @@ class KVCache(KVManager):
         T, window, d = k.shape[2], self.config.window(layer), st.dense
         d.append(k, v, positions)
         if self.method.cumulative:
-            if d.native_f32(q):  # one pass gives the output and the probabilities
+            if d.native_scores(q):  # one pass gives the output and the probabilities
                 return self._attend_native(d, q, positions, window).to(self.dtype)
             mask = d.mask(positions, T, window)
             if T == 1 and mask is None and q.is_cuda:  # one kernel, probabilities out
@@ -348,7 +348,7 @@ class KVCache(KVManager):
         for i, st in enumerate(self.layers):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and (st.queries is not None or not self.n_queries):
-                held = (d.k[0], d.v[0], st.queries, d.pos, d.acc)
+                held = (d, st.queries, d.pos, d.acc)
                 scores = m.score(Ctx(i, o, self.config, *held, self.seen, Bl, st.probs))
                 # one in, one out (a decode step at the budget): written over, not compacted
                 one = d.length == Bl + 1 and d.evict_one(scores, m.sinks, recent[Bl])

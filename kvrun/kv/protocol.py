@@ -178,8 +178,9 @@ class Ctx:
     layer: int
     opt: Mapping[str, Any]
     config: Any  # the model's ModelConfig
-    keys: torch.Tensor  # (Hkv, T, D) post-RoPE keys of the held slots, in position order
-    values: torch.Tensor  # (Hkv, T, D)
+    # the layer's dense store (stores.dense.DenseSeg): `keys` and `values` read from it only
+    # when a method asks, so a score from the step's probabilities decodes no typed rows
+    store: Any
     queries: torch.Tensor | None  # (Hq, w, D) post-RoPE newest queries (Method.queries)
     positions: torch.Tensor | None  # (1 or Hkv, T) int32, where the store keeps them
     attention: torch.Tensor | None  # (Hkv, T) fp32 column sums (Method.cumulative)
@@ -189,11 +190,19 @@ class Ctx:
     # every held slot), where the native step kept them; else None
     probs: torch.Tensor | None = None
 
+    @property
+    def keys(self) -> torch.Tensor:  # (Hkv, T, D) post-RoPE keys of the held slots
+        return self.store.k[0]
+
+    @property
+    def values(self) -> torch.Tensor:  # (Hkv, T, D)
+        return self.store.v[0]
+
     def window_scores(self) -> torch.Tensor:  # (Hq, T - w) fp32
         """The saved queries' attention to the T - w older slots (attention.window_scores);
         the step's own probabilities where it kept them (no second pass over the keys)."""
         if self.probs is not None:
-            return self.probs[:, : self.keys.shape[1] - self.queries.shape[1]]
+            return self.probs[:, : self.store.length - self.queries.shape[1]]
         sw = self.config.window(self.layer)
         return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
 
@@ -205,7 +214,7 @@ class Ctx:
     def by_kv_head(self, x: torch.Tensor) -> torch.Tensor:
         """(Hq, C) -> (Hkv, C): the query heads of each KV head summed
         (docs/methods/README.md §3)."""
-        return attention.group_sum(x, self.keys.shape[0])
+        return attention.group_sum(x, self.store.n_kv)
 
 
 @runtime_checkable

@@ -81,12 +81,18 @@ class DenseSeg:
         ops = self.codec if self.kv_type is not None else self.kernels
         if ops is None or q.dtype != torch.float32 or q.device.type != "cpu":
             return None
-        code = self.kv_type.code if self.kv_type is not None else 0
-        return Partial(*ops.attn_typed(q, self._k.data, self._v.data, q.shape[-1] ** -0.5, code))
+        return Partial(
+            *ops.attn_typed(q, self._k.data, self._v.data, q.shape[-1] ** -0.5, self._code())
+        )
 
     @property
     def length(self) -> int:
         return self._k.n
+
+    @property
+    def n_kv(self) -> int:
+        """KV heads held."""
+        return self._k.buf.shape[1]
 
     @property
     def capacity(self) -> int:
@@ -130,26 +136,32 @@ class DenseSeg:
         n = self._k.n
         self.reserve(n + 1)
         cos, ssin = rope.signed_tables(pos + 1)
-        code = self.kv_type.code if self.kv_type is not None else 0
         out = self.kernels.rope_append_attend(
-            q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5, code
+            q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5, self._code()
         )
         self._k.n = self._v.n = n + 1
         return out
 
-    def native_f32(self, q: torch.Tensor) -> bool:
-        """Whether the native kernels attend here: set, and q and K/V float32."""
+    def native_scores(self, q: torch.Tensor) -> bool:
+        """Whether the native kernels attend here with the probabilities they used: set, q
+        float32, and the rows float32 or held in a KV type (read through its tiles)."""
         return (
             self.kernels is not None
             and q.dtype == torch.float32
-            and self._k.buf.dtype == torch.float32
+            and (self.kv_type is not None or self._k.buf.dtype == torch.float32)
         )
 
+    def _code(self) -> int:
+        """The native kernels' code of the stored rows' type (0: float32)."""
+        return self.kv_type.code if self.kv_type is not None else 0
+
     def attend_probs(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode row q (1, Hq, 1, D) over every slot on the native kernels (`native_f32`):
-        out (1, Hq, 1, D) fp32 and the probabilities it used (Hq, T); accumulated scores (acc)
-        get them added, each KV head's group summed, in the same pass (H2O §3)."""
-        return self.kernels.attn_probs(q, self.k, self.v, q.shape[-1] ** -0.5, self.acc)
+        """One decode row q (1, Hq, 1, D) over every slot on the native kernels
+        (`native_scores`), reading the stored rows: out (1, Hq, 1, D) fp32 and the
+        probabilities it used (Hq, T); accumulated scores (acc) get them added, each KV head's
+        group summed, in the same pass (H2O §3)."""
+        scale = q.shape[-1] ** -0.5
+        return self.kernels.attn_probs(q, self._k.data, self._v.data, scale, self.acc, self._code())
 
     def evict_one(self, scores: torch.Tensor, first: int, last: int) -> bool:
         """One slot out per row of scores (H, C), ranked as `cache.keep_indices` ranks in
@@ -161,7 +173,6 @@ class DenseSeg:
         if (
             self.kernels is None
             or self.pos is None
-            or self._k.buf.dtype != torch.float32
             or scores.dtype != torch.float32
             or scores.shape[0] != self.pos.shape[0]
             or self.pos.stride(1) != 1
@@ -190,7 +201,7 @@ class DenseSeg:
         cos, ssin = rope.signed_tables(pos + 1)
         out, p, qr, rows, acc = self.kernels.rope_append_probs(
             q, k, v, cos, ssin, pos, self._k.buf, self._v.buf, n, q.shape[-1] ** -0.5,
-            self.pos, self.acc,
+            self.pos, self.acc, self._code(),
         )  # fmt: skip
         self._k.n = self._v.n = n + 1
         if self.pos is not None:

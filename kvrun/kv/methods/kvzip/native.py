@@ -1,4 +1,4 @@
-"""KVzip's reconstruction pass on the native CPU kernels (kernels/cpu/tova_attn.h): the score's
+"""KVzip's reconstruction pass on the native CPU kernels (attn_colsum, kernels/cpu): the score's
 softmax runs over the sinks, the chunk's slots and the pass's own tokens, which are keys the
 pass attends to anyway. So one kernel call over those keys gives both their partial attention
 and the score (each key's largest probability), and the rest of the cache, seen by every pass
