@@ -148,6 +148,37 @@ def test_a_dense_store_in_another_kv_type_round_trips(tmp_path, text, dtype):
     assert header["spec"]["dtype"] == dtype
 
 
+@pytest.mark.parametrize(
+    "text", ["minicache", "minicache:scope=layer", "minicache:retain=topk:0.3"]
+)
+def test_minicache_in_f16_round_trips_at_half_the_bytes(tmp_path, text):
+    """MiniCache under --kv-dtype f16 (the CPU's default) keeps its pairs' E, norms and
+    retained rows and its plain layers in f16: the file holds them so, about half f32's bytes;
+    a file whose half is in another dtype than the run's is refused."""
+    model = test_kv_methods.tiny()
+    (tmp_path / "f32").mkdir()
+    _, f32 = _round_trip(tmp_path / "f32", model, text, "f32")
+    path, header = _round_trip(tmp_path, model, text, "f16")
+    assert header["spec"]["dtype"] == "f16"
+    assert 0.45 < header["kv_bytes"] / f32["kv_bytes"] < 0.6
+    rt = _runtime(tmp_path, model)
+    kv, _, _ = kvc.load(path, rt)
+    assert all(h.e.data.dtype == torch.float16 for p in kv.pairs for h in (p.k, p.v))
+    # the header says the model's dtype, the halves are f16: refused before the run sees them
+    bad = rewrite(
+        path, tmp_path / "bad.kvc", header=lambda h: _with(h, spec=_with(h["spec"], dtype=None))
+    )
+    with pytest.raises(kvc.Damaged) as e:
+        kvc.load(bad, rt)
+    assert "\n" not in str(e.value)
+
+
+def test_minicache_refuses_block_kv_types():
+    m = test_kv_methods.tiny()
+    with pytest.raises(KvrunError, match="f32 or f16, not q8_0"):
+        build(check("minicache").with_dtype("q8_0"), m.config, m.rope, "cpu", torch.float32)
+
+
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2"])
 @pytest.mark.parametrize("text", ["snapkv", "minikv", "spindlekv", "minicache", "xkv+kivi2"])
 def test_the_families_round_trip(tmp_path, family, text):

@@ -201,6 +201,34 @@ def test_decode_equals_the_torch_path(monkeypatch, model_with_kernels, spec):
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("spec", SPECS[:3])
+def test_f16_pairs_decode_as_the_torch_path(monkeypatch, model_with_kernels, spec):
+    """--kv-dtype f16 (the CPU's default): E, norms, retained rows and the plain layers held
+    in f16, read natively by merged_attn, against the torch path over the same f16 store;
+    about half the f32 store's bytes."""
+    from kvrun.kv import build, check
+
+    m, P, steps = model_with_kernels, 75, 6
+
+    def f16(kernels: bool):
+        kv = build(check(spec).with_dtype("f16"), m.config, m.rope, "cpu", torch.float32)
+        return kv if kernels else torch_path(kv)
+
+    old = f16(False)
+    ref = drive(m, old, prompt(P, seed=3), 32, steps)
+    toks = ref[P - 1 : -1].argmax(-1).tolist()
+    kv = f16(True)
+    calls = count_native(monkeypatch, kv)
+    got = drive(m, kv, prompt(P, seed=3), 32, steps, tokens=toks)
+    assert len(calls) == 2 * len(kv.pairs) * steps
+    assert all(p.k.e.data.dtype == torch.float16 == p.k.ra.dtype for p in kv.pairs)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+    f32 = new_kv(m, spec)
+    drive(m, f32, prompt(P, seed=3), 32, steps, tokens=toks)
+    assert 0.45 < kv.nbytes() / f32.nbytes() < 0.6
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_multi_token_decode_calls(model_with_kernels):
     """Decode calls of several tokens at once (the pending slot holds them; own tokens
     causal) equal the torch path."""

@@ -165,19 +165,7 @@ class KVCache(KVManager):
     def _kv_type(self, spec: KVSpec, dtype, device) -> KVType | None:
         """The dense store's element type under --kv-dtype (None: the model's dtype). A KIVI
         stack stages in the model's dtype (its tail is the model's)."""
-        name = spec.dtype_on(device)
-        if name is None or self.kivi_layout is not None:
-            return None
-        t = kvtypes.of(name, dtype)
-        if t.storage == dtype:
-            return None
-        if torch.device(device).type != "cpu":
-            raise KvrunError(
-                f"--kv-dtype {name} runs on the CPU; on {device} the cache keeps the model's "
-                "dtype (drop --kv-dtype, or --kv-dtype auto)"
-            )
-        t.check_dim(self.config.head_dim, "this model")
-        return t
+        return None if self.kivi_layout is not None else self.dense_kv_type(spec, dtype, device)
 
     def _dense(self) -> DenseSeg:
         c = self.config

@@ -157,6 +157,27 @@ class KVManager:
 
     kv_type = None  # the dense store's KVType where --kv-dtype differs from the model's dtype
 
+    def dense_kv_type(self, spec, dtype, device):
+        """The KVType (stores.kvtypes) --kv-dtype gives the rows this cache keeps dense, or None
+        where it is the model's dtype. Typed rows are the CPU's (CUDA's kernels read the
+        model's dtype); block types are checked against the head size."""
+        from ..errors import KvrunError
+        from .stores import kvtypes
+
+        name = spec.dtype_on(device)
+        if name is None:
+            return None
+        t = kvtypes.of(name, dtype)
+        if t.storage == dtype:
+            return None
+        if torch.device(device).type != "cpu":
+            raise KvrunError(
+                f"--kv-dtype {name} runs on the CPU; on {device} the cache keeps the model's "
+                "dtype (drop --kv-dtype, or --kv-dtype auto)"
+            )
+        t.check_dim(self.config.head_dim, "this model")
+        return t
+
     def nbytes_full(self) -> int:
         """Bytes an uncompressed cache in the same KV type would hold for the tokens seen."""
         c = self.config

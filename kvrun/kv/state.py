@@ -298,7 +298,8 @@ class Maybe(Kind):
 
 
 def _dtypes(names: tuple[str, ...], r: Loader) -> set[torch.dtype]:
-    return {r.kv.dtype if n == "kv" else getattr(torch, n) for n in names}
+    kv = getattr(r.kv, "store_dtype", r.kv.dtype)  # a cache whose rows take --kv-dtype's
+    return {kv if n == "kv" else getattr(torch, n) for n in names}
 
 
 class Tensor(Kind):

@@ -11,9 +11,11 @@ import math
 
 import torch
 
+from ....errors import KvrunError
 from ...attention import combine, dense_attention
 from ...protocol import KVManager
 from ...state import DictInto, ListInto, state
+from ...stores import kvtypes
 from ...stores.dense import DenseSeg
 from ...stores.kivi import KiviLayer
 from .store import Layout, Pair, PairLayer, Scratch, merge, pairing, retention
@@ -32,6 +34,15 @@ class MiniCacheKV(KVManager):
         self.rule, self.retain = o["retain_rule"], o["retain"]
         self.decode_retain = bool(o["decode_retain"])
         self.kivi_layout = spec.kivi()
+        # --kv-dtype: f16 (the CPU's default) halves the pairs' E, norms and retained rows and
+        # the plain layers; the merge runs in fp32 and rounds after it (as E under KIVI)
+        self.kv_type = None if self.kivi_layout else self.dense_kv_type(spec, dtype, device)
+        if self.kv_type is not None and self.kv_type.name != "f16":
+            raise KvrunError(
+                f"--kv {spec.name} keeps its merged pairs in f32 or f16, not "
+                f"{self.kv_type.name}: use --kv-dtype f16 (the CPU's default) or f32"
+            )
+        self.store_dtype = self.kv_type.storage if self.kv_type else dtype  # pairs' rows
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim
         self.layout = Layout(o["scope"] == "layer", self.H, self.D)
@@ -55,7 +66,10 @@ class MiniCacheKV(KVManager):
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
         if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D), as `full` keeps them
             self.plain = {
-                i: DenseSeg(self.H, self.D, self.dtype, self.device, kernels=kernels) for i in plain
+                i: DenseSeg(
+                    self.H, self.D, self.dtype, self.device, kernels=kernels, kv_type=self.kv_type
+                )
+                for i in plain
             }
         else:
             self.plain = {i: self._kivi() for i in plain}
@@ -182,7 +196,7 @@ class MiniCacheKV(KVManager):
         if pair.k is None:
             never = -math.inf if self.rule == "paper" else math.inf
             thr = never if self.decode_retain else None
-            args = (pair.kivi is None, thr, self.dtype, self.device)
+            args = (pair.kivi is None, thr, self.store_dtype, self.device)
             pair.k, pair.v = lay.half(*args), lay.half(*args)
         dirs = []
         for half, xa, xb in ((pair.k, ka, kb), (pair.v, va, vb)):
@@ -229,4 +243,5 @@ class MiniCacheKV(KVManager):
         )  # a pair's KIVI store of E is inside its view
 
     def describe(self) -> dict:
-        return self.spec.describe()
+        name = self.kv_type.name if self.kv_type else kvtypes.of(None, self.dtype).name
+        return {**self.spec.describe(), "kv_dtype": name}
