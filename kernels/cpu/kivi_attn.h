@@ -18,28 +18,6 @@ inline float kivi_code(const int32_t* w, int bits, int64_t i) {
   return (float)(((uint32_t)w[i / per] >> ((i % per) * bits)) & ((1u << bits) - 1u));
 }
 
-#if defined(__AVX512F__)
-// exp8 (qstep.h) 16 lanes wide
-inline __m512 kivi_exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
-
 // the softmax of a block of nb scores a row, s (r, kb) in place: masked (t >= lim), the running
 // maximum and sum updated, alpha (r) the factor the row's earlier sums are to be scaled by
 void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* s, int64_t kb,
@@ -75,7 +53,7 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
 #if defined(__AVX512F__)
     __m512 tw = _mm512_setzero_ps();
     for (; j + 16 <= e; j += 16) {
-      const __m512 x = kivi_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(m)));
+      const __m512 x = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(m)));
       _mm512_storeu_ps(sr + j, x);
       tw = _mm512_add_ps(tw, x);
     }

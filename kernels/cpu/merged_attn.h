@@ -303,41 +303,6 @@ constexpr int64_t SKB = 128;  // keys per block
 constexpr float kNegInf = -INFINITY;
 constexpr int64_t PREFETCH = 16;  // gathered rows asked for this many keys ahead
 
-// A block's scores sc (HG rows, stride ss, n keys) -> exp(score - running max) in place, -inf
-// scores 0; the running max and sum per row, r: the factor on the row's earlier sums.
-template <int HG>
-inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm, float* r) {
-  const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  for (int a = 0; a < HG; a++) {
-    float* s = sc + a * ss;
-    float m = mx[a];
-    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-    if (m == -INFINITY) {  // nothing visible yet
-      r[a] = 1.f;
-      for (int64_t j = 0; j < n; j++) s[j] = 0.f;
-      continue;
-    }
-    r[a] = std::exp(mx[a] - m);  // 0 on the first block (exp(-inf))
-    __m256 tv = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const __m256 x = _mm256_loadu_ps(s + j);
-      __m256 e = exp8(_mm256_sub_ps(x, _mm256_set1_ps(m)));
-      e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));  // exp8 clamps: -inf -> 0
-      _mm256_storeu_ps(s + j, e);
-      tv = _mm256_add_ps(tv, e);
-    }
-    float total = hsum(tv);
-    for (; j < n; j++) {
-      s[j] = std::exp(s[j] - m);
-      total += s[j];
-    }
-    sm[a] = sm[a] * r[a] + total;
-    mx[a] = m;
-  }
-}
-
-
 // out (HG, d) = out * r[a] + sum_j p[a][j] row_j, rows by pointer: 64 columns a pass (with
 // AVX2 alone 32 for several rows, so the accumulators stay in its 16 registers)
 template <int HG, typename T>

@@ -33,6 +33,27 @@ inline __m256 exp8(__m256 x) {
 
 #endif
 
+#if defined(__AVX512F__)
+// exp8 16 lanes at a time: the same polynomial (the AVX-512 builds' attention kernels)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 // y = (x * w) * (1 / sqrt(mean(x^2) + eps))
 void rmsnorm_row(const float* x, const float* w, float eps, float* y, int64_t d) {
   float ss = 0.f;
@@ -116,6 +137,41 @@ inline void weigh_rows(const float* p, int64_t ps, int64_t t, const float* v, in
 
 // HG heads over t keys, a block of keys at a time with a running maximum (online softmax): K
 // and V blocks alternate, so both stream from memory once, at the machine's streaming rate
+// A block's scores sc (HG rows, stride ss, n keys) -> exp(score - running max) in place, -inf
+// scores 0; the running max and sum per row, r: the factor on the row's earlier sums.
+template <int HG>
+inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm, float* r) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  for (int a = 0; a < HG; a++) {
+    float* s = sc + a * ss;
+    float m = mx[a];
+    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    if (m == -INFINITY) {  // nothing visible yet
+      r[a] = 1.f;
+      for (int64_t j = 0; j < n; j++) s[j] = 0.f;
+      continue;
+    }
+    r[a] = std::exp(mx[a] - m);  // 0 on the first block (exp(-inf))
+    __m256 tv = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 x = _mm256_loadu_ps(s + j);
+      __m256 e = exp8(_mm256_sub_ps(x, _mm256_set1_ps(m)));
+      e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));  // exp8 clamps: -inf -> 0
+      _mm256_storeu_ps(s + j, e);
+      tv = _mm256_add_ps(tv, e);
+    }
+    float total = hsum(tv);
+    for (; j < n; j++) {
+      s[j] = std::exp(s[j] - m);
+      total += s[j];
+    }
+    sm[a] = sm[a] * r[a] + total;
+    mx[a] = m;
+  }
+}
+
+
 template <int HG>
 void attn_heads(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t,
                 int64_t d, float scale, float* out, float* mx, float* sm) {
@@ -129,26 +185,7 @@ void attn_heads(const float* q, const float* k, int64_t ks, const float* v, int6
   for (int64_t j0 = 0; j0 < t; j0 += KB) {
     const int64_t n = t - j0 < KB ? t - j0 : KB;
     scores_rows<HG>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
-    for (int a = 0; a < HG; a++) {
-      float* s = sc + a * KB;
-      float m = mx[a];
-      for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-      r[a] = std::exp(mx[a] - m);  // 0 on the first block (exp(-inf))
-      __m256 tv = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(s + j, e);
-        tv = _mm256_add_ps(tv, e);
-      }
-      float total = hsum(tv);
-      for (; j < n; j++) {
-        s[j] = std::exp(s[j] - m);
-        total += s[j];
-      }
-      sm[a] = sm[a] * r[a] + total;
-      mx[a] = m;
-    }
+    softmax_block<HG>(sc, KB, n, mx, sm, r);
     weigh_rows<HG>(sc, KB, n, v + j0 * vs, vs, d, r, out);
   }
 }

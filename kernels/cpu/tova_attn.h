@@ -28,27 +28,9 @@ void heads_scores(const float* q, const float* k, int64_t ks, const float* v, in
   for (int64_t j0 = 0; j0 < t; j0 += KB) {
     const int64_t n = t - j0 < KB ? t - j0 : KB;
     scores_rows<HG>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
-    for (int a = 0; a < HG; a++) {
-      float* s = sc + a * KB;
-      std::memcpy(sout + a * ldo + j0, s, n * sizeof(float));
-      float m = mx[a];
-      for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-      r[a] = std::exp(mx[a] - m);
-      __m256 tv = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(s + j, e);
-        tv = _mm256_add_ps(tv, e);
-      }
-      float total = hsum(tv);
-      for (; j < n; j++) {
-        s[j] = std::exp(s[j] - m);
-        total += s[j];
-      }
-      sm[a] = sm[a] * r[a] + total;
-      mx[a] = m;
-    }
+    for (int a = 0; a < HG; a++)
+      std::memcpy(sout + a * ldo + j0, sc + a * KB, n * sizeof(float));  // the raw scores
+    softmax_block<HG>(sc, KB, n, mx, sm, r);
     weigh_rows<HG>(sc, KB, n, v + j0 * vs, vs, d, r, out);
   }
 }
@@ -322,27 +304,6 @@ void fold_row(const float* x, int64_t n, float w, int mode, float* y) {
   else
     for (; j < n; j++) y[j] = y[j] > w * x[j] ? y[j] : w * x[j];
 }
-
-#if defined(__AVX512F__)
-// exp8 (qstep.h) 16 lanes at a time: the same polynomial
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
 
 // the largest of x[0..n) (-inf for n = 0)
 inline float max_row(const float* x, int64_t n) {
