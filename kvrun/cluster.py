@@ -170,7 +170,7 @@ class RayWorker:
     """One model and the command's sessions on a node (made a Ray actor by `Pool`).
 
     `setup(**args)` builds what the command needs (kvrun.tasks.longdoc_run.worker_setup or
-    kvrun.cli.needle.worker_setup): it returns (handler, facts), handler(items) -> results.
+    kvrun.tasks.needle_run.worker_setup): it returns (handler, facts), handler(items) -> results.
     A failure to load or set up is returned by `ready()` as text, not raised, so the driver can
     say which node it was."""
 

@@ -42,9 +42,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .errors import KvrunError
-from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes, token_logprobs
+from .generate import Session
 from .graph import BatchGraph
-from .sampling import SamplingConfig, ban, sample
+from .sampling import SamplingConfig
+from .token_end import PhaseStats, Result, TokenEnd, sync, token_logprobs
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Request:
     new_kv: Callable[[], Any] | None = None
     # a question prefilled as a turn of its own after `ids` were compressed (--question-after)
     question: list[int] | None = None
-    # log-probabilities kept in the Result (kvrun.generate.TokenLogprob), with this many
+    # log-probabilities kept in the Result (kvrun.token_end.TokenLogprob), with this many
     # alternatives each: of every generated token, and of every prompt token after the first
     # (the prefill's own logits: what the cache held while each chunk ran)
     logprobs: int | None = None
@@ -128,22 +129,22 @@ class _Seq:
     req: Request
     session: Session
     chunks: Any  # the prefill generator (None once prefilled)
-    gen: torch.Generator
-    stream: Any
-    stats: Stats = field(default_factory=Stats)
-    out: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    tail: TokenEnd  # sampling, stops, streamed text and stats (time counts from admission)
     prompt_logprobs: list = field(default_factory=list)
     feed: int | None = None  # the sampled token the next decode step feeds
-    t0: float = 0.0
-    t_prefill: float = 0.0  # when the prefill ended
     done: bool = False
 
     @property
     def limit(self) -> int:
-        n = self.req.n_predict
-        return n if n >= 0 else self.session.context
+        return self.tail.limit
+
+    @property
+    def stats(self):
+        return self.tail.stats
+
+    @property
+    def out(self) -> list[int]:
+        return self.tail.out
 
 
 class Engine:
@@ -282,13 +283,17 @@ class Engine:
             if req.new_kv is not None:
                 session.kv = req.new_kv()
             session.reset()
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(req.seed if req.seed is not None else torch.seed())
-        stream = session.tokenizer.stream(after=req.prompt[-1] if req.prompt else None)
+        tail = TokenEnd(
+            session.tokenizer, req.sampling,
+            req.n_predict if req.n_predict >= 0 else session.context, session.context,
+            req.seed, req.prompt[-1] if req.prompt else None, req.on_text, req.on_token,
+            req.logprobs, req.cancelled,
+        )  # fmt: skip
         rows = req.prompt_logprobs is not None
         chunks = session.prefill_turns(req.ids, req.question, rows=rows)
-        seq = _Seq(req, session, chunks, gen, stream)
-        seq.stats.prompt_tokens, seq.t0 = len(req.prompt), time.perf_counter()
+        seq = _Seq(req, session, chunks, tail)
+        seq.stats.prompt_tokens = len(req.prompt)
+        tail.t0 = time.perf_counter()  # from admission: waiting for a slot is not counted
         if req.on_start:
             req.on_start()
         return seq
@@ -302,7 +307,7 @@ class Engine:
             return end(seq, str(e))
         except Exception as e:  # noqa: BLE001 - one bad sequence must not end the batch
             return end(seq, f"{type(e).__name__}: {e}")
-        _sync(seq.session.device)
+        sync(seq.session.device)
         now = time.perf_counter()
         seq.stats.prefill_s += now - t
         self.stats.prefill_tokens += len(seq.session.tokens) - before
@@ -318,8 +323,8 @@ class Engine:
             return None
         if logits is None:
             return end(seq, "the prompt is empty")
-        seq.chunks, seq.t_prefill = None, now
-        seq.stats.stop_reason = "length"
+        seq.chunks = None
+        seq.tail.prefilled(seq.session.device)
         if self.graph is not None:  # room for every token it may generate, once
             self.graph.reserve(seq.session.kv, len(seq.session.tokens) + seq.limit)
         if seq.limit > 0:
@@ -348,63 +353,17 @@ class Engine:
             self._take(q, row, end)
 
     def _take(self, seq: _Seq, logits: torch.Tensor, end) -> None:
-        """Sample the next token from logits, as Session.generate does, and decide whether
-        the sequence goes on (seq.feed set) or ends."""
-        s, req = seq.session, seq.req
-        row = logits.float().cpu()
-        if req.sampling.ignore_eos:
-            row = ban(row, s.tokenizer.stop_ids)
-        tok = sample(row, req.sampling, s.tokens[-1024:], seq.gen)
-        if not seq.stats.ttft_s:  # from admission: waiting for a slot is not counted
-            seq.stats.ttft_s = time.perf_counter() - seq.t0
-        if tok in s.tokenizer.stop_ids:
-            seq.stats.stop_reason = "eos"
-            return end(seq)
-        seq.out.append(tok)
-        entry = None
-        if req.logprobs is not None:
-            entry = token_logprobs(logits.view(1, -1), [tok], req.logprobs)[0]
-            seq.logprobs.append(entry)
-        if req.on_token:
-            req.on_token(tok, entry)
-        piece = seq.stream.push(tok)
-        if piece:
-            seq.text.append(piece)
-            if req.on_text:
-                req.on_text(piece)
-        if req.cancelled and req.cancelled():
-            seq.stats.stop_reason = "cancelled"
-            return end(seq)
-        if len(seq.out) >= seq.limit:
-            return end(seq)
-        if len(s.tokens) + 1 > s.context:
-            seq.stats.stop_reason = "context"
-            return end(seq)
-        seq.feed = tok
-        return None
+        """Sample the next token from logits (TokenEnd, as Session.generate does): the
+        sequence goes on (seq.feed set) or ends."""
+        seq.feed = seq.tail.take(logits, seq.session.tokens)
+        if seq.feed is None:
+            end(seq)
 
     def _result(self, seq: _Seq) -> Result:
-        tail = seq.stream.flush()
-        if tail:
-            seq.text.append(tail)
-            if seq.req.on_text:
-                seq.req.on_text(tail)
-        s, stats = seq.session, seq.stats
-        _sync(s.device)
-        stats.decode_s = time.perf_counter() - seq.t_prefill if seq.t_prefill else 0.0
-        stats.generated_tokens = len(seq.out)
-        stats.kv_bytes = s.kv.nbytes()
-        stats.kv_bytes_full = s.kv.nbytes_full()
-        stats.peak_mem_bytes = peak_memory_bytes(s.device)
-        s.pending = []
-        req = seq.req
-        return Result(
-            "".join(seq.text),
-            list(seq.out),
-            stats,
-            req.prompt,
-            logprobs=seq.logprobs if req.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs if req.prompt_logprobs is not None else None,
+        seq.session.pending = []
+        pl = seq.prompt_logprobs if seq.req.prompt_logprobs is not None else None
+        return seq.tail.finish(
+            seq.session.kv, seq.session.device, seq.req.prompt, prompt_logprobs=pl
         )
 
 

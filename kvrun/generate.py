@@ -2,116 +2,26 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .errors import ContextOverflow, KvrunError
 from .graph import BatchGraph, DecodeGraph, eager_rows, static_unsupported
-from .sampling import SamplingConfig, ban, sample
+from .sampling import SamplingConfig
 
-
-@dataclass
-class PhaseStats:
-    """Time in prefill and in decode steps, and the rates they give: the names and meanings
-    a sequence's Stats and the batch engine's EngineStats share. A subclass gives the token
-    counts the rates divide, `prefill_tokens` and `decode_tokens` (as fields or properties)."""
-
-    prefill_s: float = 0.0  # time in prefill (every chunk)
-    decode_s: float = 0.0  # time in decode steps (sampling included)
-
-    @property
-    def prefill_tok_s(self) -> float:
-        """Prompt tokens prefilled per second of prefill."""
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens fed through decode steps per second of them."""
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass
-class Stats(PhaseStats):
-    """The facts every run reports (stats line and --json use these names)."""
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    kv_bytes: int = 0
-    kv_bytes_full: int = 0
-    peak_mem_bytes: int = 0
-    stop_reason: str = ""  # "eos" | "length" | "context" | "interrupt"
-    ttft_s: float = 0.0  # time to first token: the prefill and the first sample
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens
-
-    @property
-    def decode_tokens(self) -> int:
-        # the first generated token comes from the prefill's logits, so n-1 decode steps
-        return max(self.generated_tokens - 1, 0)
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d = {k: d.pop(k) for k in ("prompt_tokens", "generated_tokens")} | d  # --json's order
-        d["prefill_tok_s"] = round(self.prefill_tok_s, 2)
-        d["decode_tok_s"] = round(self.decode_tok_s, 2)
-        d["kv_ratio"] = round(self.kv_bytes / self.kv_bytes_full, 4) if self.kv_bytes_full else 1.0
-        return d
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak CUDA memory allocated, or the process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-@dataclass
-class TokenLogprob:
-    """A token's log-probability under the model (log-softmax of its logits, before any
-    sampling filter) and the `top` most likely alternatives at that position, best first."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
-    """TokenLogprob of tokens[i] under logits[i] (R, V), with `top` alternatives each."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).view(-1, 1)).squeeze(1)
-    alts = lp.topk(top, dim=-1) if top > 0 else None
-    out = []
-    for i, (t, v) in enumerate(zip(tokens, chosen.tolist(), strict=True)):
-        pairs = []
-        if alts is not None:
-            pairs = list(zip(alts.indices[i].tolist(), alts.values[i].tolist(), strict=True))
-        out.append(TokenLogprob(int(t), v, pairs))
-    return out
-
-
-@dataclass
-class Result:
-    text: str
-    tokens: list[int]
-    stats: Stats
-    prompt_ids: list[int] = field(default_factory=list)
-    # with Request.logprobs / prompt_logprobs (kvrun.engine): one entry per generated token,
-    # and one per prompt token after the first
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# re-exported: kvrun.generate.Stats, Result, ... (their home is kvrun.token_end)
+from .token_end import (  # noqa: F401
+    PhaseStats,
+    Result,
+    Stats,
+    TokenEnd,
+    TokenLogprob,
+    peak_memory_bytes,
+    sync,
+    token_logprobs,
+)
 
 
 def run_pass(model, p, ubatch: int) -> None:
@@ -329,65 +239,28 @@ class Session:
         n_predict < 0 generates until a stop token or the end of the context. With `question`
         the prompt is a document turn and a question turn (`prefill`).
         """
-        stats = Stats()
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed if seed is not None else torch.seed())
         last = (list(question or []) or list(prompt_ids))[-1:]
-        stream = self.tokenizer.stream(after=last[0] if last else None)
-        out: list[int] = []
-        fed = 0
+        limit = n_predict if n_predict >= 0 else self.context
+        end = TokenEnd(
+            self.tokenizer, sampling, limit, self.context, seed, last[0] if last else None,
+            on_text=on_text, stop=should_stop, stop_reason="interrupt",
+        )  # fmt: skip
         prompt_ids = self.pending + list(prompt_ids)
-        stats.prompt_tokens = len(prompt_ids) + len(question or [])
-        _sync(self.device)
-        t0 = time.perf_counter()
+        end.stats.prompt_tokens = len(prompt_ids) + len(question or [])
+        sync(self.device)
+        end.t0 = time.perf_counter()
         logits = self.prefill(prompt_ids, progress, question)
         self.pending = []
-        _sync(self.device)
-        t1 = time.perf_counter()
-        stats.prefill_s = t1 - t0
-        text_parts: list[str] = []
-        limit = n_predict if n_predict >= 0 else self.context
+        end.prefilled(self.device)
+        end.stats.prefill_s = end.t_prefill - end.t0
         if limit > 1:
             self.prepare_decode(limit - 1)  # a graph capture counts as decode time
-        stats.stop_reason = "length"
-        while len(out) < limit:
-            # every token sampled so far has been fed, so the cache's tokens are the history
-            row = logits.float().cpu()
-            if sampling.ignore_eos:
-                row = ban(row, self.tokenizer.stop_ids)
-            tok = sample(row, sampling, self.tokens[-1024:], gen)
-            if not stats.ttft_s:
-                stats.ttft_s = time.perf_counter() - t0
-            if tok in self.tokenizer.stop_ids:
-                stats.stop_reason = "eos"
-                break
-            out.append(tok)
-            piece = stream.push(tok)
-            if piece:
-                text_parts.append(piece)
-                if on_text:
-                    on_text(piece)
-            if len(out) >= limit:
-                break
-            if should_stop and should_stop():
-                stats.stop_reason = "interrupt"
-                break
-            if len(self.tokens) + 1 > self.context:
-                stats.stop_reason = "context"
-                break
+        fed = 0  # every token sampled so far has been fed, so the cache's tokens are the history
+        tok = end.take(logits, self.tokens) if limit > 0 else None
+        while tok is not None:
             logits = self.decode(tok)
             fed += 1
+            tok = end.take(logits, self.tokens)
         # a sampled token that never went through decode is fed before the next prefill
-        self.pending = out[fed:]
-        tail = stream.flush()
-        if tail:
-            text_parts.append(tail)
-            if on_text:
-                on_text(tail)
-        _sync(self.device)
-        stats.decode_s = time.perf_counter() - t1
-        stats.generated_tokens = len(out)
-        stats.kv_bytes = self.kv.nbytes()
-        stats.kv_bytes_full = self.kv.nbytes_full()
-        stats.peak_mem_bytes = peak_memory_bytes(self.device)
-        return Result("".join(text_parts), out, stats, list(prompt_ids) + list(question or []))
+        self.pending = end.out[fed:]
+        return end.finish(self.kv, self.device, list(prompt_ids) + list(question or []))

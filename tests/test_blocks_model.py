@@ -134,8 +134,8 @@ def test_every_tensor_keeps_its_type(held):
     for mod in m.modules():  # nothing re-quantized: every packed layer is exact
         if isinstance(mod, PackedLinear):
             assert mod.exact and mod.source in ("Q4_0", "Q4_K", "Q8_0")
-    from kvrun.cli.info import inspect, weights_rows
     from kvrun.tasks.bench import weight_bytes
+    from kvrun.tasks.info import inspect, weights_rows
 
     cfg, facts = inspect(held.path)
     if held.path_name == "native":  # `kvrun info` predicts what the loaded model holds

@@ -81,7 +81,7 @@ def test_auto_keeps_the_file_types(packed_runtime):
     assert weight_bytes(m) < (1.1 if packed_runtime.path_name == "native" else 1.25) * size
     assert weight_bytes(m) < 0.25 * packed_runtime.config.n_params() * 4
     # and `kvrun info` (metadata only) predicts the bytes the loaded model holds
-    from kvrun.cli.info import inspect, weights_rows
+    from kvrun.tasks.info import inspect, weights_rows
 
     cfg, facts = inspect(packed_runtime.path)
     native_here = packed_runtime.path_name == "native"

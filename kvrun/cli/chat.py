@@ -94,6 +94,12 @@ def chat(
     interactive = sys.stdin.isatty()
     if interactive:
         err_console.print(f"[bold]{rt.config.name or rt.path.name}[/] ready. {HELP}", style="dim")
+    _repl(conv, interactive, n_predict, config, seed)
+
+
+def _repl(conv, interactive: bool, n_predict: int, config, seed: int) -> None:
+    """Read a line, answer it (streamed to stdout) or run its /command, until /exit or EOF."""
+    session = conv.session
     last = None
     turn = 0
     while True:

@@ -105,6 +105,26 @@ def generate(
     text = read_prompt(prompt, file)
     spec = kv.spec()
     rt = load_with_progress(model)
+    session, ids, question, use_chat = _prompt(rt, text, chat, system, kv_cache, spec, kv, model)
+    on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    n_prompt = len(ids) + len(question or [])
+    with prefill_progress(n_prompt, model.ubatch) as progress:
+        result = session.generate(
+            ids, n_predict, config, seed=seed, on_text=on_text, progress=progress,
+            question=question,
+        )  # fmt: skip
+    if as_json:
+        settings = {"seed": seed, "n_predict": n_predict, "chat": use_chat}
+        dump_json(_json(result, rt, session, settings, config))
+    else:
+        sys.stdout.write("\n")
+        click.echo(stats_line(result.stats, rt.load_s), err=True)
+
+
+def _prompt(rt, text: str, chat, system, kv_cache, spec, kv: KVOptions, model: ModelOptions):
+    """(session, prompt ids, question ids or None, whether the chat template wraps it): a
+    fresh cache and the text (in the chat template unless --raw), or a .kvc file's document
+    and the text as its question turn."""
     tok = rt.tokenizer
     question = None
     if kv_cache is not None:  # the document is in the file; the prompt is its question
@@ -125,36 +145,27 @@ def generate(
             ids = tok.encode(text)
         session = new_session(rt, rt.new_kv(spec), model)
         session.check_fits(len(ids))
-    on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    n_prompt = len(ids) + len(question or [])
-    with prefill_progress(n_prompt, model.ubatch) as progress:
-        result = session.generate(
-            ids, n_predict, config, seed=seed, on_text=on_text, progress=progress,
-            question=question,
-        )  # fmt: skip
-    s = result.stats
-    if as_json:
-        out = {"text": result.text, "tokens": result.tokens}
-        out.update(s.as_dict(), load_s=round(rt.load_s, 3))
-        out.update(
-            {
-                "model": str(rt.path),
-                "model_name": rt.config.name,
-                "kv": session.kv.describe(),
-                "settings": {
-                    "seed": seed,
-                    "n_predict": n_predict,
-                    "chat": use_chat,
-                    "ctx_size": session.context,
-                    "ubatch": session.ubatch,
-                    "dtype": str(rt.model.dtype).removeprefix("torch."),
-                    "wtype": rt.weights.wtype,
-                    "device": str(rt.model.device),
-                    **dataclasses.asdict(config),
-                },
-            }
-        )
-        dump_json(out)
-    else:
-        sys.stdout.write("\n")
-        click.echo(stats_line(s, rt.load_s), err=True)
+    return session, ids, question, use_chat
+
+
+def _json(result, rt, session, settings: dict, config) -> dict:
+    """--json's object: the text, the tokens, the stats and the run's settings."""
+    out = {"text": result.text, "tokens": result.tokens}
+    out.update(result.stats.as_dict(), load_s=round(rt.load_s, 3))
+    out.update(
+        {
+            "model": str(rt.path),
+            "model_name": rt.config.name,
+            "kv": session.kv.describe(),
+            "settings": {
+                **settings,
+                "ctx_size": session.context,
+                "ubatch": session.ubatch,
+                "dtype": str(rt.model.dtype).removeprefix("torch."),
+                "wtype": rt.weights.wtype,
+                "device": str(rt.model.device),
+                **dataclasses.asdict(config),
+            },
+        }
+    )
+    return out

@@ -14,8 +14,7 @@ from ..options import KVOptions, ModelOptions, ParallelOptions, RayOptions, Samp
 from ..progress import PrefillBar, progress_bar
 from ..report import stats_line
 from ..tasks import longdoc as task
-from ..tasks.longdoc_questions import KvcDir
-from ..tasks.longdoc_run import LocalRunner, LongdocOptions, absolute_paths, start_ray
+from ..tasks.longdoc_run import LongdocOptions, absolute_paths, start_local, start_ray
 from .common import (
     debugging,
     graph_option,
@@ -162,6 +161,45 @@ def longdoc(
     cat docs.jsonl | kvrun longdoc --jsonl - -q "What is the main claim?" > answers.jsonl
     """
     out = None if out == "-" else out
+    _check_args(files, jsonl, question, summarize, out, resume, kv_cache_dir, ray, model)
+    docs = None if ray.address else _read_docs(files, jsonl)
+    done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
+    config, seed = sampling.resolve()
+    opts = LongdocOptions(
+        templates={t: task.load_template(t, template) for t in ("question", "summarize")},
+        question=question, summarize=summarize, chat=chat, template=template,
+        n_predict=n_predict, truncate=truncate, sampling=config, seed=seed,
+        question_after=question_after,
+    )  # fmt: skip
+    spec = kv.spec()
+    if ray.address:
+        if note:
+            click.echo(note, err=True)
+        return _longdoc_ray(ctx, jsonl, out, done, opts, model, kv, parallel, ray)
+    rt = load_with_progress(model)
+    make_session = lambda kv, first: new_session(rt, kv, model, note=first)  # noqa: E731
+    run, job, settings = start_local(
+        rt, spec, parallel, opts, debugging(ctx), kv_cache_dir, make_session
+    )
+    if note:
+        click.echo(note, err=True)
+    total = sum(len(d.items()) for d in docs)
+    if jsonl or out:
+        failed = _run_records(ctx, run, docs, job, out, done, model.quiet, total)
+    else:
+        click.echo("settings: " + json.dumps({"kv": job.kv, **settings}), err=True)
+        failed = _run_text(run, docs, job)
+    summary = run.summary()
+    if summary is not None:
+        click.echo(summary, err=True)
+    if failed:
+        what = "documents" if total == len(docs) else "answers"
+        raise KvrunError(f"{failed} of {total} {what} failed (their errors are above)")
+    return None
+
+
+def _check_args(files, jsonl, question, summarize, out, resume, kv_cache_dir, ray, model):
+    """The options that go together, checked before anything is read or loaded."""
     if files and jsonl:
         raise KvrunError("give FILEs or --jsonl IN, not both")
     if not files and not jsonl:
@@ -188,47 +226,6 @@ def longdoc(
 
         import_ray()  # missing Ray is said before anything else is read
         needs_text(model.name)
-    docs = None if ray.address else _read_docs(files, jsonl)
-    done, note = task.prepare_results(Path(out), resume) if out else (set(), None)
-    config, seed = sampling.resolve()
-    opts = LongdocOptions(
-        templates={t: task.load_template(t, template) for t in ("question", "summarize")},
-        question=question,
-        summarize=summarize,
-        chat=chat,
-        template=template,
-        n_predict=n_predict,
-        truncate=truncate,
-        sampling=config,
-        seed=seed,
-        question_after=question_after,
-    )
-    spec = kv.spec()
-    if ray.address:
-        if note:
-            click.echo(note, err=True)
-        return _longdoc_ray(ctx, jsonl, out, done, opts, model, kv, parallel, ray)
-    rt = load_with_progress(model)
-    kv_mem = parallel.kv_mem_bytes(rt.model.device)
-    sessions = [new_session(rt, rt.new_kv(spec), model, note=i == 0) for i in range(parallel.n)]
-    settings = opts.settings(rt, sessions[0])
-    job = opts.job(sessions[0].kv.describe(), settings, debugging(ctx))
-    if note:
-        click.echo(note, err=True)
-    kvc_dir = KvcDir(kv_cache_dir, rt, spec) if kv_cache_dir else None
-    run = LocalRunner(sessions, kv_mem, lambda: rt.new_kv(spec), kvc_dir)
-    total = sum(len(d.items()) for d in docs)
-    if jsonl or out:
-        failed = _run_records(ctx, run, docs, job, out, done, model.quiet, total)
-    else:
-        click.echo("settings: " + json.dumps({"kv": job.kv, **settings}), err=True)
-        failed = _run_text(run, docs, job)
-    summary = run.summary()
-    if summary is not None:
-        click.echo(summary, err=True)
-    if failed:
-        what = "documents" if total == len(docs) else "answers"
-        raise KvrunError(f"{failed} of {total} {what} failed (their errors are above)")
 
 
 def _longdoc_ray(ctx, jsonl, out, done, opts, model, kv, parallel, ray) -> None:

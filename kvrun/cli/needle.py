@@ -10,8 +10,9 @@ from rich.table import Table
 from ..errors import KvrunError
 from ..kv import check
 from ..options import KVGridOptions, ModelOptions, RayOptions
-from ..progress import err_console, progress_bar
+from ..progress import err_console
 from ..tasks import needle as nd
+from ..tasks.needle_run import NeedleRun, start_ray
 from ..tasks.passkey import filler_units, read_haystack
 from .common import (
     kv_options,
@@ -211,147 +212,36 @@ def needle(
         require_matplotlib()
     if lengths is not None and model.ctx_size:
         nd.pick_lengths(lengths, model.ctx_size, n_predict)
-    grid = nd.GridOptions(
-        mode,
-        units,
-        seed,
-        lengths,
-        n_predict,
-        chat,
-        parallel,
-        needle=needle_text or "",
-        question=question or "",
-        answer=answer or "",
-        question_after=question_after,
-    )
-    pool = None
+    grid = nd.GridOptions(mode, units, seed, lengths, n_predict, chat, parallel,
+                          needle_text or "", question or "", answer or "", question_after)  # fmt: skip
     if ray.address:
         needs_text(model.name)
-        pool, facts = _ray_pool(ray, model, kv, grid)
-        context, length_list, about = facts["context"], facts["lengths"], facts["model"]
+        where = {"ray": start_ray(ray, model, kv, grid)}
     else:
-        rt = load_with_progress(model)
-        context, length_list, task = grid.setup(rt, configs, model.ctx_size)
-        about = nd.model_facts(rt)
-    cells = nd.grid(length_list, depth_list, trials)
-    niah = {"needle": needle_text, "question": question, "answer": answer}
-    doc = {
-        "task": "needle",
-        "settings": nd.settings_from(
-            about,
-            mode=mode,
-            seed=seed,
-            lengths=length_list,
-            depths=depth_list,
-            trials=trials,
-            n_predict=n_predict,
-            decoding="greedy",
-            chat=chat,
-            question_after=question_after,
-            kv=[{"method": c.method, "budget": c.budget} for c in configs],
-            ctx_size=context,
-            ubatch=model.ubatch,
-            haystack=haystack,
-            **(niah if mode == "niah" else {}),
-        ),
-        "complete": False,
-        "summary": [],
-        "trials": [],
-    }
-    records: list[dict] = doc["trials"]
-    total = len(cells) * len(configs)
-
-    def save(complete: bool) -> None:
-        doc["complete"] = complete
-        doc["summary"] = nd.summarize(records, configs)
-        if json_path and json_path != "-":
-            nd.write_json(json_path, doc)
-
-    save(False)  # an unwritable --json fails now, before any trial
-    interrupted = False
-    try:
-        with progress_bar("needle", quiet=model.quiet) as bar:
-            task_id = bar.add_task("needle", total=total)
-
-            def on_start(cell, cfg):
-                where = f"{nd.fmt_length(cell.length)} @ {nd.fmt_depth(cell.depth)}"
-                bar.update(task_id, description=f"{cfg.label}  {where}")
-
-            if pool is None:
-                source = nd.run_grid(
-                    rt, task, configs, cells, n_predict, model.ubatch, context, on_start, parallel
-                )
-            else:
-                source = _ray_grid(pool, cells, bar, task_id)
-            for rec in source:
-                records.append(rec)
-                save(False)
-                bar.advance(task_id)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        if pool is not None:
-            pool.close()
-            err_console.print(pool.summary(len(records), "trials"), highlight=False)
-    save(not interrupted)
-    out = err_console if json_path == "-" else Console(highlight=False)
-    out.print(Columns([heat_table(records, c, length_list, depth_list) for c in configs]))
-    out.print(summary_table(doc["summary"], trials, configs))
-    if json_path == "-":
-        import json
-
-        click.echo(json.dumps(doc, ensure_ascii=False))
-    if plot and records:
-        from ..tasks.needle_plot import plot_heatmaps
-
-        plot_heatmaps(plot, records, configs, length_list, depth_list)
+        where = {"rt": load_with_progress(model)}
+    run = NeedleRun(grid, configs, depth_list, trials, model, haystack, json_path, **where)
+    interrupted = run.run()
+    _report(run, json_path, plot)
     if interrupted:
         where = f"; written to {json_path}" if json_path and json_path != "-" else ""
-        click.echo(f"interrupted: {len(records)} of {total} trials done{where}", err=True)
+        click.echo(f"interrupted: {len(run.records)} of {run.total} trials done{where}", err=True)
         ctx.exit(130)
     if json_path and json_path != "-":
         err_console.print(f"[dim]trials written to {json_path}[/]")
 
 
-def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
-    """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
-    facts): handler(cells, node) -> each cell's records, every config, in grid order."""
-    from ..cluster import load_model
+def _report(run: NeedleRun, json_path: str | None, plot: str | None) -> None:
+    """The heat maps and the summary (on stderr when the JSON goes to stdout), the JSON for
+    --json -, and the --plot image."""
+    records, configs, lengths, depths = run.records, run.configs, run.lengths, run.depths
+    out = err_console if json_path == "-" else Console(highlight=False)
+    out.print(Columns([heat_table(records, c, lengths, depths) for c in configs]))
+    out.print(summary_table(run.doc["summary"], run.trials, configs))
+    if json_path == "-":
+        import json
 
-    configs = nd.kv_configs([(m, check(m).with_dtype(kv.dtype)) for m in kv.methods], kv.budgets)
-    rt = load_model(model)
-    context, length_list, task = grid.setup(rt, configs, model.ctx_size)
-    n, ubatch, parallel = grid.n_predict, model.ubatch, grid.parallel
+        click.echo(json.dumps(run.doc, ensure_ascii=False))
+    if plot and records:
+        from ..tasks.needle_plot import plot_heatmaps
 
-    def handler(items: list, node: str) -> list[list[dict]]:  # items: (index, cell)
-        return [
-            list(nd.run_grid(rt, task, configs, [c], n, ubatch, context, None, parallel))
-            for _, c in items
-        ]
-
-    facts = {"context": context, "lengths": length_list, "model": nd.model_facts(rt)}
-    return handler, facts
-
-
-def _ray_pool(ray: RayOptions, model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
-    """Ray workers for the grid, started and one of them ready: (pool, its facts)."""
-    from .. import cluster
-
-    echo = lambda m: err_console.print(m, highlight=False)  # noqa: E731
-    return cluster.start(ray, worker_setup, model, {"kv": kv, "grid": grid}, echo)
-
-
-def _ray_grid(pool, cells, bar, task_id):
-    """The grid's records from the workers, one cell (every config) per call, yielded in grid
-    order as soon as every earlier cell is in."""
-    done: dict[int, list[dict]] = {}
-    nxt = 0
-    for (i, _), records, error in pool.stream(((i, (i, c)) for i, c in enumerate(cells)), 1):
-        if error is not None:
-            c = cells[i]
-            raise KvrunError(f"needle trial {c.length} tokens at {c.depth:g}%: {error}")
-        done[i] = records
-        bar.update(task_id, description=f"needle  workers {pool.alive}/{pool.lay.workers}")
-        while nxt in done:
-            yield from done.pop(nxt)
-            nxt += 1
+        plot_heatmaps(plot, records, configs, lengths, depths)

@@ -7,9 +7,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..options import KVOptions, ModelOptions
-from ..progress import progress_bar
 from ..report import human_bytes
-from ..tasks.perplexity import Report, check_context, check_file, evaluate, file_tokens
+from ..tasks.perplexity import Report, check_context, check_file, file_tokens
+from ..tasks.perplexity_run import run_windows
 from .common import (
     dump_json,
     kv_options,
@@ -79,50 +79,12 @@ def perplexity(
     tokens = file_tokens(tok, text)
     check_file(len(tokens), context, eval_tokens, windows, "stdin" if file == "-" else file)
 
-    def pair():
-        """A session through the method, and one through the full cache in the model's dtype
-        (None where the method is that cache: --kv full --kv-dtype of the model's)."""
-        kv = rt.new_kv(spec)
-        exact = spec.is_full and kv.kv_type is None
-        return model.session(rt, kv), None if exact else model.session(rt, rt.new_kv())
-
-    method, ref = pair()
-    more = [pair() for _ in range(min(parallel, windows) - 1)]
-    bos = tok.bos_id if tok.add_bos else None
-    with progress_bar("perplexity", quiet=model.quiet) as bar:
-        task = bar.add_task(f"window 1/{windows}", total=windows * (context + eval_tokens))
-
-        def on_window(w):
-            bar.update(task, description=f"window {min(w.index + 2, windows)}/{windows}")
-
-        report = evaluate(
-            method,
-            ref,
-            tokens,
-            context,
-            eval_tokens,
-            windows,
-            bos_id=bos,
-            step=lambda n: bar.advance(task, n),
-            on_window=on_window,
-            more=more,
-        )
-    settings = {
-        "file": file,
-        "kv_budget": kv.budget,
-        "context": context,
-        "eval_tokens": eval_tokens,
-        "windows": windows,
-        "bos": bos is not None,
-        "ctx_size": method.context,
-        "ubatch": method.ubatch,
-        "dtype": str(rt.model.dtype).removeprefix("torch."),
-        "wtype": rt.weights.wtype,
-        "device": str(rt.model.device),
-    }
-    kv = method.kv.describe()
+    report, about, settings, with_ref = run_windows(
+        rt, spec, model, tokens, context, eval_tokens, windows, parallel
+    )
+    settings = {"file": file, "kv_budget": kv.budget} | settings
     if as_json:
-        out = {"model": str(rt.path), "model_name": rt.config.name, "kv": kv}
+        out = {"model": str(rt.path), "model_name": rt.config.name, "kv": about}
         out.update(settings=settings, file_tokens=report.file_tokens, **report.summary())
         out["per_window"] = [w.as_dict() for w in report.windows]
         out.update(
@@ -132,8 +94,8 @@ def perplexity(
         )
         dump_json(out)
     else:
-        print_report(report, kv, settings)
-    click.echo(timing_line(report, windows, ref is not None), err=True)
+        print_report(report, about, settings)
+    click.echo(timing_line(report, windows, with_ref), err=True)
 
 
 def print_report(report: Report, kv: dict, settings: dict) -> None:

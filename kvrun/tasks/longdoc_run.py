@@ -162,6 +162,20 @@ class RayRunner:
         self.pool.close()
 
 
+def start_local(rt, spec, parallel: ParallelOptions, opts: LongdocOptions, debug: bool,
+                kv_cache_dir: str | None, new_session) -> tuple[LocalRunner, LongdocJob, dict]:  # fmt: skip
+    """This process's --parallel sessions on rt (new_session(kv, first) makes each; only the
+    first notes a graph that is not used): the runner over them, the run's job and settings."""
+    from .longdoc_questions import KvcDir
+
+    kv_mem = parallel.kv_mem_bytes(rt.model.device)
+    sessions = [new_session(rt.new_kv(spec), i == 0) for i in range(parallel.n)]
+    settings = opts.settings(rt, sessions[0])
+    job = opts.job(sessions[0].kv.describe(), settings, debug)
+    kvc_dir = KvcDir(kv_cache_dir, rt, spec) if kv_cache_dir else None
+    return LocalRunner(sessions, kv_mem, lambda: rt.new_kv(spec), kvc_dir), job, settings
+
+
 def start_ray(
     ray: RayOptions,
     model: ModelOptions,
