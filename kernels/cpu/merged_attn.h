@@ -10,28 +10,12 @@
 // maximum. Nothing dense is built: a merged key's factor scales its score and a merged value's
 // its weight; a codebook key is rotated in registers. Scores of -inf (a masked slot) weigh 0.
 
-inline float half_to_f32(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return fp16_to_fp32(h);
-#endif
-}
-
-inline float ld1(const float* p) { return *p; }
-inline float ld1(const uint16_t* p) { return half_to_f32(*p); }
-
 inline float elem_at(const void* p, int elem, int64_t i) {
   return elem == EL_F16 ? half_to_f32(static_cast<const uint16_t*>(p)[i])
                         : static_cast<const float*>(p)[i];
 }
 
 #if defined(__AVX2__)
-inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 ld8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // the horizontal sums of up to 4 accumulators at once: out[i] = sum of x[i]'s lanes
 template <int N>
 inline void hsum4(const __m256* x, float* out) {

@@ -710,12 +710,14 @@ Table make_table() {
   t.rope = rope_row;
   t.silu_mul = silu_mul_row;
   t.attn_chunk = attn_chunk;
+  t.attn_chunk_f16 = attn_chunk_f16;
   t.merged_chunk = merged_chunk;
   t.codebook_chunk = codebook_chunk;
   t.best_rows = best_rows;
   t.kivi_chunk = kivi_chunk;  // KIVI
   t.kivi_dequant = kivi_dequant;
   t.attn_chunk_scores = attn_chunk_scores;  // tova_attn.h
+  t.attn_chunk_scores_f16 = attn_chunk_scores_f16;
   t.probs_row = probs_row;
   t.fold_row = fold_row;
   t.attn_rows_probs = attn_rows_probs;

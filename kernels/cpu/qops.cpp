@@ -612,6 +612,21 @@ void attend_typed(const float* q, int64_t hq, int64_t d, const uint8_t* k, int64
     return;
   }
   const int64_t R = hq / hkv * tq;
+  if (type == kvq::KV_F16) {  // converted in the loads: no tile to write and read back
+    const uint16_t *k16 = reinterpret_cast<const uint16_t*>(k),
+                   *v16 = reinterpret_cast<const uint16_t*>(v);
+    split_keys(
+        hkv, R, t, d, 256,
+        [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
+            std::vector<float>& scratch) {
+          scratch.resize(R * n);
+          tab->attn_chunk_f16(q + h * R * d, (int)R, k16 + (h * khs + j0 * kts) / 2, kts / 2,
+                              v16 + (h * vhs + j0 * vts) / 2, vts / 2, n, d, scale, part, mx,
+                              sm, scratch.data());
+        },
+        out, lse);
+    return;
+  }
   split_keys(
       hkv, R, t, d, KV_TILE,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
@@ -1495,14 +1510,21 @@ void attend_probs_rows(const float* q, int64_t hq, int64_t d, const uint8_t* k, 
                        int64_t acc_rows, int64_t as, const Table* tab) {
   const int64_t g = hq / hkv;
   std::vector<float> lse(hq);
-  const bool f32 = type == kvq::KV_F32;
+  const bool f32 = type == kvq::KV_F32, f16 = type == kvq::KV_F16;  // read in place
   split_keys(
-      hkv, g, t, d, f32 ? 256 : KV_TILE,
+      hkv, g, t, d, f32 || f16 ? 256 : KV_TILE,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
           std::vector<float>& scratch) {
         const float* qh = q + h * g * d;
         const uint8_t *kh = k + h * khs + j0 * kts, *vh = v + h * vhs + j0 * vts;
         float* ph = p + h * g * t + j0;
+        if (f16) {
+          scratch.resize(g * n);
+          tab->attn_chunk_scores_f16(qh, (int)g, reinterpret_cast<const uint16_t*>(kh), kts / 2,
+                                     reinterpret_cast<const uint16_t*>(vh), vts / 2, n, d, scale,
+                                     part, mx, sm, scratch.data(), ph, t);
+          return;
+        }
         if (f32) {
           scratch.resize(g * n);
           tab->attn_chunk_scores(qh, (int)g, reinterpret_cast<const float*>(kh), kts / 4,

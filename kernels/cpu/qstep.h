@@ -11,6 +11,18 @@
 // polynomial: within 2 ulp of expf). Bound by memory: ~20 GB/s of float32 K/V on the 2-core
 // development VM, where a plain sum streams ~21.
 
+// one element of a float32 or float16 row (K/V rows: f32 or --kv-dtype f16)
+inline float half_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return fp16_to_fp32(h);
+#endif
+}
+
+inline float ld1(const float* p) { return *p; }
+inline float ld1(const uint16_t* p) { return half_to_f32(*p); }
+
 #if defined(__AVX2__)
 // exp(x) for x <= 0 (scores minus their maximum) and moderately positive x
 inline __m256 exp8(__m256 x) {
@@ -93,16 +105,22 @@ void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
 }
 
 #if defined(__AVX2__)
+// 8 elements of a float32 or float16 row as float32
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // scores (HG, t) = q (HG, d) . k_j * scale for t keys, each key row read once, in order
-template <int HG>
-inline void scores_rows(const float* q, const float* k, int64_t ks, int64_t t, int64_t d,
+template <int HG, typename T = float>
+inline void scores_rows(const float* q, const T* k, int64_t ks, int64_t t, int64_t d,
                         float scale, float* sc, int64_t ss) {
   for (int64_t j = 0; j < t; j++) {
     __m256 a0[HG], a1[HG];
     for (int a = 0; a < HG; a++) a0[a] = a1[a] = _mm256_setzero_ps();
-    const float* kr = k + j * ks;
+    const T* kr = k + j * ks;
     for (int64_t i = 0; i < d; i += 16) {
-      const __m256 k0 = _mm256_loadu_ps(kr + i), k1 = _mm256_loadu_ps(kr + i + 8);
+      const __m256 k0 = ld8(kr + i), k1 = ld8(kr + i + 8);
       for (int a = 0; a < HG; a++) {
         a0[a] = _mm256_fmadd_ps(_mm256_loadu_ps(q + a * d + i), k0, a0[a]);
         a1[a] = _mm256_fmadd_ps(_mm256_loadu_ps(q + a * d + i + 8), k1, a1[a]);
@@ -113,8 +131,8 @@ inline void scores_rows(const float* q, const float* k, int64_t ks, int64_t t, i
 }
 
 // out (HG, d) = out * r[a] + sum_j p[a][j] v_j: 64 columns a pass, 8 accumulators a head
-template <int HG>
-inline void weigh_rows(const float* p, int64_t ps, int64_t t, const float* v, int64_t vs,
+template <int HG, typename T = float>
+inline void weigh_rows(const float* p, int64_t ps, int64_t t, const T* v, int64_t vs,
                        int64_t d, const float* r, float* out) {
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     __m256 acc[HG][8];
@@ -124,7 +142,7 @@ inline void weigh_rows(const float* p, int64_t ps, int64_t t, const float* v, in
     }
     for (int64_t j = 0; j < t; j++) {
       __m256 vv[8];
-      for (int c = 0; c < 8; c++) vv[c] = _mm256_loadu_ps(v + j * vs + c0 + 8 * c);
+      for (int c = 0; c < 8; c++) vv[c] = ld8(v + j * vs + c0 + 8 * c);
       for (int a = 0; a < HG; a++) {
         const __m256 pa = _mm256_set1_ps(p[a * ps + j]);
         for (int c = 0; c < 8; c++) acc[a][c] = _mm256_fmadd_ps(pa, vv[c], acc[a][c]);
@@ -172,9 +190,11 @@ inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm
 }
 
 
-template <int HG>
-void attn_heads(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t,
-                int64_t d, float scale, float* out, float* mx, float* sm) {
+// sout, where given: each raw score also stored at sout[a * ldo + j] (tova_attn.h's scores)
+template <int HG, typename T = float>
+void attn_heads(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t t,
+                int64_t d, float scale, float* out, float* mx, float* sm, float* sout = nullptr,
+                int64_t ldo = 0) {
   constexpr int64_t KB = 128;
   float sc[HG * KB], r[HG];
   for (int a = 0; a < HG; a++) {
@@ -184,9 +204,12 @@ void attn_heads(const float* q, const float* k, int64_t ks, const float* v, int6
   for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
   for (int64_t j0 = 0; j0 < t; j0 += KB) {
     const int64_t n = t - j0 < KB ? t - j0 : KB;
-    scores_rows<HG>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
+    scores_rows<HG, T>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
+    if (sout != nullptr)
+      for (int a = 0; a < HG; a++)
+        std::memcpy(sout + a * ldo + j0, sc + a * KB, n * sizeof(float));  // the raw scores
     softmax_block<HG>(sc, KB, n, mx, sm, r);
-    weigh_rows<HG>(sc, KB, n, v + j0 * vs, vs, d, r, out);
+    weigh_rows<HG, T>(sc, KB, n, v + j0 * vs, vs, d, r, out);
   }
 }
 #endif
@@ -196,9 +219,12 @@ void attn_heads(const float* q, const float* k, int64_t ks, const float* v, int6
 // exp(score - mx); mx, sm (g): the largest score and the sum of those weights. scores:
 // scratch of g * t floats (the portable path's). Vector path: heads in groups of up to 3 (as
 // even as may be), each group reading K and V once.
-void attn_chunk(const float* q, int g, const float* k, int64_t ks, const float* v, int64_t vs,
-                int64_t t, int64_t d, float scale, float* out, float* mx, float* sm,
-                float* scores) {
+// K/V rows of T: float32, or float16 (--kv-dtype f16, converted in the loads: attn_chunk_f16).
+// sout (g rows of stride ldo), where given, gets every raw score (attn_chunk_scores).
+template <typename T>
+void attn_chunk_of(const float* q, int g, const T* k, int64_t ks, const T* v, int64_t vs,
+                   int64_t t, int64_t d, float scale, float* out, float* mx, float* sm,
+                   float* scores, float* sout = nullptr, int64_t ldo = 0) {
 #if defined(__AVX2__)
   if (d % 64 == 0) {
     const int groups = (g + 2) / 3;
@@ -206,9 +232,10 @@ void attn_chunk(const float* q, int g, const float* k, int64_t ks, const float* 
       const int hn = (g - h0) / (groups - gi) + ((g - h0) % (groups - gi) ? 1 : 0);
       const float* qh = q + h0 * d;
       float* oh = out + h0 * d;
-      if (hn == 3) attn_heads<3>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0);
-      else if (hn == 2) attn_heads<2>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0);
-      else attn_heads<1>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0);
+      float* so = sout != nullptr ? sout + h0 * ldo : nullptr;
+      if (hn == 3) attn_heads<3, T>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
+      else if (hn == 2) attn_heads<2, T>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
+      else attn_heads<1, T>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
       h0 += hn;
     }
     return;
@@ -217,8 +244,9 @@ void attn_chunk(const float* q, int g, const float* k, int64_t ks, const float* 
   for (int h = 0; h < g; h++)
     for (int64_t j = 0; j < t; j++) {
       float s = 0.f;
-      for (int64_t i = 0; i < d; i++) s += q[h * d + i] * k[j * ks + i];
+      for (int64_t i = 0; i < d; i++) s += q[h * d + i] * ld1(k + j * ks + i);
       scores[h * t + j] = s * scale;
+      if (sout != nullptr) sout[h * ldo + j] = s * scale;
     }
   for (int h = 0; h < g; h++) {
     float* sc = scores + h * t;
@@ -236,6 +264,18 @@ void attn_chunk(const float* q, int g, const float* k, int64_t ks, const float* 
   for (int h = 0; h < g; h++)
     for (int64_t j = 0; j < t; j++) {
       const float p = scores[h * t + j];
-      for (int64_t i = 0; i < d; i++) out[h * d + i] += p * v[j * vs + i];
+      for (int64_t i = 0; i < d; i++) out[h * d + i] += p * ld1(v + j * vs + i);
     }
+}
+
+void attn_chunk(const float* q, int g, const float* k, int64_t ks, const float* v, int64_t vs,
+                int64_t t, int64_t d, float scale, float* out, float* mx, float* sm,
+                float* scores) {
+  attn_chunk_of<float>(q, g, k, ks, v, vs, t, d, scale, out, mx, sm, scores);
+}
+
+void attn_chunk_f16(const float* q, int g, const uint16_t* k, int64_t ks, const uint16_t* v,
+                    int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
+                    float* sm, float* scores) {
+  attn_chunk_of<uint16_t>(q, g, k, ks, v, vs, t, d, scale, out, mx, sm, scores);
 }

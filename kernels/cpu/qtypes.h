@@ -138,6 +138,10 @@ typedef void (*KiviDequantFn)(const KiviHead& b, int bits, int group, int64_t t0
 typedef void (*AttnScoresFn)(const float* q, int g, const float* k, int64_t ks, const float* v,
                              int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
                              float* sm, float* scores, float* sout, int64_t ldo);
+typedef void (*AttnScoresF16Fn)(const float* q, int g, const uint16_t* k, int64_t ks,
+                                const uint16_t* v, int64_t vs, int64_t t, int64_t d,
+                                float scale, float* out, float* mx, float* sm, float* scores,
+                                float* sout, int64_t ldo);
 typedef void (*ProbsRowFn)(float* s, int64_t n, float lse);
 typedef void (*FoldRowFn)(const float* x, int64_t n, float w, int mode, float* y);
 typedef void (*AttnRowsFn)(const float* q, int R, int64_t d, const float* k, int64_t ks,
@@ -146,12 +150,18 @@ typedef void (*AttnRowsFn)(const float* q, int R, int64_t d, const float* k, int
                            float* lse, float* s, int64_t ls);
 typedef void (*PackKtFn)(const float* k, int64_t ks, int64_t n, int64_t d, float* kt);
 
+// attn_chunk over float16 K/V rows (--kv-dtype f16), converted in the loads
+typedef void (*AttnF16Fn)(const float* q, int g, const uint16_t* k, int64_t ks,
+                          const uint16_t* v, int64_t vs, int64_t t, int64_t d, float scale,
+                          float* out, float* mx, float* sm, float* scores);
+
 struct Table {
   const char* name;
   RowFn rmsnorm;
   RopeFn rope;
   SiluMulFn silu_mul;
   AttnFn attn_chunk;
+  AttnF16Fn attn_chunk_f16;
   KiviChunkFn kivi_chunk;  // KIVI (kivi_attn.h)
   KiviDequantFn kivi_dequant;
   Quant32Fn quant32;
@@ -167,6 +177,7 @@ struct Table {
   BestRowFn best_rows;
   // attention that keeps its probabilities (tova_attn.h)
   AttnScoresFn attn_chunk_scores;
+  AttnScoresF16Fn attn_chunk_scores_f16;
   ProbsRowFn probs_row;
   FoldRowFn fold_row;
   AttnRowsFn attn_rows_probs;

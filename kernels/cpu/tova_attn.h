@@ -13,28 +13,6 @@
 // (or V) stays in L2 while every row of the block reads it.
 
 #if defined(__AVX2__)
-// heads_scores<HG>: attn_heads (qstep.h) that also stores each raw score at sout[a * ldo + j]
-template <int HG>
-void heads_scores(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
-                  int64_t t, int64_t d, float scale, float* out, float* mx, float* sm,
-                  float* sout, int64_t ldo) {
-  constexpr int64_t KB = 128;
-  float sc[HG * KB], r[HG];
-  for (int a = 0; a < HG; a++) {
-    mx[a] = -INFINITY;
-    sm[a] = 0.f;
-  }
-  for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
-  for (int64_t j0 = 0; j0 < t; j0 += KB) {
-    const int64_t n = t - j0 < KB ? t - j0 : KB;
-    scores_rows<HG>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
-    for (int a = 0; a < HG; a++)
-      std::memcpy(sout + a * ldo + j0, sc + a * KB, n * sizeof(float));  // the raw scores
-    softmax_block<HG>(sc, KB, n, mx, sm, r);
-    weigh_rows<HG>(sc, KB, n, v + j0 * vs, vs, d, r, out);
-  }
-}
-
 // 4 partial-sum vectors -> their 4 sums
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -232,45 +210,15 @@ inline void pv_block(const float* p, int R, int64_t lp, const float* v, int64_t 
 void attn_chunk_scores(const float* q, int g, const float* k, int64_t ks, const float* v,
                        int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
                        float* sm, float* scores, float* sout, int64_t ldo) {
-#if defined(__AVX2__)
-  if (d % 64 == 0) {
-    const int groups = (g + 2) / 3;
-    for (int gi = 0, h0 = 0; gi < groups; gi++) {
-      const int hn = (g - h0) / (groups - gi) + ((g - h0) % (groups - gi) ? 1 : 0);
-      const float* qh = q + h0 * d;
-      float *oh = out + h0 * d, *so = sout + h0 * ldo;
-      if (hn == 3) heads_scores<3>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
-      else if (hn == 2) heads_scores<2>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
-      else heads_scores<1>(qh, k, ks, v, vs, t, d, scale, oh, mx + h0, sm + h0, so, ldo);
-      h0 += hn;
-    }
-    return;
-  }
-#endif
-  for (int h = 0; h < g; h++)
-    for (int64_t j = 0; j < t; j++) {
-      float s = 0.f;
-      for (int64_t i = 0; i < d; i++) s += q[h * d + i] * k[j * ks + i];
-      scores[h * t + j] = sout[h * ldo + j] = s * scale;
-    }
-  for (int h = 0; h < g; h++) {
-    float* sc = scores + h * t;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < t; j++) m = sc[j] > m ? sc[j] : m;
-    float total = 0.f;
-    for (int64_t j = 0; j < t; j++) {
-      sc[j] = std::exp(sc[j] - m);
-      total += sc[j];
-    }
-    mx[h] = m;
-    sm[h] = total;
-  }
-  for (int64_t i = 0; i < g * d; i++) out[i] = 0.f;
-  for (int h = 0; h < g; h++)
-    for (int64_t j = 0; j < t; j++) {
-      const float p = scores[h * t + j];
-      for (int64_t i = 0; i < d; i++) out[h * d + i] += p * v[j * vs + i];
-    }
+  attn_chunk_of<float>(q, g, k, ks, v, vs, t, d, scale, out, mx, sm, scores, sout, ldo);
+}
+
+// the same over float16 K/V rows (--kv-dtype f16), converted in the loads
+void attn_chunk_scores_f16(const float* q, int g, const uint16_t* k, int64_t ks,
+                           const uint16_t* v, int64_t vs, int64_t t, int64_t d, float scale,
+                           float* out, float* mx, float* sm, float* scores, float* sout,
+                           int64_t ldo) {
+  attn_chunk_of<uint16_t>(q, g, k, ks, v, vs, t, d, scale, out, mx, sm, scores, sout, ldo);
 }
 
 // s[j] = exp(s[j] - lse) for j < n: a row's raw scores -> its probabilities (0 where lse = -inf)
