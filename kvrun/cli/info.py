@@ -10,12 +10,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..config import ModelConfig
 from ..errors import KvrunError
-from ..model_store import REGISTRY, local_models, models_dir, resolve
-from ..model_store import pull as pull_model
-from ..progress import err_console, progress_bar
-from ..report import human_bytes
+from ..hub.model_store import REGISTRY, local_models, models_dir, resolve
+from ..hub.model_store import pull as pull_model
+from ..models.config import ModelConfig
+from ..run.progress import err_console, progress_bar
+from ..run.report import human_bytes
 from .common import quiet_option
 
 
@@ -24,7 +24,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
     if path.is_dir():
         from safetensors import safe_open
 
-        from ..file_headers import shard_paths
+        from ..models.file_headers import shard_paths
 
         cfg = ModelConfig.from_hf(path / "config.json")
         types: Counter = Counter()
@@ -48,7 +48,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
             "file_bytes": size,
             "chat_template": _hf_has_template(path),
         }
-    from ..file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
+    from ..models.file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
@@ -207,7 +207,7 @@ def info(model, wtype, as_json):
 def models(as_json):
     """List the models in the models folder and the Hugging Face cache, and the short names
     `kvrun pull` fetches."""
-    from .. import hub
+    from ..hub import names as hub
 
     root, cache = models_dir(), hub.hub_cache()
     found = local_models(root, read_meta=False)

@@ -9,8 +9,8 @@ from rich.table import Table
 
 from ..errors import KvrunError
 from ..kv import check
-from ..options import KVGridOptions, ModelOptions, RayOptions
-from ..progress import err_console, progress_bar
+from ..run.options import KVGridOptions, ModelOptions, RayOptions
+from ..run.progress import err_console, progress_bar
 from ..tasks import needle as nd
 from ..tasks.passkey import filler_units, read_haystack
 from .common import (
@@ -316,7 +316,7 @@ def needle(
 def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
     facts): handler(cells, node) -> each cell's records, every config, in grid order."""
-    from ..cluster import load_model
+    from ..run.cluster import load_model
 
     configs = nd.kv_configs([(m, check(m).with_dtype(kv.dtype)) for m in kv.methods], kv.budgets)
     rt = load_model(model)
@@ -335,7 +335,7 @@ def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
 
 def _ray_pool(ray: RayOptions, model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     """Ray workers for the grid, started and one of them ready: (pool, its facts)."""
-    from .. import cluster
+    from ..run import cluster
 
     echo = lambda m: err_console.print(m, highlight=False)  # noqa: E731
     return cluster.start(ray, worker_setup, model, {"kv": kv, "grid": grid}, echo)

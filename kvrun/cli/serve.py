@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..options import KVOptions, ModelOptions, ParallelOptions, size_bytes
-from ..progress import err_console
+from ..run.options import KVOptions, ModelOptions, ParallelOptions, size_bytes
+from ..run.progress import err_console
 from .common import graph_option, kv_options, model_options, new_session, parallel_options
 
 
@@ -118,9 +118,9 @@ def serve(
     """
     spec = kv.spec()  # a bad --kv fails before the load
     cache_bytes = size_bytes(cache_mem, "--cache-mem")
-    from ..model_store import DEFAULT_MODEL, resolve
-    from ..presets import is_preset
-    from ..runtime import load_runtime, pick_device
+    from ..hub.model_store import DEFAULT_MODEL, resolve
+    from ..models.presets import is_preset
+    from ..run.runtime import load_runtime, pick_device
     from ..server.app import Server, Settings
     from ..server.app import serve as run
     from ..server.metrics import Metrics

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .errors import ContextOverflow, KvrunError
+from ..errors import ContextOverflow, KvrunError
 from .graph import BatchGraph, DecodeGraph, eager_rows, static_unsupported
 from .sampling import SamplingConfig, ban, sample
 

@@ -41,10 +41,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import KvrunError
-from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes, token_logprobs
+from ..errors import KvrunError
 from .graph import BatchGraph
 from .sampling import SamplingConfig, ban, sample
+from .session import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes, token_logprobs
 
 
 @dataclass
