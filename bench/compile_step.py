@@ -2,7 +2,7 @@
 
     python bench/compile_step.py [-m smollm2] [--prompt 16] [--steps 100] [--threads 2] [--cpp-wrapper]
 
-kvrun decodes eagerly: on CPU a step is the flat loop of kvrun/fused_decode.py over the
+kvrun decodes eagerly: on CPU a step is the flat loop of kvrun/models/fused_decode.py over the
 dynamic full cache; on CUDA the static step replays from a CUDA graph (`--cuda-graph`).
 torch.compile needs a step without host reads, so it compiles the static form (the one a
 CUDA graph captures: buffers with room, positions as tensors, no number read back). Rows:
@@ -30,10 +30,10 @@ import time
 
 import torch
 
-from kvrun import fused_decode
-from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
+from kvrun.models import fused_decode
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python bench/decode_profile.py                 # default model, --wtype auto, full cache
     python bench/decode_profile.py --wtype f32     # the dense reference path
     python bench/decode_profile.py --kv snapkv --budget 0.25 --prompt 2048
-    python bench/decode_profile.py --modules       # through the modules, not kvrun/fused_decode.py
+    python bench/decode_profile.py --modules       # through the modules, not kvrun/models/fused_decode.py
     python bench/decode_profile.py --products      # the int4 products alone, back to back
 
 Decode steps follow a prompt of random ids; the first steps are a warm-up. The table's
@@ -20,8 +20,8 @@ import torch
 from bench_harness import timed
 from torch.profiler import ProfilerActivity, profile
 
-from kvrun.generate import Session
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument(
         "--modules",
         action="store_true",
-        help="decode through the modules, not kvrun/fused_decode.py",
+        help="decode through the modules, not kvrun/models/fused_decode.py",
     )
     ap.add_argument(
         "--products",
@@ -87,7 +87,7 @@ def main() -> None:
 def products(model, reps: int) -> None:
     """ms per step of the decode step's int4 products alone, one row, back to back in the
     step's order on the model's own weights (what a step cannot go below on this path)."""
-    from kvrun import fused_decode
+    from kvrun.models import fused_decode
 
     layers = fused_decode.bind(model)
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head

@@ -97,7 +97,7 @@ def llamacpp_run(model: str, threads: int) -> dict:
 
 def main() -> None:
     a = args()
-    from kvrun.model_store import DEFAULT_MODEL, resolve
+    from kvrun.hub.model_store import DEFAULT_MODEL, resolve
 
     model = (
         str(Path(a.model).resolve()) if a.model else str(resolve(DEFAULT_MODEL, pull_missing=True))

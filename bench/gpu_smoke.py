@@ -351,7 +351,7 @@ def dry_run(budget: float) -> int:
                 check((ROOT / p).is_file(), f"{step.name}: {p} exists")
     # kvrun's own parser, on the exact argv (unknown options and bad values fail here)
     from kvrun.kv import check as check_kv
-    from kvrun.presets import is_preset
+    from kvrun.models.presets import is_preset
 
     for step in steps:
         if step.argv[1:3] != ["-m", "kvrun"]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvrun.kv import check
 from kvrun.quant import linear as packed_mod
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
 
 
 def main() -> None:

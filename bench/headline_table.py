@@ -40,9 +40,9 @@ from pathlib import Path
 from bench_harness import alternate, log, md_head, md_row, utc_now, write_section
 
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
 from kvrun.kv import REGISTRY, check
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session
 from kvrun.tasks import needle as nd
 from kvrun.tasks import perplexity as ppl
 from kvrun.tasks.bench import bench_row, machine, rep_stats

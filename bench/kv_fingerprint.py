@@ -26,9 +26,9 @@ TEXT = "/usr/share/common-licenses/GPL-3"
 def fingerprint(wtype: str = "f32") -> dict:
     import torch
 
-    from kvrun.generate import Session
     from kvrun.kv import check
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
+    from kvrun.run.session import Session
 
     rt = load_runtime(None, log=lambda s: None, wtype=wtype)
     with open(TEXT) as f:

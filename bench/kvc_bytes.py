@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from kvrun import kvc
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
 from kvrun.kv import REGISTRY, check
-from kvrun.runtime import load_runtime
+from kvrun.run import kvc
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session
 
 DEFAULT_METHODS = [m for m in REGISTRY if m != "full"] + ["full", "snapkv+kivi2", "xkv+kivi4"]
 

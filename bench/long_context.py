@@ -65,7 +65,7 @@ print(json.dumps({"prompt_tokens": len(toks), "prefill_tok_s": len(toks) / (t1 -
 
 def prompt_file(tokens: int, model: str | None, path: Path) -> Path:
     """The GPL-3 text repeated and cut to `tokens` tokens of the model's tokenizer."""
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     rt = load_runtime(model, log=lambda s: None)
     text = TEXT.read_text()
@@ -117,7 +117,7 @@ def llamacpp_row(args, prompt: Path, flash: bool, kind: int, shape: dict) -> dic
 
 
 def model_shape(model: str | None) -> tuple[str, dict]:
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     rt = load_runtime(model, log=lambda s: None)
     c = rt.config

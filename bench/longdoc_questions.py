@@ -68,7 +68,7 @@ def args() -> argparse.Namespace:
 
 def documents(model: str | None, n: int, size: int) -> list[str]:
     """n texts of about `size` tokens of the model's tokenizer, one license each."""
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     tok = load_runtime(model, "float32", "cpu", log=lambda m: None).tokenizer
     texts = [p.read_text("utf-8", errors="replace") for p in (LICENSES / t for t in TEXTS)]
@@ -163,7 +163,7 @@ def main() -> None:
 
 
 def _device():
-    from kvrun.runtime import pick_device
+    from kvrun.run.runtime import pick_device
 
     return pick_device("auto")
 

@@ -21,9 +21,9 @@ import time
 import torch
 from bench_harness import alternate
 
-from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session
 
 DECODE = ["full", "tova", "h2o"]
 PREFILL = ["full", "minikv", "kvzip", "h2o", "tova"]

@@ -8,7 +8,7 @@ Builds --docs documents of about --doc-tokens tokens from --text (default: the G
 shipped with Debian, any long English text works), asks each the same question with greedy
 decoding of -n tokens (--ignore-eos style: a stop token ends a document early, as in
 longdoc), and runs the whole batch through the code `kvrun longdoc` runs (the same prompt
-building, the sequential loop for N = 1, kvrun.engine for N > 1) on one loaded model, one
+building, the sequential loop for N = 1, kvrun.run.engine for N > 1) on one loaded model, one
 row per (--kv, N). Reports wall time for the batch, documents per minute, aggregate decode
 tok/s (generated tokens over the time spent in decode steps) and the speedup over N = 1 of
 the same --kv; checks that every document's tokens equal the N = 1 run's. The table goes to
@@ -26,10 +26,10 @@ from pathlib import Path
 
 from bench_harness import md_head, utc_now, write_section
 
-from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime, pick_device
-from kvrun.sampling import SamplingConfig
+from kvrun.run.runtime import load_runtime, pick_device
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 from kvrun.tasks import longdoc as task
 from kvrun.tasks import longdoc_questions as batch
 from kvrun.tasks.bench import machine

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from kvrun.generate import Session, peak_memory_bytes
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session, peak_memory_bytes
 
 
 def _sd(xs: list[float]) -> float:

@@ -91,8 +91,8 @@ def quantize(src: Path, kind: str) -> Path:
 
 
 def token_ids(text: Path, model: Path) -> list[int]:
-    from kvrun.file_headers import gguf_metadata, open_gguf
-    from kvrun.tokenizer import Tokenizer
+    from kvrun.models.file_headers import gguf_metadata, open_gguf
+    from kvrun.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(gguf_metadata(open_gguf(model)))
     ids = tok.encode(text.read_text())[:CONTEXT]
@@ -129,10 +129,10 @@ def kvrun_nll(path: Path, ids: list[int]) -> dict:
     weights it holds and in what forms."""
     import torch
 
-    from kvrun.generate import Session
     from kvrun.quant.blocks import BlockLinear
     from kvrun.quant.linear import PackedLinear
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
+    from kvrun.run.session import Session
     from kvrun.tasks.bench import weight_bytes
 
     rt = load_runtime(str(path), log=lambda m: None)

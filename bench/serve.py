@@ -274,8 +274,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from kvrun.model_store import resolve
-    from kvrun.presets import is_preset
+    from kvrun.hub.model_store import resolve
+    from kvrun.models.presets import is_preset
     from kvrun.tasks.bench import machine
 
     # a preset (llama3-8b-synthetic: real shapes, random weights) is kvrun's alone

@@ -172,7 +172,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from kvrun.model_store import resolve
+    from kvrun.hub.model_store import resolve
     from kvrun.tasks.bench import machine
 
     model = str(resolve(a.model, pull_missing=True, log=log))

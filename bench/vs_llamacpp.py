@@ -24,7 +24,7 @@ greedily (an argmax per step).
 Also recorded: load time and peak RSS of each side on the default model, and kvrun's load
 time and peak RSS for the synthetic 8B preset `llama3-8b-synthetic --wtype q4` (unless
 --skip-8b), and the wait a `kvrun generate` user sees: load + a 33-token prompt + its first
-token, each tool in fresh processes (bench/first_token.py's runs). Load time is the model-load call alone (kvrun.runtime.load_runtime; llama.cpp's
+token, each tool in fresh processes (bench/first_token.py's runs). Load time is the model-load call alone (kvrun.run.runtime.load_runtime; llama.cpp's
 Llama() constructor), imports excluded. Peak RSS is the subprocess's ru_maxrss (wait4).
 Failures are recorded as 'failed: <reason>' and do not stop the run.
 
@@ -162,7 +162,7 @@ KVRUN_LOAD_PROBE = r"""
 import json, resource, sys, time
 
 spec, wtype = sys.argv[1], sys.argv[2]
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
 
 t0 = time.perf_counter()
 rt = load_runtime(spec, wtype=wtype, log=lambda s: None)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvrun.errors import KvrunError
-from kvrun.weights import load_gguf
+from kvrun.models.weights import load_gguf
 
 Progress = Callable[[int, int], None]
 

@@ -10,12 +10,12 @@ import gguf
 import numpy as np
 import torch
 
-from kvrun.config import PERMUTED_QK, ModelConfig
 from kvrun.errors import KvrunError
-from kvrun.file_headers import GGUF_TOP, ROPE_TENSORS, block_parts, gguf_name_to_hf
-from kvrun.rope import inverse_frequencies
-from kvrun.tokenizer import bpe_json_vocab, bpe_pre_name, spm_json_vocab
-from kvrun.weights import load_safetensors, permute_qk
+from kvrun.models.config import PERMUTED_QK, ModelConfig
+from kvrun.models.file_headers import GGUF_TOP, ROPE_TENSORS, block_parts, gguf_name_to_hf
+from kvrun.models.rope import inverse_frequencies
+from kvrun.models.tokenizer import bpe_json_vocab, bpe_pre_name, spm_json_vocab
+from kvrun.models.weights import load_safetensors, permute_qk
 
 Progress = Callable[[int, int], None]
 Q = gguf.GGMLQuantizationType
@@ -160,7 +160,7 @@ def _is_spm_bpe(tok_json: dict) -> bool:
 def _add_spm_json(w: gguf.GGUFWriter, tok_json: dict, vocab_size: int) -> None:
     """A SentencePiece BPE folder without tokenizer.model (Llama 2 / Mistral style, Gemma 3),
     written as the 'llama' vocabulary llama.cpp's converter writes for it; the scores rank
-    the merges (kvrun.tokenizer.spm_json_vocab), where llama.cpp's writes -1000 for all."""
+    the merges (kvrun.models.tokenizer.spm_json_vocab), where llama.cpp's writes -1000 for all."""
     tokens, scores, types = spm_json_vocab(tok_json, vocab_size)
     _write_llama_vocab(w, tokens, scores, types, tok_json, prefix_key=False)
 

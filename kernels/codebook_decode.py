@@ -6,7 +6,7 @@ position and g keep bits. Its key is RoPE(C_K[off_k[h] + idx_k] * mag_k, pos), i
 C_V[off_v[h] + idx_v] * mag_v, and query head h*g + j sees it only where bit j of its mask
 is set. The Triton kernel gathers a tile's codebook rows, rotates them at their own positions
 in registers (rotate-half: the two halves of a row are loaded apart, no permutation, and only
-the first half of each cos / sin row, since kvrun.rope's rows are cat(ang, ang)), scales the
+the first half of each cos / sin row, since kvrun.models.rope's rows are cat(ang, ang)), scales the
 scores by mag_k and the probabilities by mag_v, so no dense K or V is ever written. As in
 dense_decode, one program serves the g query heads of a KV head over one split of the slots
 and the splits merge by log-sum-exp. Slots held densely (pre-RoPE K and V: codebook=off, or
@@ -131,7 +131,7 @@ def codebook_decode_ref(
     idx_v: torch.Tensor | None,  # (Hkv, S)
     mag_v: torch.Tensor | None,  # (Hkv, S)
     pos: torch.Tensor,  # (Hkv, S) int32 position of each slot
-    cos: torch.Tensor,  # (P, D) kvrun.rope's tables (rows cat(ang, ang)), P > every position
+    cos: torch.Tensor,  # (P, D) kvrun.models.rope's tables (rows cat(ang, ang)), P > every position
     sin: torch.Tensor,  # (P, D)
     mask: torch.Tensor | None = None,  # (Hkv, S, ceil(g/8)) uint8 keep bits; None = all see all
     off_k: torch.Tensor | None = None,  # (Hkv,) first row of head h's key book; None = 0

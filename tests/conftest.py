@@ -34,7 +34,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kvrun.model_store import REGISTRY, models_dir
+from kvrun.hub.model_store import REGISTRY, models_dir
 
 # Tests build their packed models afresh (some patch how they are built); the packed cache's
 # own tests (tests/test_packed_cache.py) turn it on with a cache folder of their own.
@@ -131,7 +131,7 @@ def default_gguf():
 @pytest.fixture(scope="session")
 def default_runtime(default_gguf):
     """The default model loaded once on CPU with dense float32 weights (the reference path)."""
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     return load_runtime(str(default_gguf), "float32", "cpu", log=lambda m: None, wtype="f32")
 

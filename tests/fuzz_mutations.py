@@ -588,7 +588,7 @@ def cache_mutation(raw: bytes, rng: random.Random) -> tuple[str, bytes, bool]:
     """(what, bytes, strict) of a damaged cache entry; strict: its header changed but not its
     digest, so it must not be used as it is. Half the header edits are signed again (a
     hostile entry): those must give no traceback, and may load (the data is not hashed)."""
-    from kvrun.quant.model_cache import _digest
+    from kvrun.models.model_cache import _digest
 
     n = int.from_bytes(raw[:8], "little")
     header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]

@@ -14,9 +14,9 @@ from kvrun.cli.bench import bench
 from kvrun.cli.main import KvrunGroup
 from kvrun.errors import KvrunError
 from kvrun.kv import check
-from kvrun.presets import PRESETS, is_preset, preset_config
-from kvrun.runtime import load_runtime
-from kvrun.synthetic import SyntheticTokenizer, check_fits
+from kvrun.models.presets import PRESETS, is_preset, preset_config
+from kvrun.models.synthetic import SyntheticTokenizer, check_fits
+from kvrun.run.runtime import load_runtime
 
 ROW_FIELDS = {
     "model", "synthetic", "kv", "kv_method", "budget", "depth", "n_prompt", "n_gen", "reps",
@@ -154,12 +154,12 @@ def test_prompt_only_and_decode_only_rows():
     ],
 )
 def test_bad_input_is_one_line_before_loading(args, needles, monkeypatch):
-    import kvrun.runtime
+    import kvrun.run.runtime
 
     def no_loading(*a, **k):
         raise AssertionError("the model must not be built for bad input")
 
-    monkeypatch.setattr(kvrun.runtime, "preset_runtime", no_loading)
+    monkeypatch.setattr(kvrun.run.runtime, "preset_runtime", no_loading)
     one_error_line(run("-m", "tiny-synthetic", *args), *needles)
 
 
@@ -196,8 +196,8 @@ def test_preset_refuses_when_memory_is_short(monkeypatch):
 
 
 def test_preset_runtime_is_built_in_the_dtype_and_runs():
-    from kvrun.generate import Session
-    from kvrun.sampling import SamplingConfig
+    from kvrun.run.sampling import SamplingConfig
+    from kvrun.run.session import Session
 
     rt = load_runtime("tiny-synthetic", "bfloat16", "cpu", log=lambda m: None)
     assert {p.dtype for p in rt.model.parameters()} == {torch.bfloat16}

@@ -91,7 +91,7 @@ def mixed_gguf(tmp_path_factory):
 
 
 def _load(path, wtype: str):
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     return load_runtime(str(path), "float32", "cpu", log=lambda m: None, wtype=wtype)
 
@@ -165,7 +165,7 @@ def test_prefill_is_the_dense_models(held, dense, monkeypatch):
 def test_decode_steps_follow_the_dense_model(held, dense):
     """Decode steps through the fast products (8-bit activations natively, bfloat16 through
     the int4 op; types without a kernel exact) stay close to the dense model's logits."""
-    from kvrun.generate import Session
+    from kvrun.run.session import Session
 
     ids = list(range(3, 30))
     outs = []

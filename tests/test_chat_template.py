@@ -7,9 +7,9 @@ import datetime
 import pytest
 from tokenizers.pre_tokenizers import ByteLevel
 
-from kvrun import chat_template
 from kvrun.errors import KvrunError
-from kvrun.tokenizer import Tokenizer
+from kvrun.models import chat_template
+from kvrun.models.tokenizer import Tokenizer
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct (GGUF), verbatim
 SMOLLM2 = (

@@ -193,7 +193,7 @@ def test_unknown_model_name(tmp_path):
 
 
 def test_a_short_name_not_pulled_offline_is_one_line(tmp_path):
-    """A short name (kvrun/hub.py) absent from the HF cache: a run command pulls it, and
+    """A short name (kvrun/hub/names.py) absent from the HF cache: a run command pulls it, and
     offline that is one line (HF_HUB_OFFLINE: never a download from a test)."""
     env = {"KVRUN_MODELS": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     r = run("generate", "-m", "llama3-8b", "-p", "hi", env=env)

@@ -13,11 +13,11 @@ import torch
 import tiny_models
 from kvrun.convert import convert
 from kvrun.errors import KvrunError, ModelNotFound
-from kvrun.file_headers import gguf_metadata, open_gguf
 from kvrun.kv import FULL, build
-from kvrun.model import Transformer
-from kvrun.tokenizer import Tokenizer
-from kvrun.weights import load
+from kvrun.models.file_headers import gguf_metadata, open_gguf
+from kvrun.models.model import Transformer
+from kvrun.models.tokenizer import Tokenizer
+from kvrun.models.weights import load
 
 DEFAULT_GGUF = Path.home() / ".cache/kvrun/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_TEXT = "Hello world! In 2024 I counted 12345 llamas; they ate 7.5 kg of hay."

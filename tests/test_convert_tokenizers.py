@@ -19,8 +19,8 @@ from tokenizers import Tokenizer as HFTokenizer
 import llamacpp_peer
 import tiny_models
 from kvrun.convert import convert
-from kvrun.file_headers import gguf_metadata, open_gguf
-from kvrun.tokenizer import Tokenizer
+from kvrun.models.file_headers import gguf_metadata, open_gguf
+from kvrun.models.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("KVRUN_SHARED", ROOT.parent / "shared")) / "tokenizers"

@@ -172,7 +172,7 @@ def test_config_json_field_of_the_wrong_type_names_it(hf, tmp_path, field, value
 def test_tokenizer_json_padding_and_truncation_are_not_kvrun_s(hf, tmp_path, key, value):
     """A file that pads every prompt (to 10^9 ids, it allocated them all) or cuts it short:
     kvrun encodes a prompt whole."""
-    from kvrun.tokenizer import Tokenizer
+    from kvrun.models.tokenizer import Tokenizer
 
     text = "Hello world! The quick fox."
     want = Tokenizer.from_hf_dir(hf).encode(text)
@@ -221,8 +221,8 @@ def test_a_packed_cache_entry_edited_or_hostile_is_built_again(tiny, tmp_path, m
     deleted and the model built again, as a fresh build gives it."""
     import torch
 
-    from kvrun.quant import model_cache
-    from kvrun.runtime import load_runtime
+    from kvrun.models import model_cache
+    from kvrun.run.runtime import load_runtime
 
     monkeypatch.setenv("KVRUN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVRUN_PACKED_CACHE", "on")

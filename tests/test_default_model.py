@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrun.generate import Session
-from kvrun.sampling import SamplingConfig
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 
 PROMPTS = [
     "The capital of France is",
@@ -64,7 +64,7 @@ def test_greedy_continuation_equals_transformers(default_runtime, hf_model, prom
 
 def test_chat_history_stays_in_cache(default_runtime):
     """A second turn prefills only the new text, and equals a fresh run on the whole dialogue."""
-    from kvrun.chat import Conversation
+    from kvrun.run.chat import Conversation
 
     rt = default_runtime
     conv = Conversation(Session(rt.model, rt.tokenizer, rt.new_kv()))

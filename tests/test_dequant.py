@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from kvrun.config import ModelConfig
 from kvrun.errors import UnsupportedModel
-from kvrun.file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
-from kvrun.weights import dequantize_tensor
+from kvrun.models.config import ModelConfig
+from kvrun.models.file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
+from kvrun.models.weights import dequantize_tensor
 
 DEFAULT_GGUF = Path.home() / ".cache/kvrun/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -208,7 +208,7 @@ def _same_as_gguf_reader(path: Path) -> None:
 
 
 def test_header_parser_equals_gguf_reader(tmp_path):
-    """kvrun's GGUF header parser (kvrun.file_headers, ~30x faster on a 49k vocabulary) reads
+    """kvrun's GGUF header parser (kvrun.models.file_headers, ~30x faster on a 49k vocabulary) reads
     every value type, a non-default alignment and tensors of several types exactly as
     gguf.GGUFReader does."""
     path = tmp_path / "kinds.gguf"

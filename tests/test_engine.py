@@ -1,4 +1,4 @@
-"""Batched generation (kvrun.engine, `--parallel N`): N sequences at once give what N
+"""Batched generation (kvrun.run.engine, `--parallel N`): N sequences at once give what N
 sequential runs give, a failing sequence leaves the others alone, memory admission holds a
 tiny --kv-mem, and a batch killed mid-run resumes without losing or duplicating documents."""
 
@@ -17,10 +17,10 @@ from click.testing import CliRunner
 import tiny_models
 from kvrun.cli.longdoc import longdoc
 from kvrun.cli.main import KvrunGroup
-from kvrun.engine import Engine, EngineStats, Request
-from kvrun.generate import Session, Stats
 from kvrun.kv import check
-from kvrun.sampling import SamplingConfig
+from kvrun.run.engine import Engine, EngineStats, Request
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session, Stats
 
 GREEDY = SamplingConfig(temp=0.0)
 GROUP = KvrunGroup("kvrun")
@@ -85,7 +85,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_rt(tiny):
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     return load_runtime(str(tiny.gguf_path), "float32", "cpu", log=lambda m: None)
 

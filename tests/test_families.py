@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tiny_families
-from kvrun.generate import Session
 from kvrun.kv import FULL, build
-from kvrun.model import Transformer
-from kvrun.rope import inverse_frequencies
-from kvrun.weights import load
+from kvrun.models.model import Transformer
+from kvrun.models.rope import inverse_frequencies
+from kvrun.models.weights import load
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.slow  # llama.cpp's converter runs in a subprocess
 ATOL = RTOL = 1e-4
@@ -220,9 +220,9 @@ def test_quantized_file_runs_on_its_blocks(family, tmp_path, name, monkeypatch):
     lp, lq = outs[0].log_softmax(-1), outs[1].log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     assert kl.max() < 2e-2, kl
-    # the decode loop of kvrun/fused_decode.py takes Qwen's biases and Q/K norms and Phi-3;
+    # the decode loop of kvrun/models/fused_decode.py takes Qwen's biases and Q/K norms and Phi-3;
     # Gemma 3's blocks go through the modules. Both ways give the same steps.
-    from kvrun import fused_decode
+    from kvrun.models import fused_decode
 
     assert (fused_decode.bind(held) is not None) == (name != "gemma3")
     s = Session(held, models["auto"][1].tokenizer, _kv(held, models["auto"][1]), ubatch=7)

@@ -1,4 +1,4 @@
-"""The fused decode blocks (kvrun/fused_decode.py) against the modules they stand in for.
+"""The fused decode blocks (kvrun/models/fused_decode.py) against the modules they stand in for.
 
 The loop must do Block.forward's arithmetic op for op, so decode-step logits are compared
 bit for bit: one sequence over many steps (KIVI flushes, MiniKV and SnapKV evictions, the
@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_packed_default import packed_runtime  # noqa: F401 (module fixture)
 
-from kvrun import fused_decode
-from kvrun.generate import Session
 from kvrun.kv import check
+from kvrun.models import fused_decode
+from kvrun.run.session import Session
 
 TEXT = (
     "The lighthouse keeper wrote in his log every evening: the weather, the ships that "

@@ -197,7 +197,7 @@ def _exercise(rt):
 
 
 def _load(path: Path, wtype: str = "f32", log: Callable[[str], None] = lambda m: None):
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     return load_runtime(str(path), "float32", "cpu", log=log, wtype=wtype)
 
@@ -235,7 +235,7 @@ def make_seeds(root: Path) -> Seeds:
 def _parse_bounded(path: Path, tally: Tally, label: str) -> None:
     """kvrun's GGUF header parse alone, under tracemalloc: its peak must stay within what the
     file can hold (a declared count or length is checked before anything is allocated)."""
-    from kvrun.file_headers import open_gguf
+    from kvrun.models.file_headers import open_gguf
 
     size = path.stat().st_size
     tracemalloc.start()
@@ -363,13 +363,13 @@ def fuzz_chat_template(seeds: Seeds, tally: Tally, n: int, rng: random.Random, w
 
 
 def fuzz_packed_cache(seeds: Seeds, tally: Tally, n: int, rng: random.Random, work: Path):
-    """Entries of the packed-model cache (kvrun/quant/model_cache.py), damaged: the header's
+    """Entries of the packed-model cache (kvrun/models/model_cache.py), damaged: the header's
     tensors and layout, the kvrun metadata, the header length, cuts and flips. An entry that
     does not read back whole must be built again (or be one line); one whose header changed
     without its digest must never be used as it is; one signed again (hostile) may load."""
     import torch
 
-    from kvrun.quant import model_cache
+    from kvrun.models import model_cache
 
     with _environ({"KVRUN_CACHE": str(work / "cache"), "KVRUN_PACKED_CACHE": "on"}):
         plans, seen = [], set()

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (kvrun/graph.py): the static decode step equals the dynamic one.
+"""CUDA-graph decode (kvrun/run/graph.py): the static decode step equals the dynamic one.
 
 On CPU the static step runs without capture (graph="static"), through the torch reference and,
 with KVRUN_KERNELS=triton, through the interpreted split-K kernel over the whole capacity with
@@ -13,12 +13,12 @@ import pytest
 import torch
 from test_kv_methods import config, new_kv, prompt, random_transformer, tiny
 
-from kvrun import fused_decode
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
-from kvrun.graph import ROUND
 from kvrun.kv.stores.dense import DenseSeg
 from kvrun.kv.stores.kivi import KiviLayer
+from kvrun.models import fused_decode
+from kvrun.run.graph import ROUND
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graphs need one")

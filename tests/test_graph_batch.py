@@ -1,4 +1,4 @@
-"""CUDA-graph decode of a batch (kvrun.graph.BatchGraph, `--parallel N --cuda-graph`): the
+"""CUDA-graph decode of a batch (kvrun.run.graph.BatchGraph, `--parallel N --cuda-graph`): the
 static batched step, padded to its bucket, equals the eager batched step, and the engine
 replays a captured step only for the members it was captured over.
 
@@ -17,12 +17,12 @@ from test_kv_methods import config as tiny_config
 from test_kv_methods import new_kv, prompt, random_transformer
 from test_kv_methods import tiny as tiny_model
 
-import kvrun.graph
+import kvrun.run.graph
 import tiny_models
-from kvrun.engine import Engine, Request
-from kvrun.generate import Session
-from kvrun.graph import BatchGraph, bucket
 from kvrun.kv import check
+from kvrun.run.engine import Engine, Request
+from kvrun.run.graph import BatchGraph, bucket
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graphs need one")
@@ -132,7 +132,7 @@ def run_engine(rt, spec: str, graph: str, capture: bool = False, n_docs: int = 7
 def test_engine_replays_a_step_only_for_its_members(tiny_rt, monkeypatch, spec):  # noqa: F811
     """Seven documents through three slots with stand-in captures: every replay runs the step
     of its own members (a replay of another batch's step would give that batch's tokens)."""
-    monkeypatch.setattr(kvrun.graph, "capture_graph", fake_capture)
+    monkeypatch.setattr(kvrun.run.graph, "capture_graph", fake_capture)
     want, _ = run_engine(tiny_rt, spec, "off")
     got, eng = run_engine(tiny_rt, spec, "static", capture=True)
     assert got == want
@@ -147,7 +147,7 @@ def test_engine_replays_a_step_only_for_its_members(tiny_rt, monkeypatch, spec):
 def test_a_member_set_is_captured_on_its_second_step_in_a_row(monkeypatch):
     """Sets that change at every step (continuous batching's churn) are not captured; a set
     that decodes twice in a row is, and is then replayed when it comes back."""
-    monkeypatch.setattr(kvrun.graph, "capture_graph", fake_capture)
+    monkeypatch.setattr(kvrun.run.graph, "capture_graph", fake_capture)
     m = tiny_model()
     sess = [Session(m, None, new_kv(m, "full"), graph="static") for _ in LENS]
     toks = prefill(sess)
@@ -167,7 +167,7 @@ def test_a_member_set_is_captured_on_its_second_step_in_a_row(monkeypatch):
 def test_a_member_without_a_static_form_makes_the_step_eager(tiny_rt, monkeypatch):  # noqa: F811
     """A request with its own h2o cache (as a needle grid mixes methods) in a graph batch: the
     steps it is in run eagerly, the others replay, and every document's tokens are kept."""
-    monkeypatch.setattr(kvrun.graph, "capture_graph", fake_capture)
+    monkeypatch.setattr(kvrun.run.graph, "capture_graph", fake_capture)
     want, _ = run_engine(tiny_rt, "full", "off", mixed="h2o")
     got, eng = run_engine(tiny_rt, "full", "static", capture=True, mixed="h2o")
     assert got == want

@@ -1,4 +1,4 @@
-"""Pulling from Hugging Face (kvrun/hub.py, kvrun/hub_pull.py) against a hub served here: the
+"""Pulling from Hugging Face (kvrun/hub/names.py, kvrun/hub/pull.py) against a hub served here: the
 real huggingface_hub client talks to a local HTTP server (HF_ENDPOINT) that answers the routes
 it calls, and downloads into an HF_HOME of the test's own."""
 
@@ -26,11 +26,20 @@ from cli_checks import one_error_line
 from click.testing import CliRunner
 
 import tiny_models
-from kvrun import hub, hub_pull
 from kvrun.cli.main import cli
 from kvrun.errors import ModelNotFound, QuantNotFound
-from kvrun.hub import GGUFEntry, HubModel, HubRef, gguf_entries, parse_ref, pick, quant_of
-from kvrun.model_store import resolve
+from kvrun.hub import names as hub
+from kvrun.hub import pull as hub_pull
+from kvrun.hub.model_store import resolve
+from kvrun.hub.names import (
+    GGUFEntry,
+    HubModel,
+    HubRef,
+    gguf_entries,
+    parse_ref,
+    pick,
+    quant_of,
+)
 
 
 # --------------------------------------------------------------------------- names, quants
@@ -343,7 +352,7 @@ def test_generate_pulls_hf_and_short_names(fake, monkeypatch):
 
 @pytest.mark.slow
 def test_progress_lines_when_piped(fake, monkeypatch):
-    from kvrun import progress
+    from kvrun.run import progress
 
     monkeypatch.setattr(progress.LineProgress, "EVERY", 0.0)
     r = run("pull", "tester/big-GGUF")

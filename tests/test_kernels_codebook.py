@@ -1,7 +1,7 @@
 """SpindleKV's fused decode kernel (kernels.codebook_decode) and its use in the manager.
 
 The torch reference is checked against a naive fp64 computation written out here (gather the
-codebook rows, scale, RoPE through kvrun.rope, materialised masked softmax per query head);
+codebook rows, scale, RoPE through kvrun.models.rope, materialised masked softmax per query head);
 the Triton kernel (interpreted on CPU, compiled on CUDA) against the reference; and the
 manager's decode logits through the kernel against its old path (rebuild the slots, SDPA).
 """
@@ -22,8 +22,8 @@ from test_kv_methods import config, drive, new_kv, prompt, tiny
 import kvrun.kv.methods.spindlekv.store as coded
 from kvrun.kernels import codebook_decode as cb
 from kvrun.kv.methods.spindlekv.store import Shelf, pack_bits
-from kvrun.model import Transformer
-from kvrun.rope import Rope, inverse_frequencies
+from kvrun.models.model import Transformer
+from kvrun.models.rope import Rope, inverse_frequencies
 
 P = 600  # positions the RoPE tables cover in the kernel tests
 
@@ -102,7 +102,7 @@ def _to(slots, dev, dtype):
 
 
 def naive(q, slots, bits):
-    """fp64: gather and scale each head's rows, RoPE at their positions (kvrun.rope), then a
+    """fp64: gather and scale each head's rows, RoPE at their positions (kvrun.models.rope), then a
     materialised softmax per query head over the slots its bits allow."""
     bk, ik, mk, bv, iv, mv, pos, _, ok, ov = slots
     _, Hq, Tq, D = q.shape

@@ -45,7 +45,7 @@ def test_default_model_logits_through_the_kernels(monkeypatch, default_runtime, 
     """The default model (30 layers, GQA 9/3, fp32): prefill and decode logits with the Triton
     kernels (interpreted here) equal the torch reference path's; `full` also takes the static
     decode step a CUDA graph captures."""
-    from kvrun.generate import Session
+    from kvrun.run.session import Session
 
     rt = default_runtime
     ids = rt.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 10)[:100]

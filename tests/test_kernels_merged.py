@@ -18,8 +18,8 @@ from test_kernels import _dtypes, _tol, assert_partial
 from test_kv_methods import drive, new_kv, prompt, random_transformer
 
 import kvrun.kv.methods.minicache.store as restore_mod
-from kvrun.config import ModelConfig
 from kvrun.kernels import merged_decode as md
+from kvrun.models.config import ModelConfig
 
 F16, F32 = torch.float16, torch.float32
 
@@ -243,7 +243,7 @@ def feed_both(spec: str, window: int | None, P: int, steps: list[int], seed: int
     a prefill of P tokens, then decode calls of steps[i] tokens each; yields each call's
     paired-layer outputs of both."""
     from kvrun.kv import build, check
-    from kvrun.rope import Rope, inverse_frequencies
+    from kvrun.models.rope import Rope, inverse_frequencies
 
     c = ModelConfig(
         arch="llama", n_layers=4, dim=64, n_heads=6, n_kv_heads=HKV, head_dim=D, ffn_dim=128,

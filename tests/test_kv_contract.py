@@ -5,7 +5,7 @@ defaults, a budget covering every token under its `lossless` options reproduces 
 cache, its default settings hold fewer bytes than the full cache and report them as JSON,
 where it has a static decode form (CUDA graphs) the static step equals the eager one,
 its stored bytes equal its spec's byte formula (with every store it stacks with), and three
-sequences of different lengths decoded as one batch (kvrun.batch: a store per
+sequences of different lengths decoded as one batch (kvrun.run.step: a store per
 (sequence, layer)) give what three single runs give.
 """
 
@@ -18,8 +18,8 @@ import torch
 from test_kv_methods import drive, new_kv, prompt, tiny
 
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
 from kvrun.kv import REGISTRY, check
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

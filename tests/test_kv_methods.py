@@ -15,11 +15,11 @@ import pytest
 import torch
 from test_kv_select import ref_pyramid, ref_snap_scores, ref_topk
 
-from kvrun.config import ModelConfig
-from kvrun.generate import Session, run_pass
 from kvrun.kv import build, check
-from kvrun.model import Transformer
-from kvrun.rope import Rope, inverse_frequencies
+from kvrun.models.config import ModelConfig
+from kvrun.models.model import Transformer
+from kvrun.models.rope import Rope, inverse_frequencies
+from kvrun.run.session import Session, run_pass
 
 E = 4  # bytes per fp32 element
 L, HKV, D = 3, 2, 32

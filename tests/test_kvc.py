@@ -1,4 +1,4 @@
-"""Compressed caches on disk (kvrun/kvc.py, `kvrun prefill`, `--kv-cache`).
+"""Compressed caches on disk (kvrun/run/kvc.py, `kvrun prefill`, `--kv-cache`).
 
 Every registry method and stack round-trips: a document's turn prefilled and compressed, the
 cache saved, loaded into a fresh manager, and a question turn (selecting nothing) plus decode
@@ -22,11 +22,11 @@ from click.testing import CliRunner
 
 import tiny_families
 import tiny_models
-from kvrun import kvc
 from kvrun.cli.main import cli
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
 from kvrun.kv import build, check
+from kvrun.run import kvc
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DOC, QUESTION, STEPS = 150, 12, (7, 9, 11, 40)
@@ -341,7 +341,7 @@ def test_prefill_then_generate_equals_the_run_that_never_left_memory(tiny, tmp_p
     """`kvrun prefill` + `kvrun generate --kv-cache` gives the tokens of one in-memory run
     of the same document and question (--question-after semantics: the question selects
     nothing), and the file's spec is taken unless --kv says another."""
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     doc = tmp_path / "doc.txt"
     doc.write_text(tiny_models.TEXT * 6)
@@ -360,7 +360,7 @@ def test_prefill_then_generate_equals_the_run_that_never_left_memory(tiny, tmp_p
     ids, turns = kvc.document_turn(rt.tokenizer, tiny_models.TEXT * 6, True, None)
     q = kvc.question_turn(rt.tokenizer, "And then?", turns)
     s = Session(rt.model, rt.tokenizer, rt.new_kv(check("snapkv", "0.5")))
-    from kvrun.config import SamplingConfig
+    from kvrun.models.config import SamplingConfig
 
     want = s.generate(ids, 8, SamplingConfig(temp=0.0), seed=0, question=q)
     assert got["tokens"] == want.tokens
@@ -374,9 +374,9 @@ def test_prefill_then_generate_equals_the_run_that_never_left_memory(tiny, tmp_p
 def test_chat_goes_on_from_a_document(tiny, tmp_path):
     """`kvrun chat --kv-cache`: the first message completes the user's turn that holds the
     document; the reply equals a conversation whose first message carried the document."""
-    from kvrun.chat import Conversation
-    from kvrun.config import SamplingConfig
-    from kvrun.runtime import load_runtime
+    from kvrun.models.config import SamplingConfig
+    from kvrun.run.chat import Conversation
+    from kvrun.run.runtime import load_runtime
 
     doc = tmp_path / "doc.txt"
     doc.write_text(tiny_models.TEXT * 4)

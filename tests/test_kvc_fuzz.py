@@ -1,4 +1,4 @@
-"""Fuzzing .kvc files from strangers (kvrun/kvc.py, kvrun/kv/state.py): seeded mutations of real
+"""Fuzzing .kvc files from strangers (kvrun/run/kvc.py, kvrun/kv/state.py): seeded mutations of real
 files of every kind of store. Each case is a one-line error, or a load whose continuation (a
 question turn and decode steps) gives the unmodified file's logits bit for bit; never another
 exception, and no file created or removed in the watched folder but the case's own.
@@ -27,10 +27,10 @@ import torch
 from test_kvc import DOC, QUESTION, STEPS, TinyRuntime, _continue, rewrite
 
 import tiny_families
-from kvrun import kvc
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
 from kvrun.kv import check
+from kvrun.run import kvc
+from kvrun.run.session import Session
 
 # every kind of store: dense (scores, positions), KIVI, merged pairs (dense E and on KIVI),
 # codebooks, XKV's allocation and turn, KVzip, and Gemma 3's local layers (MiniKV's windows)

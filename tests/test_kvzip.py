@@ -24,7 +24,7 @@ import torch
 from naive_ref import Naive, Watch, keep_top, points
 from test_kv_methods import budget_tokens, drive, new_kv, prompt, tap, tiny
 
-from kvrun.generate import Session
+from kvrun.run.session import Session
 
 E = 4  # bytes per float32 element (the CPU reference path)
 N, UB, STEPS = 61, 16, 12

@@ -13,7 +13,7 @@ import tiny_models
 from kvrun.cli.longdoc import longdoc
 from kvrun.cli.main import KvrunGroup
 from kvrun.errors import ContextOverflow
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
 from kvrun.tasks import longdoc as task
 
 GROUP = KvrunGroup("kvrun")

@@ -12,11 +12,11 @@ import torch
 from test_longdoc import GROUP, LONG, records, write_jsonl
 
 import tiny_models
-from kvrun.engine import Engine, Request
-from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
-from kvrun.sampling import SamplingConfig
+from kvrun.run.engine import Engine, Request
+from kvrun.run.runtime import load_runtime
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 from kvrun.tasks import longdoc_questions as lq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -250,7 +250,7 @@ def test_kv_cache_dir_keeps_documents_for_later_runs(tiny, tmp_path):
 def test_ray_worker_answers_questions_as_the_local_run(tiny, tmp_path, n):
     """The Ray path without Ray: worker_setup's handler gives each document's records (a
     list: one a question) and RayRunner writes them all, as the local run does."""
-    from kvrun.options import KVOptions, ModelOptions, ParallelOptions
+    from kvrun.run.options import KVOptions, ModelOptions, ParallelOptions
     from kvrun.tasks import longdoc as task
     from kvrun.tasks.longdoc_run import LongdocOptions, RayRunner, worker_setup
 
@@ -261,7 +261,7 @@ def test_ray_worker_answers_questions_as_the_local_run(tiny, tmp_path, n):
     handler, facts = worker_setup(model, KVOptions("snapkv", "0.3"), ParallelOptions(n), opts)
     lines = [json.dumps(x) for x in multi_lines() + [{"id": "p", "text": "Hi.", "question": 1}]]
 
-    class Pool:  # kvrun.cluster.Pool's stream, in this process
+    class Pool:  # kvrun.run.cluster.Pool's stream, in this process
         def stream(self, items, chunk):
             items = list(items)
             for (_, doc), recs in zip(items, handler([d for _, d in items], "here"), strict=True):

@@ -22,11 +22,11 @@ from passkey_helpers import passkey_prompt
 from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 
 from kvrun.cli.main import cli
-from kvrun.config import ModelConfig
 from kvrun.kv.methods.minicache.store import merge, pairing, retention
 from kvrun.kv.stores import kivi
-from kvrun.model import Transformer
-from kvrun.rope import Rope, inverse_frequencies
+from kvrun.models.config import ModelConfig
+from kvrun.models.model import Transformer
+from kvrun.models.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches
 
 E = 4  # bytes per fp32 element (the CPU reference dtype)

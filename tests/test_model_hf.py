@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import tiny_models
-from kvrun.generate import Session
 from kvrun.kv import FULL, build
-from kvrun.model import Transformer
-from kvrun.weights import load
+from kvrun.models.model import Transformer
+from kvrun.models.weights import load
+from kvrun.run.session import Session
 
 CASES = {
     "llama-gqa": dict(),

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvrun.cli.main import cli
 from kvrun.errors import KvrunError, ModelNotFound
-from kvrun.model_store import pull, resolve
+from kvrun.hub.model_store import pull, resolve
 
 
 @pytest.fixture(autouse=True)

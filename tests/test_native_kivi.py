@@ -139,7 +139,7 @@ def test_own_tokens_in_the_body(Tq, new, isa):  # noqa: F811
 
 
 class _Rope:
-    """RoPE tables as kvrun.rope.Rope gives them to the native kernels (signed sin)."""
+    """RoPE tables as kvrun.models.rope.Rope gives them to the native kernels (signed sin)."""
 
     def __init__(self, D: int, n: int):
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
@@ -198,9 +198,9 @@ def test_greedy_tokens_equal_torch_path(default_runtime, spec):
     packed weights the products quantize activations to 8 bits, so any change of arithmetic
     anywhere moves logits by ~0.5 and 2-bit codes at rounding boundaries: there the tokens
     agree only until the first near tie, for any two paths.)"""
-    from kvrun.generate import Session
     from kvrun.kv import check
-    from kvrun.sampling import SamplingConfig
+    from kvrun.run.sampling import SamplingConfig
+    from kvrun.run.session import Session
 
     rt = default_runtime
     text = "The GNU General Public License is a free, copyleft license for software. " * 12

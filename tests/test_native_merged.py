@@ -255,9 +255,9 @@ def test_default_model_greedy_tokens_agree(default_runtime, spec, budget):
     the native ops (the kernels handed to them) and on the torch path decode the same greedy
     tokens, logits within 1e-3. (On the GGUF path the products quantize their activations to
     8 bits, so a last-bit difference can move a logit by ~0.1: there only near-ties differ.)"""
-    from kvrun.generate import Session
     from kvrun.kv import check
-    from kvrun.sampling import SamplingConfig
+    from kvrun.run.sampling import SamplingConfig
+    from kvrun.run.session import Session
 
     rt = default_runtime
     with open("/usr/share/common-licenses/GPL-3") as f:

@@ -16,12 +16,12 @@ import torch
 from native_attention import HEADS, LENGTHS, isa, needs_native, ops, threads  # noqa: F401
 from test_kv_methods import Events, drive, new_kv, prompt, tiny
 
-from kvrun import kvc
 from kvrun.kernels.colsum import colsum_ref
 from kvrun.kv import build, check
 from kvrun.kv.attention import attention_colsum, position_mask, segment_attention
 from kvrun.kv.cache import keep_indices
 from kvrun.kv.stores.dense import DenseSeg
+from kvrun.run import kvc
 
 pytestmark = needs_native
 TOL = {"atol": 2e-6, "rtol": 1e-5}

@@ -13,7 +13,7 @@ from kvrun.cli.main import KvrunGroup
 from kvrun.cli.needle import needle
 from kvrun.errors import KvrunError
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks.passkey import (
     INTRO,
@@ -205,16 +205,16 @@ def test_chat_and_json_to_stdout(tiny):
 def test_interrupt_keeps_finished_trials(tmp_path, tiny, monkeypatch):
     calls = []
 
-    import kvrun.generate
+    import kvrun.run.session
 
-    class Stops(kvrun.generate.Session):
+    class Stops(kvrun.run.session.Session):
         def generate(self, *a, **k):
             calls.append(1)
             if len(calls) == 3:
                 raise KeyboardInterrupt
             return super().generate(*a, **k)
 
-    monkeypatch.setattr(kvrun.generate, "Session", Stops)
+    monkeypatch.setattr(kvrun.run.session, "Session", Stops)
     out = tmp_path / "part.json"
     r = invoke("-m", tiny.gguf_path, "--lengths", "300", "--depths", "0,50,100", "-n", "2",
                "--json", out)  # fmt: skip

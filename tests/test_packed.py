@@ -11,13 +11,13 @@ from gguf import GGMLQuantizationType as Q
 from test_dequant import COLS, DEQUANT_ONLY, ROWS, _raw_blocks, _read, _write
 
 from kvrun.errors import KvrunError, UnsupportedModel
+from kvrun.models.weights import read_gguf_tensor
 from kvrun.quant import choice as matmul_choice
 from kvrun.quant import hardware, int4mm
 from kvrun.quant import linear as packed_mod
 from kvrun.quant.formats import GROUP, nearest_bits, plan_nbytes
 from kvrun.quant.linear import PackedEmbedding, PackedLinear, dequant_linear
 from kvrun.quant.packed import from_gguf, pack_nibbles, quantize, quantize_rows, requantize_bits
-from kvrun.weights import read_gguf_tensor
 
 
 def pack_cpu_op(q: torch.Tensor) -> torch.Tensor:
@@ -263,7 +263,7 @@ def test_packed_embedding_gathers_rows():
 # ------------------------------------------------------------ whole models, --wtype
 def _dense_twin(rt):
     """A dense Transformer with the packed model's weights dequantized (the reference)."""
-    from kvrun.model import Transformer
+    from kvrun.models.model import Transformer
 
     sd = {}
     parts = {"qkv": ["q_proj", "k_proj", "v_proj"], "gate_up": ["gate_proj", "up_proj"]}
@@ -287,7 +287,7 @@ def _dense_twin(rt):
 def test_tiny_model_packed_equals_its_dense_twin(tmp_path, monkeypatch, source, wtype):
     """The packed model (GGUF: Q/K rows un-permuted as packed rows; HF: quantized at load)
     gives the logits of a dense model holding the same dequantized weights."""
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
     from tiny_models import build
 
     tiny = build(tmp_path, tied=source == "gguf")
@@ -321,7 +321,7 @@ def test_tiny_model_packed_equals_its_dense_twin(tmp_path, monkeypatch, source, 
 
 
 def test_wtype_and_dtype_conflict_is_one_error():
-    from kvrun.runtime import pick_dtype
+    from kvrun.run.runtime import pick_dtype
 
     assert pick_dtype("auto", torch.device("cpu"), "bf16") == torch.bfloat16
     assert pick_dtype("auto", torch.device("cpu"), "q4") == torch.float32
@@ -338,11 +338,11 @@ def test_auto_packs_when_dense_would_not_fit(monkeypatch, no_native):
 
 
 def test_synthetic_preset_packed_without_floats():
-    from kvrun.config import ModelConfig
-    from kvrun.presets import PRESETS
+    from kvrun.models.config import ModelConfig
+    from kvrun.models.presets import PRESETS
+    from kvrun.models.synthetic import random_weights, weight_bytes
     from kvrun.quant.packed import Packed
-    from kvrun.runtime import preset_runtime
-    from kvrun.synthetic import random_weights, weight_bytes
+    from kvrun.run.runtime import preset_runtime
     from kvrun.tasks.bench import weight_bytes as measured_bytes
 
     cfg: ModelConfig = PRESETS["tiny-synthetic"]
@@ -383,8 +383,8 @@ def test_q4_on_columns_off_the_group_is_one_line(tmp_path, monkeypatch):
     from cli_checks import one_error_line
     from click.testing import CliRunner
 
-    from kvrun import weights
     from kvrun.cli.main import cli
+    from kvrun.models import weights
     from tiny_models import build
 
     tiny = build(tmp_path)
@@ -423,7 +423,7 @@ def test_bfloat16_products_chain_through_the_op():
     bfloat16 rounding of the float32 chain."""
     from types import SimpleNamespace
 
-    from kvrun.model import MLP
+    from kvrun.models.model import MLP
 
     lin = _layer(128, 256, 2)
     x = torch.randn(1, 3, 256)

@@ -1,4 +1,4 @@
-"""The packed cache (kvrun/quant/model_cache.py): a packed load maps the model an earlier load of
+"""The packed cache (kvrun/models/model_cache.py): a packed load maps the model an earlier load of
 the same file built, and gives the same logits; a changed file, a damaged entry or the cache
 turned off builds the model again."""
 
@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kvrun.quant import model_cache as packed_cache
+from kvrun.models import model_cache as packed_cache
 from kvrun.quant.linear import PackedLinear
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import pytest
 import torch
 from test_default_model import PROMPTS
 
-from kvrun.generate import Session
 from kvrun.kv import check
 from kvrun.quant import blocks as blocks_mod
 from kvrun.quant import choice as matmul_choice
@@ -27,7 +26,8 @@ from kvrun.quant import linear as packed_mod
 from kvrun.quant import native
 from kvrun.quant.blocks import BlockEmbedding, BlockLinear
 from kvrun.quant.linear import DECODE_ROWS, PackedEmbedding, PackedLinear
-from kvrun.sampling import SamplingConfig
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 from kvrun.tasks.perplexity import score_window
 
 # per path: the most KL (nats) of one decode step's next-token distribution against the dense
@@ -40,7 +40,7 @@ BOUNDS = {"int4": (1e-2, 1e-3, 0.005, 0.2), "native": (5e-2, 5e-3, 0.02, 0.5)}
 
 @pytest.fixture(scope="module", params=["native", "int4"])
 def packed_runtime(request, default_gguf):
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     if request.param == "native" and native.ops() is None:
         pytest.skip(f"native kernels unavailable: {native.note()}")

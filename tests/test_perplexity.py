@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from kvrun.cli.main import KvrunGroup
 from kvrun.cli.perplexity import perplexity
 from kvrun.errors import ContextOverflow, KvrunError
-from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
+from kvrun.run.session import Session
 from kvrun.tasks.perplexity import (
     check_context,
     check_file,
@@ -214,7 +214,7 @@ def no_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("kvrun.runtime.load_runtime", boom)
+    monkeypatch.setattr("kvrun.run.runtime.load_runtime", boom)
 
 
 def test_cli_errors_before_loading(tiny, text_file, tmp_path, no_load):
@@ -245,8 +245,8 @@ def test_cli_length_errors_after_loading(tiny, text_file):
 
 
 def tiny_tokenizer(tiny):
-    from kvrun.file_headers import gguf_metadata, open_gguf
-    from kvrun.tokenizer import Tokenizer
+    from kvrun.models.file_headers import gguf_metadata, open_gguf
+    from kvrun.models.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(gguf_metadata(open_gguf(tiny.gguf_path)))
 

@@ -17,10 +17,10 @@ from test_kv_methods import hooked, prompt, tiny
 
 import tiny_models
 from kvrun.cli.main import cli
-from kvrun.engine import Engine, Request
-from kvrun.generate import Session
-from kvrun.runtime import load_runtime
-from kvrun.sampling import SamplingConfig
+from kvrun.run.engine import Engine, Request
+from kvrun.run.runtime import load_runtime
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""kvrun longdoc / needle on a Ray cluster (kvrun/cluster.py): the same lines and results as a
+"""kvrun longdoc / needle on a Ray cluster (kvrun/run/cluster.py): the same lines and results as a
 local run, a killed worker's documents sent again, a killed driver resumed without loss or
 duplicate, a failing document not retried. One Ray head (2 CPUs) serves the module's tests;
 the needle test starts its own with --ray local."""
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrun import cluster
 from kvrun.errors import KvrunError
+from kvrun.run import cluster
 
 pytestmark = [
     pytest.mark.xdist_group("ray"),

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvrun.sampling import (
+from kvrun.run.sampling import (
     SamplingConfig,
     apply_repeat_penalty,
     min_p_filter,

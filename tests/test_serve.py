@@ -135,7 +135,7 @@ def test_logprobs_and_echo(server, default_runtime):
     """echo + logprobs with max_tokens 0 (lm-evaluation-harness's log-likelihood request):
     every prompt token's log-probability equals kvrun perplexity's per-token value (1e-4);
     generated tokens carry their logprob and top alternatives, chat's as well."""
-    from kvrun.generate import Session
+    from kvrun.run.session import Session
     from kvrun.tasks.perplexity import evaluate, file_tokens
 
     tok = default_runtime.tokenizer

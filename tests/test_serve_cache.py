@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvrun.errors import KvrunError
-from kvrun.options import size_bytes
+from kvrun.run.options import size_bytes
 from kvrun.server.prefix_cache import PrefixCache
 
 SNAP = {"kv": "snapkv", "kv_budget": 0.25}
@@ -165,10 +165,10 @@ def test_snapkv_chat_turns_equal_kvrun_chat(servers, default_runtime):
     turns equal a Conversation (kvrun chat) on one Session fed the same turns."""
     from test_serve import CTX
 
-    from kvrun.chat import Conversation
-    from kvrun.config import SamplingConfig
-    from kvrun.generate import Session
     from kvrun.kv import check
+    from kvrun.models.config import SamplingConfig
+    from kvrun.run.chat import Conversation
+    from kvrun.run.session import Session
 
     rt = default_runtime
     kv = rt.new_kv(check(SNAP["kv"], SNAP["kv_budget"]))

@@ -400,10 +400,10 @@ def test_an_engine_failure_ends_every_job_it_held(tiny):
     """The engine thread on its own: a job that fails the engine's step (here a seed torch
     refuses, which the HTTP side now turns away with 422) ends with an error, as does every
     job the engine had drawn; none is left unanswered, and the next job is served."""
-    from kvrun.config import SamplingConfig
-    from kvrun.generate import Session
     from kvrun.kv import check
-    from kvrun.runtime import load_runtime
+    from kvrun.models.config import SamplingConfig
+    from kvrun.run.runtime import load_runtime
+    from kvrun.run.session import Session
     from kvrun.server.worker import EngineThread, HttpJob, StopText
 
     rt = load_runtime(str(tiny.gguf_path), "float32", "cpu", log=lambda m: None)

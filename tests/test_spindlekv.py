@@ -22,7 +22,6 @@ from passkey_helpers import passkey_prompt
 from test_kv_methods import config, drive, new_kv, prompt, tap, tiny
 
 from kvrun.cli.main import cli
-from kvrun.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.kv import build, check
 from kvrun.kv.attention import pool_scores
@@ -34,8 +33,9 @@ from kvrun.kv.methods.spindlekv.cache import (
     union_slots,
 )
 from kvrun.kv.methods.spindlekv.store import assign, build_codebook
-from kvrun.model import Transformer
-from kvrun.rope import Rope, inverse_frequencies
+from kvrun.models.config import ModelConfig
+from kvrun.models.model import Transformer
+from kvrun.models.rope import Rope, inverse_frequencies
 from kvrun.tasks.passkey import answer_matches
 
 E = 4  # bytes per fp32 element (CPU reference dtype)

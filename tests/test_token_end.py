@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import tiny_models
-from kvrun.engine import Engine, Request
-from kvrun.generate import Session
 from kvrun.kv import check
-from kvrun.runtime import load_runtime
-from kvrun.sampling import SamplingConfig
+from kvrun.run.engine import Engine, Request
+from kvrun.run.runtime import load_runtime
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 
 FAVOURED = 7  # the token the hooked model always prefers
 

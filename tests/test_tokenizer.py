@@ -12,7 +12,7 @@ import sentencepiece as spm
 from tokenizers import pre_tokenizers
 
 from kvrun.errors import KvrunError, UnsupportedModel
-from kvrun.tokenizer import Tokenizer, _bpe_backend
+from kvrun.models.tokenizer import Tokenizer, _bpe_backend
 
 DEFAULT_GGUF = Path.home() / ".cache" / "kvrun" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -31,8 +31,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import llamacpp_peer
 from kvrun.errors import KvrunError
-from kvrun.file_headers import gguf_metadata, open_gguf
-from kvrun.tokenizer import Tokenizer, bpe_json_vocab, bpe_pre_name, spm_json_vocab
+from kvrun.models.file_headers import gguf_metadata, open_gguf
+from kvrun.models.tokenizer import Tokenizer, bpe_json_vocab, bpe_pre_name, spm_json_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("KVRUN_SHARED", ROOT.parent / "shared")) / "tokenizers"

@@ -36,11 +36,10 @@ from test_kv_methods import config as tiny_config
 from test_kv_methods import new_kv as build
 
 import kvrun.cli.common  # noqa: F401 - the CLI modules, loaded
-import kvrun.runtime
+import kvrun.run.runtime
 from kvrun.cli.main import KvrunGroup, cli
 from kvrun.cli.profile import profile
 from kvrun.errors import KvrunError
-from kvrun.generate import Session
 from kvrun.kv.attention import pool_scores
 from kvrun.kv.methods.xkv import cache as xkv
 from kvrun.kv.methods.xkv.cache import (
@@ -52,7 +51,8 @@ from kvrun.kv.methods.xkv.cache import (
     profile_budgets,
     save_profile,
 )
-from kvrun.model import Transformer
+from kvrun.models.model import Transformer
+from kvrun.run.session import Session
 from kvrun.tasks.passkey import answer_matches
 
 E, D = 4, 32  # fp32 bytes per element; the tiny model's head_dim
@@ -729,7 +729,7 @@ KEY = 49595
 def cli_runtime(default_runtime, monkeypatch):
     """The default model, loaded once for the module and handed to every command (the load
     path itself is covered by test_passkey_cli)."""
-    monkeypatch.setattr(kvrun.runtime, "load_runtime", lambda *a, **k: default_runtime)
+    monkeypatch.setattr(kvrun.run.runtime, "load_runtime", lambda *a, **k: default_runtime)
     return default_runtime
 
 
@@ -815,7 +815,7 @@ def test_profile_bad_input_is_one_line_before_loading(args, needles, tmp_path, m
     def no_loading(*a, **k):
         raise AssertionError("bad input must be caught before the model loads")
 
-    monkeypatch.setattr(kvrun.runtime, "load_runtime", no_loading)
+    monkeypatch.setattr(kvrun.run.runtime, "load_runtime", no_loading)
     base = {"-f": ["-f", "s.txt"], "-o": ["-o", "out.json"]}
     full = [x for flag, v in base.items() if flag not in args for x in v] + args
     one_error_line(CliRunner().invoke(GROUP, ["profile", *full]), *needles)

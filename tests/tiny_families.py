@@ -184,7 +184,7 @@ def kv_config(name: str, n_heads: int = 4):
     3's q/k norms, Gemma 3's norms, GeGLU, scales, soft cap, head_dim 256 with one KV head
     and two local layers (a window of 48, shorter than the KV tests' prompts) beside a
     global one, Phi-3's MHA with partial rotary and LongRoPE."""
-    from kvrun.config import ModelConfig, RopeScaling
+    from kvrun.models.config import ModelConfig, RopeScaling
 
     base = dict(
         n_layers=3, dim=64, n_heads=n_heads, n_kv_heads=2, head_dim=32, ffn_dim=128,

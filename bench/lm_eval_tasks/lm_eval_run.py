@@ -56,7 +56,7 @@ def lm_eval() -> Path:
 
 
 def tokenizer_dir(model: str | None) -> Path:
-    from kvrun.runtime import load_runtime
+    from kvrun.run.runtime import load_runtime
 
     rt = load_runtime(model, "float32", "cpu", log=lambda m: None)
     out = OUT / "tokenizer"

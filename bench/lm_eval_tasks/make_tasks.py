@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvrun.runtime import load_runtime
+from kvrun.run.runtime import load_runtime
 from kvrun.tasks import needle as nd
 from kvrun.tasks.passkey import filler_units
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 
 from ..kv import check
-from ..options import KVGridOptions, ModelOptions
-from ..presets import is_preset, preset_config
-from ..progress import progress_bar
-from ..report import human_bytes
+from ..models.presets import is_preset, preset_config
+from ..run.options import KVGridOptions, ModelOptions
+from ..run.progress import progress_bar
+from ..run.report import human_bytes
 from ..tasks.bench_settings import (
     BenchSettings,
     cases,
@@ -145,7 +145,7 @@ def bench(
     from ..tasks.bench import run_bench
 
     rt = load_with_progress(model, text=False)
-    from ..quant import model_cache
+    from ..models import model_cache
 
     model_cache.settle(rt.model)  # time the weights as a long session holds them
     with progress_bar("bench", quiet=model.quiet) as bar:

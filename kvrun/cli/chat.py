@@ -8,9 +8,9 @@ import sys
 import click
 
 from ..errors import ContextOverflow, KvrunError
-from ..options import KVOptions, ModelOptions, SamplingOptions
-from ..progress import err_console
-from ..report import stats_line
+from ..run.options import KVOptions, ModelOptions, SamplingOptions
+from ..run.progress import err_console
+from ..run.report import stats_line
 from .common import (
     graph_option,
     kv_cache_option,
@@ -77,10 +77,10 @@ def chat(
     config, seed = sampling.resolve()
     spec = kv.spec()
     rt = load_with_progress(model)
-    from ..chat import Conversation
+    from ..run.chat import Conversation
 
     if kv_cache is not None:
-        from .. import kvc
+        from ..run import kvc
 
         session, header = session_from_kvc(rt, kv_cache, kv, model)
         turns = header["turns"]

@@ -14,7 +14,7 @@ import click
 
 from ..errors import KvrunError
 from ..kv import REGISTRY
-from ..options import (
+from ..run.options import (
     KVGridOptions,
     KVOptions,
     ModelOptions,
@@ -22,11 +22,11 @@ from ..options import (
     RayOptions,
     SamplingOptions,
 )
-from ..progress import err_console, progress_bar
+from ..run.progress import err_console, progress_bar
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs a model
-    from ..generate import Session
-    from ..runtime import Runtime
+    from ..run.runtime import Runtime
+    from ..run.session import Session
 
 
 def _grouped(name: str, build: Callable[[dict], object], options: list):
@@ -49,7 +49,7 @@ def _grouped(name: str, build: Callable[[dict], object], options: list):
 def _model(params: dict) -> ModelOptions:
     """Sets --debug and OpenMP's spinning for this machine (kvrun/openmp.py, before torch
     loads), then the ModelOptions (--cuda-graph where the command has graph_option)."""
-    from .. import openmp
+    from ..run import openmp
 
     openmp.tune()
     set_debug(click.get_current_context(), params.pop("debug"))
@@ -333,7 +333,7 @@ def set_debug(ctx: click.Context, debug: bool) -> None:
 
 def needs_text(model: str | None) -> None:
     """A command that reads or writes text refuses a synthetic preset before loading it."""
-    from ..presets import is_preset
+    from ..models.presets import is_preset
 
     if is_preset(model):
         raise KvrunError(
@@ -350,7 +350,7 @@ def load_with_progress(
     Commands validate --kv themselves first (KVOptions.spec), before paying for the load; with
     text (every command but bench) a synthetic preset is refused before it is made.
     """
-    from ..runtime import load_runtime, pick_device
+    from ..run.runtime import load_runtime, pick_device
 
     if text:
         needs_text(model.name)
@@ -429,7 +429,7 @@ def kv_cache_option(what: str):
 def session_from_kvc(rt: Runtime, path: str, kv: KVOptions, model: ModelOptions):
     """(session, header) going on from a .kvc file; --kv other than the default, and
     --kv-budget with or without it, must be the file's (kvrun.kvc.load says so in one line)."""
-    from .. import kvc
+    from ..run import kvc
 
     if kv.method == "full":  # the default: the file's method, at --kv-budget where one is given
         cache, held, header = kvc.load(path, rt, None, kv.budget, kv.dtype)

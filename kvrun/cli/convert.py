@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from ..model_store import resolve
-from ..progress import err_console, progress_bar
+from ..hub.model_store import resolve
+from ..run.progress import err_console, progress_bar
 from .common import quiet_option
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..options import KVOptions, ModelOptions, SamplingOptions
-from ..progress import prefill_progress
-from ..report import stats_line
+from ..run.options import KVOptions, ModelOptions, SamplingOptions
+from ..run.progress import prefill_progress
+from ..run.report import stats_line
 from .common import (
     dump_json,
     graph_option,
@@ -128,7 +128,7 @@ def _prompt(rt, text: str, chat, system, kv_cache, spec, kv: KVOptions, model: M
     tok = rt.tokenizer
     question = None
     if kv_cache is not None:  # the document is in the file; the prompt is its question
-        from .. import kvc
+        from ..run import kvc
 
         session, header = session_from_kvc(rt, kv_cache, kv, model)
         use_chat = header["turns"].get("chat", False)

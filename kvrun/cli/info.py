@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..model_store import pull as pull_model
+from ..hub.model_store import pull as pull_model
 from ..progress import err_console, progress_bar
 from ..report import human_bytes
 from ..tasks.info import catalog, info_rows

@@ -10,9 +10,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..options import KVOptions, ModelOptions, ParallelOptions, RayOptions, SamplingOptions
-from ..progress import PrefillBar, progress_bar
-from ..report import stats_line
+from ..run.options import KVOptions, ModelOptions, ParallelOptions, RayOptions, SamplingOptions
+from ..run.progress import PrefillBar, progress_bar
+from ..run.report import stats_line
 from ..tasks import longdoc as task
 from ..tasks.longdoc_run import LongdocOptions, absolute_paths, start_local, start_ray
 from .common import (
@@ -222,7 +222,7 @@ def _check_args(files, jsonl, question, summarize, out, resume, kv_cache_dir, ra
     if ray.address and not jsonl:
         raise KvrunError("--ray runs a batch: give --jsonl IN (and --out OUT)")
     if ray.address:
-        from ..cluster import import_ray
+        from ..run.cluster import import_ray
 
         import_ray()  # missing Ray is said before anything else is read
         needs_text(model.name)
@@ -273,7 +273,7 @@ def _read_docs(files, jsonl) -> list[task.Doc]:
 
 
 def _stats(rec: dict):
-    from ..generate import Stats
+    from ..run.session import Stats
 
     return Stats(**{f.name: rec[f.name] for f in dataclasses.fields(Stats)})
 

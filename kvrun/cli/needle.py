@@ -9,8 +9,8 @@ from rich.table import Table
 
 from ..errors import KvrunError
 from ..kv import check
-from ..options import KVGridOptions, ModelOptions, RayOptions
 from ..progress import err_console
+from ..run.options import KVGridOptions, ModelOptions, RayOptions
 from ..tasks import needle as nd
 from ..tasks.needle_run import NeedleRun, start_ray
 from ..tasks.passkey import filler_units, read_haystack

@@ -6,8 +6,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..options import KVOptions, ModelOptions
 from ..report import human_bytes
+from ..run.options import KVOptions, ModelOptions
 from ..tasks.perplexity import Report, check_context, check_file, file_tokens
 from ..tasks.perplexity_run import run_windows
 from .common import (

@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
-from ..options import KVOptions, ModelOptions
-from ..progress import prefill_progress
-from ..report import human_bytes
+from ..run.options import KVOptions, ModelOptions
+from ..run.progress import prefill_progress
+from ..run.report import human_bytes
 from .common import dump_json, kv_options, load_with_progress, model_options, new_session
 from .generate import read_prompt
 
@@ -48,7 +48,7 @@ def prefill(
     The file holds what the cache holds (safetensors) and a header with the model's
     identity, the KV spec and the tokens; another model, spec or kvrun format is refused.
     """
-    from .. import kvc
+    from ..run import kvc
 
     out = Path(output)
     if out.exists() and not overwrite:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..options import KVOptions, ModelOptions, ParallelOptions
+from ..run.options import KVOptions, ModelOptions, ParallelOptions
 from ..tasks.serve import ServeOptions, run_server
 from .common import graph_option, kv_options, model_options, parallel_options
 

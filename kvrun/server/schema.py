@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from ..config import SamplingConfig
+from ..models.config import SamplingConfig
 
 _DEFAULT = SamplingConfig()
 MAX_TOP_LOGPROBS = 20

@@ -198,7 +198,7 @@ class EngineThread:
                 self._new_engine()
 
     def _new_engine(self) -> None:
-        from ..engine import Engine
+        from ..run.engine import Engine
 
         rt = self.runtime
         sessions = [
@@ -230,7 +230,7 @@ class EngineThread:
         return self.prefix_cache is not None and self.prefix_cache.limit > 0 and job.cache_prompt
 
     def _request(self, job: HttpJob):
-        from ..engine import Request
+        from ..run.engine import Request
 
         rt = self.runtime
         job.outbox = self._outbox

@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..generate import Session, peak_memory_bytes
-from ..graph import BatchGraph
 from ..kv import KVSpec
-from ..sampling import ban
+from ..run.graph import BatchGraph
+from ..run.sampling import ban
+from ..run.session import Session, peak_memory_bytes
 from .bench_settings import BenchSettings, cases, check_settings, row_labels
 
 BANDWIDTH_NOTE = (
@@ -178,7 +178,7 @@ def machine(device: torch.device) -> dict:
 
 def run_bench(rt, s: BenchSettings, on_rep: Callable[[str], None] | None = None) -> dict:
     """Every row of the grid, plus the settings, machine and model facts, as one JSON object."""
-    from ..synthetic import is_synthetic
+    from ..models.synthetic import is_synthetic
 
     check_settings(s, s.ctx_size or rt.config.context_length)
     synthetic = is_synthetic(rt)

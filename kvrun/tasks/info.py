@@ -8,9 +8,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from ..config import ModelConfig
 from ..errors import KvrunError
-from ..model_store import REGISTRY, local_models, models_dir, resolve
+from ..hub.model_store import REGISTRY, local_models, models_dir, resolve
+from ..models.config import ModelConfig
 
 
 def inspect(path: Path) -> tuple[ModelConfig, dict]:
@@ -18,7 +18,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
     if path.is_dir():
         from safetensors import safe_open
 
-        from ..file_headers import shard_paths
+        from ..models.file_headers import shard_paths
 
         cfg = ModelConfig.from_hf(path / "config.json")
         types: Counter = Counter()
@@ -42,7 +42,7 @@ def inspect(path: Path) -> tuple[ModelConfig, dict]:
             "file_bytes": size,
             "chat_template": _hf_has_template(path),
         }
-    from ..file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
+    from ..models.file_headers import gguf_metadata, gguf_name_to_hf, open_gguf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
@@ -162,7 +162,7 @@ def info_rows(model: str | None, wtype: str) -> tuple[dict, ModelConfig, dict]:
 def catalog() -> dict:
     """kvrun models --json's object: the models folder and what it holds, the Hugging Face
     cache and what it holds, and every short name `kvrun pull` fetches."""
-    from .. import hub
+    from ..hub import names as hub
 
     root, cache = models_dir(), hub.hub_cache()
     found = local_models(root, read_meta=False)

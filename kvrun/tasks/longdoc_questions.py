@@ -106,7 +106,7 @@ class KvcDir:
     instead of prefilling."""
 
     def __init__(self, path: str, rt, spec):
-        from .. import kvc
+        from ..run import kvc
 
         self.path, self.rt, self.spec = Path(path), rt, spec
         self.key = json.dumps([kvc.model_identity(rt), kvc.spec_text(spec), spec.dtype])
@@ -117,7 +117,7 @@ class KvcDir:
 
     def load(self, ids: list[int]):
         """The kept cache of this document turn, or None; a damaged file is a KvrunError."""
-        from .. import kvc
+        from ..run import kvc
 
         f = self.file(ids)
         if not f.exists():
@@ -126,7 +126,7 @@ class KvcDir:
         return kv if tokens == list(ids) else None
 
     def save(self, ids: list[int], kv) -> None:
-        from .. import kvc
+        from ..run import kvc
 
         f = self.file(ids)
         tmp = f.with_name(f.name + ".tmp")
@@ -145,7 +145,7 @@ class _Intake:
         self.lines, self.ready = lines, deque()
 
     def poll(self):
-        from ..engine import Request
+        from ..run.engine import Request
 
         while True:
             while self.ready:
@@ -170,7 +170,7 @@ def run_engine(
     through longdoc.todo already). write(record), then finish(doc, record), as each record
     is done, which is not input order. new_kv() -> a fresh cache for a document's prefill
     (None: a reset fork of the first session's); kvc_dir: a KvcDir. Returns (records failed, engine stats)."""
-    from ..engine import Engine, Request
+    from ..run.engine import Engine, Request
 
     if new_kv is None:
         blank = sessions[0].kv.fork()

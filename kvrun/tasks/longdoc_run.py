@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import SamplingConfig
-from ..options import KVOptions, ModelOptions, ParallelOptions, RayOptions
+from ..models.config import SamplingConfig
+from ..run.options import KVOptions, ModelOptions, ParallelOptions, RayOptions
 from . import longdoc as task
 from . import longdoc_questions as batch
 from .longdoc import Doc, LongdocJob
@@ -187,7 +187,7 @@ def start_ray(
 ) -> tuple[RayRunner, LongdocJob]:
     """Ray workers started (worker_setup on each) and one of them ready: the runner over them
     (close it when done) and the run's job, from what that worker's model tells."""
-    from .. import cluster
+    from ..run import cluster
 
     args = {"kv": kv, "parallel": parallel, "opts": opts}
     pool, facts = cluster.start(ray, worker_setup, model, args, echo)
@@ -199,7 +199,7 @@ def worker_setup(
 ):
     """On a Ray worker (kvrun.cluster): the model, the command's sessions and its job.
     Returns (handler, facts): handler(docs, node) -> each doc's records (a list), in order."""
-    from ..cluster import load_model
+    from ..run.cluster import load_model
 
     spec = kv.spec()
     rt = load_model(model)

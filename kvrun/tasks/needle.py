@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import SamplingConfig
 from ..errors import KvrunError
 from ..kv import KVSpec
+from ..models.config import SamplingConfig
 from . import passkey
 
 GREEDY = SamplingConfig(temp=0.0, top_k=0, top_p=1.0, min_p=0.0)
@@ -263,7 +263,7 @@ def run_grid(
             rt, task, configs, cells, n_predict, ubatch, context, on_start, parallel
         )
         return
-    from ..generate import Session
+    from ..run.session import Session
 
     for cell, cfg, expected, p in _trials(task, configs, cells, on_start):
         kv = rt.new_kv(cfg.spec)
@@ -303,8 +303,8 @@ def _record(task: NeedleTask, cell: Cell, cfg: KvConfig, expected: dict, p, r) -
 def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start, parallel):
     """run_grid's trials through the batch engine; records are held back until every
     earlier one of the grid is done, so the order (and every result) is the sequential one."""
-    from ..engine import Engine, Request
-    from ..generate import Session
+    from ..run.engine import Engine, Request
+    from ..run.session import Session
 
     def requests():
         for tag in _trials(task, configs, cells, on_start):

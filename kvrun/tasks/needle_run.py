@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from ..errors import KvrunError
 from ..kv import check
-from ..options import KVGridOptions, ModelOptions, RayOptions
 from ..progress import err_console, progress_bar
+from ..run.options import KVGridOptions, ModelOptions, RayOptions
 from . import needle as nd
 
 
@@ -107,7 +107,7 @@ class NeedleRun:
 def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     """On a Ray worker (kvrun.cluster): the model and the grid's task. Returns (handler,
     facts): handler(cells, node) -> each cell's records, every config, in grid order."""
-    from ..cluster import load_model
+    from ..run.cluster import load_model
 
     configs = nd.kv_configs([(m, check(m).with_dtype(kv.dtype)) for m in kv.methods], kv.budgets)
     rt = load_model(model)
@@ -126,7 +126,7 @@ def worker_setup(model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
 
 def start_ray(ray: RayOptions, model: ModelOptions, kv: KVGridOptions, grid: nd.GridOptions):
     """Ray workers for the grid, started and one of them ready: (pool, its facts)."""
-    from .. import cluster
+    from ..run import cluster
 
     echo = lambda m: err_console.print(m, highlight=False)  # noqa: E731
     return cluster.start(ray, worker_setup, model, {"kv": kv, "grid": grid}, echo)

@@ -21,7 +21,7 @@ from ..errors import ContextOverflow, KvrunError
 if TYPE_CHECKING:  # torch loads with the model; the checks above run before that
     import torch
 
-    from ..generate import Session
+    from ..run.session import Session
 
 FIGURES = ("nll", "ppl", "nll_full", "ppl_full", "kl", "top1")
 
@@ -253,7 +253,7 @@ def score_windows(
                 out.append(x)
         if j + 1 < n:
             feed = [windows[i][context + j] for i in owners]
-            from ..generate import Session
+            from ..run.session import Session
 
             logits = list(Session.decode_batch(flat, feed))
         if step:
@@ -331,7 +331,7 @@ def evaluate(
             out.append(w)
             if on_window:
                 on_window(w)
-    from ..generate import peak_memory_bytes
+    from ..run.session import peak_memory_bytes
 
     peak = peak_memory_bytes(method.device)
     return Report(out, context, eval_tokens, len(tokens), prefill_s, decode_s, peak)

@@ -4,8 +4,8 @@ reference's), the windows under a progress bar, and the run's settings. The CLI
 
 from __future__ import annotations
 
-from ..options import ModelOptions
 from ..progress import progress_bar
+from ..run.options import ModelOptions
 from .perplexity import Report, evaluate
 
 

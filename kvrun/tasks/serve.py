@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import KvrunError
-from ..options import KVOptions, ModelOptions, ParallelOptions, size_bytes
 from ..progress import err_console
+from ..run.options import KVOptions, ModelOptions, ParallelOptions, size_bytes
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ def run_server(
     SIGTERM / Ctrl-C. own_ubatch: --ubatch was given (else serve_ubatch picks the chunk)."""
     spec = kv.spec()  # a bad --kv fails before the load
     cache_bytes = size_bytes(opts.cache_mem, "--cache-mem")
-    from ..model_store import DEFAULT_MODEL, resolve
-    from ..presets import is_preset
-    from ..runtime import load_runtime, pick_device
+    from ..hub.model_store import DEFAULT_MODEL, resolve
+    from ..models.presets import is_preset
+    from ..run.runtime import load_runtime, pick_device
     from ..server.app import Server, Settings
     from ..server.app import serve as run
     from ..server.metrics import Metrics

@@ -28,7 +28,7 @@ import test_tokenizer_families as family_tests  # noqa: E402
 
 import llamacpp_peer  # noqa: E402
 from kvrun.convert import convert  # noqa: E402
-from kvrun.file_headers import gguf_metadata, open_gguf  # noqa: E402
+from kvrun.models.file_headers import gguf_metadata, open_gguf  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "tokenizer_golden.json"
 _ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import KvrunError, QuantNotFound
+from ..errors import KvrunError, QuantNotFound
 
 DEFAULT_QUANT = "Q4_K_M"
 # what kvrun reads of an HF safetensors repo (snapshot_download's allow_patterns)

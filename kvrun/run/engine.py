@@ -41,10 +41,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import KvrunError
-from .generate import Session
+from ..errors import KvrunError
 from .graph import BatchGraph
 from .sampling import SamplingConfig
+from .session import Session
 from .token_end import PhaseStats, Result, TokenEnd, sync, token_logprobs
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import KvrunError, ModelNotFound
+from ..errors import KvrunError, ModelNotFound
 
 GGUF_BLOCK = {
     "attn_norm": "input_layernorm",

@@ -13,15 +13,15 @@ openmp.tune()  # before torch loads: OpenMP reads its spin count once
 
 import torch
 
-from .config import ModelConfig
-from .errors import KvrunError
-from .kv import FULL, KVSpec, build
-from .kv.protocol import KVManager
-from .model_store import resolve
-from .quant import model_cache
-from .quant.formats import WTYPES
-from .quant.packed import DENSE_WTYPES, dense_name
-from .weights import LoadedWeights, load
+from ..errors import KvrunError
+from ..hub.model_store import resolve
+from ..kv import FULL, KVSpec, build
+from ..kv.protocol import KVManager
+from ..models import model_cache
+from ..models.config import ModelConfig
+from ..models.weights import LoadedWeights, load
+from ..quant.formats import WTYPES
+from ..quant.packed import DENSE_WTYPES, dense_name
 
 DTYPES = {
     "float32": torch.float32,
@@ -99,7 +99,7 @@ def load_runtime(
 ) -> Runtime:
     """Resolve, load and place a model; wtype: auto | f32 | f16 | bf16 | q8 | q4 (see
     kvrun/weights.py, kvrun/quant/linear.py and kvrun/quant/choice.py)."""
-    from .model import Transformer
+    from ..models.model import Transformer
 
     t0 = time.perf_counter()
     if openmp.NOTE["text"]:
@@ -107,7 +107,7 @@ def load_runtime(
         openmp.NOTE["text"] = None  # said once
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev, wtype)
-    from .presets import is_preset
+    from ..models.presets import is_preset
 
     if is_preset(spec):  # `llama3-8b-synthetic` etc.: real shapes, random weights
         rt = preset_runtime(spec, dt, dev, progress, wtype)
@@ -120,7 +120,7 @@ def load_runtime(
     if w.cache_note:
         log(w.cache_note)
     if dev.type == "cpu" and w.format == "gguf" and w.wtype == "packed":
-        from .quant import native
+        from ..quant import native
 
         if native.note():  # no compiler, a failed build, KVRUN_NATIVE=off: said once
             log(native.note())
@@ -143,9 +143,9 @@ def preset_runtime(
 ) -> Runtime:
     """A Runtime for a shape preset: random weights (dense in dtype, or packed for --wtype
     q4/q8, made as codes without a float copy), a SyntheticTokenizer, format 'synthetic'."""
-    from .model import Transformer
-    from .presets import preset_config
-    from .synthetic import INIT_STD, SyntheticTokenizer, check_fits, random_weights
+    from ..models.model import Transformer
+    from ..models.presets import preset_config
+    from ..models.synthetic import INIT_STD, SyntheticTokenizer, check_fits, random_weights
 
     config = preset_config(spec)
     bits = {"q4": 4, "q8": 8}.get(wtype)  # auto: dense, the dtype asked for is what is measured

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import KvrunError, UnsupportedModel
+from ..errors import KvrunError, UnsupportedModel
 
 # GGUF `general.architecture` values and HF `model_type`s that run on our forward pass.
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .batch import BatchKV
+from .step import BatchKV
 
 ROUND = 256  # capacities are multiples of this, so nearby lengths share one capture
 KEEP = 16  # captured batch steps kept (least recently replayed dropped first)
@@ -252,7 +252,7 @@ class BatchGraph:
     def _pad(self):
         """A full cache at position 0 that every padding row writes to and attends over."""
         if self.pad is None:
-            from .kv import FULL, build
+            from ..kv import FULL, build
 
             m = self.model
             self.pad = build(FULL, m.config, m.rope, m.device, m.dtype)

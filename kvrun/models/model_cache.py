@@ -54,9 +54,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from .formats import BLOCK_SIZES, X8_BYTES
-from .probes import cache_file
+from ..quant.formats import BLOCK_SIZES, X8_BYTES
+from ..quant.probes import cache_file
+from .config import ModelConfig
 
 FORMAT = 3  # bump when the layout of what is kept changes (2: GGUF blocks; 3: header digest)
 ALIGN = 64
@@ -143,8 +143,8 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
     shards) with this dtype and wtype is kept on this machine; None with the cache off."""
     if not enabled():
         return None
-    from . import int4mm, native
-    from .choice import matmul_path
+    from ..quant import int4mm, native
+    from ..quant.choice import matmul_path
 
     real = [os.path.realpath(f) for f in files]
     ident = []
@@ -171,7 +171,7 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
 def load(path: Path, config: ModelConfig):
     """The model kept at `path`, its tensors mapped from the file; None where there is no
     entry. Raises Damaged (after deleting the entry) where it does not read back whole."""
-    from ..model import Transformer
+    from .model import Transformer
 
     try:
         f = open(path, "rb")  # noqa: SIM115 - the mapping outlives the with-block

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .kv.protocol import KVManager
+from ..kv.protocol import KVManager
 
 
 class BatchKV:

@@ -17,8 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import KvrunError, ModelNotFound, UnsupportedModel
+from ..quant.blocks import Blocks
+from ..quant.blocks import from_gguf as blocks_from_gguf
+from ..quant.formats import FLOAT_TYPES, GROUP, holds_blocks, target_bits
+from ..quant.packed import (
+    DENSE_WTYPES,
+    Packed,
+    dense_name,
+    from_gguf,
+    quantize_rows,
+    requantize_bits,
+)
 from .config import PERMUTED_QK, ModelConfig
-from .errors import KvrunError, ModelNotFound, UnsupportedModel
 from .file_headers import (
     GGUF_BLOCK,
     ROPE_TENSORS,
@@ -27,17 +38,6 @@ from .file_headers import (
     open_gguf,
     safetensors_damage,
     shard_paths,
-)
-from .quant.blocks import Blocks
-from .quant.blocks import from_gguf as blocks_from_gguf
-from .quant.formats import FLOAT_TYPES, GROUP, holds_blocks, target_bits
-from .quant.packed import (
-    DENSE_WTYPES,
-    Packed,
-    dense_name,
-    from_gguf,
-    quantize_rows,
-    requantize_bits,
 )
 
 Progress = Callable[[int, int], None]  # (done, total) tensors
@@ -66,7 +66,7 @@ def _cached(
 ) -> tuple[Any, Path | None, str]:
     """(model mapped from the packed cache or None, its entry, a note) for packed CPU loads;
     (None, None, "") for the others, which the cache does not keep."""
-    from .quant import model_cache
+    from . import model_cache
 
     if wtype in DENSE_WTYPES or (device is not None and device.type != "cpu"):
         return None, None, ""
@@ -185,7 +185,7 @@ def load_gguf(
     if wtype == "auto" and all(t.tensor_type.name in FLOAT_TYPES for t in reader.tensors):
         wtype = dense_name(dtype)  # nothing to keep packed
     elif wtype == "auto":
-        from .quant.choice import auto_wtype
+        from ..quant.choice import auto_wtype
 
         elem = torch.empty(0, dtype=dtype).element_size()
         wtype, note = auto_wtype(config.n_params() * elem, device or torch.device("cpu"), dtype)
@@ -363,7 +363,7 @@ def _native_here(device: torch.device | None) -> bool:
     """Whether the native CPU kernels run this load's products (built on first use)."""
     if device is not None and device.type != "cpu":
         return False
-    from .quant import native
+    from ..quant import native
 
     return native.ops() is not None
 

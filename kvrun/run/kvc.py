@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .errors import KvrunError
-from .kv.state import Damaged, Loader, Writer
-from .kv.stores import kvtypes
+from ..errors import KvrunError
+from ..kv.state import Damaged, Loader, Writer
+from ..kv.stores import kvtypes
 
 FORMAT, VERSION = "kvrun-kvc", 2  # 2: the state as each class declares it (kvrun.kv.state)
 _META_KEY, _STATE_KEY = "kvrun_kvc", "kvrun_kvc_state"
@@ -240,7 +240,7 @@ def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None, dt
     """The spec to load with: the file's where the run asks none; the run's (spec, or the
     file's method with `budget`) where it is the file's. Anything else is one line naming what
     the file holds and what was asked. dtype: --kv-dtype where no spec is given."""
-    from .kv import check
+    from ..kv import check
 
     try:
         mine = check(saved["kv"], saved["budget"])

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import KvrunError
+from ..quant import hardware
+from ..quant.formats import GROUP
+from ..quant.packed import Packed
 from .config import ModelConfig
-from .errors import KvrunError
-from .quant import hardware
-from .quant.formats import GROUP
-from .quant.packed import Packed
 
 INIT_STD = 0.02  # small normal init: activations stay finite through 32 layers in bf16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .generate import Result, Session
+from .session import Result, Session
 
 
 class Conversation:

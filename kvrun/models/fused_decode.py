@@ -18,10 +18,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .quant import blocks as qblocks
-from .quant import int4mm
-from .quant.blocks import BlockLinear
-from .quant.linear import DECODE_ROWS, PackedLinear
+from ..quant import blocks as qblocks
+from ..quant import int4mm
+from ..quant.blocks import BlockLinear
+from ..quant.linear import DECODE_ROWS, PackedLinear
 
 _MM = int4mm._MM_CPU
 # where `rms_norm` may read a number back: free on CPU; on CUDA a sync a graph cannot capture
@@ -71,7 +71,7 @@ def _product(mod) -> Product | NativeProduct | None:
     if type(mod) is BlockLinear:
         if not mod.takes_native(1):
             return None
-        from .quant import native
+        from ..quant import native
 
         return NativeProduct(native.ops().qmm, mod._ws, mod._codes, mod.ns)
     op = mod.cpu_op() if type(mod) is PackedLinear else None

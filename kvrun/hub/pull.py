@@ -13,9 +13,18 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import DiskFull, GatedRepo, HubError, HubOffline, QuantNotFound, RepoNotFound
-from .hub import FOLDER_FILES, HubRef, endpoint, find_local, gguf_entries, hub_cache, offline, pick
-from .report import human_bytes
+from ..errors import DiskFull, GatedRepo, HubError, HubOffline, QuantNotFound, RepoNotFound
+from ..run.report import human_bytes
+from .names import (
+    FOLDER_FILES,
+    HubRef,
+    endpoint,
+    find_local,
+    gguf_entries,
+    hub_cache,
+    offline,
+    pick,
+)
 
 
 def pull(ref: HubRef, log: Callable[[str], None] = print, quiet: bool = False, label=None) -> Path:
@@ -217,7 +226,7 @@ def download_bar(quiet: bool = False):
         TransferSpeedColumn,
     )
 
-    from .progress import LineProgress, err_console
+    from ..run.progress import LineProgress, err_console
 
     if not sys.stderr.isatty():
         return LineProgress(bytes_mode=True, quiet=quiet)

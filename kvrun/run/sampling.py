@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import SamplingConfig  # noqa: F401 - re-exported: kvrun.sampling.SamplingConfig
+from ..models.config import SamplingConfig  # noqa: F401 - re-exported: kvrun.sampling.SamplingConfig
 
 
 def apply_repeat_penalty(

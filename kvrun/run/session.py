@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ContextOverflow, KvrunError
+from ..errors import ContextOverflow, KvrunError
 from .graph import BatchGraph, DecodeGraph, eager_rows, static_unsupported
 from .sampling import SamplingConfig
 

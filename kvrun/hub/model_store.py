@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hub, hub_pull
-from .errors import KvrunError, ModelNotFound
+from ..errors import KvrunError, ModelNotFound
+from . import names as hub
+from . import pull as hub_pull
 
 DEFAULT_MODEL = "smollm2"
 
@@ -68,7 +69,7 @@ class LocalModel:
 def _gguf_names(path: Path) -> list[str]:
     """Names from GGUF metadata (general.name, basename + size label), read from the header."""
     try:
-        from .file_headers import gguf_metadata, open_gguf
+        from ..models.file_headers import gguf_metadata, open_gguf
 
         meta = gguf_metadata(open_gguf(path))
     except Exception:  # noqa: BLE001 - a damaged file still lists by its file name

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant import blocks
+from ..quant.blocks import BlockEmbedding, BlockLinear, Blocks
+from ..quant.choice import matmul_path
+from ..quant.linear import DequantBuffers, PackedEmbedding, PackedLinear
+from ..quant.packed import Packed
 from . import fused_decode
 from .config import ModelConfig
-from .quant import blocks
-from .quant.blocks import BlockEmbedding, BlockLinear, Blocks
-from .quant.choice import matmul_path
-from .quant.linear import DequantBuffers, PackedEmbedding, PackedLinear
-from .quant.packed import Packed
 from .rope import Rope, RopeSet, inverse_frequencies, magnitudes, rotary_order
 
 ROPE_KEY = "rope.inv_freq"  # RoPE's inverse frequencies among the tensors of `state()`
@@ -352,7 +352,7 @@ class Transformer(nn.Module):
             and bool(mods)
             and all(type(m) in (BlockLinear, BlockEmbedding) and m._native_ok for m in mods)
         )
-        from .quant import native as native_kernels
+        from ..quant import native as native_kernels
 
         kernels = native_kernels.ops() if native else None
         self.rope.kernels = kernels

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import SamplingConfig
-from .errors import KvrunError
+from ..errors import KvrunError
+from ..models.config import SamplingConfig
 
 if TYPE_CHECKING:
-    from .generate import Session
-    from .kv import KVSpec
+    from ..kv import KVSpec
     from .runtime import Runtime
+    from .session import Session
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class ModelOptions:
     def session(self, rt: Runtime, kv) -> Session:
         """A Session over kv with -c, --ubatch and --cuda-graph (its graph_note says why a
         requested graph is not used)."""
-        from .generate import Session
+        from .session import Session
 
         graph = "on" if self.cuda_graph else "off"
         return Session(
@@ -86,7 +86,7 @@ class KVOptions:
     def spec(self) -> KVSpec:
         """Validated into the spec every later step receives (a bad method, budget or
         --kv-dtype costs no model load)."""
-        from .kv import check
+        from ..kv import check
 
         return check(self.method, self.budget).with_dtype(self.dtype)
 

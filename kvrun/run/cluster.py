@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import KvrunError
+from ..errors import KvrunError
 from .options import ModelOptions, RayOptions
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def layout(ray, workers: int | None, cpus_per_worker: int | None) -> WorkerLayou
 def load_model(model: ModelOptions) -> Runtime:
     """The command's model on a Ray worker, resolved on the worker's node, quietly; a model
     the node lacks says where it must be."""
-    from .model_store import models_dir
+    from ..hub.model_store import models_dir
     from .runtime import load_runtime
 
     try:

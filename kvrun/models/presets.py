@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import KvrunError
 from .config import ModelConfig
-from .errors import KvrunError
 
 SUFFIX = "-synthetic"
 

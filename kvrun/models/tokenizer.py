@@ -13,8 +13,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from kvrun import chat_template
 from kvrun.errors import KvrunError, UnsupportedModel
+from kvrun.models import chat_template
 
 # Token types shared by GGUF (tokenizer.ggml.token_type) and SentencePiece models.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
