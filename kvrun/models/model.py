@@ -190,7 +190,8 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama / Mistral / SmolLM decoder with HF parameter names."""
+    """The one decoder every family runs on (switched by ModelConfig's fields), with HF
+    parameter names."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
