@@ -14,8 +14,8 @@ from ..errors import KvrunError
 from ..hub.model_store import REGISTRY, local_models, models_dir, resolve
 from ..hub.model_store import pull as pull_model
 from ..models.config import ModelConfig
-from ..run.progress import err_console, progress_bar
-from ..run.report import human_bytes
+from ..progress import err_console, progress_bar
+from ..report import human_bytes
 from .common import quiet_option
 
 

@@ -9,8 +9,8 @@ from rich.table import Table
 
 from ..errors import KvrunError
 from ..kv import check
+from ..progress import err_console, progress_bar
 from ..run.options import KVGridOptions, ModelOptions, RayOptions
-from ..run.progress import err_console, progress_bar
 from ..tasks import needle as nd
 from ..tasks.passkey import filler_units, read_haystack
 from .common import (

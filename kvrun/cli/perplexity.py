@@ -6,9 +6,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..progress import progress_bar
+from ..report import human_bytes
 from ..run.options import KVOptions, ModelOptions
-from ..run.progress import progress_bar
-from ..run.report import human_bytes
 from ..tasks.perplexity import Report, check_context, check_file, evaluate, file_tokens
 from .common import (
     dump_json,

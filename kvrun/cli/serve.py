@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
+from ..progress import err_console
 from ..run.options import KVOptions, ModelOptions, ParallelOptions, size_bytes
-from ..run.progress import err_console
 from .common import graph_option, kv_options, model_options, new_session, parallel_options
 
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import DiskFull, GatedRepo, HubError, HubOffline, QuantNotFound, RepoNotFound
-from ..run.report import human_bytes
+from ..report import human_bytes
 from .names import (
     FOLDER_FILES,
     HubRef,
@@ -226,7 +226,7 @@ def download_bar(quiet: bool = False):
         TransferSpeedColumn,
     )
 
-    from ..run.progress import LineProgress, err_console
+    from ..progress import LineProgress, err_console
 
     if not sys.stderr.isatty():
         return LineProgress(bytes_mode=True, quiet=quiet)
