@@ -1,4 +1,4 @@
-"""`kvrun pull` from Hugging Face: what kvrun/hub.py names, downloaded into the HF cache with
+"""`kvrun pull` from Hugging Face: what kvrun/hub/names.py names, downloaded into the HF cache with
 huggingface_hub; a pull cut short goes on where it stopped, and every way it can fail is one
 line that says what to do."""
 

@@ -1,4 +1,4 @@
-"""What a .kvc file may hold of a cache (kvrun/kvc.py), declared by each class that holds it.
+"""What a .kvc file may hold of a cache (kvrun/run/kvc.py), declared by each class that holds it.
 
 A file is loaded into a fresh manager that the loading run builds from its own spec and model:
 what that manager builds stays as built (config, RoPE, options, the layout of every store), and

@@ -50,7 +50,7 @@ class LoadedWeights:
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
-    tokenizer: Any  # kvrun.tokenizer.Tokenizer
+    tokenizer: Any  # kvrun.models.tokenizer.Tokenizer
     path: Path
     format: str  # "gguf" | "safetensors"
     tensor_types: Counter = field(default_factory=Counter)
@@ -58,7 +58,7 @@ class LoadedWeights:
     wtype: str = "f32"  # what --wtype resolved to: a dense dtype name or "packed"/"q4"/"q8"
     wtype_note: str = ""  # why --wtype auto chose what it did
     model: Any = None  # the packed model, mapped from its cache entry (then no tensors)
-    cache_entry: Path | None = None  # where the packed model is kept (kvrun/quant/model_cache.py)
+    cache_entry: Path | None = None  # where the packed model is kept (kvrun/models/model_cache.py)
     cache_note: str = ""  # a damaged entry, in words
 
 
