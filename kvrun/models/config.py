@@ -303,8 +303,8 @@ class ModelConfig:
                 beta_slow=f.real("rope.scaling.yarn_beta_slow", 1.0),
                 attention_factor=_optional(f, "rope.scaling.attn_factor"),
             )
-        # GGUFs may carry the llama3 scaling as a `rope_freqs` tensor instead, and LongRoPE its
-        # LongRoPE factors as `rope_factors_long` / `rope_factors_short`: the loader reads those
+        # GGUFs may carry the llama3 scaling as a `rope_freqs` tensor instead, and LongRoPE's
+        # factors as `rope_factors_long` / `rope_factors_short`: the loader reads those
         # (`with_rope_factors`) and the model divides its frequencies by them.
         window = get("attention.sliding_window")
         window = f.whole("attention.sliding_window", hi=MAX_CONTEXT) if window else None
@@ -312,7 +312,7 @@ class ModelConfig:
         if "blk.0.attn_q_norm.weight" in names:
             extra["qk_norm"] = True
         seen = dict(dim=dim, n_heads=n_heads, n_layers=n_layers, head_dim=head_dim, rot=rot)
-        extra.update(fam.gguf_fields(f, seen | dict(window=window, names=names)))
+        extra.update(fam.gguf_fields(f, {**seen, "window": window, "names": names}))
         if get("final_logit_softcapping"):
             extra["final_softcap"] = f.real("final_logit_softcapping", positive=True)
         config = cls(
@@ -383,9 +383,8 @@ class ModelConfig:
         n_layers = f.whole("num_hidden_layers", hi=MAX_COUNT)
         max_pos = f.whole("max_position_embeddings", 4096, hi=MAX_CONTEXT)
         rope = f.inner("rope_parameters")
-        full = (
-            rope.inner("full_attention") if "full_attention" in rope.src else rope
-        )  # RoPE per layer type
+        # rope_parameters may hold one RoPE per layer type (full and sliding attention)
+        full = rope.inner("full_attention") if "full_attention" in rope.src else rope
         local = rope.table("sliding_attention")
         scaling = f.inner("rope_scaling")
         scaling = scaling if scaling.src else full
@@ -404,7 +403,7 @@ class ModelConfig:
             if partial < 1.0:
                 extra["rotary_dim"] = int(head_dim * partial) // 2 * 2
         seen = dict(dim=dim, n_layers=n_layers, head_dim=head_dim, local=local)
-        extra.update(fam.hf_fields(f, seen | dict(model_type=model_type)))
+        extra.update(fam.hf_fields(f, {**seen, "model_type": model_type}))
         window = extra.pop("sliding_window", None)
         if f.get("final_logit_softcapping"):
             extra["final_softcap"] = f.real("final_logit_softcapping", positive=True)
