@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvrun.errors import KvrunError
-from kvrun.models.weights import load_gguf
+from kvrun.models.weights import fuse, load_gguf
 
 Progress = Callable[[int, int], None]
 
@@ -62,9 +62,9 @@ def gguf_to_hf(
             "converting such files to safetensors is not supported yet"
         )
     config = w.config
-    if config.sliding_window and config.arch == "llama":
+    if config.sliding_window and config.family.windowed:
         # llama.cpp files Mistral under "llama"; the window only survives as a Mistral config
-        config = config.replace(arch="mistral")
+        config = config.replace(arch=config.family.windowed)
     tok = w.tokenizer
     prepare_dir(dst, overwrite)
 
@@ -73,13 +73,10 @@ def gguf_to_hf(
     _write_json(dst / "config.json", hf_config)
 
     tensors = {k: v.contiguous() for k, v in w.tensors.items()}
-    if config.gemma_norms:  # kvrun (as llama.cpp) holds 1 + w; Gemma's files keep w
+    if config.norms_plus_one:  # kvrun (as llama.cpp) holds 1 + w; Gemma's files keep w
         for k in [k for k in tensors if k.endswith("norm.weight")]:
             tensors[k] = (tensors[k].float() - 1.0).to(dtype)
-    if config.arch == "phi3":  # Phi-3's files keep Q, K, V and gate, up each as one weight
-        from .hf_to_gguf import _fuse_phi3
-
-        _fuse_phi3(tensors, config)
+    fuse(tensors, config)  # the family's fused weights (Phi-3's), as its files keep them
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     _usual_mode(dst / "model.safetensors")
 

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from kvrun.errors import KvrunError
-from kvrun.models.config import PERMUTED_QK, ModelConfig
+from kvrun.models.config import ModelConfig
 from kvrun.models.file_headers import GGUF_TOP, ROPE_TENSORS, block_parts, gguf_name_to_hf
 from kvrun.models.rope import inverse_frequencies
 from kvrun.models.tokenizer import bpe_json_vocab, bpe_pre_name, spm_json_vocab
-from kvrun.models.weights import load_safetensors, permute_qk
+from kvrun.models.weights import fuse, load_safetensors, permute_qk
 
 Progress = Callable[[int, int], None]
 Q = gguf.GGMLQuantizationType
@@ -42,18 +42,6 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
     if name is None or gguf_name_to_hf(name, arch) != hf:
         raise KvrunError(f"tensor {hf} has no llama.cpp name in a {arch!r} model")
     return name
-
-
-def _fuse_phi3(tensors: dict, c: ModelConfig) -> None:
-    """Phi-3's files keep Q, K, V and gate, up each as one weight (llama.cpp's too)."""
-    for i in range(c.n_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        tensors[f"{a}qkv_proj.weight"] = torch.cat(
-            [tensors.pop(f"{a}{p}_proj.weight") for p in "qkv"]
-        )
-        tensors[f"{m}gate_up_proj.weight"] = torch.cat(
-            [tensors.pop(f"{m}gate_proj.weight"), tensors.pop(f"{m}up_proj.weight")]
-        )
 
 
 def _encode(w: torch.Tensor, qtype: Q) -> tuple[np.ndarray, Q | None]:
@@ -280,24 +268,24 @@ def hf_to_gguf(
     c = lw.config
     qtype, file_type = OUTTYPES[outtype]
 
-    arch = "llama" if c.arch == "mistral" else c.arch  # llama.cpp files Mistral as "llama"
+    fam = c.family
+    arch = fam.gguf_writes or c.arch  # llama.cpp files Mistral as "llama"
     w = gguf.GGUFWriter(str(dst), arch)
     _add_hparams(w, c, c.name or src.resolve().name, file_type)
     w.add_type("model")
     n_params = sum(t.numel() for k, t in lw.tensors.items() if "rotary_emb" not in k)
     w.add_size_label(gguf.size_label(n_params, 0, 0, 0))  # "8.0B", as llama.cpp labels it
-    _add_tokenizer(w, src, lw.tokenizer, c.vocab_size, False if c.arch == "gemma3" else None)
+    _add_tokenizer(w, src, lw.tokenizer, c.vocab_size, fam.spm_space_prefix)
     _add_rope(w, c)
-    if c.arch == "phi3":
-        _fuse_phi3(lw.tensors, c)
+    fuse(lw.tensors, c)  # the family's fused weights (Phi-3's), as its files keep them
     names = list(lw.tensors)
     for i, hf in enumerate(names):
         t = lw.tensors.pop(hf)  # free as we go: the writer keeps only encoded data
         if "rotary_emb" in hf:  # old checkpoints store RoPE tables; llama.cpp recomputes them
             continue
-        if c.arch in PERMUTED_QK and hf.endswith("q_proj.weight"):
+        if fam.permuted_qk and hf.endswith("q_proj.weight"):
             t = permute_qk(t, c.n_heads)
-        elif c.arch in PERMUTED_QK and hf.endswith("k_proj.weight"):
+        elif fam.permuted_qk and hf.endswith("k_proj.weight"):
             t = permute_qk(t, c.n_kv_heads)
         data, raw = _encode(t, qtype)
         w.add_tensor(gguf_name(hf, c.arch), data, raw_dtype=raw)

@@ -1,6 +1,7 @@
-"""Triton kernels for kvrun's hot paths, each next to a torch reference of the same signature.
+"""kvrun's kernels: native C++ CPU kernels in cpu/ (built on first use, kvrun/quant/native.py)
+and Triton kernels for CUDA here, each next to a torch reference of the same signature.
 
-Every family module (dense_decode, kivi_decode, kivi_pack, colsum, codebook_decode,
+Every Triton family module (dense_decode, kivi_decode, kivi_pack, colsum, codebook_decode,
 merged_decode) exposes `<name>_ref`
 (torch, any device), `<name>_triton` (Triton) and a dispatcher `<name>` that picks Triton
 for CUDA tensors when triton imports, else the reference. KVRUN_KERNELS=torch forces the

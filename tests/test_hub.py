@@ -352,7 +352,7 @@ def test_generate_pulls_hf_and_short_names(fake, monkeypatch):
 
 @pytest.mark.slow
 def test_progress_lines_when_piped(fake, monkeypatch):
-    from kvrun.run import progress
+    from kvrun import progress
 
     monkeypatch.setattr(progress.LineProgress, "EVERY", 0.0)
     r = run("pull", "tester/big-GGUF")

@@ -226,7 +226,7 @@ def test_damaged_cut_and_foreign_files_are_one_line(tmp_path):
     save_file({"x": torch.zeros(2)}, str(plain))
     for bad, why in ((cut, "not a readable"), (noise, "not a readable"), (header, "not a readable"),
                      (plain, "not a kvrun .kvc file")):  # fmt: skip
-        with pytest.raises(kvc.Damaged, match=why) as e:
+        with pytest.raises(kvc.DamagedKvcFile, match=why) as e:
             kvc.load(bad, rt)
         assert "\n" not in str(e.value)
     with pytest.raises(KvrunError, match="no such .kvc file"):
@@ -287,14 +287,14 @@ def test_a_crafted_state_builds_nothing_and_touches_nothing(tmp_path):
     }
     for why, change in cases.items():
         bad = rewrite(path, tmp_path / "bad.kvc", state=change)
-        with pytest.raises(kvc.Damaged) as e:
+        with pytest.raises(kvc.DamagedKvcFile) as e:
             kvc.load(bad, rt)
         assert "\n" not in str(e.value) and str(bad) in str(e.value), why
     for klass in ("os:system", "builtins:eval", "kvrun.kv.cache:KVCache.__init__.__globals__"):
         bad = rewrite(
             path, tmp_path / "bad.kvc", header=lambda h, c=klass: _with(h, **{"class": c})
         )
-        with pytest.raises(kvc.Damaged, match="not this spec's cache"):
+        with pytest.raises(kvc.DamagedKvcFile, match="not this spec's cache"):
             kvc.load(bad, rt)
     assert victim.read_text() == "still here"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -322,7 +322,7 @@ def test_tensors_retyped_reshaped_or_unnamed_are_one_line(tmp_path):
     }
     for why, change in cases.items():
         bad = rewrite(path, tmp_path / "bad.kvc", tensors=change)
-        with pytest.raises(kvc.Damaged) as e:
+        with pytest.raises(kvc.DamagedKvcFile) as e:
             kvc.load(bad, rt)
         assert "\n" not in str(e.value), why
 

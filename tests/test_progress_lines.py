@@ -1,4 +1,4 @@
-"""Progress off a terminal: plain lines on stderr every few seconds (kvrun/run/progress.py's
+"""Progress off a terminal: plain lines on stderr every few seconds (kvrun/progress.py's
 LineProgress, what progress_bar gives when stderr is a pipe or a file); --quiet silences them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvrun.run import progress
+from kvrun import progress
 
 pytestmark = pytest.mark.slow  # kvrun processes
 

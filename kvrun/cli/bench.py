@@ -6,9 +6,9 @@ import click
 
 from ..kv import check
 from ..models.presets import is_preset, preset_config
+from ..progress import progress_bar
+from ..report import human_bytes
 from ..run.options import KVGridOptions, ModelOptions
-from ..run.progress import progress_bar
-from ..run.report import human_bytes
 from ..tasks.bench_settings import (
     BenchSettings,
     cases,

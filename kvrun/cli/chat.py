@@ -8,9 +8,9 @@ import sys
 import click
 
 from ..errors import ContextOverflow, KvrunError
+from ..progress import err_console
+from ..report import stats_line
 from ..run.options import KVOptions, ModelOptions, SamplingOptions
-from ..run.progress import err_console
-from ..run.report import stats_line
 from .common import (
     graph_option,
     kv_cache_option,

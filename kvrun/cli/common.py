@@ -14,6 +14,7 @@ import click
 
 from ..errors import KvrunError
 from ..kv import REGISTRY
+from ..progress import err_console, progress_bar
 from ..run.options import (
     KVGridOptions,
     KVOptions,
@@ -22,7 +23,6 @@ from ..run.options import (
     RayOptions,
     SamplingOptions,
 )
-from ..run.progress import err_console, progress_bar
 
 if TYPE_CHECKING:  # the CLI imports torch only when a command runs a model
     from ..run.runtime import Runtime

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..hub.model_store import resolve
-from ..run.progress import err_console, progress_bar
+from ..progress import err_console, progress_bar
 from .common import quiet_option
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
+from ..progress import prefill_progress
+from ..report import stats_line
 from ..run.options import KVOptions, ModelOptions, SamplingOptions
-from ..run.progress import prefill_progress
-from ..run.report import stats_line
 from .common import (
     dump_json,
     graph_option,

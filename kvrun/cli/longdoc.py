@@ -10,9 +10,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
+from ..progress import PrefillBar, progress_bar
+from ..report import stats_line
 from ..run.options import KVOptions, ModelOptions, ParallelOptions, RayOptions, SamplingOptions
-from ..run.progress import PrefillBar, progress_bar
-from ..run.report import stats_line
 from ..tasks import longdoc as task
 from ..tasks.longdoc_run import LongdocOptions, absolute_paths, start_local, start_ray
 from .common import (

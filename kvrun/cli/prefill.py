@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 
 from ..errors import KvrunError
+from ..progress import prefill_progress
+from ..report import human_bytes
 from ..run.options import KVOptions, ModelOptions
-from ..run.progress import prefill_progress
-from ..run.report import human_bytes
 from .common import dump_json, kv_options, load_with_progress, model_options, new_session
 from .generate import read_prompt
 

@@ -18,8 +18,8 @@ from ..kv.methods.xkv.profile import (
     load_profile,
     save_profile,
 )
+from ..progress import progress_bar
 from ..run.options import ModelOptions
-from ..run.progress import progress_bar
 from .common import dump_json, load_with_progress, model_options, read_text
 
 

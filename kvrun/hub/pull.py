@@ -1,4 +1,4 @@
-"""`kvrun pull` from Hugging Face: what kvrun/hub.py names, downloaded into the HF cache with
+"""`kvrun pull` from Hugging Face: what kvrun/hub/names.py names, downloaded into the HF cache with
 huggingface_hub; a pull cut short goes on where it stopped, and every way it can fail is one
 line that says what to do."""
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import DiskFull, GatedRepo, HubError, HubOffline, QuantNotFound, RepoNotFound
-from ..run.report import human_bytes
+from ..report import human_bytes
 from .names import (
     FOLDER_FILES,
     HubRef,
@@ -226,7 +226,7 @@ def download_bar(quiet: bool = False):
         TransferSpeedColumn,
     )
 
-    from ..run.progress import LineProgress, err_console
+    from ..progress import LineProgress, err_console
 
     if not sys.stderr.isatty():
         return LineProgress(bytes_mode=True, quiet=quiet)

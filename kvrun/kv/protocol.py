@@ -1,5 +1,5 @@
 """The contract between the model and a KV cache, the per-layer Store protocol, and what the
-driver hands a method. The model calls, for one sequence (kvrun/batch.py runs B):
+driver hands a method. The model calls, for one sequence (kvrun/run/step.py runs B):
 
     kv.begin_prefill(n)                       # a prompt (or a new chat turn) of n tokens
     for each chunk of at most --ubatch tokens:

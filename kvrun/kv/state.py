@@ -1,4 +1,4 @@
-"""What a .kvc file may hold of a cache (kvrun/kvc.py), declared by each class that holds it.
+"""What a .kvc file may hold of a cache (kvrun/run/kvc.py), declared by each class that holds it.
 
 A file is loaded into a fresh manager that the loading run builds from its own spec and model:
 what that manager builds stays as built (config, RoPE, options, the layout of every store), and
@@ -24,7 +24,7 @@ from ..errors import KvrunError
 from .stores.buffer import Buffer
 
 
-class Damaged(KvrunError):
+class DamagedKvcFile(KvrunError):
     """A .kvc file that cannot be read as one (cut, overwritten, not a .kvc, or a state that is
     not what this spec's cache holds)."""
 
@@ -108,7 +108,7 @@ class Loader:
 
     def tensor(self, data: Any, path: str) -> torch.Tensor:
         if not isinstance(data, str) or data not in self.tensors or data == "tokens":
-            raise Damaged(f"{path} names no tensor of the file ({_short(data)})")
+            raise DamagedKvcFile(f"{path} names no tensor of the file ({_short(data)})")
         self.used.add(data)
         if data not in self.made:
             self.made[data] = self.tensors[data].to(self.device)
@@ -118,7 +118,7 @@ class Loader:
         """obj's declared fields from data, in place; obj is the fresh manager's or new."""
         decl = declared(obj)
         if not isinstance(data, dict):
-            raise Damaged(f"{path} is not an object's state ({_short(data)})")
+            raise DamagedKvcFile(f"{path} is not an object's state ({_short(data)})")
         if set(data) != set(decl.fields):
             missing, extra = set(decl.fields) - set(data), set(data) - set(decl.fields)
             what = (
@@ -126,7 +126,7 @@ class Loader:
                 if missing
                 else f"has {_short(sorted(extra)[0])}, not a field of its state"
             )
-            raise Damaged(f"{path} ({type(obj).__name__}) {what}")
+            raise DamagedKvcFile(f"{path} ({type(obj).__name__}) {what}")
         env = Env(self, obj)
         for name, kind in decl.fields.items():
             fresh = getattr(obj, name, None)
@@ -135,7 +135,7 @@ class Loader:
         check = getattr(type(obj), "kvc_check", None)
         why = check(obj, self) if check is not None else None
         if why:
-            raise Damaged(f"{path} ({type(obj).__name__}): {why}")
+            raise DamagedKvcFile(f"{path} ({type(obj).__name__}): {why}")
         return obj
 
 
@@ -155,7 +155,7 @@ class Env:
     def dim(self, spec: int | str, size: int, path: str) -> None:
         if isinstance(spec, int):
             if size != spec:
-                raise Damaged(f"{path} has size {size} where {spec} is due")
+                raise DamagedKvcFile(f"{path} has size {size} where {spec} is due")
         elif spec.isidentifier() and self.lookup(spec) is None:
             self.bound[spec] = size
         else:
@@ -173,7 +173,7 @@ class Env:
         for spec, size, path in self.pending:
             want = self.eval(ast.parse(spec, mode="eval").body, where)
             if size != want:
-                raise Damaged(f"{path} has size {size} where {spec} = {want} is due")
+                raise DamagedKvcFile(f"{path} has size {size} where {spec} = {want} is due")
 
     def eval(self, node: ast.AST, where: str) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -181,12 +181,12 @@ class Env:
         if isinstance(node, ast.Name):
             v = self.lookup(node.id)
             if v is None:
-                raise Damaged(f"{where}: no size {node.id!r} to check its tensors against")
+                raise DamagedKvcFile(f"{where}: no size {node.id!r} to check its tensors against")
             return v
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             a, b = self.eval(node.left, where), self.eval(node.right, where)
             if isinstance(node.op, ast.FloorDiv) and b == 0:
-                raise Damaged(f"{where}: a size divides by zero")
+                raise DamagedKvcFile(f"{where}: a size divides by zero")
             return _OPS[type(node.op)](a, b)
         raise KvrunError(f"a .kvc declaration's size {ast.dump(node)} is not arithmetic")
 
@@ -216,14 +216,14 @@ class Int(Kind):
     def read(self, r, data, fresh, env, path):
         hi = r.symbols[self.hi] if isinstance(self.hi, str) else self.hi
         if type(data) is not int or data < self.lo or (hi is not None and data > hi):
-            raise Damaged(f"{path} is {_short(data)}, not an integer in [{self.lo}, {hi}]")
+            raise DamagedKvcFile(f"{path} is {_short(data)}, not an integer in [{self.lo}, {hi}]")
         return data
 
 
 class Bool(Kind):
     def read(self, r, data, fresh, env, path):
         if type(data) is not bool:
-            raise Damaged(f"{path} is {_short(data)}, not true or false")
+            raise DamagedKvcFile(f"{path} is {_short(data)}, not true or false")
         return data
 
 
@@ -239,7 +239,7 @@ class Flt(Kind):
         except ValueError:
             x = None
         if x is None or x != x or x in (float("inf"), float("-inf")):
-            raise Damaged(f"{path} is {_short(data)}, not a finite number")
+            raise DamagedKvcFile(f"{path} is {_short(data)}, not a finite number")
         return x
 
 
@@ -251,7 +251,7 @@ class Str(Kind):
 
     def read(self, r, data, fresh, env, path):
         if data not in self.choices or not isinstance(data, str):
-            raise Damaged(f"{path} is {_short(data)}, not one of {list(self.choices)}")
+            raise DamagedKvcFile(f"{path} is {_short(data)}, not one of {list(self.choices)}")
         return data
 
 
@@ -265,7 +265,7 @@ class Nothing(Kind):
 
     def read(self, r, data, fresh, env, path):
         if data is not None:
-            raise Damaged(f"{path} is {_short(data)}; a cache between turns holds none")
+            raise DamagedKvcFile(f"{path} is {_short(data)}; a cache between turns holds none")
         return None
 
 
@@ -280,7 +280,7 @@ class Dtype(Kind):
 
     def read(self, r, data, fresh, env, path):
         if not isinstance(data, str) or data not in self.names:
-            raise Damaged(f"{path} is {_short(data)}, not one of {sorted(self.names)}")
+            raise DamagedKvcFile(f"{path} is {_short(data)}, not one of {sorted(self.names)}")
         return self.names[data]
 
 
@@ -318,7 +318,7 @@ class Tensor(Kind):
         want = _dtypes(self.dtypes, r)
         if t.dtype not in want or t.dim() != len(self.dims):
             names = " or ".join(sorted(_name(d) for d in want))
-            raise Damaged(f"{path} is a {_describe(t)}, not a {len(self.dims)}-d {names}")
+            raise DamagedKvcFile(f"{path} is a {_describe(t)}, not a {len(self.dims)}-d {names}")
         for i, (spec, size) in enumerate(zip(self.dims, t.shape, strict=True)):
             env.dim(spec, size, f"{path} dim {i}")
         return t
@@ -369,13 +369,15 @@ class Like(Kind):
         if fresh is None or data is None:
             if fresh is None and data is None:
                 return None
-            raise Damaged(f"{path} is {'absent' if data is None else 'present'} in the file, "
+            raise DamagedKvcFile(f"{path} is {'absent' if data is None else 'present'} in the file, "
                           f"{'present' if data is None else 'absent'} in this spec's cache")  # fmt: skip
         like = fresh.buf if isinstance(fresh, Buffer) else fresh
         t = r.tensor(data, path)
         dtypes = _dtypes(self.dtypes, r) or {like.dtype}
         if t.dtype not in dtypes or t.dim() != like.dim():
-            raise Damaged(f"{path} is a {_describe(t)}, not a {like.dim()}-d {_name(like.dtype)}")
+            raise DamagedKvcFile(
+                f"{path} is a {_describe(t)}, not a {like.dim()}-d {_name(like.dtype)}"
+            )
         for i, size in enumerate(t.shape):
             env.dim(self.grow.get(i, like.shape[i]), size, f"{path} dim {i}")
         return _buffer(t, fresh.dim) if isinstance(fresh, Buffer) else t
@@ -391,7 +393,7 @@ class Into(Kind):
         if fresh is None or data is None:
             if fresh is None and data is None:
                 return None
-            raise Damaged(f"{path} is {'absent' if data is None else 'present'} in the file but "
+            raise DamagedKvcFile(f"{path} is {'absent' if data is None else 'present'} in the file but "
                           "not in this spec's cache")  # fmt: skip
         return r.restore(fresh, data, path)
 
@@ -404,7 +406,7 @@ class ListInto(Into):
 
     def read(self, r, data, fresh, env, path):
         if not isinstance(data, list) or len(data) != len(fresh):
-            raise Damaged(f"{path} is not a list of {len(fresh)} entries ({_short(data)})")
+            raise DamagedKvcFile(f"{path} is not a list of {len(fresh)} entries ({_short(data)})")
         for i, (x, d) in enumerate(zip(fresh, data, strict=True)):
             Into.read(self, r, d, x, env, f"{path}[{i}]")
         return fresh
@@ -452,7 +454,7 @@ class ListOf(Kind):
         n = len(data) if isinstance(data, list) else -1
         if n < 0 or n > most or (self.exactly and n != most):
             size = f"{most}" if self.exactly else f"at most {most}"
-            raise Damaged(f"{path} is not a list of {size} entries ({_short(data)})")
+            raise DamagedKvcFile(f"{path} is not a list of {size} entries ({_short(data)})")
         return [self.kind.read(r, x, None, env, f"{path}[{i}]") for i, x in enumerate(data)]
 
 
@@ -467,7 +469,7 @@ class Tuple2(Kind):
 
     def read(self, r, data, fresh, env, path):
         if not isinstance(data, list) or len(data) != 2:
-            raise Damaged(f"{path} is not a pair ({_short(data)})")
+            raise DamagedKvcFile(f"{path} is not a pair ({_short(data)})")
         return tuple(k.read(r, x, None, env, path) for k, x in zip(self.kinds, data, strict=True))
 
 
@@ -482,5 +484,5 @@ class Record(Kind):
 
     def read(self, r, data, fresh, env, path):
         if not isinstance(data, dict) or not set(data) <= set(self.kinds):
-            raise Damaged(f"{path} is not a record of {sorted(self.kinds)} ({_short(data)})")
+            raise DamagedKvcFile(f"{path} is not a record of {sorted(self.kinds)} ({_short(data)})")
         return {k: self.kinds[k].read(r, x, None, env, f"{path}.{k}") for k, x in data.items()}

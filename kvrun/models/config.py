@@ -1,10 +1,10 @@
 """ModelConfig: the canonical description of a model, built from GGUF or HF.
 
-One decoder runs every family: Llama, Mistral (and SmolLM), Qwen 2 / 2.5 (q/k/v biases), Qwen 3
-(q/k norms), Gemma 3 (scaled embedding, GeGLU, sandwich norms, q/k norms, local sliding-window
-layers beside global ones with their own RoPE base, soft-capped logits) and Phi-3 / 3.5 / 4-mini
-(fused q/k/v and gate/up in the files, LongRoPE, partial rotary). The fields below say which
-of these a model has; the forward pass reads them, never the family's name.
+One decoder runs every family registered in kvrun/models/families/. The fields below say
+which features a model's blocks have (q/k/v biases, q/k norms, sandwich norms, GeGLU, a scaled
+embedding, local sliding-window layers, soft-capped logits, partial rotary, scaled RoPE); the
+forward pass reads them, never the family's name. What is shared by every family's files is
+read here; what a family's metadata adds, its file in families/ reads.
 """
 
 from __future__ import annotations
@@ -18,36 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KvrunError, UnsupportedModel
-
-# GGUF `general.architecture` values and HF `model_type`s that run on our forward pass.
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
-HF_TYPES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",  # Gemma3ForConditionalGeneration: its text model (text_config)
-    "phi3": "phi3",
-}
-HF_CLASSES = {  # arch -> the transformers class `kvrun convert` writes
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
-# llama.cpp stores Q and K rows of these families permuted for interleaved-pair RoPE; the
-# others (NEOX-style RoPE, as HF) keep HF's row order
-PERMUTED_QK = ("llama", "mistral")
-GEMMA_SWA_PATTERN = 6  # llama.cpp's default for Gemma 3: every 6th layer is global
+from . import families
+from .families import Family
+from .fields import MAX_CONTEXT, MAX_COUNT, Fields
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (position interpolation), 'llama3', 'yarn' (Qwen 2.5's
-    long context) or 'longrope' (Phi-3's LongRoPE, 'su': per-pair short and long factors)."""
+    """RoPE frequency scaling, as HF names its kinds: 'linear' (position interpolation),
+    'llama3' (wavelength bands), 'yarn' or 'longrope' ('su': per-pair short and long
+    factors)."""
 
     kind: str  # "linear" | "llama3" | "yarn" | "longrope"
     factor: float
@@ -99,69 +79,7 @@ class RopeScaling:
         return out
 
 
-_MAX_COUNT = 1 << 16  # layers and heads: no model comes near
-_MAX_SIZE = 1 << 24  # widths, head sizes and vocabularies
-_MAX_CONTEXT = 1 << 31  # contexts and windows
-_UNSET = object()
-
-
-class _Fields:
-    """Checked reads of a model's metadata: a GGUF's keys (`prefix`: its architecture's) or a
-    config.json's fields. A value of the wrong type or out of range is a one-line error that
-    names the file and the field."""
-
-    def __init__(self, src: Mapping[str, Any], where: str, prefix: str = "", nest: str = ""):
-        # prefix: part of every key (GGUF's); nest: where src lies in its file (for messages)
-        self.src, self.where, self.prefix, self.nest = src, where, prefix, nest
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.src.get(self.prefix + key, default)
-
-    def inner(self, key: str) -> _Fields:
-        """The object field `key`, as fields of their own."""
-        return _Fields(self.table(key), self.where, nest=f"{self.nest}{key}.")
-
-    def fail(self, key: str, value: Any, want: str) -> KvrunError:
-        shown = "missing" if value is None else f"{value!r:.40}"
-        return KvrunError(f"{self.where}: {self.nest}{self.prefix}{key} is {shown}, not {want}")
-
-    def whole(
-        self, key: str, default: Any = None, lo: int = 1, hi: int = _MAX_SIZE, value: Any = _UNSET
-    ) -> int:
-        """An integer field (or `value`, a fallback standing for it) within [lo, hi]."""
-        v = self.get(key, default) if value is _UNSET else value
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise self.fail(key, v, f"a whole number from {lo:,} to {hi:,}")
-        return v
-
-    def real(
-        self, key: str, default: Any = None, lo: float = -math.inf, positive: bool = False
-    ) -> float:
-        """A finite number field, >= lo (> 0 where positive)."""
-        v = self.get(key, default)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
-        if not ok or v < lo or (positive and v <= 0):
-            raise self.fail(key, v, "a positive number" if positive else f"a number >= {lo}")
-        return float(v)
-
-    def reals(self, key: str) -> tuple[float, ...]:
-        """A list of finite numbers (LongRoPE's factors)."""
-        v = self.get(key)
-        if not isinstance(v, list):
-            raise self.fail(key, v, "a list of numbers")
-        return tuple(
-            _Fields({key: x}, self.where, nest=self.nest).real(key, positive=True) for x in v
-        )
-
-    def table(self, key: str) -> dict:
-        """An object field ({} when absent or null)."""
-        v = self.get(key)
-        if v is not None and not isinstance(v, dict):
-            raise self.fail(key, v, "an object")
-        return v or {}
-
-
-def _scaling_from_hf(f: _Fields, max_pos: int) -> RopeScaling | None:
+def _scaling_from_hf(f: Fields, max_pos: int) -> RopeScaling | None:
     """RopeScaling from an HF `rope_scaling` / `rope_parameters` dict (None: plain RoPE)."""
     kind = f.get("rope_type", f.get("type", "default"))
     if kind in ("default", None):
@@ -174,11 +92,11 @@ def _scaling_from_hf(f: _Fields, max_pos: int) -> RopeScaling | None:
             f.real("factor", positive=True),
             f.real("low_freq_factor", positive=True),
             f.real("high_freq_factor", positive=True),
-            f.whole("original_max_position_embeddings", hi=_MAX_CONTEXT),
+            f.whole("original_max_position_embeddings", hi=MAX_CONTEXT),
         )
     if kind == "yarn":
         orig_value = f.get("original_max_position_embeddings") or max_pos
-        orig = f.whole("original_max_position_embeddings", hi=_MAX_CONTEXT, value=orig_value)
+        orig = f.whole("original_max_position_embeddings", hi=MAX_CONTEXT, value=orig_value)
         return RopeScaling(
             "yarn",
             f.real("factor", positive=True) if f.get("factor") else max_pos / orig,
@@ -188,7 +106,7 @@ def _scaling_from_hf(f: _Fields, max_pos: int) -> RopeScaling | None:
             attention_factor=_optional(f, "attention_factor"),
         )
     if kind in ("longrope", "su"):
-        orig = f.whole("original_max_position_embeddings", hi=_MAX_CONTEXT)
+        orig = f.whole("original_max_position_embeddings", hi=MAX_CONTEXT)
         return RopeScaling(
             "longrope",
             f.real("factor", positive=True) if f.get("factor") else max_pos / orig,
@@ -202,7 +120,7 @@ def _scaling_from_hf(f: _Fields, max_pos: int) -> RopeScaling | None:
     )
 
 
-def _optional(f: _Fields, key: str) -> float | None:
+def _optional(f: Fields, key: str) -> float | None:
     return None if f.get(key) is None else f.real(key, positive=True)
 
 
@@ -234,7 +152,7 @@ def _checked(cfg: ModelConfig, where: str) -> ModelConfig:
 class ModelConfig:
     """Shapes and hyper-parameters of one model; every field is what the forward pass needs."""
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "phi3"
+    arch: str  # a family's name (kvrun.models.families.FAMILIES)
     n_layers: int
     dim: int  # hidden size
     n_heads: int  # query heads
@@ -245,23 +163,23 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
-    sliding_window: int | None = None  # Mistral: a query sees the last `sliding_window` keys
+    sliding_window: int | None = None  # a query sees the last `sliding_window` keys
     tie_embeddings: bool = False
     context_length: int = 4096
     name: str = ""
-    # what the families beside Llama add (all off for Llama / Mistral)
-    qkv_bias: bool = False  # Qwen 2: biases on the Q, K and V products
-    qk_norm: bool = False  # Qwen 3, Gemma 3: RMSNorm over each head of Q and K before RoPE
-    sandwich_norms: bool = False  # Gemma 3: norms after attention and after the MLP too
-    act: str = "silu"  # the gate's activation: "silu" | "gelu_tanh" (Gemma)
-    embed_scale: float = 1.0  # Gemma: the embedding times sqrt(dim)
-    attn_scale: float | None = None  # softmax scale (None: 1/sqrt(head_dim)); Gemma 3's own
+    # what a family adds to the plain pre-norm blocks (all off: the plain ones)
+    qkv_bias: bool = False  # biases on the Q, K and V products
+    qk_norm: bool = False  # RMSNorm over each head of Q and K before RoPE
+    sandwich_norms: bool = False  # norms after attention and after the MLP too
+    act: str = "silu"  # the gate's activation: "silu" | "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # the embedding times this (sqrt(dim) where scaled)
+    attn_scale: float | None = None  # softmax scale (None: 1/sqrt(head_dim))
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     # the layers whose attention is local (a window of `sliding_window` keys); None: all
-    # layers alike (Mistral's window, or none). Gemma 3: 5 local layers to 1 global.
+    # layers alike (one window for all, or none); e.g. 5 local layers to 1 global
     local_layers: tuple[int, ...] | None = None
     rope_local_theta: float | None = None  # the local layers' RoPE base (unscaled)
-    rotary_dim: int | None = None  # the head dims RoPE turns (None: all; Phi-4-mini 3/4)
+    rotary_dim: int | None = None  # the head dims RoPE turns (None: all; e.g. 3/4 of them)
 
     @property
     def group(self) -> int:
@@ -280,7 +198,7 @@ class ModelConfig:
         return bool(self.sliding_window) and (self.local_layers is None or bool(self.local_layers))
 
     def features(self) -> list[str]:
-        """What this model adds to Llama's blocks, in words (`kvrun info`)."""
+        """What this model adds to the plain blocks, in words (`kvrun info`)."""
         out = []
         if self.qkv_bias:
             out.append("q/k/v biases")
@@ -307,10 +225,15 @@ class ModelConfig:
         return out
 
     @property
-    def gemma_norms(self) -> bool:
-        """Whether the HF files keep RMSNorm weights as w for a scale of (1 + w) (Gemma); kvrun,
-        as llama.cpp's files, holds 1 + w."""
-        return self.arch == "gemma3"
+    def family(self) -> Family:
+        """This model's family (kvrun/models/families/)."""
+        return families.family(self.arch)
+
+    @property
+    def norms_plus_one(self) -> bool:
+        """Whether the HF files keep RMSNorm weights as w for a scale of (1 + w); kvrun, as
+        llama.cpp's files, holds 1 + w."""
+        return self.family.norms_plus_one
 
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
         """Bytes one token occupies in a full (uncompressed) K+V cache over all layers."""
@@ -340,25 +263,22 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from GGUF metadata (`{key: field.contents()}`); `names`: the file's tensor
         names (which norms and biases a block has); `where`: the file, for errors."""
-        arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHS:
-            raise UnsupportedModel(
-                f"architecture {arch!r:.40} is not supported (kvrun runs: {', '.join(GGUF_ARCHS)})"
-            )
-        f = _Fields(meta, where, f"{arch}.")
+        fam = families.from_gguf_arch(meta.get("general.architecture"))
+        arch = fam.arch
+        f = Fields(meta, where, f"{arch}.")
         get = f.get
-        n_heads = f.whole("attention.head_count", hi=_MAX_COUNT)
+        n_heads = f.whole("attention.head_count", hi=MAX_COUNT)
         dim = f.whole("embedding_length")
         rot = get("rope.dimension_count")
         rot = None if rot is None else f.whole("rope.dimension_count")
-        key_length = get("attention.key_length") or (rot if arch in PERMUTED_QK else None)
+        key_length = get("attention.key_length") or (rot if fam.permuted_qk else None)
         head_dim = f.whole("attention.key_length", value=key_length or dim // n_heads)
         n_kv_value = get("attention.head_count_kv") or n_heads
-        n_kv = f.whole("attention.head_count_kv", hi=_MAX_COUNT, value=n_kv_value)
+        n_kv = f.whole("attention.head_count_kv", hi=MAX_COUNT, value=n_kv_value)
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab_value = get("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
         vocab = f.whole("vocab_size", value=vocab_value)
-        n_layers = f.whole("block_count", hi=_MAX_COUNT)
+        n_layers = f.whole("block_count", hi=MAX_COUNT)
         cfg = dict(
             arch=arch,
             n_layers=n_layers,
@@ -378,43 +298,21 @@ class ModelConfig:
             scaling = RopeScaling(
                 "yarn",
                 f.real("rope.scaling.factor", positive=True),
-                original_context=f.whole("rope.scaling.original_context_length", hi=_MAX_CONTEXT),
+                original_context=f.whole("rope.scaling.original_context_length", hi=MAX_CONTEXT),
                 beta_fast=f.real("rope.scaling.yarn_beta_fast", 32.0),
                 beta_slow=f.real("rope.scaling.yarn_beta_slow", 1.0),
                 attention_factor=_optional(f, "rope.scaling.attn_factor"),
             )
-        # Llama 3.1+ GGUFs carry the llama3 scaling as a `rope_freqs` tensor instead, Phi-3 its
-        # LongRoPE factors as `rope_factors_long` / `rope_factors_short`: the loader reads those
+        # GGUFs may carry the llama3 scaling as a `rope_freqs` tensor instead, and LongRoPE's
+        # factors as `rope_factors_long` / `rope_factors_short`: the loader reads those
         # (`with_rope_factors`) and the model divides its frequencies by them.
         window = get("attention.sliding_window")
-        window = f.whole("attention.sliding_window", hi=_MAX_CONTEXT) if window else None
+        window = f.whole("attention.sliding_window", hi=MAX_CONTEXT) if window else None
         extra: dict[str, Any] = {}
-        if arch == "qwen2":
-            extra["qkv_bias"] = "blk.0.attn_q.bias" in names or not names
         if "blk.0.attn_q_norm.weight" in names:
             extra["qk_norm"] = True
-        if arch == "phi3" and rot and rot < head_dim:
-            extra["rotary_dim"] = rot
-        if arch == "gemma3":
-            extra.update(
-                qk_norm=True,
-                sandwich_norms=True,
-                act="gelu_tanh",
-                embed_scale=math.sqrt(dim),
-                # llama.cpp's rule: Gemma 3 27B scales by its query_pre_attn_scalar, dim / heads
-                attn_scale=(dim / n_heads) ** -0.5 if n_layers == 62 else None,
-                rope_local_theta=f.real("rope.freq_base_swa", 10000.0, positive=True),
-            )
-            if window:
-                pattern = get("attention.sliding_window_pattern", GEMMA_SWA_PATTERN)
-                if isinstance(pattern, list):  # one flag per layer: local or not
-                    local = (i for i, x in enumerate(pattern[:n_layers]) if x)
-                else:
-                    p = f.whole(
-                        "attention.sliding_window_pattern", GEMMA_SWA_PATTERN, hi=_MAX_COUNT
-                    )
-                    local = (i for i in range(n_layers) if i % p < p - 1)
-                extra["local_layers"] = tuple(local)
+        seen = dict(dim=dim, n_heads=n_heads, n_layers=n_layers, head_dim=head_dim, rot=rot)
+        extra.update(fam.gguf_fields(f, {**seen, "window": window, "names": names}))
         if get("final_logit_softcapping"):
             extra["final_softcap"] = f.real("final_logit_softcapping", positive=True)
         config = cls(
@@ -424,7 +322,7 @@ class ModelConfig:
             norm_eps=f.real("attention.layer_norm_rms_epsilon", 1e-5, lo=0.0),
             sliding_window=window,
             tie_embeddings=not has_output,
-            context_length=f.whole("context_length", 4096, hi=_MAX_CONTEXT),
+            context_length=f.whole("context_length", 4096, hi=MAX_CONTEXT),
             name=str(meta.get("general.name", ""))[:200],
             **extra,
         )
@@ -433,10 +331,10 @@ class ModelConfig:
     def with_rope_factors(
         self, meta: Mapping[str, Any], long: list, short: list, where: str = "the GGUF"
     ) -> ModelConfig:
-        """Phi-3's LongRoPE from a GGUF's `rope_factors_long` / `_short` tensors and its
+        """LongRoPE from a GGUF's `rope_factors_long` / `_short` tensors and its
         metadata (the original context and the attention factor)."""
-        f = _Fields(meta, where, f"{self.arch}.")
-        orig = f.whole("rope.scaling.original_context_length", self.context_length, hi=_MAX_CONTEXT)
+        f = Fields(meta, where, f"{self.arch}.")
+        orig = f.whole("rope.scaling.original_context_length", self.context_length, hi=MAX_CONTEXT)
         config = self.replace(
             rope_scaling=RopeScaling(
                 "longrope",
@@ -464,32 +362,35 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise KvrunError(
                 f"{where}: model_type is {'missing' if model_type is None else repr(model_type)}"
-                f", not a model type (kvrun runs: {', '.join(HF_TYPES)})"[:300]
+                f", not a model type (kvrun runs: {', '.join(families.hf_types())})"[:300]
             )
-        if model_type not in HF_TYPES:
+        fam = families.from_hf_type(model_type)
+        if fam is None:
             archs = c.get("architectures")
             name = archs[0] if isinstance(archs, list) and archs else model_type
-            have = ", ".join(HF_CLASSES.values())
+            have = ", ".join(f.hf_class for f in families.FAMILIES.values())
             raise UnsupportedModel(
                 f"architecture {name!r:.60} is not supported (kvrun runs: {have})"
             )
-        f = _Fields(c, where)
-        if model_type == "gemma3":  # the multimodal checkpoint: its text model's config
-            c = {**f.table("text_config"), "model_type": "gemma3_text"}
-            f = _Fields(c, where, nest="text_config.")
-        arch = HF_TYPES[model_type]
-        n_heads = f.whole("num_attention_heads", hi=_MAX_COUNT)
+        f = Fields(c, where)
+        if model_type in fam.hf_nested:  # a multimodal checkpoint: its text model's config
+            key = fam.hf_nested[model_type]
+            c = f.table(key)
+            f = Fields(c, where, nest=f"{key}.")
+        arch = fam.arch
+        n_heads = f.whole("num_attention_heads", hi=MAX_COUNT)
         dim = f.whole("hidden_size")
-        n_layers = f.whole("num_hidden_layers", hi=_MAX_COUNT)
-        max_pos = f.whole("max_position_embeddings", 4096, hi=_MAX_CONTEXT)
+        n_layers = f.whole("num_hidden_layers", hi=MAX_COUNT)
+        max_pos = f.whole("max_position_embeddings", 4096, hi=MAX_CONTEXT)
         rope = f.inner("rope_parameters")
-        full = rope.inner("full_attention") if "full_attention" in rope.src else rope  # Gemma 3
+        # rope_parameters may hold one RoPE per layer type (full and sliding attention)
+        full = rope.inner("full_attention") if "full_attention" in rope.src else rope
         local = rope.table("sliding_attention")
         scaling = f.inner("rope_scaling")
         scaling = scaling if scaling.src else full
         orig = "original_max_position_embeddings"
         if orig in c and orig not in scaling.src:
-            scaling = _Fields({**scaling.src, orig: c[orig]}, where, nest=scaling.nest)
+            scaling = Fields({**scaling.src, orig: c[orig]}, where, nest=scaling.nest)
         theta_f = f if c.get("rope_theta") is not None else full  # newer files: in rope_parameters
         theta = theta_f.real("rope_theta", 10000.0, positive=True)
         scaling = _scaling_from_hf(scaling, max_pos)
@@ -501,47 +402,9 @@ class ModelConfig:
             partial = partial_f.real("partial_rotary_factor", positive=True)
             if partial < 1.0:
                 extra["rotary_dim"] = int(head_dim * partial) // 2 * 2
-        window = None
-        if arch == "mistral" or arch == "phi3":
-            window = f.get("sliding_window")
-        elif arch in ("qwen2", "qwen3") and f.get("use_sliding_window"):
-            raise UnsupportedModel(f"{model_type} with use_sliding_window is not supported")
-        if arch == "qwen2":
-            extra["qkv_bias"] = True
-        if arch == "qwen3":
-            if f.get("attention_bias"):
-                raise UnsupportedModel("a Qwen 3 model with attention biases is not supported")
-            extra["qk_norm"] = True
-        if arch == "gemma3":
-            if f.get("attn_logit_softcapping"):
-                raise UnsupportedModel("attention logit soft-capping (Gemma 2) is not supported")
-            window = f.get("sliding_window")
-            types = f.get("layer_types")
-            if types is None:
-                p_default = f.get("_sliding_window_pattern", 6)
-                p = f.whole("sliding_window_pattern", p_default, hi=_MAX_COUNT)
-                types = [
-                    "sliding_attention" if (i + 1) % p else "full_attention"
-                    for i in range(n_layers)
-                ]
-            elif not isinstance(types, list):
-                raise f.fail("layer_types", types, "a list of layer types")
-            scalar = f.real("query_pre_attn_scalar", head_dim, positive=True)
-            local_theta = f.get("rope_local_base_freq") or local.get("rope_theta")
-            local_f = _Fields({"rope_local_base_freq": local_theta or 10000.0}, where, nest=f.nest)
-            extra.update(
-                qk_norm=True,
-                sandwich_norms=True,
-                act="gelu_tanh",
-                embed_scale=math.sqrt(dim),
-                attn_scale=scalar**-0.5,
-                local_layers=tuple(
-                    i for i, t in enumerate(types[:n_layers]) if t == "sliding_attention"
-                ),
-                rope_local_theta=local_f.real("rope_local_base_freq", positive=True),
-            )
-            if extra["attn_scale"] == head_dim**-0.5:
-                extra["attn_scale"] = None
+        seen = dict(dim=dim, n_layers=n_layers, head_dim=head_dim, local=local)
+        extra.update(fam.hf_fields(f, {**seen, "model_type": model_type}))
+        window = extra.pop("sliding_window", None)
         if f.get("final_logit_softcapping"):
             extra["final_softcap"] = f.real("final_logit_softcapping", positive=True)
         config = cls(
@@ -550,7 +413,7 @@ class ModelConfig:
             dim=dim,
             n_heads=n_heads,
             n_kv_heads=f.whole(
-                "num_key_value_heads", hi=_MAX_COUNT, value=f.get("num_key_value_heads") or n_heads
+                "num_key_value_heads", hi=MAX_COUNT, value=f.get("num_key_value_heads") or n_heads
             ),
             head_dim=head_dim,
             ffn_dim=f.whole("intermediate_size"),
@@ -558,8 +421,8 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             norm_eps=f.real("rms_norm_eps", 1e-5, lo=0.0),
-            sliding_window=f.whole("sliding_window", hi=_MAX_CONTEXT) if window else None,
-            tie_embeddings=bool(f.get("tie_word_embeddings", arch == "gemma3")),
+            sliding_window=f.whole("sliding_window", hi=MAX_CONTEXT) if window else None,
+            tie_embeddings=bool(f.get("tie_word_embeddings", fam.hf_tied)),
             context_length=max_pos,
             name=str(f.get("_name_or_path", "") or Path(config_path).parent.name)[:200],
             **extra,
@@ -569,8 +432,8 @@ class ModelConfig:
     def to_hf(self, bos_id: int | None = None, eos_id: int | None = None) -> dict:
         """An HF config.json dict for this model (used by `kvrun convert`)."""
         out = {
-            "architectures": [HF_CLASSES[self.arch]],
-            "model_type": "gemma3_text" if self.arch == "gemma3" else self.arch,
+            "architectures": [self.family.hf_class],
+            "model_type": self.family.hf_model_type or self.arch,
             "hidden_size": self.dim,
             "intermediate_size": self.ffn_dim,
             "num_hidden_layers": self.n_layers,
@@ -584,32 +447,16 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "gelu_pytorch_tanh" if self.act == "gelu_tanh" else "silu",
             "torch_dtype": "float32",
-            "pad_token_id": None,  # Phi-3's config class defaults it to 32000, past small vocabularies
+            "pad_token_id": None,  # some config classes default it to 32000, past small vocabularies
         }
-        if self.arch in ("mistral", "phi3"):
-            out["sliding_window"] = self.sliding_window
+        out.update(self.family.hf_out(self))
         if self.rotary_dim is not None:
             out["partial_rotary_factor"] = self.rotary_dim / self.head_dim
-        if self.arch == "qwen3":
-            out["attention_bias"] = False
-        if self.arch == "gemma3":
-            scalar = self.head_dim if self.attn_scale is None else self.attn_scale**-2
-            out.update(
-                hidden_activation="gelu_pytorch_tanh",
-                query_pre_attn_scalar=round(scalar, 6),
-                sliding_window=self.sliding_window,
-                layer_types=[
-                    "sliding_attention" if self.window(i) else "full_attention"
-                    for i in range(self.n_layers)
-                ],
-                rope_local_base_freq=self.rope_local_theta,
-                attn_logit_softcapping=None,
-            )
         if self.final_softcap is not None:
             out["final_logit_softcapping"] = self.final_softcap
         if self.rope_scaling is not None:
             out["rope_scaling"] = self.rope_scaling.to_hf()
-            if self.rope_scaling.kind == "longrope":  # Phi-3 reads it at the top level
+            if self.rope_scaling.kind == "longrope":  # LongRoPE configs read it at the top level
                 out["original_max_position_embeddings"] = self.rope_scaling.original_context
         if bos_id is not None:
             out["bos_token_id"] = bos_id
@@ -624,7 +471,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    """How tokens are drawn (llama.cpp's flags and defaults; kvrun/sampling.py draws)."""
+    """How tokens are drawn (llama.cpp's flags and defaults; kvrun/run/sampling.py draws)."""
 
     temp: float = 0.8
     top_k: int = 40  # 0 = off

@@ -1,6 +1,6 @@
 """Model file headers, read without torch: GGUF metadata and tensor tables (with checks that
 name a damaged tensor), safetensors headers and shards. `kvrun info` and `kvrun models` need no
-more than this; kvrun.weights loads the tensors."""
+more than this; kvrun.models.weights loads the tensors."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KvrunError, ModelNotFound
+from .families import FAMILIES
 
 GGUF_BLOCK = {
     "attn_norm": "input_layernorm",
@@ -28,19 +29,12 @@ GGUF_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# the parts of the other families' blocks (HF's names); the fused ones are split at load
+# parts some families' blocks add (HF's names; a family's own names are in its file in
+# kvrun/models/families/); the fused ones are split at load
 GGUF_BLOCK_MORE = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
-    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: Q, K, V in one weight
-}
-GGUF_BLOCK_ARCH = {  # where a family's name means another part than Llama's
-    "gemma3": {
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_attention_norm": "post_attention_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
-    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up in one weight
+    "attn_qkv": "self_attn.qkv_proj",  # Q, K, V in one weight
 }
 GGUF_TOP = {
     "token_embd": "model.embed_tokens",
@@ -55,8 +49,9 @@ _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def block_parts(arch: str) -> dict[str, str]:
-    """llama.cpp block part -> HF part for a family."""
-    return {**GGUF_BLOCK, **GGUF_BLOCK_MORE, **GGUF_BLOCK_ARCH.get(arch, {})}
+    """llama.cpp block part -> HF part for a family (an unknown arch: the shared names)."""
+    fam = FAMILIES.get(arch)
+    return {**GGUF_BLOCK, **GGUF_BLOCK_MORE, **(fam.block_parts if fam else {})}
 
 
 def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:

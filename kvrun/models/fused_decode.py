@@ -109,7 +109,7 @@ def plain(c) -> bool:
 
 def _qk_extras(L: FusedLayer, q, k, v, eps: float, kernels):
     """The biases and per-head norms of Q and K (V's bias) after the Q/K/V product, as the
-    modules do them (kvrun.model.Attention)."""
+    modules do them (kvrun.models.model.Attention)."""
     if L.bias is not None:
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
         bq, bk, bv = L.bias.split([hq * d, hkv * d, hkv * d])

@@ -190,7 +190,8 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama / Mistral / SmolLM decoder with HF parameter names."""
+    """The one decoder every family runs on (switched by ModelConfig's fields), with HF
+    parameter names."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -199,7 +200,7 @@ class Transformer(nn.Module):
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         self.rope: Rope | None = None
         self._fused: list | None | bool = False  # fused_decode.bind's layers; False: not bound
-        # a packed-cache load's weights on their way into huge pages (kvrun.quant.model_cache)
+        # a packed-cache load's weights on their way into huge pages (kvrun.models.model_cache)
         self.adopt = None
         self.use_fused_decode = True  # False: decode steps go through the modules (to compare)
 
@@ -275,7 +276,7 @@ class Transformer(nn.Module):
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Every tensor this model holds (its state dict and RoPE's inverse frequencies), and
         the layout that `from_state` rebuilds it from: each packed layer's facts and the
-        submodules stacking emptied (kvrun/quant/model_cache.py keeps the two on disk)."""
+        submodules stacking emptied (kvrun/models/model_cache.py keeps the two on disk)."""
         tensors = {**self.state_dict(), ROPE_KEY: self.rope.inv_freq}
         if isinstance(self.rope, RopeSet):
             tensors[ROPE_LOCAL_KEY] = self.rope.local_inv
@@ -384,7 +385,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """The hidden states (B, T, dim) after the last block, before the final norm: the fused
-        blocks for decode rows where they apply (kvrun/fused_decode.py), else the modules."""
+        blocks for decode rows where they apply (kvrun/models/fused_decode.py), else the modules."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         if self.config.embed_scale != 1.0:  # Gemma: sqrt(dim), in the compute dtype as HF's
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
@@ -400,7 +401,7 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, kv, last_only: bool = False
     ) -> torch.Tensor:
         """Logits (B, T, V) for tokens (B, T) at positions (T,), or (B, T) when each row is its
-        own sequence (kv is then a kvrun.batch.BatchKV); only the last row if asked."""
+        own sequence (kv is then a kvrun.run.step.BatchKV); only the last row if asked."""
         if self.adopt is not None:  # copies read since the last pass take their tensors' place
             self.adopt = self.adopt.take()
         x = self.hidden(tokens, positions, kv)
@@ -423,7 +424,7 @@ def _stack_biases(tensors: dict, c: ModelConfig) -> None:
 
 def _rotary_rows(tensors: dict, c: ModelConfig) -> None:
     """Under partial rotary, Q and K's head dims in the order kvrun's RoPE pairs them
-    (kvrun.rope.rotary_order), in the weights, biases and norms alike."""
+    (kvrun.models.rope.rotary_order), in the weights, biases and norms alike."""
     order = rotary_order(c)
     if order is None:
         return

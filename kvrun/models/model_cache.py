@@ -68,7 +68,7 @@ _DTYPES = {
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 
 
-class Damaged(Exception):
+class UnreadableCacheEntry(Exception):
     """An entry that does not read back whole (the message says how)."""
 
 
@@ -170,7 +170,7 @@ def entry(files: list[Path], dtype: torch.dtype, wtype: str) -> Path | None:
 
 def load(path: Path, config: ModelConfig):
     """The model kept at `path`, its tensors mapped from the file; None where there is no
-    entry. Raises Damaged (after deleting the entry) where it does not read back whole."""
+    entry. Raises UnreadableCacheEntry (after deleting the entry) where it does not read back whole."""
     from .model import Transformer
 
     try:
@@ -181,7 +181,7 @@ def load(path: Path, config: ModelConfig):
         with f:
             tensors, meta, mapping, offsets = _read(f)
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise Damaged(f"format {meta.get('format')!r:.20}, not {FORMAT}")
+                raise UnreadableCacheEntry(f"format {meta.get('format')!r:.20}, not {FORMAT}")
             _check_layout(meta.get("layout"), tensors, config)
             model = Transformer.from_state(config, tensors, meta["layout"])
             held = {id(b) for b in model.buffers()}  # the packed layers' own (not parameters)
@@ -195,7 +195,7 @@ def load(path: Path, config: ModelConfig):
         return model
     except Exception as e:  # noqa: BLE001 - an entry that does not read back is built again
         path.unlink(missing_ok=True)
-        raise Damaged(f"{path.name}: {str(e)[:200]}") from None
+        raise UnreadableCacheEntry(f"{path.name}: {str(e)[:200]}") from None
 
 
 _WRITING: list[threading.Thread] = []
@@ -298,41 +298,41 @@ def _read(f) -> tuple[dict[str, torch.Tensor], dict, mmap.mmap, dict[str, int]]:
     """The entry's tensors (mapped), its metadata, the mapping and each tensor's offset."""
     size = os.fstat(f.fileno()).st_size
     if size < 8:
-        raise Damaged("cut short")
+        raise UnreadableCacheEntry("cut short")
     # copy-on-write: writable for torch, and nothing written ever reaches the file
     mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     n = int.from_bytes(mapping[:8], "little")
     if 8 + n > size:
-        raise Damaged("its header runs past the end")
+        raise UnreadableCacheEntry("its header runs past the end")
     try:
         header = json.loads(mapping[8 : 8 + n])
         digest = header["__metadata__"].pop("digest", None)
         if digest != _digest(header):
-            raise Damaged("its header does not match its digest")
+            raise UnreadableCacheEntry("its header does not match its digest")
         meta = json.loads(header.pop("__metadata__")["kvrun"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise Damaged(f"its header does not parse ({e})") from None
+        raise UnreadableCacheEntry(f"its header does not parse ({e})") from None
     start, end, tensors, offsets = 8 + n, 8 + n, {}, {}
     for name, info in header.items():
         a, b = info["data_offsets"]
         dtype, shape = _BY_NAME[info["dtype"]], info["shape"]
         if not all(isinstance(x, int) and x >= 0 for x in (a, b, *shape)):
-            raise Damaged(f"tensor {name} has a shape or offsets that are not sizes")
+            raise UnreadableCacheEntry(f"tensor {name} has a shape or offsets that are not sizes")
         count = math.prod(shape)
         if b - a != count * dtype.itemsize or start + b > size:
-            raise Damaged(f"tensor {name} does not fit the file")
+            raise UnreadableCacheEntry(f"tensor {name} does not fit the file")
         end = max(end, start + b)
         if name.startswith("__pad"):
             continue
         if (start + a) % ALIGN:
-            raise Damaged(f"tensor {name} is not aligned")
+            raise UnreadableCacheEntry(f"tensor {name} is not aligned")
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
         else:
             flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + a)
             tensors[name], offsets[name] = flat.view(shape), start + a
     if end != size:
-        raise Damaged(f"{size - end:,} bytes more or fewer than its tensors take")
+        raise UnreadableCacheEntry(f"{size - end:,} bytes more or fewer than its tensors take")
     return tensors, meta, mapping, offsets
 
 
@@ -346,16 +346,16 @@ _INT4_PLANES = {4: 1, 8: 2}  # q8 runs as two 4-bit planes on CPU
 def _check_layout(layout: object, tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """An entry's layout against an explicit list: which layers may be packed (in the shapes
     the config gives, of the kinds kvrun makes, each buffer of the size its facts imply) and
-    which slots stacking empties, before any object is built from it; else Damaged."""
+    which slots stacking empties, before any object is built from it; else UnreadableCacheEntry."""
     if not isinstance(layout, dict) or set(layout) != {"packed", "empty"}:
-        raise Damaged("its layout is not kvrun's")
+        raise UnreadableCacheEntry("its layout is not kvrun's")
     packed, empty = layout["packed"], layout["empty"]
     if not isinstance(packed, dict) or not isinstance(empty, list):
-        raise Damaged("its layout is not kvrun's")
+        raise UnreadableCacheEntry("its layout is not kvrun's")
     shapes = _linear_shapes(config, tied=not any(k.startswith("lm_head.") for k in tensors))
     for name, facts in packed.items():
         if name not in shapes or not isinstance(facts, dict):
-            raise Damaged(f"it packs {name!r:.80}, which the model has no layer for")
+            raise UnreadableCacheEntry(f"it packs {name!r:.80}, which the model has no layer for")
         n, k = shapes[name]
         prefix = f"{name}."
         bufs = {t[len(prefix) :]: v for t, v in tensors.items() if t.startswith(prefix)}
@@ -367,11 +367,11 @@ def _check_layout(layout: object, tensors: dict[str, torch.Tensor], config: Mode
             want = None
         embedding = name == "model.embed_tokens"
         if want is None or facts["kind"].endswith("embedding") != embedding:
-            raise Damaged(f"layer {name}'s facts are not kvrun's")
+            raise UnreadableCacheEntry(f"layer {name}'s facts are not kvrun's")
         may, must = want
         fits = all(b in may and _fits(v, *may[b]) for b, v in bufs.items())
         if not fits or not must <= set(bufs):
-            raise Damaged(f"layer {name}'s buffers do not match its facts")
+            raise UnreadableCacheEntry(f"layer {name}'s buffers do not match its facts")
     emptied = set(empty)
     for i in range(config.n_layers):
         for stack, parts in _STACKED.items():
@@ -379,10 +379,12 @@ def _check_layout(layout: object, tensors: dict[str, torch.Tensor], config: Mode
             slots = {f"model.layers.{i}.{block}.{p}" for p in parts}
             fused = f"model.layers.{i}.{stack}" in packed
             if (slots <= emptied) != fused:
-                raise Damaged(f"layer {i}'s {stack} is stacked in part")
+                raise UnreadableCacheEntry(f"layer {i}'s {stack} is stacked in part")
             emptied -= slots if fused else set()
     if emptied:
-        raise Damaged(f"it empties {sorted(map(str, emptied))[0][:80]!r}, which is no stacked slot")
+        raise UnreadableCacheEntry(
+            f"it empties {sorted(map(str, emptied))[0][:80]!r}, which is no stacked slot"
+        )
 
 
 def _fits(t: torch.Tensor, shape: tuple[int, ...], dtypes: set) -> bool:

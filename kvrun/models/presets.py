@@ -1,5 +1,5 @@
 """Shape presets' configs: the names `-m *-synthetic` accepts and their model shapes. Torch-free,
-so option checks run before anything loads; kvrun.synthetic builds the random weights."""
+so option checks run before anything loads; kvrun.models.synthetic builds the random weights."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ memory measurements.
 
 `-m llama3-8b-synthetic` builds a Llama-3-8B-shaped model straight on the target device in
 the compute dtype (never a float32 copy on the CPU first). Its output means nothing; every
-number measured on it is labelled synthetic. kvrun.runtime.preset_runtime assembles the
+number measured on it is labelled synthetic. kvrun.run.runtime.preset_runtime assembles the
 Runtime from these parts.
 """
 

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as _Backend
 
 from kvrun.errors import KvrunError, UnsupportedModel
 from kvrun.models import chat_template
+from kvrun.models.families import pre_tokenizer
 
 # Token types shared by GGUF (tokenizer.ggml.token_type) and SentencePiece models.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -58,14 +59,15 @@ _REGEXES = {
     "qwen2": [_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")],
     "tekken": [_TEKKEN],
 }
-# tokenizer.ggml.pre -> (regex set, ignore_merges), named as llama.cpp names them.
+# tokenizer.ggml.pre -> (regex set, ignore_merges), named as llama.cpp names them; the
+# names a kvrun family's GGUFs carry are in its file (kvrun/models/families/).
 _PRE = {
-    "": ("default", False), "default": ("default", False), "tekken": ("tekken", True),
+    "": ("default", False), "default": ("default", False),
     **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe"], ("gpt2", False)),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3"], ("llama3", True)),
+    "falcon3": ("llama3", True),
     **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False)),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"], ("digits", False)),
-    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], ("qwen2", False)),
+    **dict.fromkeys(["starcoder", "refact", "codeshell", "command-r", "exaone"], ("digits", False)),
+    **dict.fromkeys(["stablelm2", "megrez"], ("qwen2", False)),
 }  # fmt: skip
 _PRE_ADDS_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}  # llama.cpp defaults
 # SentencePiece-style BPE kept as 'gpt2' (llama.cpp's GEMMA4 pre-type): '▁' for spaces, raw
@@ -76,9 +78,10 @@ _SPM_BPE_PRE = {"gemma4", "granite-embed-multi-311m"}
 
 def _bpe_backend(tokens: list[str], merges: Sequence[str], pre: str) -> _Backend:
     """Byte-level BPE (tokenizer.ggml.model 'gpt2') with llama.cpp's split for `pre`."""
-    if pre not in _PRE:
+    known = _PRE.get(pre) or pre_tokenizer(pre)
+    if known is None:
         warnings.warn(f"unknown pre-tokenizer {pre!r}; using the GPT-2 split", stacklevel=3)
-    regexes, ignore_merges = _PRE.get(pre, ("gpt2", False))
+    regexes, ignore_merges = known or ("gpt2", False)
     # "a b" splits at the first space after index 0, as llama.cpp reads merges
     pairs = [
         tuple(m.split(" ", 1)) if m[:1] != " " else (m[: (cut := m.find(" ", 1))], m[cut + 1 :])

@@ -7,6 +7,7 @@ model never branches on where its weights came from.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -29,7 +30,7 @@ from ..quant.packed import (
     quantize_rows,
     requantize_bits,
 )
-from .config import PERMUTED_QK, ModelConfig
+from .config import ModelConfig
 from .file_headers import (
     GGUF_BLOCK,
     ROPE_TENSORS,
@@ -49,7 +50,7 @@ class LoadedWeights:
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
-    tokenizer: Any  # kvrun.tokenizer.Tokenizer
+    tokenizer: Any  # kvrun.models.tokenizer.Tokenizer
     path: Path
     format: str  # "gguf" | "safetensors"
     tensor_types: Counter = field(default_factory=Counter)
@@ -57,7 +58,7 @@ class LoadedWeights:
     wtype: str = "f32"  # what --wtype resolved to: a dense dtype name or "packed"/"q4"/"q8"
     wtype_note: str = ""  # why --wtype auto chose what it did
     model: Any = None  # the packed model, mapped from its cache entry (then no tensors)
-    cache_entry: Path | None = None  # where the packed model is kept (kvrun/quant/model_cache.py)
+    cache_entry: Path | None = None  # where the packed model is kept (kvrun/models/model_cache.py)
     cache_note: str = ""  # a damaged entry, in words
 
 
@@ -75,7 +76,7 @@ def _cached(
         return None, None, ""
     try:
         return model_cache.load(where, config), where, ""
-    except model_cache.Damaged as e:
+    except model_cache.UnreadableCacheEntry as e:
         return None, where, f"packed cache entry damaged ({e}); building the model again"
 
 
@@ -215,7 +216,7 @@ def load_gguf(
             order = None if heads is None else unpermute_qk(torch.arange(t.data.shape[0]), heads)
             # fused weights are split by rows first; they interleave in the model
             x8 = native and ("embed_tokens" not in hf or config.tie_embeddings)
-            x8 = x8 and hf not in _fused_names(hf)
+            x8 = x8 and _fused_key(hf, config) is None
             tensors[hf] = blocks_from_gguf(t, order, interleave=x8)
             reader.release(t)
             if progress:
@@ -272,14 +273,14 @@ def load_safetensors(
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    key = _text_name(name)
+                    key = config.family.text_name(name)
                     if key is None or key.endswith("rotary_emb.inv_freq"):
                         continue  # another tower's, or what we compute (older checkpoints)
                     _check_shape(key, tuple(f.get_slice(name).get_shape()), config, shard)
                     w = f.get_tensor(name)
                     types[str(w.dtype).removeprefix("torch.")] += 1
-                    if config.gemma_norms and key.endswith("norm.weight"):
-                        w = w.float() + 1.0  # Gemma scales by 1 + w; kvrun holds 1 + w
+                    if config.norms_plus_one and key.endswith("norm.weight"):
+                        w = w.float() + 1.0  # the file's w scales by 1 + w; kvrun holds 1 + w
                     bits = target_bits(wtype, "F32", key)
                     if bits is not None:
                         check_group(key, tuple(w.shape), bits, root)
@@ -306,57 +307,61 @@ def load_safetensors(
     )
 
 
-def _fused_names(hf: str) -> set[str]:
-    return {hf} if hf.endswith(("qkv_proj.weight", "gate_up_proj.weight")) else set()
+def _fused_rows(part: str, config: ModelConfig) -> int:
+    """Rows of one part of a fused weight (q/k/v_proj, gate/up_proj)."""
+    heads = config.n_heads if part == "q_proj" else config.n_kv_heads
+    return (
+        heads * config.head_dim if part.endswith(("q_proj", "k_proj", "v_proj")) else config.ffn_dim
+    )
+
+
+def _fused_key(name: str, config: ModelConfig) -> tuple[str, str, str] | None:
+    """(prefix, layer, key) of a fused weight of this family ("model", "3",
+    "self_attn.qkv_proj"), else None."""
+    pre, _, stem = name.removesuffix(".weight").rpartition(".layers.")
+    layer, _, key = stem.partition(".")
+    ok = name.endswith(".weight") and key in config.family.fused
+    return (pre, layer, key) if ok else None
 
 
 def split_fused(tensors: dict, config: ModelConfig) -> None:
-    """Phi-3's fused weights (qkv_proj, gate_up_proj: in its HF files and GGUFs alike) as
-    the canonical q/k/v_proj and gate/up_proj, by rows (dense, packed or GGUF blocks)."""
-    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    for name in [n for n in tensors if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+    """A family's fused weights (Phi-3's qkv_proj, gate_up_proj: in its HF files and GGUFs
+    alike) as the canonical parts, by rows (dense, packed or GGUF blocks)."""
+    fused = config.family.fused
+    for name in [n for n in tensors if _fused_key(n, config)]:
+        pre, layer, key = _fused_key(name, config)
         w = tensors.pop(name)
-        pre = name.rsplit(".", 2)[0]
-        if name.endswith("qkv_proj.weight"):
-            parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-        else:
-            f = config.ffn_dim
-            parts = {"gate_proj": (0, f), "up_proj": (f, 2 * f)}
-        if w.shape[0] != max(b for _, b in parts.values()):
+        ends = list(itertools.accumulate(_fused_rows(p, config) for p in fused[key]))
+        if w.shape[0] != ends[-1]:
             raise KvrunError(f"tensor {name} has {w.shape[0]} rows, not what the config says")
-        for part, (a, b) in parts.items():
+        module = key.rpartition(".")[0]
+        for part, a, b in zip(fused[key], [0, *ends[:-1]], ends, strict=True):
             rows = w.rows(slice(a, b)) if isinstance(w, (Packed, Blocks)) else w[a:b].clone()
-            tensors[f"{pre}.{part}.weight"] = rows
+            tensors[f"{pre}.layers.{layer}.{module}.{part}.weight"] = rows
+
+
+def fuse(tensors: dict, config: ModelConfig) -> None:
+    """The inverse of split_fused: a family's parts as its files' fused weights (`kvrun
+    convert` writes them so)."""
+    for i in range(config.n_layers):
+        for key, parts in config.family.fused.items():
+            module = key.rpartition(".")[0]
+            stem = f"model.layers.{i}.{module}."
+            tensors[f"model.layers.{i}.{key}.weight"] = torch.cat(
+                [tensors.pop(f"{stem}{p}.weight") for p in parts]
+            )
 
 
 def _qk_heads(hf: str, config: ModelConfig) -> int | None:
     """The heads a Q or K weight's rows are permuted over in GGUF (else None: the families
     with NEOX-style RoPE keep HF's order)."""
-    if config.arch not in PERMUTED_QK:
+    if not config.family.permuted_qk:
         return None
     if hf.endswith("q_proj.weight"):
         return config.n_heads
     if hf.endswith("k_proj.weight"):
         return config.n_kv_heads
     return None
-
-
-def _text_name(name: str) -> str | None:
-    """The canonical name of a checkpoint tensor: a multimodal checkpoint's language model
-    (Gemma 3's `language_model.model.*`, `model.language_model.*`) as a text model's; None
-    for the vision tower and projector."""
-    for pre, to in (
-        ("language_model.model.", "model."),
-        ("model.language_model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    ):
-        if name.startswith(pre):
-            return to + name.removeprefix(pre)
-    if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
-        return None
-    if name.startswith("model.multi_modal_projector."):
-        return None
-    return name
 
 
 def _native_here(device: torch.device | None) -> bool:

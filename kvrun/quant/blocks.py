@@ -222,7 +222,7 @@ class BlockLinear(nn.Module):
         return cls([p for m in mods for p in m.parts()], mods[0].dtype, mods[0].scratch)
 
     def facts(self) -> dict:
-        """What, beside its buffers, rebuilds this layer (`restore`; kvrun/quant/model_cache.py)."""
+        """What, beside its buffers, rebuilds this layer (`restore`; kvrun/models/model_cache.py)."""
         kind = "block_embedding" if isinstance(self, BlockEmbedding) else "block_linear"
         return {
             "kind": kind,

@@ -145,7 +145,7 @@ class PackedLinear(nn.Module):
     def restore(
         facts: dict, buffers: dict[str, torch.Tensor], dtype: torch.dtype, scratch: DequantBuffers
     ) -> PackedLinear:
-        """The layer `facts()` and its buffers describe, as it was (kvrun/quant/model_cache.py)."""
+        """The layer `facts()` and its buffers describe, as it was (kvrun/models/model_cache.py)."""
         cls = PackedEmbedding if facts["kind"] == "embedding" else PackedLinear
         n, k = facts["shape"]
         shell = torch.empty(n, k // 2 if facts["bits"] == 4 else k, device="meta")
@@ -238,7 +238,7 @@ class PackedLinear(nn.Module):
 
     def cpu_op(self) -> OpArgs | None:
         """The int4 op's arguments where this layer's decode products run through the CPU op
-        (kvrun/fused_decode.py binds them), else None."""
+        (kvrun/models/fused_decode.py binds them), else None."""
         op = self._op
         return op if op is not None and not op.cuda else None
 

@@ -18,7 +18,7 @@ class Conversation:
         self.document = ""  # the first user message's opening held in the cache (a .kvc)
 
     def continue_document(self, head: str, opening: str) -> None:
-        """The cache holds a document's turn (kvrun.kvc): `head` is its rendered text, with
+        """The cache holds a document's turn (kvrun.run.kvc): `head` is its rendered text, with
         `opening` (the document and a blank line, the document as a placeholder) where the
         first user message begins; that message completes it."""
         self.cached_text, self.document = head, opening

@@ -86,7 +86,7 @@ def capture_graph(forward, warmup: int):
 
 
 def eager_rows(model, kvs, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """Logits (B, V) of one eager decode token per sequence (kvrun.batch.BatchKV)."""
+    """Logits (B, V) of one eager decode token per sequence (kvrun.run.step.BatchKV)."""
     dev = model.device
     tok = torch.tensor([[t] for t in tokens], device=dev)  # (B, 1)
     pos = torch.tensor([[p] for p in positions], device=dev)  # (B, 1)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import KvrunError
-from ..kv.state import Damaged, Loader, Writer
+from ..kv.state import DamagedKvcFile, Loader, Writer
 from ..kv.stores import kvtypes
 
 FORMAT, VERSION = "kvrun-kvc", 2  # 2: the state as each class declares it (kvrun.kv.state)
@@ -137,12 +137,12 @@ def _inflate(text: str) -> Any:
     return json.loads(raw)
 
 
-def _damaged_header(path: Path, why: str) -> Damaged:
-    return Damaged(f"{path} has a damaged header ({why})")
+def _damaged_header(path: Path, why: str) -> DamagedKvcFile:
+    return DamagedKvcFile(f"{path} has a damaged header ({why})")
 
 
 def read_header(path: str | Path) -> dict:
-    """The JSON header of a .kvc file, every field of the kind it takes (Damaged, in one line,
+    """The JSON header of a .kvc file, every field of the kind it takes (DamagedKvcFile, in one line,
     when it is not one)."""
     from safetensors import safe_open
 
@@ -153,15 +153,15 @@ def read_header(path: str | Path) -> dict:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise Damaged(f"{path} is not a readable .kvc file ({_first_line(e)})") from None
+        raise DamagedKvcFile(f"{path} is not a readable .kvc file ({_first_line(e)})") from None
     if _META_KEY not in meta:
-        raise Damaged(f"{path} is a safetensors file but not a kvrun .kvc file")
+        raise DamagedKvcFile(f"{path} is a safetensors file but not a kvrun .kvc file")
     try:
         header = json.loads(meta[_META_KEY])
     except (ValueError, RecursionError):
         raise _damaged_header(path, "not JSON") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise Damaged(f"{path} is not a kvrun .kvc file")
+        raise DamagedKvcFile(f"{path} is not a kvrun .kvc file")
     if header.get("version") != VERSION:
         raise KvrunError(
             f"{path} is .kvc format version {_short(header.get('version'))}; this kvrun reads "
@@ -245,7 +245,7 @@ def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None, dt
     try:
         mine = check(saved["kv"], saved["budget"])
     except KvrunError as e:
-        raise Damaged(f"{path} holds a spec this kvrun does not take ({e})") from None
+        raise DamagedKvcFile(f"{path} holds a spec this kvrun does not take ({e})") from None
     held_dtype = check_dtype(path, saved.get("dtype"), spec.dtype if spec is not None else dtype)
     mine = mine.with_dtype(held_dtype)
     if spec is not None:
@@ -275,7 +275,7 @@ def load(path: str | Path, rt, spec=None, budget: str | None = None, dtype: str 
     """(kv, tokens, header) from a .kvc file for runtime rt. spec: the run's KV spec (None: the
     file's); budget, dtype: --kv-budget and --kv-dtype given without --kv. A spec, model or format that does not
     match, and a file that does not hold this spec's cache as this kvrun makes it, is one line
-    (KvrunError, Damaged) before anything from the file reaches the run."""
+    (KvrunError, DamagedKvcFile) before anything from the file reaches the run."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -286,25 +286,27 @@ def load(path: str | Path, rt, spec=None, budget: str | None = None, dtype: str 
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a mapping
     except Exception as e:  # noqa: BLE001
-        raise Damaged(f"{path} is damaged or cut ({_first_line(e)})") from None
+        raise DamagedKvcFile(f"{path} is damaged or cut ({_first_line(e)})") from None
     tokens = _tokens(tensors.get("tokens"), header["tokens"], rt.config.vocab_size, path)
     fresh = rt.new_kv(spec)  # the run's own config, RoPE, kernels and stores' layouts
     if _class_name(fresh) != header["class"]:
-        raise Damaged(f"{path} holds a {_short(header['class'])}, not this spec's cache")
+        raise DamagedKvcFile(f"{path} holds a {_short(header['class'])}, not this spec's cache")
     c = rt.config
     sizes = {"H": c.n_kv_heads, "Hq": c.n_heads, "D": c.head_dim, "L": c.n_layers, "T": len(tokens)}
     loader = Loader(tensors, rt.model.device, sizes, fresh)
     try:
         loader.restore(fresh, header["state"], "state")
-    except Damaged as e:
-        raise Damaged(f"{path}: {e}") from None
+    except DamagedKvcFile as e:
+        raise DamagedKvcFile(f"{path}: {e}") from None
     unused = set(tensors) - loader.used - {"tokens"}
     if unused:
-        raise Damaged(f"{path} holds tensors its state does not name ({_short(sorted(unused))})")
+        raise DamagedKvcFile(
+            f"{path} holds tensors its state does not name ({_short(sorted(unused))})"
+        )
     if fresh.seen != len(tokens):
-        raise Damaged(f"{path} holds {len(tokens)} tokens; its cache has seen {fresh.seen}")
+        raise DamagedKvcFile(f"{path} holds {len(tokens)} tokens; its cache has seen {fresh.seen}")
     if fresh.nbytes() != header["kv_bytes"]:
-        raise Damaged(f"{path}: the cache holds {fresh.nbytes()} bytes, its header says "
+        raise DamagedKvcFile(f"{path}: the cache holds {fresh.nbytes()} bytes, its header says "
                       f"{header['kv_bytes']}")  # fmt: skip
     return fresh, tokens, header
 
@@ -312,9 +314,9 @@ def load(path: str | Path, rt, spec=None, budget: str | None = None, dtype: str 
 def _tokens(t, n: int, vocab: int, path: Path) -> list[int]:
     """The token ids: int32, one dimension, as many as the header says, each in the vocabulary."""
     if t is None or t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n:
-        raise Damaged(f"{path} holds no {n} token ids (int32) beside its cache")
+        raise DamagedKvcFile(f"{path} holds no {n} token ids (int32) beside its cache")
     if n and (int(t.min()) < 0 or int(t.max()) >= vocab):
-        raise Damaged(f"{path} holds a token id outside the model's vocabulary of {vocab}")
+        raise DamagedKvcFile(f"{path} holds a token id outside the model's vocabulary of {vocab}")
     return t.tolist()
 
 

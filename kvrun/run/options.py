@@ -1,5 +1,5 @@
 """The command line's option groups as typed objects: click builds each once (kvrun/cli/common.py)
-and the commands pass them on, to kvrun.tasks and to Ray workers (kvrun.cluster) alike.
+and the commands pass them on, to kvrun.tasks and to Ray workers (kvrun.run.cluster) alike.
 
 Nothing here imports torch at import time: option errors answer before any model loads."""
 
@@ -102,7 +102,7 @@ class KVGridOptions:
 
 @dataclass(frozen=True, slots=True)
 class ParallelOptions:
-    """--parallel N sequences at once (kvrun.engine) and --kv-mem, their admission limit."""
+    """--parallel N sequences at once (kvrun.run.engine) and --kv-mem, their admission limit."""
 
     n: int = 1
     kv_mem: str | None = None  # as given: bytes (512M, 4G) or a fraction of free memory

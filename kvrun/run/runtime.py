@@ -74,8 +74,8 @@ def check_wtype(wtype: str) -> None:
 class Runtime:
     """A loaded model with its tokenizer, ready for Sessions."""
 
-    model: object  # kvrun.model.Transformer
-    tokenizer: object  # kvrun.tokenizer.Tokenizer
+    model: object  # kvrun.models.model.Transformer
+    tokenizer: object  # kvrun.models.tokenizer.Tokenizer
     config: ModelConfig
     path: Path
     weights: LoadedWeights  # tensors dropped after the model is built
@@ -98,7 +98,7 @@ def load_runtime(
     wtype: str = "auto",
 ) -> Runtime:
     """Resolve, load and place a model; wtype: auto | f32 | f16 | bf16 | q8 | q4 (see
-    kvrun/weights.py, kvrun/quant/linear.py and kvrun/quant/choice.py)."""
+    kvrun/models/weights.py, kvrun/quant/linear.py and kvrun/quant/choice.py)."""
     from ..models.model import Transformer
 
     t0 = time.perf_counter()

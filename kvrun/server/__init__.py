@@ -1,4 +1,4 @@
-"""kvrun serve: OpenAI's HTTP API on the continuous-batching engine (kvrun.engine).
+"""kvrun serve: OpenAI's HTTP API on the continuous-batching engine (kvrun.run.engine).
 
 app.py (the HTTP side, on the event loop), worker.py (the engine thread, every torch call),
 schema.py (request bodies), guard.py (connection limits and timeouts), metrics.py (/metrics)."""

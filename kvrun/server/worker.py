@@ -1,5 +1,5 @@
 """The engine thread of kvrun serve: it loads the model, owns every torch call, and runs the
-continuous-batching engine (kvrun.engine) on the requests the HTTP side hands it.
+continuous-batching engine (kvrun.run.engine) on the requests the HTTP side hands it.
 
 The two sides meet in an `HttpJob`: the HTTP handler builds it (prompt ids, sampling, the
 cache to build) and `submit`s it to a thread-safe inbox; the engine polls the inbox at every
@@ -328,7 +328,7 @@ class EngineThread:
 
 
 class _Inbox:
-    """The engine's Intake (kvrun.engine) over the inbox: the first job, then at every step
+    """The engine's Intake (kvrun.run.engine) over the inbox: the first job, then at every step
     whatever the inbox holds right now, so jobs that arrive while a batch runs join it. When
     the inbox is empty and no sequence is active the engine's run ends, and the engine thread
     waits for the next job; drawing the shutdown mark raises _Closing."""

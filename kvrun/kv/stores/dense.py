@@ -33,7 +33,7 @@ class DenseSeg:
         kernels=None,
         kv_type: KVType | None = None,
     ):
-        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): a decode row attends
+        # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): a decode row attends
         # in one op over float32 K/V; None: SDPA
         self.kernels = kernels
         self.dtype, self.head_dim = dtype, head_dim

@@ -69,7 +69,7 @@ class KiviLayer:
             raise ValueError(f"kivi: head_dim {head_dim} must be a multiple of group {group}")
         self.H, self.D, self.bits, self.G, self.R = n_kv_heads, head_dim, bits, group, residual
         self.dtype, self.device = dtype, torch.device(device)
-        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): attention and flushes
+        # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): attention and flushes
         # in C++ over a float32 store (kivi_native); None: the torch path (Triton on CUDA)
         self.kernels = kernels if self.device.type == "cpu" and dtype == torch.float32 else None
         H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32

@@ -60,7 +60,7 @@ class MiniCacheKV(KVManager):
 
     def reset(self) -> None:
         super().reset()
-        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): pairs attend and merge
+        # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): pairs attend and merge
         # natively (merged_attn, minicache_merge); None: torch
         self.kernels = kernels = self.rope.kernels
         plain = [i for i in range(self.config.n_layers) if i not in self.role]

@@ -374,7 +374,7 @@ class PairLayer:
 
     def __init__(self, pair: Pair, second: bool, layout: Layout, scratch: Scratch, kernels=None):
         self.pair, self.second, self.layout, self.scratch = pair, second, layout, scratch
-        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): a decode step attends
+        # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): a decode step attends
         # over the merged tokens in one op (merged_attn); None: merged_decode or the restore
         self.kernels = kernels
 

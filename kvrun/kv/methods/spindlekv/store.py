@@ -338,7 +338,7 @@ class CodedLayer:
         self, n_books: int, d: int, dtype: torch.dtype, device, idx_dtype, rope, group, kernels=None
     ):
         self.rope, self.group, self.dtype = rope, group, dtype
-        # the model's native CPU step kernels (kvrun.rope.Rope.kernels): decode tokens are coded
+        # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): decode tokens are coded
         # and attended over natively (codebook_assign, codebook_attn); None: the torch path
         self.kernels = kernels
         self.shelf_k = Shelf(n_books, d, dtype, device)

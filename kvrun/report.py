@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .session import Stats
+    from .run.session import Stats
 
 
 def human_bytes(n: float) -> str:
