@@ -168,7 +168,7 @@ def test_minicache_in_f16_round_trips_at_half_the_bytes(tmp_path, text):
     bad = rewrite(
         path, tmp_path / "bad.kvc", header=lambda h: _with(h, spec=_with(h["spec"], dtype=None))
     )
-    with pytest.raises(kvc.Damaged) as e:
+    with pytest.raises(kvc.DamagedKvcFile) as e:
         kvc.load(bad, rt)
     assert "\n" not in str(e.value)
 

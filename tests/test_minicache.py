@@ -630,8 +630,9 @@ def default_ratio(T: int, P: int, start: int, kivi_bits: int, nr_per_row: float)
      ("minicache", -1, False)],
 )  # fmt: skip
 def test_passkey_through_cli(default_gguf, passkey_file, kv, start, answers):
+    # float32 rows: the byte formula below counts E = 4 bytes (f16's halves: test_kvc.py)
     args = ["generate", "-m", str(default_gguf), "--raw", "-f", str(passkey_file), "-n", "8",
-            "--temp", "0", "--json", "--kv", kv]  # fmt: skip
+            "--temp", "0", "--json", "--kv", kv, "--kv-dtype", "f32"]  # fmt: skip
     r = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
