@@ -43,8 +43,9 @@ import torch
 
 from .errors import KvrunError
 from .generate import PhaseStats, Result, Session, Stats, _sync, peak_memory_bytes, token_logprobs
+from .grammar import prepare_row
 from .graph import BatchGraph
-from .sampling import SamplingConfig, ban, sample
+from .sampling import SamplingConfig, sample
 
 
 @dataclass
@@ -78,6 +79,9 @@ class Request:
     # a fork the request owns, kvrun.kv.protocol.KVManager.fork); `ids` are then the new
     # turn only, prefilled on top of it as a chat's next turn is
     start: tuple[Any, list[int]] | None = None
+    # the request's grammar state (kvrun.grammar.Constraint): masks its logits, and ends the
+    # sequence once the grammar is complete
+    constraint: Any = None
 
     @property
     def prompt(self) -> list[int]:
@@ -352,8 +356,7 @@ class Engine:
         the sequence goes on (seq.feed set) or ends."""
         s, req = seq.session, seq.req
         row = logits.float().cpu()
-        if req.sampling.ignore_eos:
-            row = ban(row, s.tokenizer.stop_ids)
+        row = prepare_row(row, req.constraint, req.sampling.ignore_eos, s.tokenizer.stop_ids)
         tok = sample(row, req.sampling, s.tokens[-1024:], seq.gen)
         if not seq.stats.ttft_s:  # from admission: waiting for a slot is not counted
             seq.stats.ttft_s = time.perf_counter() - seq.t0
@@ -361,6 +364,8 @@ class Engine:
             seq.stats.stop_reason = "eos"
             return end(seq)
         seq.out.append(tok)
+        if req.constraint is not None:
+            req.constraint.accept(tok)
         entry = None
         if req.logprobs is not None:
             entry = token_logprobs(logits.view(1, -1), [tok], req.logprobs)[0]
@@ -376,6 +381,9 @@ class Engine:
             seq.stats.stop_reason = "cancelled"
             return end(seq)
         if len(seq.out) >= seq.limit:
+            return end(seq)
+        if req.constraint is not None and req.constraint.finished:
+            seq.stats.stop_reason = "eos"  # the grammar's text is complete
             return end(seq)
         if len(s.tokens) + 1 > s.context:
             seq.stats.stop_reason = "context"

@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import ContextOverflow, KvrunError
+from .grammar import prepare_row
 from .graph import BatchGraph, DecodeGraph, eager_rows, static_unsupported
-from .sampling import SamplingConfig, ban, sample
+from .sampling import SamplingConfig, sample
 
 
 @dataclass
@@ -323,11 +324,13 @@ class Session:
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         question: Sequence[int] | None = None,
+        constraint=None,
     ) -> Result:
         """Prefill prompt_ids (appended to what the cache holds), then sample up to n_predict.
 
         n_predict < 0 generates until a stop token or the end of the context. With `question`
-        the prompt is a document turn and a question turn (`prefill`).
+        the prompt is a document turn and a question turn (`prefill`). constraint: a grammar
+        (kvrun.grammar.Constraint) the reply must follow; it ends once the grammar is complete.
         """
         stats = Stats()
         gen = torch.Generator(device="cpu")
@@ -353,8 +356,7 @@ class Session:
         while len(out) < limit:
             # every token sampled so far has been fed, so the cache's tokens are the history
             row = logits.float().cpu()
-            if sampling.ignore_eos:
-                row = ban(row, self.tokenizer.stop_ids)
+            row = prepare_row(row, constraint, sampling.ignore_eos, self.tokenizer.stop_ids)
             tok = sample(row, sampling, self.tokens[-1024:], gen)
             if not stats.ttft_s:
                 stats.ttft_s = time.perf_counter() - t0
@@ -362,12 +364,17 @@ class Session:
                 stats.stop_reason = "eos"
                 break
             out.append(tok)
+            if constraint is not None:
+                constraint.accept(tok)
             piece = stream.push(tok)
             if piece:
                 text_parts.append(piece)
                 if on_text:
                     on_text(piece)
             if len(out) >= limit:
+                break
+            if constraint is not None and constraint.finished:
+                stats.stop_reason = "eos"  # the grammar's text is complete
                 break
             if should_stop and should_stop():
                 stats.stop_reason = "interrupt"
