@@ -86,6 +86,8 @@ class HttpJob:
     events: asyncio.Queue | None = None  # ("text", str, [TokenLogprob]) | ("end", Result, error)
     cancel: threading.Event = field(default_factory=threading.Event)
     stop: StopText | None = None
+    constraint: Any = None  # kvrun.grammar.Constraint the reply follows (engine thread)
+    calls: Any = None  # kvrun.server.tools.CallStream reading tool calls (event loop side)
     finish_reason: str | None = None
     submitted: float = 0.0
     started: float = 0.0
@@ -286,6 +288,7 @@ class EngineThread:
             on_token=on_token,
             cancelled=job.cancel.is_set,
             start=start,
+            constraint=job.constraint,
         )
 
     def _keep(self, job: HttpJob, result) -> None:
