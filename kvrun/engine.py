@@ -365,7 +365,10 @@ class Engine:
             return end(seq)
         seq.out.append(tok)
         if req.constraint is not None:
-            req.constraint.accept(tok)
+            try:
+                req.constraint.accept(tok)
+            except KvrunError as e:  # the grammar engine disagreeing with its own mask
+                return end(seq, str(e))
         entry = None
         if req.logprobs is not None:
             entry = token_logprobs(logits.view(1, -1), [tok], req.logprobs)[0]

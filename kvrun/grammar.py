@@ -25,8 +25,10 @@ import torch
 from .errors import KvrunError
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar text from a stranger: bounded
-# compact JSON: a small model given free whitespace may fill max_tokens with newlines
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compact JSON: a small model given free whitespace may fill max_tokens with newlines (and
+# llguidance 1.9's masks disagree with its parser on a separator's forced space for
+# SentencePiece vocabularies, so separators have none)
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarError(KvrunError):

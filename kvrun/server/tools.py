@@ -106,7 +106,7 @@ def call_spec(fam: Family, tools: list[dict], name: str | None) -> Spec:
         for f in fns
     ]
     schema = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "key_separator": ": "}}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     call = json.dumps(schema)
     if fam.name == "hermes":
         return Spec("lark", f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}')
