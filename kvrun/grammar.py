@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import KvrunError
@@ -127,19 +128,21 @@ class Constraint:
 
     def __init__(self, matcher, n_vocab: int):
         self.m = matcher
-        words = (n_vocab + 31) // 32
-        self.bits = torch.zeros(words, dtype=torch.int32)  # (W,) llguidance's bitmask
-        self.shifts = torch.arange(32, dtype=torch.int32)  # (32,)
+        # llguidance's bitmask, 32 tokens a word (bit j of word w: token 32 w + j). Unpacked
+        # with numpy, one thread: a torch op per token would wake the intra-op thread pool,
+        # which costs tens of ms on a busy CPU (bench/README.md, "Grammar masks")
+        self.bits = np.zeros((n_vocab + 31) // 32, dtype=np.uint32)  # (W,)
 
-    def allowed(self, n: int) -> torch.Tensor:
+    def allowed(self, n: int) -> np.ndarray:
         """(n,) bool: the tokens the grammar takes next."""
         b = self.bits
-        self.m.unsafe_compute_mask_ptr(b.data_ptr(), b.numel() * 4)
-        return ((b.unsqueeze(-1) >> self.shifts) & 1).view(-1)[:n].bool()  # (n,)
+        self.m.unsafe_compute_mask_ptr(b.ctypes.data, b.nbytes)
+        return np.unpackbits(b.view(np.uint8), bitorder="little")[:n].view(bool)  # (n,)
 
-    def mask(self, row: torch.Tensor) -> torch.Tensor:  # (V,) float32
-        """row with every token the grammar refuses at -inf."""
-        return row.masked_fill(~self.allowed(row.shape[-1]), float("-inf"))
+    def mask(self, row: torch.Tensor) -> torch.Tensor:  # (V,) float32 on the CPU
+        """row with every token the grammar refuses at -inf (a new tensor)."""
+        keep = self.allowed(row.shape[-1])
+        return torch.from_numpy(np.where(keep, row.numpy(), np.float32("-inf")))
 
     def accept(self, token: int) -> None:
         """Advance past a drawn token (one the mask allowed)."""
