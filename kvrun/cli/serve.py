@@ -78,6 +78,20 @@ from .common import graph_option, kv_options, model_options, new_session, parall
     help="Bytes of ended requests' caches kept for prompts that start with them (512M, 2G; "
     '0: off); least recently used first out. A request opts out with "cache_prompt": false.',
 )
+@click.option(
+    "--cache-dir",
+    default=None,
+    metavar="DIR",
+    help="Also keep ended requests' caches as .kvc files in DIR (per model and KV spec), so a "
+    "restarted server goes on from them; written off the request's path.",
+)
+@click.option(
+    "--cache-disk",
+    default="4G",
+    show_default=True,
+    metavar="SIZE",
+    help="Bytes of .kvc files --cache-dir keeps; least recently used first out.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (uvicorn's access log).")
 @click.pass_context
 def serve(
@@ -92,6 +106,8 @@ def serve(
     read_timeout,
     max_connections,
     cache_mem,
+    cache_dir,
+    cache_disk,
     verbose,
     model: ModelOptions,
     kv: KVOptions,
@@ -118,6 +134,12 @@ def serve(
     """
     spec = kv.spec()  # a bad --kv fails before the load
     cache_bytes = size_bytes(cache_mem, "--cache-mem")
+    disk_bytes = size_bytes(cache_disk, "--cache-disk")
+    if cache_dir is not None:
+        try:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KvrunError(f"--cache-dir {cache_dir}: {e.strerror or e}") from None
     from ..model_store import DEFAULT_MODEL, resolve
     from ..presets import is_preset
     from ..runtime import load_runtime, pick_device
@@ -175,11 +197,17 @@ def serve(
     )
     metrics = Metrics()
     cache = PrefixCache(cache_bytes)
-    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec, cache)
+    disk = None
+    if cache_dir is not None:
+        from ..server.disk_cache import DiskCache
+
+        disk = DiskCache(cache_dir, disk_bytes)
+    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec, cache, disk)
     server = Server(settings, worker, metrics)
     err_console.print(
         f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel.n}, "
-        f"--cache-mem {cache_mem})"
+        f"--cache-mem {cache_mem}"
+        f"{f', --cache-dir {cache_dir}' if cache_dir else ''})"
     )
     try:
         sock = socket.create_server((host, port), family=_family(host))
