@@ -33,13 +33,17 @@ log = logging.getLogger("kvrun.serve")
 
 @dataclass(slots=True)
 class DiskEntry:
-    spec: str  # the header's spec, as JSON text: the key lookups match on first
+    spec: str  # spec_key of the request that kept it (its name's prefix)
     tokens: tuple[int, ...]
     nbytes: int  # the file's size
 
 
-def _spec_key(header_spec: dict) -> str:
-    return json.dumps(header_spec, sort_keys=True)
+def spec_key(spec) -> str:
+    """A request's KV spec (with its --kv-dtype) as the prefix of its files' names."""
+    from .. import kvc
+
+    text = json.dumps({**kvc.spec_text(spec), "dtype": spec.dtype}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class DiskCache:
@@ -93,36 +97,38 @@ class DiskCache:
             kvc.check_model(header, self.rt, path)
             with safe_open(str(path), framework="pt") as f:
                 tokens = f.get_tensor("tokens").tolist()
-            if len(tokens) != header["tokens"]:
-                raise KvrunError(f"{path}: its token count disagrees with its header")
-            return DiskEntry(_spec_key(header["spec"]), tuple(tokens), path.stat().st_size)
+            if len(tokens) != header["tokens"] or "-" not in path.stem:
+                raise KvrunError(f"{path}: its token count or its name is not the cache's")
+            return DiskEntry(path.stem.split("-")[0], tuple(tokens), path.stat().st_size)
         except Exception as e:  # noqa: BLE001 - a stranger's or a cut file: not ours to use
             log.warning("prefix cache on disk: dropping %s (%s)", path.name, e)
             path.unlink(missing_ok=True)
             return None
 
     def lookup(self, spec, ids: Sequence[int], longer_than: int = 0):
-        """(kv, tokens) of the longest file holding a proper prefix of ids, longer than
-        `longer_than` tokens, with spec's cache; None when there is none."""
+        """(kv, tokens) of the longest file of spec holding a proper prefix of ids, longer
+        than `longer_than` tokens; None when there is none."""
         from .. import kvc
-        from ..kv.state import Damaged
 
+        key, want = spec_key(spec), kvc.spec_text(spec)
         with self._lock:
             cands = [
                 (len(e.tokens), p)
                 for p, e in self.entries.items()
-                if longer_than < len(e.tokens) < len(ids)
+                if e.spec == key
+                and longer_than < len(e.tokens) < len(ids)
                 and tuple(ids[: len(e.tokens)]) == e.tokens
             ]
         for _, path in sorted(cands, reverse=True):
-            try:
-                kv, tokens, _ = kvc.load(path, self.rt, spec)
-            except Damaged as e:
+            try:  # the file's own spec and dtype, checked against the request's below
+                kv, tokens, _ = kvc.load(path, self.rt)
+                got = kvc.spec_text(kv.spec)
+                if (got["kv"], got["budget"]) != (want["kv"], want["budget"]):
+                    raise KvrunError(f"{path} holds --kv {got['kv']}, not {want['kv']}")
+            except KvrunError as e:  # damaged, cut, renamed: not used again
                 log.warning("prefix cache on disk: dropping %s (%s)", path.name, e)
                 self._drop(path)
                 continue
-            except KvrunError:
-                continue  # another spec's (or --kv-dtype's) cache of the same tokens
             with self._lock:
                 if path in self.entries:
                     self.entries.move_to_end(path)
@@ -133,10 +139,11 @@ class DiskCache:
         self.misses += 1
         return None
 
-    def keep(self, tokens: Sequence[int], kv) -> None:
-        """Write kv (kept, never fed again) holding tokens, off the request's path."""
+    def keep(self, spec, tokens: Sequence[int], kv) -> None:
+        """Write kv (kept, never fed again; a request of `spec` made it) holding tokens, off
+        the request's path."""
         try:
-            self._todo.put_nowait((list(tokens), kv))
+            self._todo.put_nowait((spec_key(spec), list(tokens), kv))
         except queue.Full:  # the disk is slower than the requests: this one is skipped
             log.warning("prefix cache on disk: the writer is behind; a cache was not written")
 
@@ -147,10 +154,9 @@ class DiskCache:
             self._thread.join(30)
 
     # ----------------------------------------------------------------- the writer
-    def _name(self, spec_key: str, tokens: list[int]) -> Path:
-        h = hashlib.sha256(spec_key.encode())
-        h.update(json.dumps(tokens).encode())
-        return self.dir / f"{h.hexdigest()[:32]}.kvc"
+    def _name(self, key: str, tokens: list[int]) -> Path:
+        h = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:32]
+        return self.dir / f"{key}-{h}.kvc"
 
     def _write_loop(self) -> None:
         from .. import kvc
@@ -159,11 +165,8 @@ class DiskCache:
             item = self._todo.get()
             if item is None:
                 return
-            tokens, kv = item
-            spec_key = _spec_key(
-                {**kvc.spec_text(kv.spec), "dtype": kv.kv_type.name if kv.kv_type else None}
-            )
-            path = self._name(spec_key, tokens)
+            key, tokens, kv = item
+            path = self._name(key, tokens)
             with self._lock:
                 known = path in self.entries
             if known:
@@ -176,7 +179,7 @@ class DiskCache:
                 log.warning("prefix cache on disk: cannot write %s (%s)", path.name, e)
                 continue
             with self._lock:
-                self.entries[path] = DiskEntry(spec_key, tuple(tokens), size)
+                self.entries[path] = DiskEntry(key, tuple(tokens), size)
                 self.bytes += size
                 self.writes += 1
                 self._evict()

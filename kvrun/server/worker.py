@@ -325,7 +325,7 @@ class EngineThread:
             key = self._cache_key(job)
             self.metrics.cache_evicted(self.prefix_cache.keep(key, fed[: kv.seen], kv))
         if self.disk_cache is not None:
-            self.disk_cache.keep(fed[: kv.seen], kv)
+            self.disk_cache.keep(job.spec, fed[: kv.seen], kv)
 
     def _end(self, job: HttpJob, result, error: str | None, drawn: bool = True) -> None:
         if drawn and id(job) not in self._live:  # failed before it took a slot
