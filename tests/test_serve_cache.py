@@ -256,3 +256,53 @@ def test_lru_eviction_under_a_small_cache_mem(default_gguf):
         assert httpx.get(f"{s.url}/models", timeout=10).status_code == 200
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_restarted_server_goes_on_from_its_cache_dir(default_gguf, tmp_path):
+    """--cache-dir: a chat's turn leaves a .kvc file (written off the request's path); a new
+    server on the same folder answers the next turn from it (cached_tokens; /metrics counts the
+    disk hit and its bytes) with the text a prefill of the whole prompt gives, for --kv full
+    and snapkv; a damaged file is dropped, not used."""
+    import time
+
+    from test_serve import Served
+
+    msgs = [{"role": "user", "content": TURNS[0]}]
+    args = ("-np", "1", "--kv-dtype", "f32", "--cache-dir", str(tmp_path), "--cache-disk", "64M")
+    first = Served(default_gguf, *args)
+    try:
+        c = first.client()
+        replies = [ask(c, msgs, 12), ask(c, msgs, 12, **SNAP)]
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.rglob("*.kvc"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.metric("kvrun_disk_cache_writes_total") == 2
+    finally:
+        assert first.stop() == 0
+    files = list(tmp_path.rglob("*.kvc"))
+    assert len(files) == 2 and all(f.stat().st_size > 0 for f in files)
+    turns = [msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": TURNS[1]}] for r in replies]  # fmt: skip
+    again = Served(default_gguf, *args)
+    try:
+        c = again.client()
+        for turn, extra in zip(turns, [{}, SNAP], strict=True):
+            r = ask(c, turn, 12, **extra)
+            assert cached(r) > 0, extra
+            whole = ask(c, turn, 12, cache_prompt=False, **extra)
+            if not extra:  # the full cache: the same text as a prefill of the whole prompt
+                assert r.choices[0].message.content == whole.choices[0].message.content
+        assert again.metric("kvrun_disk_cache_hits_total") == 2
+        assert again.metric("kvrun_disk_cache_hit_bytes_total") > 0
+        assert 0 < again.metric("kvrun_disk_cache_bytes") <= 64 * 2**20
+    finally:
+        assert again.stop() == 0
+    for f in tmp_path.rglob("*.kvc"):  # cut every file: the next server drops them
+        f.write_bytes(f.read_bytes()[:200])
+    third = Served(default_gguf, *args)
+    try:
+        assert cached(ask(third.client(), turns[0], 4)) == 0
+        assert third.metric("kvrun_disk_cache_hits_total") == 0
+    finally:
+        assert third.stop() == 0

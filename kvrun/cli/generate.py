@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -48,6 +49,31 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     return text
 
 
+def read_grammar(json_schema: str | None, grammar: str | None):
+    """The kvrun.run.grammar.Spec of --json-schema FILE or --grammar FILE (None: neither)."""
+    from ..run.grammar import MAX_GRAMMAR_CHARS, GrammarError, Spec
+
+    if json_schema and grammar:
+        raise KvrunError("give --json-schema or --grammar, not both")
+    path = json_schema or grammar
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_GRAMMAR_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvrunError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{path} is over {MAX_GRAMMAR_CHARS} characters")
+    if grammar:
+        return Spec("grammar", text)
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise GrammarError(f"{path} is not JSON: {e}") from None
+    return Spec.json_schema(schema)
+
+
 @click.command()
 @model_options
 @graph_option
@@ -80,6 +106,17 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
     help="Never stop at an end-of-generation token: they are not drawn (llama.cpp's flag), so "
     "exactly -n tokens come (speed runs).",
 )
+@click.option(
+    "--json-schema",
+    "json_schema",
+    default=None,
+    help="Constrain the reply to JSON valid against the JSON schema in this file.",
+)
+@click.option(
+    "--grammar",
+    default=None,
+    help="Constrain the reply to a grammar in this file (GBNF as llama.cpp's, or Lark).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(
     prompt,
@@ -89,6 +126,8 @@ def generate(
     system,
     kv_cache,
     ignore_eos,
+    json_schema,
+    grammar,
     as_json,
     model: ModelOptions,
     kv: KVOptions,
@@ -103,15 +142,21 @@ def generate(
     """
     config, seed = dataclasses.replace(sampling, ignore_eos=ignore_eos).resolve()
     text = read_prompt(prompt, file)
+    constrain = read_grammar(json_schema, grammar)
     spec = kv.spec()
     rt = load_with_progress(model)
     session, ids, question, use_chat = _prompt(rt, text, chat, system, kv_cache, spec, kv, model)
+    constraint = None
+    if constrain is not None:
+        from ..run.grammar import Grammars
+
+        constraint = Grammars(rt.tokenizer, rt.config.vocab_size).compile(constrain)
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     n_prompt = len(ids) + len(question or [])
     with prefill_progress(n_prompt, model.ubatch) as progress:
         result = session.generate(
             ids, n_predict, config, seed=seed, on_text=on_text, progress=progress,
-            question=question,
+            question=question, constraint=constraint,
         )  # fmt: skip
     if as_json:
         settings = {"seed": seed, "n_predict": n_predict, "chat": use_chat}

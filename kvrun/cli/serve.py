@@ -72,6 +72,20 @@ from .common import graph_option, kv_options, model_options, parallel_options
     help="Bytes of ended requests' caches kept for prompts that start with them (512M, 2G; "
     '0: off); least recently used first out. A request opts out with "cache_prompt": false.',
 )
+@click.option(
+    "--cache-dir",
+    default=None,
+    metavar="DIR",
+    help="Also keep ended requests' caches as .kvc files in DIR (per model and KV spec), so a "
+    "restarted server goes on from them; written off the request's path.",
+)
+@click.option(
+    "--cache-disk",
+    default="4G",
+    show_default=True,
+    metavar="SIZE",
+    help="Bytes of .kvc files --cache-dir keeps; least recently used first out.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log every request (uvicorn's access log).")
 @click.pass_context
 def serve(
@@ -86,6 +100,8 @@ def serve(
     read_timeout,
     max_connections,
     cache_mem,
+    cache_dir,
+    cache_disk,
     verbose,
     model: ModelOptions,
     kv: KVOptions,
@@ -111,7 +127,7 @@ def serve(
       "messages": [{"role": "user", "content": "Hi"}], "kv": "kivi2"}'
     """
     opts = ServeOptions(host, port, api_key, queue, alias, grace, max_body, read_timeout,
-                        max_connections, cache_mem, verbose)  # fmt: skip
+                        max_connections, cache_mem, verbose, cache_dir, cache_disk)  # fmt: skip
     # a prompt's prefill chunk delays every decoding sequence's next token: unless --ubatch is
     # given, chunks are as long as the fast products take (kvrun.tasks.serve.serve_ubatch)
     own_ubatch = ctx.get_parameter_source("ubatch") is not click.core.ParameterSource.DEFAULT

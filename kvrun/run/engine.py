@@ -79,6 +79,9 @@ class Request:
     # a fork the request owns, kvrun.kv.protocol.KVManager.fork); `ids` are then the new
     # turn only, prefilled on top of it as a chat's next turn is
     start: tuple[Any, list[int]] | None = None
+    # the request's grammar state (kvrun.run.grammar.Constraint): masks its logits, and ends the
+    # sequence once the grammar is complete
+    constraint: Any = None
 
     @property
     def prompt(self) -> list[int]:
@@ -287,7 +290,7 @@ class Engine:
             session.tokenizer, req.sampling,
             req.n_predict if req.n_predict >= 0 else session.context, session.context,
             req.seed, req.prompt[-1] if req.prompt else None, req.on_text, req.on_token,
-            req.logprobs, req.cancelled,
+            req.logprobs, req.cancelled, constraint=req.constraint,
         )  # fmt: skip
         rows = req.prompt_logprobs is not None
         chunks = session.prefill_turns(req.ids, req.question, rows=rows)
@@ -355,7 +358,11 @@ class Engine:
     def _take(self, seq: _Seq, logits: torch.Tensor, end) -> None:
         """Sample the next token from logits (TokenEnd, as Session.generate does): the
         sequence goes on (seq.feed set) or ends."""
-        seq.feed = seq.tail.take(logits, seq.session.tokens)
+        try:
+            seq.feed = seq.tail.take(logits, seq.session.tokens)
+        except KvrunError as e:  # the grammar engine refusing its own mask: this sequence ends
+            seq.feed = None
+            return end(seq, str(e))
         if seq.feed is None:
             end(seq)
 

@@ -233,17 +233,20 @@ class Session:
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         question: Sequence[int] | None = None,
+        constraint=None,
     ) -> Result:
         """Prefill prompt_ids (appended to what the cache holds), then sample up to n_predict.
 
         n_predict < 0 generates until a stop token or the end of the context. With `question`
-        the prompt is a document turn and a question turn (`prefill`).
+        the prompt is a document turn and a question turn (`prefill`). constraint: a grammar
+        (kvrun.run.grammar.Constraint) the reply must follow; it ends once the grammar is
+        complete.
         """
         last = (list(question or []) or list(prompt_ids))[-1:]
         limit = n_predict if n_predict >= 0 else self.context
         end = TokenEnd(
             self.tokenizer, sampling, limit, self.context, seed, last[0] if last else None,
-            on_text=on_text, stop=should_stop, stop_reason="interrupt",
+            on_text=on_text, stop=should_stop, stop_reason="interrupt", constraint=constraint,
         )  # fmt: skip
         prompt_ids = self.pending + list(prompt_ids)
         end.stats.prompt_tokens = len(prompt_ids) + len(question or [])

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .sampling import SamplingConfig, ban, sample
+from .grammar import prepare_row
+from .sampling import SamplingConfig, sample
 
 
 @dataclass
@@ -133,7 +134,8 @@ class TokenEnd:
     of the first piece depends on it); stop: polled after each token, True ends the sequence
     with stop_reason `stop_reason` (Ctrl-C: "interrupt"; a client gone: "cancelled");
     logprobs: keep each token's log-probability with this many alternatives (on_token gets
-    it, or None, before the token's text reaches on_text)."""
+    it, or None, before the token's text reaches on_text); constraint: a grammar
+    (kvrun.run.grammar.Constraint) that masks the logits and ends the sequence once complete."""
 
     def __init__(
         self,
@@ -148,11 +150,13 @@ class TokenEnd:
         logprobs: int | None = None,
         stop: Callable[[], bool] | None = None,
         stop_reason: str = "cancelled",
+        constraint=None,
     ):
         self.tokenizer, self.sampling = tokenizer, sampling
         self.limit, self.context = limit, context
         self.on_text, self.on_token, self.want_logprobs = on_text, on_token, logprobs
         self.stop, self.stop_reason = stop, stop_reason
+        self.constraint = constraint
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(seed if seed is not None else torch.seed())
         self.stream = tokenizer.stream(after=after)
@@ -175,8 +179,8 @@ class TokenEnd:
         in order); return it when the next step feeds it, or None when the sequence ends
         here (stats.stop_reason says why)."""
         row = logits.float().cpu()  # (V,)
-        if self.sampling.ignore_eos:
-            row = ban(row, self.tokenizer.stop_ids)
+        ignore_eos, stops = self.sampling.ignore_eos, self.tokenizer.stop_ids
+        row = prepare_row(row, self.constraint, ignore_eos, stops)
         tok = sample(row, self.sampling, penalty_window(tokens, self.sampling), self.gen)
         if not self.stats.ttft_s:
             self.stats.ttft_s = time.perf_counter() - self.t0
@@ -184,6 +188,8 @@ class TokenEnd:
             self.stats.stop_reason = "eos"
             return None
         self.out.append(tok)
+        if self.constraint is not None:  # KvrunError: the grammar engine refusing its own mask
+            self.constraint.accept(tok)
         entry = None
         if self.want_logprobs is not None:
             entry = token_logprobs(logits.view(1, -1), [tok], self.want_logprobs)[0]
@@ -195,6 +201,9 @@ class TokenEnd:
             self.stats.stop_reason = self.stop_reason
             return None
         if len(self.out) >= self.limit:
+            return None
+        if self.constraint is not None and self.constraint.finished:
+            self.stats.stop_reason = "eos"  # the grammar's text is complete
             return None
         if len(tokens) + 1 > self.context:
             self.stats.stop_reason = "context"

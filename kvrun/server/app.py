@@ -29,6 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import KvrunError
+from ..run.grammar import GrammarError, Grammars
+from . import tools
 from .metrics import Metrics
 from .schema import ChatBody, CompletionBody, error_body, validation_message
 from .worker import EngineThread, HttpJob, StopText
@@ -141,6 +143,7 @@ class Server:
         self.drain_t = 0.0
         self.created = int(time.time())
         self._text_bytes: int | None = None  # the longest prompt text that may fit (bytes)
+        self._grammars: Grammars | None = None  # built once the model is loaded
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prom, methods=["GET"]),
@@ -242,6 +245,32 @@ class Server:
             return check(kv, budget).with_dtype(self.s.default_dtype)
         except KvrunError as e:
             raise ApiError(400, str(e), "invalid_kv", "kv") from None
+
+    def _grammar(self, body, forced=None):
+        """The grammar spec the body asks for (forced: a tool call's, which excludes the
+        others); 400 for a request that asks for two or for a bad schema."""
+        try:
+            spec = body.grammar_spec()
+        except GrammarError as e:
+            raise ApiError(400, str(e), "invalid_grammar", "response_format") from None
+        if forced is not None and spec is not None:
+            msg = "tool_choice required or a named function takes no response_format or grammar"
+            raise ApiError(400, msg, "invalid_grammar", "tool_choice")
+        return forced if forced is not None else spec
+
+    async def _constraint(self, spec, param: str = "response_format"):
+        """A fresh kvrun.run.grammar.Constraint for spec (None for None), compiled off the event
+        loop: the first builds the vocabulary's trie (a second), a large grammar takes up to
+        as long; 400 for one that does not compile."""
+        if spec is None:
+            return None
+        if self._grammars is None:
+            rt = self.worker.runtime
+            self._grammars = Grammars(rt.tokenizer, rt.config.vocab_size)
+        try:
+            return await asyncio.to_thread(self._grammars.compile, spec)
+        except GrammarError as e:
+            raise ApiError(400, str(e), "invalid_grammar", param) from None
 
     def _fits(self, n_tokens: int, param: str) -> None:
         ctx = self.s.context
@@ -396,29 +425,55 @@ class Server:
         self._logit_bias(body)
         spec = self._spec(body)
         tok = self.worker.runtime.tokenizer
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        msgs = [m.as_dict() for m in body.messages]
         chars = sum(len(m["content"]) for m in msgs)  # at most their bytes: no need to render
         if chars > self._text_limit():
             msg = f"the messages hold {chars} characters, more than the context can hold"
             raise ApiError(400, msg, "context_length_exceeded", "messages")
+        fam, forced = None, None
+        tool_list = [t.model_dump(exclude_none=True) for t in body.tools or []]
         try:
-            prompt = tok.render_chat(msgs, add_generation_prompt=True)
+            if body.uses_tools():
+                fam = tools.family(tok.chat_template)
+            must, name = body.forced_call()
+            if must and not tool_list:
+                raise tools.ToolError("tool_choice required or a named function needs tools")
+            if must:
+                forced = tools.call_spec(fam, tool_list, name)
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), "tools_unsupported", "tools") from None
+        grammar = self._grammar(body, forced)
+        try:
+            if fam is not None:
+                prompt = tools.render(tok, fam, msgs, tool_list)
+            else:
+                prompt = tok.render_chat(msgs, add_generation_prompt=True)
         except KvrunError as e:
             msg = f"the chat template failed on these messages: {e}"
             raise ApiError(400, msg, "template_error", "messages") from None
         ids = self._encode(prompt, "messages")
         job = self._job(body, ids, body.limit(), spec, logprobs=body.alternatives())
+        job.constraint = await self._constraint(grammar)
+        if tool_list and body.tool_choice != "none":
+            job.calls = tools.CallStream(fam)
         self._submit([job])
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._stream(request, [job], rid, "chat", usage)
         result = await self._wait(request, job)
-        message = {"role": "assistant", "content": "".join(job.text_parts)}
+        text = "".join(job.text_parts)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = _finish(job, result)
+        if job.calls is not None:
+            content, calls = tools.parse(job.calls.fam, text)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls"
         choice = {
             "index": 0,
             "message": message,
-            "finish_reason": _finish(job, result),
+            "finish_reason": finish,
             "logprobs": self._chat_logprobs(result.logprobs),
         }
         return JSONResponse(self._envelope(rid, "chat.completion", [choice], [(job, result)]))
@@ -439,6 +494,7 @@ class Server:
             msg = f"{len(prompts)} prompts; a request takes at most {most} (--queue + -np)"
             raise ApiError(400, msg, "too_many_prompts", "prompt")
         vocab = tok.vocab_size
+        grammar = self._grammar(body)
         jobs = []
         for p in prompts:
             if isinstance(p, str):
@@ -451,6 +507,8 @@ class Server:
                 ids = list(p)
             echo_lp = body.logprobs if body.echo else None
             jobs.append(self._job(body, ids, body.limit(), spec, body.logprobs, echo_lp))
+        for job in jobs:  # each sequence its own grammar state
+            job.constraint = await self._constraint(grammar)
         self._submit(jobs)
         rid = f"cmpl-{secrets.token_hex(12)}"
         if body.stream:
@@ -564,10 +622,18 @@ class Server:
                 elif echo:
                     yield chunk({"index": 0, "text": tok.decode(job.ids), **none})
                 ready: list[str] = []  # text chunks already here go out in one write
+                calls = job.calls  # tool calls read from the text (chat with tools)
                 async for ev in self._events(request, job):
-                    if ev[0] == "text":
+                    if ev[0] == "text" and calls is not None:
+                        before = len(calls.calls)
+                        text, done = calls.push(ev[1])
+                        if text or ev[2]:
+                            ready.append(chunk(piece(text, ev[2])))
+                        ready += [chunk(_delta(d)) for d in tools.call_deltas(done, before)]
+                    elif ev[0] == "text":
                         ready.append(chunk(piece(ev[1], ev[2])))
-                        if job.events.empty():
+                    if ev[0] == "text":
+                        if job.events.empty() and ready:
                             yield "".join(ready)
                             ready.clear()
                         continue
@@ -578,7 +644,16 @@ class Server:
                     if error is not None:
                         yield f"data: {json.dumps(error_body(error, 'server_error'))}\n\n"
                         return
-                    yield chunk(piece("", [], _finish(job, result)))
+                    finish = _finish(job, result)
+                    if calls is not None:
+                        before = len(calls.calls)
+                        text, done = calls.flush()
+                        if text:
+                            yield chunk(piece(text, []))
+                        for d in tools.call_deltas(done, before):
+                            yield chunk(_delta(d))
+                        finish = "tool_calls" if calls.calls else finish
+                    yield chunk(piece("", [], finish))
                     if usage:
                         yield chunk(None, {"usage": _usage([(job, result)])})
                     yield "data: [DONE]\n\n"
@@ -640,6 +715,11 @@ class Server:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+def _delta(delta: dict) -> dict:
+    """A chat stream's choice holding one delta (a tool call's part)."""
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def _finish(job: HttpJob, result) -> str:

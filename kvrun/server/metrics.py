@@ -51,6 +51,20 @@ class Metrics:
             "kvrun_prefix_cache_bytes", "Bytes the kept caches hold (kv.nbytes())", registry=r
         )
         self.cache_entries = Gauge("kvrun_prefix_cache_entries", "Kept caches", registry=r)
+        # the prefix cache on disk (--cache-dir): counted by the DiskCache, read at render
+        self.disk = {
+            name: Counter(f"kvrun_disk_cache_{name}", text, registry=r)
+            for name, text in [
+                ("hits", "Requests that went on from a .kvc file of --cache-dir"),
+                ("misses", "Lookups in --cache-dir that found no file to go on from"),
+                ("writes", "Kept caches written to --cache-dir"),
+                ("evictions", "Files deleted to stay within --cache-disk"),
+                ("hit_bytes", "Bytes of the files the hits loaded"),
+            ]
+        }
+        self._disk_seen: dict[str, int] = {}
+        self.disk_bytes = Gauge("kvrun_disk_cache_bytes", "Bytes of .kvc files kept", registry=r)
+        self.disk_files = Gauge("kvrun_disk_cache_files", ".kvc files kept", registry=r)
         self.ttft_hist = Histogram(
             "kvrun_time_to_first_token_seconds",
             "From arrival to the first generated token",
@@ -107,4 +121,12 @@ class Metrics:
         if cache is not None:
             self.cache_bytes.set(cache.bytes)
             self.cache_entries.set(len(cache))
+        disk = getattr(worker, "disk_cache", None)
+        if disk is not None:
+            now = disk.stats()
+            for name, counter in self.disk.items():
+                counter.inc(now[name] - self._disk_seen.get(name, 0))
+                self._disk_seen[name] = now[name]
+            self.disk_bytes.set(now["bytes"])
+            self.disk_files.set(now["files"])
         return generate_latest(self.registry)

@@ -2,8 +2,10 @@
 
 Fields follow OpenAI's API; llama-server's sampling extensions (top_k, min_p, repeat_penalty,
 repeat_last_n, cache_prompt) and kvrun's own (kv, kv_budget: the cache of this request,
-validated by the --kv grammar) sit beside them. Unknown fields are ignored, as OpenAI's SDKs send a few that
-change nothing here (user, metadata, ...). Defaults of the sampling fields are kvrun's (the
+validated by the --kv grammar) sit beside them, with llama-server's json_schema, grammar
+and ignore_eos. An unknown top-level field is a 400 naming it, unless it changes nothing here
+(HARMLESS: user, metadata, ... that OpenAI's SDKs send); unknown fields inside messages and
+options are ignored. Defaults of the sampling fields are kvrun's (the
 CLI's, llama.cpp's), not OpenAI's: a body without temperature samples as `kvrun generate` does.
 """
 
@@ -27,6 +29,20 @@ MAX_PARTS = 64  # content parts of one message
 MAX_PROMPTS = 1024  # prompts of one completions request (and at most --queue + -np)
 MAX_LOGIT_BIAS = 1024
 MAX_NAME = 256  # model, kv and kv_budget strings
+MAX_TOOLS = 128
+# top-level fields clients send that change no reply of kvrun's: accepted and ignored
+HARMLESS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prediction",
+        "id_slot",
+    }  # fmt: skip
+)
 MAX_LISTED_ERRORS = 100  # more validation errors are counted, not itemized
 # sampling values whose float32 arithmetic would overflow (inf, then NaN probabilities that
 # fail the whole engine step): a temperature this low samples as greedy (0) does to within
@@ -43,8 +59,56 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(max_length=MAX_NAME)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-server's
+
+
+class Function(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(max_length=MAX_NAME)]
+
+
+class NamedTool(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CallFunction(_Body):
+    name: Annotated[str, Field(max_length=MAX_NAME)]
+    arguments: str = "{}"
+
+
+class ToolCall(_Body):
+    id: Annotated[str, Field(max_length=MAX_NAME)] = ""
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class Sampling(_Body):
-    """What both endpoints share: sampling, stop strings, the KV method, streaming."""
+    """What both endpoints share: sampling, stop strings, the KV method, streaming, the
+    grammar a reply follows."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: unsupported() names them
 
     model: Annotated[str, Field(max_length=MAX_NAME)]
     # beyond what the context leaves: clamped to it (the server's _job)
@@ -68,6 +132,11 @@ class Sampling(_Body):
     kv: Annotated[str, Field(max_length=MAX_NAME)] | None = None
     kv_budget: float | Annotated[str, Field(max_length=MAX_NAME)] | None = None
     cache_prompt: bool = True  # llama-server's: go on from a kept prefix (kvrun serve --cache-mem)
+    ignore_eos: bool = False  # vLLM's and llama-server's: exactly max_tokens tokens
+    # structured outputs (kvrun.run.grammar): OpenAI's response_format, llama-server's fields
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -98,7 +167,30 @@ class Sampling(_Body):
             self.min_p,
             self.repeat_penalty,
             self.repeat_last_n,
+            ignore_eos=self.ignore_eos,
         )
+
+    def grammar_spec(self):
+        """The kvrun.run.grammar.Spec the reply must follow (None: free text); GrammarError for a
+        request that asks for two, or a json_schema response_format without a schema."""
+        from ..run.grammar import GrammarError, Spec
+
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(Spec.json_schema(rf.schema_) if rf.schema_ else Spec.json_object())
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else rf.schema_
+            if schema is None:
+                raise GrammarError("response_format json_schema needs json_schema.schema")
+            asked.append(Spec.json_schema(schema))
+        if self.json_schema is not None:
+            asked.append(Spec.json_schema(self.json_schema))
+        if self.grammar is not None:
+            asked.append(Spec("grammar", self.grammar))
+        if len(asked) > 1:
+            raise GrammarError("give one of response_format, json_schema and grammar")
+        return asked[0] if asked else None
 
     def unsupported(self) -> str | None:
         """Why this body asks for something kvrun serve does not do (400), or None."""
@@ -109,6 +201,10 @@ class Sampling(_Body):
                 "frequency_penalty and presence_penalty are not supported: "
                 "use repeat_penalty (and repeat_last_n), llama.cpp's penalty"
             )
+        unknown = sorted(set(self.model_extra or ()) - HARMLESS)
+        if unknown:
+            names = ", ".join(n[:MAX_NAME] for n in unknown[:10])
+            return f"unknown or unsupported fields: {names} (they would change the reply)"
         return None
 
 
@@ -120,6 +216,25 @@ class TextPart(_Body):
 class Message(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back
+    tool_call_id: Annotated[str, Field(max_length=MAX_NAME)] | None = None  # a tool's answer
+    name: Annotated[str, Field(max_length=MAX_NAME)] | None = None
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _few_calls(cls, v):
+        return at_most(v, MAX_TOOLS, "tool_calls")
+
+    def as_dict(self) -> dict:
+        """The message as a chat template takes it."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            m["name"] = self.name
+        return m
 
     @field_validator("content", mode="before")
     @classmethod
@@ -137,6 +252,25 @@ class ChatBody(Sampling):
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True  # one call at most is forced; more may come with "auto"
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_tools(cls, v):
+        return at_most(v, MAX_TOOLS, "tools")
+
+    def uses_tools(self) -> bool:
+        """Whether the reply is rendered and read as a tool-using chat."""
+        return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
+
+    def forced_call(self) -> tuple[bool, str | None]:
+        """(a call is forced, the function it names or None for any of tools)."""
+        c = self.tool_choice
+        if isinstance(c, NamedTool):
+            return True, c.function.name
+        return c == "required", None
 
     def limit(self) -> int:
         """Tokens to generate: max_completion_tokens or max_tokens, else to the end (-1)."""

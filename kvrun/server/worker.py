@@ -86,6 +86,8 @@ class HttpJob:
     events: asyncio.Queue | None = None  # ("text", str, [TokenLogprob]) | ("end", Result, error)
     cancel: threading.Event = field(default_factory=threading.Event)
     stop: StopText | None = None
+    constraint: Any = None  # kvrun.run.grammar.Constraint the reply follows (engine thread)
+    calls: Any = None  # kvrun.server.tools.CallStream reading tool calls (event loop side)
     finish_reason: str | None = None
     submitted: float = 0.0
     started: float = 0.0
@@ -127,6 +129,7 @@ class EngineThread:
         metrics,
         default_spec,
         prefix_cache=None,
+        disk_cache=None,
     ) -> None:
         self._load = load
         self.n_parallel = n_parallel
@@ -135,6 +138,7 @@ class EngineThread:
         self.metrics = metrics
         self.default_spec = default_spec
         self.prefix_cache = prefix_cache
+        self.disk_cache = disk_cache  # kvrun.server.disk_cache.DiskCache (--cache-dir) or None
         self.inbox: queue.Queue[HttpJob | None] = queue.Queue()
         self.runtime = None
         self.engine = None
@@ -166,11 +170,15 @@ class EngineThread:
         self.inbox.put(None)
         if self.thread.is_alive():
             self.thread.join(timeout)
+        if self.disk_cache is not None:  # the writes already queued reach the disk
+            self.disk_cache.close()
 
     # ------------------------------------------------------------- the engine side
     def _main(self) -> None:
         try:
             self.runtime = self._load()
+            if self.disk_cache is not None:
+                self.disk_cache.attach(self.runtime)
             self._new_engine()
         except Exception as e:  # noqa: BLE001 - reported by /health and the log
             self.load_error = str(e) or type(e).__name__
@@ -227,7 +235,8 @@ class EngineThread:
         return (str(self.runtime.path), job.spec)
 
     def _uses_cache(self, job: HttpJob) -> bool:
-        return self.prefix_cache is not None and self.prefix_cache.limit > 0 and job.cache_prompt
+        kept = self.prefix_cache is not None and self.prefix_cache.limit > 0
+        return job.cache_prompt and (kept or self.disk_cache is not None)
 
     def _request(self, job: HttpJob):
         from ..run.engine import Request
@@ -238,7 +247,12 @@ class EngineThread:
         ids, start = list(job.ids), None
         # prompt logprobs (echo) need every prompt token's logits: those are prefilled whole
         if self._uses_cache(job) and job.prompt_logprobs is None:
-            start = self.prefix_cache.lookup(self._cache_key(job), ids)
+            start = None
+            if self.prefix_cache is not None:
+                start = self.prefix_cache.lookup(self._cache_key(job), ids)
+            if self.disk_cache is not None:  # a longer one on disk (a restart's, an evicted)
+                held = len(start[1]) if start else 0
+                start = self.disk_cache.lookup(job.spec, ids, held) or start
             job.cached = len(start[1]) if start else 0
             self.metrics.cache_lookup(job.cached)
             if start:
@@ -286,6 +300,7 @@ class EngineThread:
             on_token=on_token,
             cancelled=job.cancel.is_set,
             start=start,
+            constraint=job.constraint,
         )
 
     def _keep(self, job: HttpJob, result) -> None:
@@ -306,7 +321,11 @@ class EngineThread:
         fed = [*job.ids, *result.tokens]
         if not len(job.ids) <= kv.seen <= len(fed):
             return
-        self.metrics.cache_evicted(self.prefix_cache.keep(self._cache_key(job), fed[: kv.seen], kv))
+        if self.prefix_cache is not None:
+            key = self._cache_key(job)
+            self.metrics.cache_evicted(self.prefix_cache.keep(key, fed[: kv.seen], kv))
+        if self.disk_cache is not None:
+            self.disk_cache.keep(job.spec, fed[: kv.seen], kv)
 
     def _end(self, job: HttpJob, result, error: str | None, drawn: bool = True) -> None:
         if drawn and id(job) not in self._live:  # failed before it took a slot

@@ -29,6 +29,8 @@ class ServeOptions:
     max_connections: int
     cache_mem: str
     verbose: bool
+    cache_dir: str | None = None  # --cache-dir: the prefix cache's entries also as .kvc files
+    cache_disk: str = "4G"
 
 
 def run_server(
@@ -42,6 +44,12 @@ def run_server(
     SIGTERM / Ctrl-C. own_ubatch: --ubatch was given (else serve_ubatch picks the chunk)."""
     spec = kv.spec()  # a bad --kv fails before the load
     cache_bytes = size_bytes(opts.cache_mem, "--cache-mem")
+    disk_bytes = size_bytes(opts.cache_disk, "--cache-disk")
+    if opts.cache_dir is not None:
+        try:
+            Path(opts.cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KvrunError(f"--cache-dir {opts.cache_dir}: {e.strerror or e}") from None
     from ..hub.model_store import DEFAULT_MODEL, resolve
     from ..models.presets import is_preset
     from ..run.runtime import load_runtime, pick_device
@@ -98,11 +106,17 @@ def run_server(
     )
     metrics = Metrics()
     cache = PrefixCache(cache_bytes)
-    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec, cache)
+    disk = None
+    if opts.cache_dir is not None:
+        from ..server.disk_cache import DiskCache
+
+        disk = DiskCache(opts.cache_dir, disk_bytes)
+    worker = EngineThread(load, parallel.n, kv_mem, make_session, metrics, spec, cache, disk)
     server = Server(settings, worker, metrics)
+    on_disk = f", --cache-dir {opts.cache_dir}" if opts.cache_dir else ""
     err_console.print(
         f"kvrun serve: http://{host}:{port}/v1 (model {name}, --kv {spec.name}, -np {parallel.n}, "
-        f"--cache-mem {opts.cache_mem})"
+        f"--cache-mem {opts.cache_mem}{on_disk})"
     )
     try:
         sock = socket.create_server((host, port), family=_family(host))
