@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from bench_harness import describe, machine, md_head, md_row, utc_now, write_section
 
-from kvrun.engine import Engine, Request
-from kvrun.generate import Session
+from kvrun.run.engine import Engine, Request
 from kvrun.run.grammar import Grammars, Spec
-from kvrun.runtime import load_runtime
-from kvrun.sampling import SamplingConfig
+from kvrun.run.runtime import load_runtime
+from kvrun.run.sampling import SamplingConfig
+from kvrun.run.session import Session
 
 BEGIN, END = "<!-- grammar:begin -->", "<!-- grammar:end -->"
 README = Path(__file__).with_name("README.md")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvrun.models.tokenizer import Tokenizer
 from kvrun.run.grammar import GrammarError, Grammars, Spec, prepare_row
 from kvrun.server import tools
 from kvrun.server.schema import ChatBody
-from kvrun.tokenizer import Tokenizer
 from tiny_models import CHAT_TEMPLATE, SPM_VOCAB, VOCAB, make_tokenizer, save_spm, save_tokenizer
 
 # ---------------------------------------------------------------- held-out schemas
@@ -216,7 +216,7 @@ def test_render_tool_loop():
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
     ]
     fam = tools.family(CHAT_TEMPLATE)
-    from kvrun.chat_template import render
+    from kvrun.models.chat_template import render
 
     text = render(fam.template, tools.template_messages(tok_msgs), True, tools=[WEATHER])
     assert '"name": "get_weather"' in text and "<tools>" in text

@@ -40,7 +40,7 @@ class DiskEntry:
 
 def spec_key(spec) -> str:
     """A request's KV spec (with its --kv-dtype) as the prefix of its files' names."""
-    from .. import kvc
+    from ..run import kvc
 
     text = json.dumps({**kvc.spec_text(spec), "dtype": spec.dtype}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -64,7 +64,7 @@ class DiskCache:
     # ------------------------------------------------------------ the engine thread
     def attach(self, rt) -> None:
         """Open the model's folder and index its files (after the model loaded)."""
-        from .. import kvc
+        from ..run import kvc
 
         self.rt = rt
         ident = json.dumps(kvc.model_identity(rt), sort_keys=True)
@@ -90,7 +90,7 @@ class DiskCache:
         it is not a .kvc of this model."""
         from safetensors import safe_open
 
-        from .. import kvc
+        from ..run import kvc
 
         try:
             header = kvc.read_header(path)
@@ -108,7 +108,7 @@ class DiskCache:
     def lookup(self, spec, ids: Sequence[int], longer_than: int = 0):
         """(kv, tokens) of the longest file of spec holding a proper prefix of ids, longer
         than `longer_than` tokens; None when there is none."""
-        from .. import kvc
+        from ..run import kvc
 
         key, want = spec_key(spec), kvc.spec_text(spec)
         with self._lock:
@@ -159,7 +159,7 @@ class DiskCache:
         return self.dir / f"{key}-{h}.kvc"
 
     def _write_loop(self) -> None:
-        from .. import kvc
+        from ..run import kvc
 
         while True:
             item = self._todo.get()

@@ -217,7 +217,7 @@ def parse(fam: Family, text: str) -> tuple[str, list[dict]]:
 
 def render(tokenizer, fam: Family, messages: list[dict], tools: list[dict] | None) -> str:
     """The prompt of a tool-using chat through fam's template (as Tokenizer.render_chat)."""
-    from ..chat_template import render as render_template
+    from ..models.chat_template import render as render_template
 
     bos, eos = tokenizer.token_text(tokenizer.bos_id), tokenizer.token_text(tokenizer.eos_id)
     msgs = template_messages(messages)
