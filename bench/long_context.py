@@ -52,9 +52,12 @@ toks = llm.tokenize(text.encode(), add_bos=True)
 t0 = time.perf_counter()
 llm.eval(toks)
 t1 = time.perf_counter()
+n_vocab = llm.n_vocab()
 out = []
 for _ in range(cfg["n"]):
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    # the last token's logits (llama-cpp-python 0.3 keeps no scores without logits_all)
+    row = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+    tok = int(np.argmax(row))
     out.append(tok)
     llm.eval([tok])
 t2 = time.perf_counter()
