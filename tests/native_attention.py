@@ -33,7 +33,17 @@ def isas_here() -> list[str]:
     return here
 
 
-@pytest.fixture(params=isas_here() or ["none"])
+def _axis(values: list, fast) -> list:
+    """Fixture params: `fast` runs in the fast loop, every other value in the slow tier only
+    (the whole grid runs in CI; the fast loop keeps one point of each axis)."""
+    return [v if v == fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+_ISAS = isas_here()
+
+
+# the fast loop: the best instruction set built here (the one kvrun runs); the rest are slow
+@pytest.fixture(params=_axis(_ISAS, _ISAS[-1]) if _ISAS else ["none"])
 def isa(request):
     if ops is None:
         pytest.skip(f"native kernels unavailable: {native.note()}")
@@ -42,7 +52,7 @@ def isa(request):
     ops.set_isa("best")
 
 
-@pytest.fixture(params=[1, 2])
+@pytest.fixture(params=_axis([1, 2], 2))  # 2 threads split the keys: the driver's merge
 def threads(request):
     old = torch.get_num_threads()
     torch.set_num_threads(request.param)

@@ -51,13 +51,13 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 
 def read_grammar(json_schema: str | None, grammar: str | None):
     """The kvrun.run.grammar.Spec of --json-schema FILE or --grammar FILE (None: neither)."""
-    from ..run.grammar import MAX_GRAMMAR_CHARS, GrammarError, Spec
-
     if json_schema and grammar:
         raise KvrunError("give --json-schema or --grammar, not both")
     path = json_schema or grammar
     if not path:
         return None
+    from ..run.grammar import MAX_GRAMMAR_CHARS, GrammarError, Spec  # torch: only when asked
+
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read(MAX_GRAMMAR_CHARS + 1)
