@@ -166,7 +166,12 @@ def golden() -> dict:
     return json.loads(GOLDEN.read_text("utf-8"))
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+def _gemma_slow(names) -> list:
+    """Gemma 3's 262k-token vocabularies take seconds a test: the slow tier (CI runs them)."""
+    return [n if n == "qwen3" else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+@pytest.fixture(scope="module", params=_gemma_slow(FAMILIES))
 def family(request, golden):
     """One family: its tokenizer.json, its tokenizer, and kvrun's GGUF tokenizer from memory."""
     name = request.param
@@ -272,7 +277,7 @@ CONVERSATIONS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=_gemma_slow(["qwen3", "gemma3"]))
 def chat_folder(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"chat_{request.param}")
     for name, data in tokenizer_files(request.param).items():
