@@ -382,7 +382,9 @@ def test_a_killed_pull_goes_on_where_it_stopped(fake, tmp_path, sig):
     data = fake.repos["tester/big-GGUF"].files["big-Q4_K_M.gguf"]
     fake.rate = 4e6  # ~5 s for the file: the signal lands well before its end on a loaded machine
     # the second pull prints progress lines at once (not every 5 s), as test_progress_lines
-    code = "import sys\nfrom kvrun import progress\nprogress.LineProgress.EVERY = 0.0\n"
+    # Ctrl-C as a terminal sends it: a worker that ignores SIGINT (xdist's) passes that on
+    code = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    code += "import sys\nfrom kvrun import progress\nprogress.LineProgress.EVERY = 0.0\n"
     code += "from kvrun.cli.main import cli\ncli(sys.argv[1:], prog_name='kvrun')"
     cmd = [sys.executable, "-c", code, "pull", "tester/big-GGUF"]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
