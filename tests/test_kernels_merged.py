@@ -279,15 +279,18 @@ def feed_both(spec: str, window: int | None, P: int, steps: list[int], seed: int
 
 
 def test_multi_token_decode_and_sliding_window(monkeypatch):
-    """Decode calls of several tokens (own tokens causal) match the restore path; once a
-    sliding window masks merged tokens, the restore path runs (merged_decode is not called)."""
+    """Decode calls of several tokens (own tokens causal) match the restore path; a call whose
+    window masks a merged token runs the restore path (merged_decode is not called), and after
+    it the pair holds only what the next query sees (the window's bound), so calls fuse again."""
     calls = count_calls(monkeypatch)
     for a, got, ref in feed_both("minicache:start=2,gamma=0.3", 40, 30, [2, 3, 4, 2, 1]):
         for x, y in zip(got, ref, strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         if a == 35:  # tokens 35..38: 39 <= window 40, the last fused call
             assert len(calls) == 2 * 3
-    assert len(calls) == 2 * 3  # 39 + 2 > 40: the last two calls restore and mask
+    # 39..40: 39 + 2 > 40, position 40 no longer sees 0: restore and mask; then the pair drops
+    # what the window hides (it holds 39) and 41 fuses again
+    assert len(calls) == 2 * 4
 
 
 def test_kivi_store_keeps_the_restore_path(monkeypatch):

@@ -24,6 +24,7 @@ from test_kv_methods import drive, new_kv, prompt, random_transformer, tap
 from kvrun.cli.main import cli
 from kvrun.kv.methods.minicache.store import merge, pairing, retention
 from kvrun.kv.stores import kivi
+from kvrun.kv.stores.kivi import KiviLayer
 from kvrun.models.config import ModelConfig
 from kvrun.models.model import Transformer
 from kvrun.models.rope import Rope, inverse_frequencies
@@ -340,11 +341,16 @@ class Shadow:
             p = self.kv.pairs[n]
             for i, half in enumerate((p.k, p.v)):
                 off = half.roff.tolist()
-                got = {
-                    (g, int(j)) for g in range(len(off) - 1) for j in half.ridx[off[g] : off[g + 1]]
+                got = {  # slot j holds position first + j (a window drops the oldest)
+                    (g, int(j) + p.first)
+                    for g in range(len(off) - 1)
+                    for j in half.ridx[off[g] : off[g + 1]]
                 }
-                assert got == set(self.sets[pair][i])
-                assert half.ridx.numel() == len(self.sets[pair][i])
+                want = {(g, j) for g, j in self.sets[pair][i] if j >= p.first}
+                assert got == want and half.ridx.numel() == len(want)
+            assert p.first + p.length == self.kv.seen
+            if self.window:  # what the next query can see, and no more
+                assert p.length == min(self.kv.seen, self.window - 1)
 
 
 SHADOW_CASES = [
@@ -373,19 +379,24 @@ def test_sliding_window_masks_by_position(one_thread):
     sh = Shadow(m, "minicache:gamma=0.2", window=16, gamma=0.2)
     sh.run(m, prompt(50, seed=6), 16, n_decode=5)
     sh.check_retained_sets()
-    kv = new_kv(m, "minicache+kivi4")  # the plain KIVI layers: dequantized path, window by position
-    checked = []
+    # under store=kivi4 a window's plain layers stay dense (a KIVI body cannot drop the oldest)
+    # and hold what the next query sees: exact attention over every token, masked by the window
+    kv = new_kv(m, "minicache+kivi4")
+    assert not any(isinstance(st, KiviLayer) for st in kv.plain.values())
+    seen, checked = {0: [], 1: []}, []
 
     def after(layer, qr, kr, v, pos, out, _):
-        if layer < 2 and not kv.in_prefill:
-            k, vv = restored(kv, layer)
-            ref = ref_attention(qr, k.double(), vv.double(), pos, 16)
+        if layer < 2:
+            seen[layer].append((kr.double(), v.double()))
+            k, vv = (torch.cat(x, 1) for x in zip(*seen[layer], strict=True))
+            ref = ref_attention(qr, k, vv, pos, 16)
             torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=1e-4)
+            assert kv.plain[layer].length <= 15
             checked.append(layer)
 
     tap(kv, None, after)
     drive(m, kv, prompt(50, seed=6), 16, n_decode=3)
-    assert len(checked) == 6
+    assert len(checked) == 2 * (4 + 3)
 
 
 # --- two chat turns: earlier turns stay as stored, the new turn is merged --------------------------

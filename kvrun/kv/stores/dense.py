@@ -224,6 +224,15 @@ class DenseSeg:
             rows = full.repeat_interleave(len(self.acc) // Hkv, dim=0)  # per query head rows
             self.acc = torch.gather(self.acc, 1, rows)
 
+    def drop_front(self, n: int) -> None:
+        """Forget the n oldest slots (a sliding window's, where slots are in position order)."""
+        self._k.drop_front(n)
+        self._v.drop_front(n)
+        if self.pos is not None:
+            self.pos = self.pos[:, n:]
+        if self.acc is not None:
+            self.acc = self.acc[:, n:]
+
     def overwrite(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int):
         """One token (1, Hkv, 1, D) written over slots (R,) (R = position rows: one per KV head,
         or one for all) instead of appended: a sliding window's ring, where the slot held the

@@ -80,15 +80,15 @@ class MiniCache(Method):
         int64 group offsets, and with decode_retain the fp32 prefill threshold per group."""
         c, e, layout = kv.config, elem(kv), kv.kivi_layout  # the KIVI store of E, or None
         total = 0
-        for st in kv.plain.values():
-            total += kivi_of(c, e, layout, st) if layout else dense(c, st.length, e)
+        for i, st in kv.plain.items():  # a window's layers keep dense K, V under store=kivi4
+            total += kivi_of(c, e, layout, st) if layout and not c.window(i) else dense(c, st.length, e)
         for p in kv.pairs:
             if p.k is None:  # nothing merged yet
                 continue
-            if layout:
+            if p.kivi is not None:
                 total += kivi_of(c, e, layout, p.kivi)
             for h in (p.k, p.v):
-                total += 0 if layout else dense(c, p.length, e) // 2
+                total += 0 if p.kivi is not None else dense(c, p.length, e) // 2
                 total += 2 * kv.layout.g * p.length * e
                 total += h.ridx.numel() * (4 + 2 * kv.layout.m * e) + 8 * (kv.layout.g + 1)
                 total += 4 * kv.layout.g if h.thr is not None else 0

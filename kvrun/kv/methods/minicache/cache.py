@@ -46,7 +46,7 @@ class MiniCacheKV(KVManager):
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim
         self.layout = Layout(o["scope"] == "layer", self.H, self.D)
-        self.pair_list = pairing(c.n_layers, o["start"])
+        self.pair_list = pairing(c.n_layers, o["start"], c.window)
         self.role = {}  # layer -> (pair number, is the later layer l)
         for i, (a, b) in enumerate(self.pair_list):
             self.role[a], self.role[b] = (i, False), (i, True)
@@ -64,16 +64,16 @@ class MiniCacheKV(KVManager):
         # natively (merged_attn, minicache_merge); None: torch
         self.kernels = kernels = self.rope.kernels
         plain = [i for i in range(self.config.n_layers) if i not in self.role]
-        if self.kivi_layout is None:  # dense K, V (1, Hkv, T, D), as `full` keeps them
-            self.plain = {
-                i: DenseSeg(
-                    self.H, self.D, self.dtype, self.device, kernels=kernels, kv_type=self.kv_type
-                )
-                for i in plain
-            }
-        else:
-            self.plain = {i: self._kivi() for i in plain}
-        self.pairs = [Pair(a, b, self._kivi()) for a, b in self.pair_list]
+        window = self.config.window
+        # dense K, V (1, Hkv, T, D), as `full` keeps them; KIVI with store=kivi4, except where a
+        # sliding window drops the oldest tokens (a KIVI body cannot: as the driver's local layers)
+        self.plain = {
+            i: self._kivi()
+            if self.kivi_layout and not window(i)
+            else DenseSeg(self.H, self.D, self.dtype, self.device, kernels=kernels, kv_type=self.kv_type)
+            for i in plain
+        }
+        self.pairs = [Pair(a, b, None if window(a) else self._kivi()) for a, b in self.pair_list]
         scratch = Scratch(self.H, self.D, self.dtype, self.device)  # shared by every pair
         self.views = {
             layer: PairLayer(self.pairs[i], second, self.layout, scratch, kernels)
@@ -89,7 +89,7 @@ class MiniCacheKV(KVManager):
             and st.kernels is not None
             and k.shape[2] == 1
             and not (self.in_prefill or self.static)
-            and not (window and self.seen + 1 > window)
+            and not window
         ):
             return st.rotate_append_attend(
                 self.rope.at(layer), q, k, v, self.rope.position(positions)
@@ -112,7 +112,7 @@ class MiniCacheKV(KVManager):
         vb.append(v)
         window = self.config.window(layer)
         if pair.length == 0:  # first turn: exact attention over the buffer, as `full`
-            k_pos = torch.arange(kb.n, device=self.device)
+            k_pos = pair.first + torch.arange(kb.n, device=self.device)
             return dense_attention(q, kb.data, vb.data, positions, k_pos, window)
         out = self.views[layer].attend(q, kb.data, vb.data, positions, window)  # turn exact
         if second:  # layer a computed the directions, layer b used them
@@ -145,9 +145,10 @@ class MiniCacheKV(KVManager):
 
     def _fuse(self, pair: Pair, T: int) -> bool:
         """Whether a step runs merged_decode: a dense E (KIVI's E restores into the scratch), no
-        masking window, something to restore (all retained: SDPA keeps step 1 equal to full)."""
-        window = max((self.config.window(i) or 0) for i in (pair.a, pair.b)) or None
-        if pair.kivi is not None or (window and self.seen + T > window):
+        masking window, something to restore (all retained: SDPA keeps step 1 equal to full).
+        A window's pair holds only what the step's queries see (end of merge), so it fuses."""
+        window = self.config.window(pair.a)  # a pair's layers share it (pairing)
+        if pair.kivi is not None or (window and pair.length and pair.first < self.seen + T - window):
             return False
         g = self.layout.g
         return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length
@@ -167,14 +168,18 @@ class MiniCacheKV(KVManager):
             return dense_attention(
                 qr, kd[None].to(self.dtype), vd[None].to(self.dtype), positions, k_pos, window
             )
-        st.append(kr, v, positions)  # a DenseSeg: slot = position
-        k_pos = torch.arange(st.length, device=self.device)
-        return dense_attention(qr, st.k, st.v, positions, k_pos, window)
+        st.append(kr, v, positions)  # a DenseSeg: consecutive positions up to the queries'
+        end = int(positions[-1]) + 1
+        k_pos = torch.arange(end - st.length, end, device=self.device)
+        out = dense_attention(qr, st.k, st.v, positions, k_pos, window)
+        if window and st.length > window - 1:  # hold what the next query can see (a ring's
+            st.drop_front(st.length - (window - 1))  # bound: the window's newest, W - 1 held)
+        return out
 
     def end_chunk(self, n_tokens: int) -> None:
         super().end_chunk(n_tokens)
         if self.kivi_layout is not None:  # prefill flush unit U = G, after the chunk's attention
-            for st in self.plain.values():
+            for st in self._kivi_stores(pairs=False):
                 st.flush(self.kivi_layout["group"])
 
     def end_prefill(self) -> None:
@@ -221,13 +226,29 @@ class MiniCacheKV(KVManager):
             if prefill:
                 pair.kivi.flush(self.kivi_layout["group"])  # prefill flush unit U = G
         pair.length += n
+        window = self.config.window(pair.a)
+        if window and pair.length > window - 1:  # the next query sees the newest W - 1 merged
+            pair.drop_front(pair.length - (window - 1))
+
+    def _kivi_stores(self, pairs: bool = True) -> list[KiviLayer]:
+        """The plain layers' (and pairs') KIVI stores (store=kivi4; none on a window's layers)."""
+        stores = list(self.plain.values()) + ([p.kivi for p in self.pairs] if pairs else [])
+        return [st for st in stores if isinstance(st, KiviLayer)]
+
+    def kept_counts(self) -> list[int]:
+        """Tokens held per layer (a pair's merged tokens count for both of its layers)."""
+        counts = [0] * self.config.n_layers
+        for i, st in self.plain.items():
+            counts[i] = st.length
+        for p in self.pairs:
+            counts[p.a] = counts[p.b] = p.length
+        return counts
 
     def end_step(self) -> None:
         super().end_step()
         if self.kivi_layout is not None:
             r = self.kivi_layout["residual"]
-            stores = list(self.plain.values()) + [p.kivi for p in self.pairs]
-            for st in stores:
+            for st in self._kivi_stores():
                 if st.tail_len >= r:
                     st.flush(r)
 

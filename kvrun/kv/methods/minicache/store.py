@@ -18,10 +18,14 @@ from ...stores.buffer import Buffer
 from ...stores.kivi import KiviLayer
 
 
-def pairing(n_layers: int, start: int = -1) -> list[tuple[int, int]]:
-    """Merged pairs (l-1, l) for every odd l with S <= l <= L-1; S = L // 2 when start < 0."""
+def pairing(n_layers: int, start: int = -1, window=None) -> list[tuple[int, int]]:
+    """Merged pairs (l-1, l) for every odd l with S <= l <= L-1; S = L // 2 when start < 0.
+    window(layer) -> int | None (the sliding window): kvrun pairs only layers of one window
+    (a local layer's pair drops what its window cannot see; a global one keeps every token), so
+    on Gemma 3 a pair that would join a local and a global layer leaves both plain."""
     s = n_layers // 2 if start < 0 else start
-    return [(ly - 1, ly) for ly in range(max(s | 1, 1), n_layers, 2)]
+    pairs = [(ly - 1, ly) for ly in range(max(s | 1, 1), n_layers, 2)]
+    return [(a, b) for a, b in pairs if window is None or window(a) == window(b)]
 
 
 def merge(
@@ -159,6 +163,21 @@ class Half:
             gid, j = keep.nonzero(as_tuple=True)
             self.add(gid, j + start, ra[gid, j], rb[gid, j])
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first n merged tokens (a window's oldest): E, norms and their retained rows;
+        the rest move to slot 0 on (slot = position - Pair.first)."""
+        if self.e is not None:
+            self.e.drop_front(n)
+        self.na.drop_front(n)
+        self.nb.drop_front(n)
+        if self.ridx.numel():
+            live = self.ridx >= n
+            gid = self.groups()[live]
+            self.ridx = (self.ridx[live] - n).to(torch.int32)
+            self.ra, self.rb = self.ra[live], self.rb[live]
+            counts = torch.bincount(gid, minlength=self.roff.numel() - 1)
+            self.roff = torch.cat([self.roff[:1], counts.cumsum(0)])
+
     def nbytes(self) -> int:
         ts = [self.ridx, self.ra, self.rb, self.roff] + ([self.thr] if self.thr is not None else [])
         total = sum(t.numel() * t.element_size() for t in ts)
@@ -167,7 +186,9 @@ class Half:
 
 # a .kvc file holds the merged halves, the KIVI store of E and the length; layers a, b and the
 # scratch are the run's, and a prefill's exact buffers are gone between turns
-@state(k=Maybe(New(Half)), v=Maybe(New(Half)), kivi=Into(), length=Int(0, "T"))
+@state(
+    k=Maybe(New(Half)), v=Maybe(New(Half)), kivi=Into(), length=Int(0, "T"), first=Int(0, "T")
+)
 class Pair:
     """Layers (a, b) = (l-1, l): merged halves, exact buffers during a prefill, pending slot."""
 
@@ -178,7 +199,10 @@ class Pair:
         self.kivi = kivi  # holds E_K as keys and E_V as values (KIVI store)
         self.exact: dict[int, tuple[Buffer, Buffer]] | None = None  # this turn's K, V per layer
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer a's new (k, v)
-        self.length = 0  # merged tokens (slot index = position)
+        self.length = 0  # merged tokens
+        # the position of slot 0: 0, unless a sliding window dropped the oldest (slot = position
+        # - first; the merged tokens are consecutive positions, nothing else is evicted)
+        self.first = 0
         # what layer a computes for a step and layer b reuses, then releases (scratch, not in
         # nbytes): unit directions (uK, uV) of the dense restore, merged_decode's override maps
         self.work: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -196,6 +220,11 @@ class Pair:
             return None if self.length == 0 else f"{self.length} merged tokens but no halves"
         if len(halves) == 1:
             return "one half without the other"
+        w = kv.config.window(self.a)
+        if self.first and not w:
+            return f"a pair that dropped {self.first} tokens without a sliding window"
+        if w and self.length >= w:
+            return f"a pair of {self.length} tokens under a window of {w}"
         lay = kv.layout
         for h in halves:
             if (h.na.buf.shape[0], h.ra.shape[1]) != (lay.g, lay.m):
@@ -205,6 +234,18 @@ class Pair:
             if (h.thr is None) == kv.decode_retain:
                 return "a half whose thresholds do not follow decode_retain"
         return None
+
+    def drop_front(self, n: int) -> None:
+        """Forget the n oldest merged tokens (positions first .. first + n - 1)."""
+        if n <= 0:
+            return
+        for half in (self.k, self.v):
+            half.drop_front(n)
+        for bufs in (self.factors or {}).values():
+            for b in bufs:
+                b.drop_front(min(n, b.n))
+        self.length -= n
+        self.first += n
 
     def release(self) -> None:
         """Drop the step's shared scratch."""
@@ -430,5 +471,5 @@ class PairLayer:
         """SDPA over the restored tokens and the exact k_new, v_new (1, Hkv, n, D) after them."""
         ks, vs = self.restore(k_new.shape[2])
         ks[:, :, self.pair.length :], vs[:, :, self.pair.length :] = k_new, v_new
-        k_pos = torch.arange(ks.shape[2], device=ks.device)
+        k_pos = self.pair.first + torch.arange(ks.shape[2], device=ks.device)
         return dense_attention(q, ks, vs, positions, k_pos, window)
