@@ -98,7 +98,7 @@ def call_spec(fam: Family, tools: list[dict], name: str | None) -> Spec:
             "type": "object",
             "properties": {
                 "name": {"const": f["name"]},
-                fam.args_key: f.get("parameters") or {"type": "object"},
+                fam.args_key: closed(f.get("parameters") or {"type": "object"}),
             },
             "required": ["name", fam.args_key],
             "additionalProperties": False,
@@ -111,6 +111,40 @@ def call_spec(fam: Family, tools: list[dict], name: str | None) -> Spec:
     if fam.name == "hermes":
         return Spec("lark", f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}')
     return Spec("lark", f"start: call\ncall: %json {call}")
+
+
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+
+
+def closed(schema: Any) -> Any:
+    """A tool's parameters with every object that lists its properties and says nothing of
+    others closed (additionalProperties false), as llama.cpp's and xgrammar's grammars read
+    such schemas: frameworks send their tools' schemas without it (langchain's @tool), and a
+    small model then adds keys that the tool's own validation refuses."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUB_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUB_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    for key in _SUB_ONE:
+        if key in out:
+            out[key] = (
+                [closed(v) for v in out[key]] if isinstance(out[key], list) else closed(out[key])
+            )
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    elif (
+        isinstance(out.get("properties"), dict)
+        and not {"additionalProperties", "unevaluatedProperties"} & out.keys()
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 def _call(obj: Any, fam: Family) -> dict | None:
