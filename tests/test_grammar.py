@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Literal
 
 import pytest
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrun.models.tokenizer import Tokenizer
 from kvrun.run.grammar import GrammarError, Grammars, Spec, prepare_row
-from kvrun.server import tools
+from kvrun.server import mistral_calls, tools
 from kvrun.server.schema import ChatBody
 from tiny_models import CHAT_TEMPLATE, SPM_VOCAB, VOCAB, make_tokenizer, save_spm, save_tokenizer
 
@@ -190,8 +191,10 @@ def test_families():
     assert tools.family(llama).args_key == "parameters"
     with pytest.raises(tools.ToolError, match="no tool support"):
         tools.family("[INST] {{ messages[0]['content'] }} [/INST]")
+    assert tools.family(MISTRAL_V3).name == "mistral"
+    assert tools.family(MISTRAL_V11).name == "mistral11"
     with pytest.raises(tools.ToolError, match="syntax"):
-        tools.family("{% if tools %}[TOOL_CALLS]{% endif %}")
+        tools.family("{% if tools %}<function_call>{{ tools }}{% endif %}")
 
 
 def test_render_tool_loop():
@@ -280,6 +283,211 @@ def test_forced_calls_are_valid(grammars, fam_name):
                 assert fn["name"] == "get_time" and isinstance(args["tz"], str)
     with pytest.raises(tools.ToolError, match="not among"):
         tools.call_spec(fam, [WEATHER], "nope")
+
+
+# Mistral-style templates, written here the way Mistral's own are: v3 (Mistral 7B v0.3) lists
+# the tools before the last user turn and writes a call as a JSON list after [TOOL_CALLS], each
+# with its 9-character id, which it refuses in any other shape; v11 (Small 3.2, Devstral)
+# writes [TOOL_CALLS]name[ARGS]{...}.
+MISTRAL_V3 = """{{- bos_token }}
+{%- set users = messages | selectattr('role', 'equalto', 'user') | list %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- if tools is not none and tools and message == users[-1] %}
+            {{- '[AVAILABLE_TOOLS] [' }}
+            {%- for tool in tools %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.function.items() %}
+                    {{- '"' + key + '": ' + (('"' + val + '"') if val is string else val | tojson) }}
+                    {{- ', ' if not loop.last }}
+                {%- endfor %}
+                {{- '}}' + (', ' if not loop.last else ']') }}
+            {%- endfor %}
+            {{- '[/AVAILABLE_TOOLS]' }}
+        {%- endif %}
+        {{- '[INST] ' + message.content + '[/INST]' }}
+    {%- elif message.tool_calls is defined and message.tool_calls %}
+        {{- '[TOOL_CALLS] [' }}
+        {%- for call in message.tool_calls %}
+            {%- if call.id | length != 9 %}
+                {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+            {%- endif %}
+            {%- set out = call.function | tojson %}
+            {{- out[:-1] + ', "id": "' + call.id + '"}' + (', ' if not loop.last else ']' + eos_token) }}
+        {%- endfor %}
+    {%- elif message.role == 'assistant' %}
+        {{- ' ' + message.content | trim + eos_token }}
+    {%- elif message.role == 'tool' %}
+        {%- if message.tool_call_id | length != 9 %}
+            {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + message.content | string + ', "call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}"""  # fmt: skip
+MISTRAL_V11 = """{{- bos_token }}
+{%- if tools %}{{- '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{{- '[INST]' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' %}
+        {{- message.content or '' }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set args = call.function.arguments %}
+            {{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' + (args if args is string else args | tojson) }}
+        {%- endfor %}
+        {{- eos_token }}
+    {%- elif message.role == 'tool' %}{{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}"""  # fmt: skip
+
+
+def _loop_messages(call_id: str) -> list[dict]:
+    call = {"id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}  # fmt: skip
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": '"18 C"'},
+        {"role": "user", "content": "And now?"},
+    ]
+
+
+class _Tok:  # what tools.render asks of a tokenizer
+    bos_id, eos_id = 1, 2
+
+    def token_text(self, i: int) -> str:
+        return {1: "<s>", 2: "</s>"}[i]
+
+
+def test_mistral_render_tool_loop():
+    """Tools, a call sent back with an OpenAI-shaped id and the tool's answer render through
+    Mistral-style templates: the id reaches the template as 9 characters, the same for the
+    call and its answer (the v3 template refuses any other); a 9-character id is kept."""
+    fam = tools.family(MISTRAL_V3)
+    text = tools.render(
+        _Tok(), fam, _loop_messages("call_0123456789abcdef01234567"), [WEATHER, TIME]
+    )
+    (cid,) = re.findall(r'"id": "(\w+)"', text)
+    assert len(cid) == 9 and f'"call_id": "{cid}"' in text
+    assert text.startswith("<s>[INST] Weather in Paris?[/INST][TOOL_CALLS] [")
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}, "id"' in text
+    assert '[TOOL_RESULTS] {"content": "18 C"' in text
+    assert text.index("[AVAILABLE_TOOLS]") > text.index("[/TOOL_RESULTS]")  # the last user turn
+    assert '"name": "get_time"' in text and text.endswith("[INST] And now?[/INST]")
+    kept = tools.render(_Tok(), fam, _loop_messages("abcDEF123"), [WEATHER])
+    assert '"id": "abcDEF123"' in kept and '"call_id": "abcDEF123"' in kept
+    fam11 = tools.family(MISTRAL_V11)
+    text = tools.render(_Tok(), fam11, _loop_messages("call_1"), [WEATHER])
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}</s>' in text
+    assert text.startswith('<s>[AVAILABLE_TOOLS][{"type": "function"')
+
+
+MISTRAL_REPLIES = {
+    "mistral": 'Let me look.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f"}}, {"name": "get_time", "arguments": {"tz": "UTC"}}]',
+    "mistral7": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f"}}][TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "UTC"}}]',
+    "mistral11": 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "unit": "f"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"tz": "UTC"}',
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [1, 2, 5, 1000])
+@pytest.mark.parametrize("reply", sorted(MISTRAL_REPLIES))
+def test_mistral_stream_any_split(reply, split):
+    """Mistral's calls, written in one list or a mark a call, in either syntax, parse from
+    any split of the stream; each call goes out once its JSON is whole, before the reply
+    ends; ids are 9 letters or digits."""
+    fam = tools.Family(reply.removesuffix("7"), "", "arguments")
+    text = MISTRAL_REPLIES[reply]
+    s = tools.CallStream(fam)
+    shown, calls, early = "", [], 0
+    for i in range(0, len(text), split):
+        t, c = s.push(text[i : i + split])
+        shown, calls = shown + t, calls + c
+        early += len(c)
+    t, c = s.flush()
+    shown, calls = shown + t, calls + c
+    assert shown.strip() == ("" if reply == "mistral7" else "Let me look.")
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "unit": "f"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"tz": "UTC"}
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    assert early == 2  # both were whole before the end: none waited for flush
+
+
+def test_mistral_plain_and_broken_replies():
+    for syntax in ("mistral", "mistral11"):
+        fam = tools.Family(syntax, "", "arguments")
+        assert tools.parse(fam, "Plain [TOOL text.") == ("Plain [TOOL text.", [])
+        assert tools.parse(fam, "[TOOL_CALLS] not json") == ("[TOOL_CALLS] not json", [])
+        assert tools.parse(fam, '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}')[1] == []
+    fam = tools.Family("mistral", "", "arguments")
+    assert tools.parse(fam, '[TOOL_CALLS] [{"arguments": {}}]')[1] == []  # no name
+    fam = tools.Family("mistral11", "", "arguments")
+    assert tools.parse(fam, "[TOOL_CALLS]bad name![ARGS]{}")[1] == []
+    assert tools.parse(fam, "[TOOL_CALLS]f[ARGS][1]")[1] == []
+    _, (call,) = tools.parse(fam, "[TOOL_CALLS]f[ARGS]{}")
+    assert call["function"] == {"name": "f", "arguments": "{}"}
+
+
+@pytest.fixture(scope="module")
+def mistral_grammars(tmp_path_factory):
+    """Grammars over the tiny BPE tokenizer with Mistral's [TOOL_CALLS] and [ARGS] added as
+    control tokens (ids VOCAB and VOCAB + 1)."""
+    d = tmp_path_factory.mktemp("mistral")
+    tok = make_tokenizer()
+    tok.add_special_tokens([mistral_calls.MARK, mistral_calls.ARGS])
+    save_tokenizer(tok, d)
+    return Grammars(Tokenizer.from_hf_dir(d), VOCAB + 2)
+
+
+@pytest.mark.parametrize("syntax", ["mistral", "mistral11"])
+def test_mistral_forced_calls_are_valid(mistral_grammars, syntax):
+    """A named or required call drawn at random through its grammar opens with the
+    [TOOL_CALLS] control token (and v11's arguments follow the [ARGS] token), and parses into
+    a call whose arguments are valid against the tool's schema."""
+    fam = tools.Family(syntax, "", "arguments")
+    tok = mistral_grammars.tokenizer
+    for name in ("get_weather", None):
+        spec = tools.call_spec(fam, [WEATHER, TIME], name, tok)
+        assert f"<[{VOCAB}]>" in spec.text
+        for seed in range(4):
+            text = walk(mistral_grammars, spec, seed)
+            ids = tok.encode(text, add_bos=False)
+            assert ids[0] == VOCAB and (syntax == "mistral" or VOCAB + 1 in ids), text
+            _, calls = tools.parse(fam, text)
+            assert len(calls) == 1, text
+            fn = calls[0]["function"]
+            args = json.loads(fn["arguments"])
+            if name or fn["name"] == "get_weather":
+                assert fn["name"] == "get_weather"
+                WeatherArgs.model_validate(args)
+            else:
+                assert fn["name"] == "get_time" and isinstance(args["tz"], str)
+
+
+def test_tool_arguments_are_closed():
+    """Objects that list their properties and say nothing of others are closed, at any depth;
+    what a schema says itself is kept."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "c": {"type": "array", "items": {"properties": {"d": {"type": "integer"}}}},
+            "e": {"anyOf": [{"properties": {"f": {}}}, {"type": "null"}]},
+            "g": {"type": "object", "properties": {}, "additionalProperties": True},
+            "h": {"type": "object"},
+        },
+        "$defs": {"X": {"properties": {"y": {}}, "unevaluatedProperties": False}},
+    }
+    out = tools.closed(schema)
+    p = out["properties"]
+    assert out["additionalProperties"] is False and p["a"]["additionalProperties"] is False
+    assert p["c"]["items"]["additionalProperties"] is False
+    assert p["e"]["anyOf"][0]["additionalProperties"] is False and p["e"]["anyOf"][1] == {
+        "type": "null"
+    }
+    assert p["g"]["additionalProperties"] is True and p["h"] == {"type": "object"}
+    assert "additionalProperties" not in out["$defs"]["X"]
+    assert "additionalProperties" not in schema  # the request's own schema is not changed
 
 
 # ------------------------------------------------------------------- request bodies

@@ -306,3 +306,105 @@ def test_a_restarted_server_goes_on_from_its_cache_dir(default_gguf, tmp_path):
         assert third.metric("kvrun_disk_cache_hits_total") == 0
     finally:
         assert third.stop() == 0
+
+
+def test_a_disk_load_does_not_hold_the_engine(tmp_path, monkeypatch):
+    """--cache-dir's files are read off the engine thread: while a (slowed) load of a kept
+    cache is in progress, another request's tokens keep coming and the loading request has
+    not started; once read, the file's cache is used (cached tokens). A damaged file is a
+    miss in /metrics and is deleted; its request is answered from a whole prefill."""
+    import asyncio
+    import threading
+
+    import tiny_models
+    from kvrun.kv import check
+    from kvrun.models.config import SamplingConfig
+    from kvrun.run import kvc
+    from kvrun.run.runtime import load_runtime
+    from kvrun.run.session import Session
+    from kvrun.server.disk_cache import DiskCache
+    from kvrun.server.metrics import Metrics
+    from kvrun.server.worker import EngineThread, HttpJob, StopText
+
+    tiny = tiny_models.build(tmp_path / "tiny")
+    rt = load_runtime(str(tiny.gguf_path), "float32", "cpu", log=lambda m: None)
+    spec, greedy = check("full"), SamplingConfig(temp=0.0, ignore_eos=True)
+    metrics, disk = Metrics(), DiskCache(tmp_path / "cache", 2**30)
+
+    def session(rt, kv):
+        return Session(rt.model, rt.tokenizer, kv, ubatch=64)
+
+    worker = EngineThread(lambda: rt, 2, None, session, metrics, spec, None, disk)
+    entered, release = threading.Event(), threading.Event()
+    real_load = kvc.load
+
+    def slow_load(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return real_load(*args, **kwargs)
+
+    def misses() -> float:
+        text = metrics.render(worker).decode()
+        return float(text.split("\nkvrun_disk_cache_misses_total ")[1].split()[0])
+
+    async def until(cond, what: str, seconds: float = 60) -> None:
+        for _ in range(int(seconds / 0.01)):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        pytest.fail(f"{what}: not within {seconds} s")
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+
+        def submit(ids: list[int], n: int) -> HttpJob:
+            job = HttpJob(list(ids), n, greedy, 0, spec, stop=StopText([]))
+            job.loop, job.events = loop, asyncio.Queue()
+            worker.submit(job)
+            return job
+
+        async def end(job: HttpJob):
+            while (ev := await asyncio.wait_for(job.events.get(), 60))[0] != "end":
+                job.text_parts.append(ev[1])
+            return ev[1], ev[2]
+
+        ids = rt.tokenizer.encode(tiny_models.TEXT)
+        first = submit(ids, 4)
+        result, error = await end(first)
+        assert error is None
+        await until(lambda: disk.stats()["files"] == 1, "the first cache written")
+        turn = [*ids, *result.tokens, *ids[:6]]  # goes on from the first cache
+
+        monkeypatch.setattr(kvc, "load", slow_load)
+        other = submit(list(reversed(ids)), 1500)  # no file holds its prefix: no load
+        await until(lambda: not other.events.empty(), "the other request's first token")
+        waiting = submit(turn, 4)
+        await until(entered.is_set, "the load")
+        seen = other.events.qsize()
+        await until(lambda: other.events.qsize() >= seen + 5, "tokens during the load", 20)
+        assert waiting.events.empty() and waiting.kv is None  # not started: its file is read
+        release.set()
+        result, error = await end(waiting)
+        assert error is None and waiting.cached == len(ids) + 3  # the file's tokens
+        other.cancel.set()
+        await end(other)
+        monkeypatch.setattr(kvc, "load", real_load)
+
+        await until(lambda: disk.stats()["files"] == 2, "the second cache written")
+        cut = list((tmp_path / "cache").rglob("*.kvc"))
+        for f in cut:  # the index still lists them
+            f.write_bytes(f.read_bytes()[:300])
+        before = misses()
+        damaged = submit([*turn, *result.tokens, *ids[:3]], 4)
+        result, error = await end(damaged)
+        assert error is None and damaged.cached == 0 and len(result.tokens) == 4
+        assert misses() == before + 1 and disk.stats()["hits"] == 1
+        assert not any(f.exists() for f in cut)  # dropped (this request's own came after)
+
+    worker.start()
+    try:
+        assert worker.ready.wait(60), worker.load_error
+        asyncio.run(run())
+    finally:
+        release.set()
+        worker.close()

@@ -439,7 +439,7 @@ class Server:
             if must and not tool_list:
                 raise tools.ToolError("tool_choice required or a named function needs tools")
             if must:
-                forced = tools.call_spec(fam, tool_list, name)
+                forced = tools.call_spec(fam, tool_list, name, tok)
         except tools.ToolError as e:
             raise ApiError(400, str(e), "tools_unsupported", "tools") from None
         grammar = self._grammar(body, forced)

@@ -7,9 +7,11 @@ size, a fingerprint of its content, the shapes), named by a hash of the KV spec 
 ids they hold. A writer thread saves them off the request's path (a kept cache is never fed
 again, only forked, so reading it while the engine runs is safe); the total is held within
 the size limit, least recently used (file times) first out. At start the folder is scanned:
-each file's header and token ids (not its tensors). A lookup, on the engine thread, loads the
-longest file whose tokens are a proper prefix of the prompt with the same checks as
-`--kv-cache` (kvc.load: model, spec, format, every tensor); a file that fails them is deleted.
+each file's header and token ids (not its tensors). The engine thread finds in that index
+the longest file whose tokens are a proper prefix of the prompt (`longest`); a loader thread
+reads it with the same checks as `--kv-cache` (kvc.load: model, spec, format, every tensor)
+while the engine goes on with the other requests, and hands the cache back (`load_async`).
+A file that fails the checks is deleted and the lookup is a miss, not an error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,8 @@ class DiskCache:
         self._lock = threading.Lock()  # entries: the engine thread and the writer
         self._todo: queue.Queue = queue.Queue(maxsize=64)
         self._thread: threading.Thread | None = None
+        # loads, one at a time: a second would only share the disk with the first
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvrun-kvc-load")
 
     # ------------------------------------------------------------ the engine thread
     def attach(self, rt) -> None:
@@ -105,12 +110,10 @@ class DiskCache:
             path.unlink(missing_ok=True)
             return None
 
-    def lookup(self, spec, ids: Sequence[int], longer_than: int = 0):
-        """(kv, tokens) of the longest file of spec holding a proper prefix of ids, longer
-        than `longer_than` tokens; None when there is none."""
-        from ..run import kvc
-
-        key, want = spec_key(spec), kvc.spec_text(spec)
+    def _candidates(self, spec, ids: Sequence[int], longer_than: int) -> list[tuple[int, Path]]:
+        """(tokens, path) of the files of spec holding a proper prefix of ids, longer than
+        `longer_than` tokens, longest first."""
+        key = spec_key(spec)
         with self._lock:
             cands = [
                 (len(e.tokens), p)
@@ -119,13 +122,48 @@ class DiskCache:
                 and longer_than < len(e.tokens) < len(ids)
                 and tuple(ids[: len(e.tokens)]) == e.tokens
             ]
-        for _, path in sorted(cands, reverse=True):
+        return sorted(cands, reverse=True)
+
+    def longest(self, spec, ids: Sequence[int], longer_than: int = 0) -> int:
+        """Tokens of the longest file `lookup` would try first (0: none), from the index
+        alone: no file is read (the engine thread asks)."""
+        cands = self._candidates(spec, ids, longer_than)
+        return cands[0][0] if cands else 0
+
+    def miss(self) -> None:
+        """A lookup that found no file to try (counted as lookup's misses are)."""
+        with self._lock:
+            self.misses += 1
+
+    def load_async(self, spec, ids: Sequence[int], longer_than: int, done: Callable) -> None:
+        """`lookup` on the loader thread, then done(its result) there: reading and checking
+        a file (a second or more for a long cache) never holds the engine thread."""
+
+        def run() -> None:
+            try:
+                got = self.lookup(spec, ids, longer_than)
+            except Exception as e:  # noqa: BLE001 - the request goes on without the file
+                log.warning("prefix cache on disk: a load failed (%s)", e)
+                self.miss()
+                got = None
+            done(got)
+
+        self._loader.submit(run)
+
+    def lookup(self, spec, ids: Sequence[int], longer_than: int = 0):
+        """(kv, tokens) of the longest file of spec holding a proper prefix of ids, longer
+        than `longer_than` tokens; None when there is none. Reads files: off the engine
+        thread (load_async)."""
+        from ..run import kvc
+
+        want = kvc.spec_text(spec)
+        for _, path in self._candidates(spec, ids, longer_than):
             try:  # the file's own spec and dtype, checked against the request's below
                 kv, tokens, _ = kvc.load(path, self.rt)
                 got = kvc.spec_text(kv.spec)
                 if (got["kv"], got["budget"]) != (want["kv"], want["budget"]):
                     raise KvrunError(f"{path} holds --kv {got['kv']}, not {want['kv']}")
-            except KvrunError as e:  # damaged, cut, renamed: not used again
+            except Exception as e:  # noqa: BLE001 - damaged, cut, renamed: not used again
                 log.warning("prefix cache on disk: dropping %s (%s)", path.name, e)
                 self._drop(path)
                 continue
@@ -133,10 +171,13 @@ class DiskCache:
                 if path in self.entries:
                     self.entries.move_to_end(path)
                     self.hit_bytes += self.entries[path].nbytes
-            os.utime(path)  # its use, for the LRU after a restart
-            self.hits += 1
+                self.hits += 1
+            try:
+                os.utime(path)  # its use, for the LRU after a restart
+            except OSError:  # evicted meanwhile: the cache is loaded all the same
+                pass
             return kv, tokens
-        self.misses += 1
+        self.miss()
         return None
 
     def keep(self, spec, tokens: Sequence[int], kv) -> None:
@@ -148,7 +189,8 @@ class DiskCache:
             log.warning("prefix cache on disk: the writer is behind; a cache was not written")
 
     def close(self) -> None:
-        """Finish the writes queued so far."""
+        """Finish the writes queued so far (a load in progress is left to end on its own)."""
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread.is_alive():
             self._todo.put(None)
             self._thread.join(30)

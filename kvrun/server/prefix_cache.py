@@ -38,15 +38,24 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def lookup(self, key: Hashable, ids: Sequence[int]) -> tuple[Any, list[int]] | None:
-        """A fork of the longest entry under `key` whose tokens are a proper prefix of ids,
-        and its tokens; None when there is none."""
+    def _best(self, key: Hashable, ids: Sequence[int]) -> tuple | None:
         best = None
         for k, tokens in self.entries:
             n = len(tokens)
             if k == key and n < len(ids) and (best is None or n > len(best[1])):
                 if tuple(ids[:n]) == tokens:
                     best = (k, tokens)
+        return best
+
+    def peek(self, key: Hashable, ids: Sequence[int]) -> int:
+        """Tokens of the entry `lookup` would take (0: none), nothing forked or moved."""
+        best = self._best(key, ids)
+        return len(best[1]) if best else 0
+
+    def lookup(self, key: Hashable, ids: Sequence[int]) -> tuple[Any, list[int]] | None:
+        """A fork of the longest entry under `key` whose tokens are a proper prefix of ids,
+        and its tokens; None when there is none."""
+        best = self._best(key, ids)
         if best is None:
             return None
         self.entries.move_to_end(best)

@@ -10,7 +10,9 @@ text arrives, so a sequence that hits one ends within the same engine step; a jo
 is gone is cancelled and its slot is free by the next step. With a prefix cache
 (kvrun.server.prefix_cache) a job goes on from a fork of the longest kept cache its prompt
 starts with, and its own cache is kept when it ends on a turn boundary (before its end is
-posted, so a client's next turn finds it).
+posted, so a client's next turn finds it). A longer cache on disk (--cache-dir) is read on the
+disk cache's loader thread: the job leaves the engine meanwhile and comes back to the inbox
+with it, so the engine's other sequences never wait for a file.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class HttpJob:
     stop: StopText | None = None
     constraint: Any = None  # kvrun.run.grammar.Constraint the reply follows (engine thread)
     calls: Any = None  # kvrun.server.tools.CallStream reading tool calls (event loop side)
+    # the prefix cache on disk: "" not asked yet, "loading" (the job is off the engine until
+    # its file is read), "done" (disk_start: what the load gave, (kv, tokens) or None)
+    disk: str = ""
+    disk_start: Any = None
     finish_reason: str | None = None
     submitted: float = 0.0
     started: float = 0.0
@@ -238,25 +244,47 @@ class EngineThread:
         kept = self.prefix_cache is not None and self.prefix_cache.limit > 0
         return job.cache_prompt and (kept or self.disk_cache is not None)
 
+    def _start(self, job: HttpJob, ids: list[int]):
+        """The kept cache the job goes on from, (kv, tokens) or None; False while its file is
+        read from disk, off this thread (the job comes back to the inbox when it is)."""
+        memory = self.prefix_cache
+        held = memory.peek(self._cache_key(job), ids) if memory is not None else 0
+        disk = self.disk_cache
+        if disk is not None and not job.disk:  # a longer one on disk (a restart's, an evicted)
+            if disk.longest(job.spec, ids, held) > held:
+                job.disk = "loading"
+                disk.load_async(job.spec, ids, held, lambda got: self._loaded(job, got))
+                return False
+            disk.miss()
+            job.disk = "done"
+        got, job.disk_start = job.disk_start, None
+        if got and len(got[1]) > held:  # the memory may have kept a longer one meanwhile
+            return got
+        return memory.lookup(self._cache_key(job), ids) if memory is not None else None
+
+    def _loaded(self, job: HttpJob, got) -> None:
+        """On the loader thread: the job, with what its file gave, back to the engine."""
+        job.disk, job.disk_start = "done", got
+        self.inbox.put(job)
+
     def _request(self, job: HttpJob):
+        """The engine's Request for a job drawn from the inbox; None when the job waits for
+        its cache from disk (it comes back to the inbox)."""
         from ..run.engine import Request
 
         rt = self.runtime
-        job.outbox = self._outbox
-        self._jobs[id(job)] = job
         ids, start = list(job.ids), None
         # prompt logprobs (echo) need every prompt token's logits: those are prefilled whole
         if self._uses_cache(job) and job.prompt_logprobs is None:
-            start = None
-            if self.prefix_cache is not None:
-                start = self.prefix_cache.lookup(self._cache_key(job), ids)
-            if self.disk_cache is not None:  # a longer one on disk (a restart's, an evicted)
-                held = len(start[1]) if start else 0
-                start = self.disk_cache.lookup(job.spec, ids, held) or start
+            start = self._start(job, ids)
+            if start is False:
+                return None
             job.cached = len(start[1]) if start else 0
             self.metrics.cache_lookup(job.cached)
             if start:
                 job.kv, ids = start[0], ids[job.cached :]
+        job.outbox = self._outbox
+        self._jobs[id(job)] = job
 
         def new_kv():
             job.kv = rt.new_kv(job.spec)
@@ -371,7 +399,9 @@ class _Inbox:
                 w._unwait()
                 w._end(job, None, "cancelled", drawn=False)
                 continue
-            return w._request(job)
+            req = w._request(job)
+            if req is not None:  # None: its cache is read from disk meanwhile
+                return req
 
 
 class _Closing(Exception):
