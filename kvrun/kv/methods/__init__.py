@@ -8,6 +8,7 @@ from .full import Full
 from .h2o import H2O
 from .kivi import KIVI2, KIVI4
 from .knorm import KNorm
+from .kvzap import KVzap
 from .kvzip import KVzip
 from .minicache import MiniCache
 from .minikv import MiniKV, MiniKVPyramid
@@ -29,6 +30,7 @@ REGISTRY: dict[str, type[Method]] = {
         TOVA,
         KNorm,
         KVzip,
+        KVzap,
         MiniKV,
         MiniKVPyramid,
         XKV,
