@@ -110,4 +110,18 @@ def _kvzap(rt, bodies, other, length, hidden, ubatch) -> dict:
 
 
 def _duo(rt, bodies, length) -> dict:
-    raise KvrunError("duo calibration: not yet")
+    from ..kv import check
+    from ..kv.methods.duo import calibrate as duo_cal
+
+    o = check("duo").select_opts  # the streaming heads' defaults
+    n = 8  # samples: depths spread over the text
+    scores = duo_cal.calibrate(rt.model, rt.tokenizer, bodies, length, n, o["sinks"], o["window"])
+    meta = {"sinks": o["sinks"], "window": o["window"], "samples": n, "length": length}
+    where = duo_cal.save(scores, rt.config, rt.path, meta)
+    flat = scores.flatten().sort(descending=True).values
+    half = float(flat[len(flat) // 2])
+    line = (
+        f"duo calibration kept in {where}: {n} pass-key samples of {length} tokens; streaming "
+        f"error per KV head from {float(flat[-1]):.3g} to {float(flat[0]):.3g} (median {half:.3g})"
+    )
+    return {"method": "duo", "path": where, "scores": scores.tolist(), "line": line}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..spec import Method
 from .full import Full
+from .duo import Duo
 from .h2o import H2O
 from .kivi import KIVI2, KIVI4
 from .knorm import KNorm
@@ -31,6 +32,7 @@ REGISTRY: dict[str, type[Method]] = {
         KNorm,
         KVzip,
         KVzap,
+        Duo,
         MiniKV,
         MiniKVPyramid,
         XKV,
