@@ -30,10 +30,11 @@ class Duo(Method):
 
     def nbytes(self, kv) -> int:
         """From counts: each store's heads times its slots, K and V, plus its positions."""
-        c, e = kv.config, kv.dtype.itemsize
+        c = kv.config
+        row = kv.kv_type.row_bytes(c.head_dim) if kv.kv_type else c.head_dim * kv.dtype.itemsize
         total = 0
         for st in kv.layers:
             for seg in (st.ret, st.stream):
-                total += seg.n_kv * seg.length * 2 * c.head_dim * e
+                total += seg.n_kv * seg.length * 2 * row
                 total += 4 * seg.length if seg.pos is not None else 0
         return total

@@ -49,6 +49,7 @@ class DuoCache(KVManager):
         super().__init__(config, rope, device, dtype, on_select)
         self.spec, self.name, self.opt = spec, spec.name, spec.select_opts
         self.budget = spec.budget_or_default()
+        self.kv_type = self.dense_kv_type(spec, dtype, device)  # --kv-dtype's rows, or None
         self.model_file: Path | None = None
         self.pattern: torch.Tensor | None = None  # (L, Hkv) bool, retrieval heads
         self.layers: list[DuoLayer] = []
@@ -86,7 +87,7 @@ class DuoCache(KVManager):
         q = lambda h: (h[:, None] * G + torch.arange(G, device=dev)).flatten()  # noqa: E731
 
         def seg(n: int) -> DenseSeg:
-            return DenseSeg(n, c.head_dim, self.dtype, dev, rows)
+            return DenseSeg(n, c.head_dim, self.dtype, dev, rows, kv_type=self.kv_type)
 
         return DuoLayer(seg(len(r)), seg(len(s)), r, s, q(r), q(s))
 
