@@ -78,7 +78,9 @@ def test_selection_scores_are_the_scorers_on_the_hidden_states(kind):
     model = tiny()
     ids = prompt(90, seed=11)
     kept = {}
-    kv = new_kv(model, f"kvzap:scorer={kind}", "30", hook=lambda i, p, pos: kept.__setitem__(i, pos))
+    kv = new_kv(
+        model, f"kvzap:scorer={kind}", "30", hook=lambda i, p, pos: kept.__setitem__(i, pos)
+    )
     spy = Spy(kv)
     drive(model, kv, ids, 32)
     ref = reference_scores(model, ids, kind)

@@ -42,7 +42,10 @@ def entry(method: str, config, model_file: Path | None) -> Path:
     """Where `method`'s calibration of this model is kept (config: the model's ModelConfig)."""
     if model_file is not None and Path(model_file).exists():
         real = os.path.realpath(model_file)
-        ident = [[os.path.realpath(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in _files(Path(real))]
+        ident = [
+            [os.path.realpath(f), (st := os.stat(f)).st_size, st.st_mtime_ns]
+            for f in _files(Path(real))
+        ]
         stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(real).stem)[:48]
     else:  # an in-memory model: its shape and name are all that names it
         ident = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)

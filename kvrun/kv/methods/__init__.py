@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from ..spec import Method
-from .full import Full
 from .duo import Duo
+from .full import Full
 from .h2o import H2O
 from .kivi import KIVI2, KIVI4
 from .knorm import KNorm

@@ -14,7 +14,12 @@ class Duo(Method):
 
     name = "duo"
     summary = "DuoAttention: retrieval heads keep all, streaming heads sinks + window (kvrun calibrate duo)"
-    axes = ("calibrated head pattern", "all, or sinks + window per KV head", "head share", "dense x2")
+    axes = (
+        "calibrated head pattern",
+        "all, or sinks + window per KV head",
+        "head share",
+        "dense x2",
+    )
     runs_at = "each prefill chunk, each decode step (streaming heads)"
     sinks = Option(16, "first tokens a streaming head keeps", lo=0)
     window = Option(64, "newest tokens a streaming head keeps", lo=1)

@@ -76,7 +76,9 @@ class DuoCache(KVManager):
 
     def reset(self) -> None:
         super().reset()
-        self.layers = [] if self.pattern is None else [self._layer(i) for i in range(len(self.pattern))]
+        self.layers = (
+            [] if self.pattern is None else [self._layer(i) for i in range(len(self.pattern))]
+        )
 
     def _layer(self, i: int) -> DuoLayer:
         c, dev = self.config, self.device
@@ -106,7 +108,10 @@ class DuoCache(KVManager):
     def _attend(self, layer, q, k, v, positions) -> torch.Tensor:  # (1, Hq, T, D)
         st, T, window = self.layers[layer], k.shape[2], self.config.window(layer)
         out = torch.empty_like(q, dtype=self.dtype)
-        for seg, heads, qh in ((st.ret, st.ret_heads, st.ret_q), (st.stream, st.stream_heads, st.stream_q)):
+        for seg, heads, qh in (
+            (st.ret, st.ret_heads, st.ret_q),
+            (st.stream, st.stream_heads, st.stream_q),
+        ):
             if len(heads):
                 seg.append(k[:, heads], v[:, heads], positions)
                 out[:, qh] = seg.attend(q[:, qh], positions, T, window).to(self.dtype)

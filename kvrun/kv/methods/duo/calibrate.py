@@ -87,7 +87,11 @@ def calibrate(model, tokenizer, bodies, length: int, count: int, sinks: int, win
     for ids, rows in passkey_texts(tokenizer, bodies, length, count):
         kv = Probe(model.config, model.rope, model.device, model.dtype, sinks, window, rows)
         kv.begin_prefill(len(ids))
-        model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device), kv)
+        model(
+            torch.tensor([ids], device=model.device),
+            torch.arange(len(ids), device=model.device),
+            kv,
+        )
         kv.end_chunk(len(ids))
         kv.end_prefill()
         total += kv.err

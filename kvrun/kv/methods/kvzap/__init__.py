@@ -13,7 +13,12 @@ from ...spec import Method, Option
 class KVzap(Method):
     name = "kvzap"
     summary = "KVzap: a fitted per-layer scorer predicts KVzip's scores (kvrun calibrate kvzap)"
-    axes = ("surrogate of reconstruction attention", "top-k or threshold + sinks", "uniform", "dense")
+    axes = (
+        "surrogate of reconstruction attention",
+        "top-k or threshold + sinks",
+        "uniform",
+        "dense",
+    )
     runs_at = "prefill-end"
     sinks = Option(4, "first tokens always kept", lo=0)
     mode = Option(
