@@ -53,6 +53,11 @@ class DuoCache(KVManager):
         self.model_file: Path | None = None
         self.pattern: torch.Tensor | None = None  # (L, Hkv) bool, retrieval heads
         self.layers: list[DuoLayer] = []
+        try:  # by config (an in-memory model); Runtime.new_kv then names the model file
+            self._load()
+            self.reset()
+        except KvrunError:
+            pass  # said at the first prefill
 
     def use_model_file(self, path: Path | None) -> None:
         """Find the calibration by the model file's identity (Runtime.new_kv); loaded now."""

@@ -30,6 +30,10 @@ class KVzapCache(KVzipCache):
         self.scorers: list[Scorer] | None = None  # loaded at the first prefill (or use_model_file)
         self.model_file: Path | None = None
         super().__init__(spec, config, rope, device, dtype, on_select)
+        try:  # by config (an in-memory model); Runtime.new_kv then names the model file
+            self._load()
+        except KvrunError:
+            pass  # said at the first prefill
 
     def use_model_file(self, path: Path | None) -> None:
         """Find the calibration by the model file's identity (Runtime.new_kv); loaded now, so a
@@ -60,6 +64,10 @@ class KVzapCache(KVzipCache):
         if self.threshold_mode:
             return self.config.n_kv_heads  # padding is masked (in the method's formula)
         return super().position_rows()
+
+    def reset(self) -> None:
+        super().reset()
+        self.start = 0  # the turn's first position (set at each prefill)
 
     def planning_pass(self, when, ids, tokenizer) -> list[Pass]:
         return []  # the scorers replace KVzip's reconstruction pass
