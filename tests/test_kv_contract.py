@@ -246,6 +246,10 @@ def test_stores_follow_the_store_protocol(m):
             assert out.shape == q.shape and torch.isfinite(out).all(), text
 
 
+# KVzap fits its scorers to KVzip's scores and selects as KVzip does (docs/methods/kvzap.md)
+DERIVED = {"kvzip": ("kv/methods/kvzap", "cli/calibrate.py")}
+
+
 @pytest.mark.parametrize("name", ["tova", "knorm", "kvzip"])
 def test_a_scoring_method_lives_in_its_own_files(name):
     """TOVA, KNorm and KVzip were added as one module each plus the registry line: their names
@@ -256,6 +260,7 @@ def test_a_scoring_method_lives_in_its_own_files(name):
 
     root = Path(kvrun.__file__).parent
     own = [root / "kv" / "methods" / f"{name}.py", root / "kv" / "methods" / name]
+    own += [root / p for p in DERIVED.get(name, ())]  # a method built on it, and its fit
     registry = root / "kv" / "methods" / "__init__.py"
     hits = [
         str(p.relative_to(root))

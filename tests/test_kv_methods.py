@@ -13,6 +13,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from calib_helpers import ensure_calibrated
 from test_kv_select import ref_pyramid, ref_snap_scores, ref_topk
 
 from kvrun.kv import build, check
@@ -66,7 +67,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def new_kv(model, spec: str, budget=None, hook=None):
     kw = {"on_select": hook} if hook is not None else {}
-    return build(check(spec, budget), model.config, model.rope, "cpu", torch.float32, **kw)
+    ensure_calibrated(model, s := check(spec, budget))  # kvzap, duo: a tiny calibration first
+    return build(s, model.config, model.rope, "cpu", torch.float32, **kw)
 
 
 @torch.inference_mode()

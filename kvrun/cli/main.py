@@ -13,6 +13,7 @@ from ..errors import KvrunError
 # `kvrun --help`, `kvrun kv list`, `kvrun models` and option errors answer at once.
 COMMANDS = {
     "bench": ("bench", "bench", "Measure prefill and decode speed, KV bytes and memory per KV method."),
+    "calibrate": ("calibrate", "calibrate", "Fit a KV method's per-model calibration (kvzap, duo) into the model cache."),
     "chat": ("chat", "chat", "Chat with a model, streaming replies; history stays in the KV cache."),
     "convert": ("convert", "convert", "Convert GGUF <-> HF safetensors directory."),
     "generate": ("generate", "generate", "Generate text from a prompt."),

@@ -83,9 +83,12 @@ class Runtime:
 
     def new_kv(self, spec: KVSpec | None = None, **kw) -> KVManager:
         """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full."""
-        return build(
+        kv = build(
             spec or FULL, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
         )
+        if hasattr(kv, "use_model_file"):  # a calibrated method (kvzap, duo) finds its own
+            kv.use_model_file(self.path)
+        return kv
 
 
 def load_runtime(

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from ..spec import Method
+from .duo import Duo
 from .full import Full
 from .h2o import H2O
 from .kivi import KIVI2, KIVI4
 from .knorm import KNorm
+from .kvzap import KVzap
 from .kvzip import KVzip
 from .minicache import MiniCache
 from .minikv import MiniKV, MiniKVPyramid
@@ -29,6 +31,8 @@ REGISTRY: dict[str, type[Method]] = {
         TOVA,
         KNorm,
         KVzip,
+        KVzap,
+        Duo,
         MiniKV,
         MiniKVPyramid,
         XKV,

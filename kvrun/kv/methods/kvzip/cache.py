@@ -105,11 +105,15 @@ class KVzipCache(KVCache):
         order = torch.sort(flat, descending=True, stable=True).indices[: Hkv * B]
         keep = torch.zeros(T * Hkv, dtype=torch.bool, device=s.device)
         keep[order] = True
-        keep = keep.view(T, Hkv).t()
+        self._keep_padded(d, keep.view(T, Hkv).t())
+
+    def _keep_padded(self, d: DenseSeg, keep: torch.Tensor) -> None:
+        """The slots of keep (Hkv, T) bool, each head padded to the largest count (KVzap's
+        threshold mode keeps a mask of its own)."""
         count = keep.sum(1)  # (Hkv,)
         S = int(count.max())
         idx = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :S]  # kept first
-        pad = torch.arange(S, device=s.device)[None, :] >= count[:, None]  # (Hkv, S)
+        pad = torch.arange(S, device=keep.device)[None, :] >= count[:, None]  # (Hkv, S)
         d.keep(idx)
         d.pos.masked_fill_(pad, PAD)
         d.zero(pad)
