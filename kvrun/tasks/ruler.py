@@ -130,9 +130,14 @@ class Generator:
         def example(n):
             return rt_.vt_example(self.rng(task, index, "example"), n, hops)
 
-        fit = self._fit(lambda n: len(self.form.encode(example(n), False)), hops + 1,
-                        VT_EXAMPLE_TOKENS, task)  # fmt: skip
-        return example(fit)
+        # RULER falls back to the smallest example where even that is longer
+        tokens = lambda n: len(self.form.encode(example(n), False))  # noqa: E731
+        least = hops + 1
+        return example(
+            self._fit(tokens, least, VT_EXAMPLE_TOKENS, task)
+            if tokens(least) <= VT_EXAMPLE_TOKENS
+            else least
+        )
 
     def _fit(self, tokens: Callable[[int], int], lo: int, budget: int, task: str) -> int:
         """The largest haystack size n >= lo with tokens(n) <= budget (a doubling, then a

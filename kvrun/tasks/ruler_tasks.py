@@ -131,7 +131,9 @@ def draw(rng, kind: str) -> str:
 def _insert(lines: list[str], items: list[str], rng) -> list[str]:
     """items put between the lines at random places (RULER's noise/needle haystacks)."""
     out = list(lines)
-    for i, item in zip(sorted(rng.sample(range(len(lines)), len(items)), reverse=True), items, strict=True):
+    for i, item in zip(
+        sorted(rng.sample(range(len(lines)), len(items)), reverse=True), items, strict=True
+    ):
         out.insert(i, item)
     return out
 
