@@ -26,6 +26,7 @@ COMMANDS = {
     "prefill": ("prefill", "prefill", "Prefill and compress a document once; keep its KV cache in a .kvc file."),
     "profile": ("profile", "profile", "Plan XKV's per-layer KV budgets on sample texts and save them."),
     "pull": ("info", "pull", "Fetch a model: a short name, or REPO[:QUANT] from Hugging Face."),
+    "ruler": ("ruler", "ruler", "RULER's synthetic long-context tasks per KV method, scored as RULER and kvpress do."),
     "serve": ("serve", "serve", "Serve a model over OpenAI's HTTP API, with a KV method per request."),
 }  # fmt: skip
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 from ..errors import KvrunError
 from ..kv import KVSpec
-from ..models.config import SamplingConfig
 from . import passkey
+from .trials import Trial, run_trials
 
-GREEDY = SamplingConfig(temp=0.0, top_k=0, top_p=1.0, min_p=0.0)
 LADDER = (1000, 2000, 4000, 8000)  # the default --lengths, cut to what fits the context
 
 
@@ -258,19 +257,15 @@ def run_grid(
 ) -> Iterator[dict]:
     """One record per (cell, config), in grid order, each with a fresh KV manager; with
     parallel > 1, that many trials decode together (kvrun.engine), records still in order."""
-    if parallel > 1:
-        yield from _run_parallel(
-            rt, task, configs, cells, n_predict, ubatch, context, on_start, parallel
-        )
-        return
-    from ..run.session import Session
 
-    for cell, cfg, expected, p in _trials(task, configs, cells, on_start):
-        kv = rt.new_kv(cfg.spec)
-        session = Session(rt.model, rt.tokenizer, kv, ubatch=ubatch, context=context)
-        ids, question = task.turns(p)
-        r = session.generate(ids, n_predict, GREEDY, seed=task.seed, question=question)
-        yield _record(task, cell, cfg, expected, p, r)
+    def trials():
+        for cell, cfg, expected, p in _trials(task, configs, cells, on_start):
+            ids, question = task.turns(p)
+            label = f"needle trial {cell.length} tokens at {cell.depth}%"
+            yield Trial((cell, cfg, expected, p), cfg.spec, ids, question, n_predict, label)
+
+    for t, r in run_trials(rt, trials(), task.seed, ubatch, context, parallel):
+        yield _record(task, *t.tag, r)
 
 
 def _trials(task: NeedleTask, configs: list[KvConfig], cells: list[Cell], on_start):
@@ -298,43 +293,6 @@ def _record(task: NeedleTask, cell: Cell, cfg: KvConfig, expected: dict, p, r) -
         "correct": task.correct(r.text, expected),
         **r.stats.as_dict(),  # prompt_tokens, kv_bytes, kv_bytes_full, timings, ...
     }
-
-
-def _run_parallel(rt, task, configs, cells, n_predict, ubatch, context, on_start, parallel):
-    """run_grid's trials through the batch engine; records are held back until every
-    earlier one of the grid is done, so the order (and every result) is the sequential one."""
-    from ..run.engine import Engine, Request
-    from ..run.session import Session
-
-    def requests():
-        for tag in _trials(task, configs, cells, on_start):
-            ids, question = task.turns(tag[3])
-            yield Request(
-                ids,
-                n_predict,
-                GREEDY,
-                task.seed,
-                tag,
-                question=question,
-                new_kv=lambda spec=tag[1].spec: rt.new_kv(spec),
-            )
-
-    sessions = [
-        Session(rt.model, rt.tokenizer, rt.new_kv(configs[0].spec), ubatch=ubatch, context=context)
-        for _ in range(parallel)
-    ]
-    order = {}
-    for i, (cell, cfg) in enumerate((c, k) for c in cells for k in configs):
-        order[(cell, cfg)] = i
-    done, nxt = {}, 0
-    for req, result, error in Engine(sessions).results(requests()):
-        cell, cfg, expected, p = req.tag
-        if error is not None:
-            raise KvrunError(f"needle trial {cell.length} tokens at {cell.depth}%: {error}")
-        done[order[(cell, cfg)]] = _record(task, cell, cfg, expected, p, result)
-        while nxt in done:
-            yield done.pop(nxt)
-            nxt += 1
 
 
 def summarize(records: list[dict], configs: list[KvConfig]) -> list[dict]:
