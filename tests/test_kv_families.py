@@ -132,9 +132,9 @@ class _Windowed:
         self.seen += 1
 
 
-# the methods whose caches bound a window's layers (MiniCache's pairs and SpindleKV's coded
-# layers keep masking by position for now: issue 47, left for its next part)
-BOUNDED = [m for m in REGISTRY if m not in ("minicache", "spindlekv")] + ["snapkv+kivi2"]
+# the methods whose caches bound a window's layers (MiniCache's pairs keep masking by position
+# for now: issue 47, left for its next part)
+BOUNDED = [m for m in REGISTRY if m not in ("minicache",)] + ["snapkv+kivi2"]
 
 
 @pytest.mark.parametrize("dtype", [None, "f16"])
