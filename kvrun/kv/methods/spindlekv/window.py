@@ -86,7 +86,10 @@ def drop_unused_rows(st: CodedLayer) -> None:
     are zeroed (a .kvc file holds the shelf whole)."""
     coded = "pos_c" in st.bufs
     real = st.mask_c.ne(0).any(-1) if coded else None  # (Hkv, S_c)
-    for books, shelf, name in ((st.books_k, st.shelf_k, "idx_k"), (st.books_v, st.shelf_v, "idx_v")):
+    for books, shelf, name in (
+        (st.books_k, st.shelf_k, "idx_k"),
+        (st.books_v, st.shelf_v, "idx_v"),
+    ):
         idx = st.bufs[name].data if coded else None
         for h, book in enumerate(books):
             rows = slice(None) if len(books) == 1 else slice(h, h + 1)
