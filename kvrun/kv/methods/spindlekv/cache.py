@@ -215,7 +215,7 @@ class SpindleKVCache(KVManager):
         st, window = self.layers[layer], self.config.window(layer)
         lo = last - window + 1
         if st.n_slots > window or stale(st, lo):
-            trim(st, lo, window)
+            trim(st, lo)
 
     def decode(self, layer, qr, k, v, positions):
         """A decode token; on a windowed layer at the window, written over each head's oldest

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .store import CODED, DENSE, CodedLayer, assign_books, gather_books, unpack_bits
+from .store import CODED, DENSE, CodedLayer, assign_books, unpack_bits
 
 OLDEST = torch.iinfo(torch.int64).max  # the sort key of a slot not kept: after every kept one
 
@@ -29,19 +29,13 @@ def stale(st: CodedLayer, lo: int) -> bool:
     return any(bool((~live(st, n, lo) & live(st, n, -1)).any()) for n in held(st))
 
 
-def trim(st: CodedLayer, lo: int, limit: int) -> None:
-    """Keep only the slots at positions >= lo (the newest `limit`, what the window still sees):
+def trim(st: CodedLayer, lo: int) -> None:
+    """Keep only the real slots at positions >= lo (the newest W, what the window still sees):
     each segment compacted to its largest head, each head's slots in position order, then
-    padding. Prefill-coded and dense decode slots (decode_codebook=off) whose two widths would
-    pass `limit` are made one dense segment first (the same rebuilt C[idx] * mag attention
-    reads), since heads whose kept slots split differently between them pad both."""
-    segs = held(st)
-    if len(segs) == 2:
-        widths = [int(live(st, names, lo).sum(1).max()) for names in segs]
-        if sum(widths) > limit:
-            densify(st)
-            segs = [DENSE]
-    for names in segs:
+    padding. Two segments (decode_codebook=off) stay within W together: the dense one holds
+    decode tokens, which every KV head holds alike, so a head's coded slots plus them are
+    distinct positions of the window whichever head is the widest."""
+    for names in held(st):
         compact(st, names, live(st, names, lo))
     masks = [st.bufs[names[-1]].data for names in held(st)]
     st.all_bits = all(bool(unpack_bits(m, st.group).all()) for m in masks)
@@ -66,18 +60,6 @@ def compact(st: CodedLayer, names: tuple[str, ...], keep: torch.Tensor) -> None:
         ix = order.view(*order.shape, *tail).expand(-1, -1, *x.shape[2:])
         pad = ~valid.view(*valid.shape, *tail)
         st.bufs[name].replace(x.gather(1, ix).masked_fill(pad, 0))
-
-
-def densify(st: CodedLayer) -> None:
-    """Coded slots rebuilt as dense ones (pre-RoPE C[idx] * mag, as attention rebuilds them),
-    joined to the dense segment: the layer then holds one segment."""
-    k = gather_books(st.books_k, st.idx_k) * st.mag_k[..., None]  # (Hkv, S_c, D)
-    v = gather_books(st.books_v, st.idx_v) * st.mag_v[..., None]
-    parts = [(k, v, st.pos_c, st.mask_c), (st.k_d, st.v_d, st.pos_d, st.mask_d)]
-    fields = [torch.cat(xs, dim=1) for xs in zip(*parts, strict=True)]
-    for name in CODED + DENSE:
-        st.bufs.pop(name)
-    st.append_dense(*fields)
 
 
 def drop_unused_rows(st: CodedLayer) -> None:
