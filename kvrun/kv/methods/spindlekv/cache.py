@@ -284,7 +284,7 @@ class SpindleKVCache(KVManager):
         return sum(st.nbytes() for st in self.layers)
 
     def kept_counts(self) -> list[int]:
-        """Slots held per layer (per KV head, padding included), for tests and `kvrun bench`."""
+        """Slots held per layer (per KV head, padding included), as KVCache.kept_counts."""
         return [st.n_slots for st in self.layers]
 
     def stores(self) -> list:
