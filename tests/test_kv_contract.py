@@ -75,9 +75,10 @@ def test_budget_covering_everything_equals_full(m):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     if hasattr(kv, "kept_counts"):
         # a layer with a sliding window (Gemma 3's local ones) holds at most the window (the
-        # ring: what the next query sees and the slot its token takes); MiniKV and MiniCache
-        # bound their own to what the next query sees
-        c, own = model.config, getattr(kv, "local", None) or m.name == "minicache" or None
+        # ring: what the next query sees and the slot its token takes); MiniKV, MiniCache and
+        # DuoAttention bound their own to what the next query sees
+        c = model.config
+        own = getattr(kv, "local", None) or m.name in ("minicache", "duo") or None
 
         def held(i: int) -> int:
             if not c.window(i):

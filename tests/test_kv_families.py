@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from calib_helpers import ensure_calibrated
 import test_kv_contract as contract
 import test_kv_methods
 
@@ -132,9 +133,8 @@ class _Windowed:
         self.seen += 1
 
 
-# the methods whose caches bound a window's layers (SpindleKV's coded layers keep masking by
-# position for now: issue 47, left for its next part)
-BOUNDED = [m for m in REGISTRY if m != "spindlekv"] + ["snapkv+kivi2", "minicache+kivi4"]
+# every method bounds a window's layers (MiniCache's pairs and SpindleKV's coded layers too)
+BOUNDED = list(REGISTRY) + ["snapkv+kivi2", "minicache+kivi4"]
 
 
 @pytest.mark.parametrize("dtype", [None, "f16"])
@@ -153,7 +153,8 @@ def test_local_layers_hold_at_most_the_window(dtype):
     ref = drive(model, _Windowed(model), ids, 64, n_decode=20)
     toks = ref.argmax(-1)[len(ids) - 1 : -1].tolist()
     for name in BOUNDED:
-        kv = build(check(name).with_dtype(dtype), c, model.rope, "cpu", torch.float32)
+        ensure_calibrated(model, spec := check(name).with_dtype(dtype))  # kvzap, duo
+        kv = build(spec, c, model.rope, "cpu", torch.float32)
         out = drive(model, kv, ids, 64, n_decode=20, tokens=toks)
         held = kv.kept_counts()
         assert all(held[i] <= c.sliding_window for i in local), (name, held)

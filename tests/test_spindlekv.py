@@ -10,6 +10,7 @@ the model produced, captured at the attend call.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from fractions import Fraction
@@ -19,8 +20,9 @@ import torch
 from click.testing import CliRunner
 from kv_helpers import codebook_sizes
 from passkey_helpers import passkey_prompt
-from test_kv_methods import config, drive, new_kv, prompt, tap, tiny
+from test_kv_methods import config, drive, new_kv, prompt, random_transformer, tap, tiny
 
+import tiny_families
 from kvrun.cli.main import cli
 from kvrun.errors import KvrunError
 from kvrun.kv import build, check
@@ -166,6 +168,21 @@ def ck_max(kv, layer, which):
     return max(b.n for b in books)
 
 
+def tap_layers(kv, after):
+    """test_kv_methods.tap with each layer's own RoPE (Gemma 3's local layers rotate apart):
+    after(layer, qr (Hq,T,D), kr (Hkv,T,D), v, positions, out, None)."""
+    inner = kv.attend
+
+    def attend(layer, q, k, v, positions):
+        rope = kv.rope.at(layer)
+        qr, kr = rope.apply(q, positions)[0], rope.apply(k, positions)[0]
+        out = inner(layer, q, k, v, positions)
+        after(layer, qr, kr, v[0], positions, out[0], None)
+        return out
+
+    kv.attend = attend
+
+
 def capture(kv):
     """Post-RoPE q, k and v the manager saw, per layer, indexed by position (fp64)."""
     seen = {"q": {}, "k": {}, "v": {}}
@@ -176,7 +193,7 @@ def capture(kv):
             seen["k"][layer, p] = kr[:, j].double()
             seen["v"][layer, p] = v[:, j].double()
 
-    tap(kv, after=after)
+    tap_layers(kv, after=after)
 
     def get(kind, layer, positions):  # (H, len, D)
         return torch.stack([seen[kind][layer, p] for p in positions], dim=1)
@@ -187,29 +204,30 @@ def capture(kv):
 class MaskedShadow:
     """Checks every layer output against fp64 attention of each query head over exactly the
     positions it may see: its stored set, plus the turn's own tokens (prefill) or the new
-    token (decode), filtered by the model's sliding window (0.8.2, spec item 8)."""
+    token (decode), filtered by the layer's sliding window (0.8.2, spec item 8). A set keeps
+    what a windowed layer's ring has written over: the window hides it all the same."""
 
-    def __init__(self, kv, sliding=None):
-        self.kv, self.sliding = kv, sliding
+    def __init__(self, kv):
+        self.kv = kv
         c = kv.config
         self.G = c.n_heads // c.n_kv_heads
         self.sets = [[set() for _ in range(c.n_heads)] for _ in range(c.n_layers)]
         self.K, self.V = {}, {}
         self.turn: list[int] = []
         self.checked = 0
-        tap(kv, after=self.after)
+        tap_layers(kv, after=self.after)
 
     def after(self, layer, qr, kr, v, pos, out, state):
         for j, p in enumerate(pos.tolist()):
             self.K[layer, p], self.V[layer, p] = kr[:, j].double(), v[:, j].double()
-        prefill = self.kv.in_prefill
+        prefill, sliding = self.kv.in_prefill, self.kv.config.window(layer)
         for j, p in enumerate(pos.tolist()):
             for q in range(qr.shape[0]):
                 h = q // self.G
                 vis = set(self.sets[layer][q])
                 vis |= set(range(self.turn_start, p + 1)) if prefill else {p}
-                if self.sliding:
-                    vis = {x for x in vis if p - x < self.sliding}
+                if sliding:
+                    vis = {x for x in vis if p - x < sliding}
                 cols = sorted(vis)
                 k = torch.stack([self.K[layer, x][h] for x in cols])
                 vv = torch.stack([self.V[layer, x][h] for x in cols])
@@ -225,9 +243,17 @@ class MaskedShadow:
         self.turn_start = start
 
     def adopt(self):
-        """After end_prefill: the store's sets become what later queries see."""
+        """After end_prefill: the store's sets become what later queries see (on a windowed
+        layer, joined to the earlier sets: a slot the window hides may have been dropped)."""
         for layer in range(self.kv.config.n_layers):
-            self.sets[layer] = store_sets(self.kv, layer)
+            held = store_sets(self.kv, layer)
+            if self.kv.config.window(layer):
+                w = self.kv.config.window(layer)
+                # what the layer dropped is out of every later query's window
+                gone = [s - h for s, h in zip(self.sets[layer], held, strict=True)]
+                assert all(x <= self.kv.seen - 1 - w for g in gone for x in g), layer
+                held = [s | h for s, h in zip(self.sets[layer], held, strict=True)]
+            self.sets[layer] = held
 
 
 def run_turn(kv, model, shadow, ids, ubatch, n_decode, tokens=None, after=None):
@@ -680,11 +706,160 @@ def test_masked_attention_across_turns_and_sliding_window(sliding):
     if sliding:
         m = Transformer.from_weights(config().replace(sliding_window=sliding), base.state_dict())
     kv = new_kv(m, "spindlekv:window=8,codebook=off", "0.3")
-    shadow = MaskedShadow(kv, sliding)
+    shadow = MaskedShadow(kv)
     run_turn(kv, m, shadow, prompt(90, 11), 32, 5)
     run_turn(kv, m, shadow, prompt(40, 12), 16, 4)
     assert shadow.checked == L * 4 * (90 + 40 + 9)
     assert all(len(s) < 139 for layer in shadow.sets for s in layer)
+
+
+# --- sliding windows: a windowed layer holds at most the window (issue 47) ---------------------
+@functools.lru_cache(maxsize=2)
+def windowed(kind: str):
+    """`mistral`: the tiny model with a window of 24 on every layer (2 KV heads, G = 2);
+    `gemma3`: Gemma 3 1B's attention (one KV head, G = 4, head_dim 256), layers 0 and 1 local
+    with a window of 48, layer 2 global."""
+    if kind == "gemma3":
+        return random_transformer(tiny_families.kv_config("gemma3"), 4325)
+    return Transformer.from_weights(config().replace(sliding_window=24), tiny().state_dict())
+
+
+def check_bound(kv, point: str, books: bool = True) -> None:
+    """After a compression or a decode step: a windowed layer holds at most its window (slots
+    per KV head, padding included), every byte by the spec's formula, and its books at most
+    two rows per slot they may serve, plus a step's (the ring drops rows no slot names)."""
+    c = kv.config
+    for i, n in enumerate(kv.kept_counts()):
+        w = c.window(i)
+        if w is None:
+            continue
+        assert n <= w, (point, i, n)
+        if books:
+            ck, cv = codebook_sizes(kv)[i]
+            assert max(ck, cv) <= c.n_kv_heads * (2 * w + 1), (point, i, ck, cv)
+    assert kv.nbytes() == ref_bytes(kv), point
+
+
+WINDOW_OPTS = [
+    "codebook=off",
+    "theta_k=1.01,theta_v=1.01",  # coded, no merging: one row per vector, rebuilt exactly
+    "theta_k=1.01,theta_v=1.01,decode_codebook=off",  # coded prefill slots beside dense ones
+    "theta_k=1.01,theta_v=1.01,codebook_scope=head",
+]
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("opts", WINDOW_OPTS)
+def test_windowed_layers_hold_the_window_and_attend_exactly(kind, opts):
+    """Two turns (the second shorter than the window, so the first's newest slots stay) and
+    decode steps well past the window (the ring writes over each head's oldest slot): every
+    windowed layer holds at most the window after each compression and step, and every
+    layer output equals fp64 attention of each query head over its own selection within
+    the window (MaskedShadow)."""
+    m = windowed(kind)
+    c = m.config
+    kv = new_kv(m, f"spindlekv:window=8,{opts}", "0.3")
+    shadow = MaskedShadow(kv)
+    local = [i for i in range(c.n_layers) if c.window(i)]
+    w = c.window(local[0])
+
+    def after(point):
+        if point != "chunk":
+            check_bound(kv, point)
+
+    run_turn(kv, m, shadow, prompt(90, 11), 32, w + 16, after=after)
+    run_turn(kv, m, shadow, prompt(10, 12), 16, w + 4, after=after)
+    assert kv.seen == 100 + 2 * w + 20
+    assert shadow.checked == c.n_layers * c.n_heads * kv.seen
+    assert [kv.kept_counts()[i] for i in local] == [w] * len(local)  # the ring is full
+    if "decode_codebook=off" in opts:  # the coded slots are past the window: all dense now
+        assert all(kv.layers[i].pos_c is None for i in local)
+    if c.window(c.n_layers - 1) is None:  # Gemma 3's global layer keeps its whole selection
+        assert kv.kept_counts()[-1] > w
+
+
+@pytest.mark.parametrize("kind,opts", [("mistral", "window=8"), ("mistral", "window=8,gqa=mean"),
+                                       ("gemma3", "window=8,pool=max:5"), ("gemma3", "window=60")])  # fmt: skip
+@pytest.mark.parametrize("ubatch", [32, 1000])
+def test_windowed_selection_takes_only_the_newest_window(kind, opts, ubatch):
+    """At compression a windowed layer's candidates are the newest W tokens of the turn: each
+    query head keeps its top min(k_l, W - w) of them (the fp64 reference's, scores masked
+    outside) plus the observation window cut to the newest W (window=60 > W = 48); the
+    tokens the window forbids are not given elsewhere. A global layer selects as before."""
+    m = windowed(kind)
+    c = m.config
+    kv = new_kv(m, f"spindlekv:codebook=off,{opts}", "0.3")
+    get = capture(kv)
+    n = 130
+    drive(m, kv, prompt(n, 7), ubatch)
+    o = dict(x.split("=") for x in opts.split(","))
+    w, G = int(o["window"]), c.n_heads // c.n_kv_heads
+    ks = ref_keep_counts(n, budget_tokens("0.3", n, w), w, c.n_layers)
+    for layer in range(c.n_layers):
+        W = c.window(layer)
+        ac = ref_scores(get("q", layer, range(n - w, n)), get("k", layer, range(n)),
+                        pool=o.get("pool", "none"), sliding=W)  # fmt: skip
+        first = n - W if W else 0
+        ac[:, :first] = NEG
+        kk = min(ks[layer], max(n - w - first, 0))
+        if o.get("gqa") == "mean":
+            ac = ac.view(c.n_kv_heads, G, -1).mean(1).repeat_interleave(G, 0)
+        ref = [set(ref_top(ac[q], kk)) | set(range(max(n - w, first), n)) for q in range(c.n_heads)]
+        assert store_sets(kv, layer) == ref, layer
+        assert kv.kept_counts()[layer] <= (W or n)
+        if W:
+            assert min(len(r) for r in ref) == min(ks[layer] + w, W)  # the window's cut
+
+
+@pytest.mark.parametrize("ubatch", [64, 1000])
+def test_gemma3_covering_budget_equals_full_under_the_window(ubatch):
+    """Everything kept (codebook=off): SpindleKV on Gemma 3's shape gives `full`'s logits (the
+    window mask, full's own ring), prefilled past the window (in chunks, or one) and decoded
+    past it again, while its local layers hold exactly the window."""
+    m = windowed("gemma3")
+    ids = prompt(150, 5)
+    ref = drive(m, new_kv(m, "full"), ids, ubatch, n_decode=70)
+    toks = ref[149:-1].argmax(-1).tolist()
+    kv = new_kv(m, "spindlekv:codebook=off", "4096")
+    seen = []
+
+    def after(point):
+        if point != "chunk":
+            check_bound(kv, point, books=False)
+            seen.append(kv.kept_counts())
+
+    out = drive(m, kv, ids, ubatch, n_decode=70, tokens=toks, after=after)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert seen[0] == [48, 48, 150] and seen[-1] == [48, 48, 220]
+
+
+def test_kvc_round_trip_and_fork_after_the_ring_wrapped(tmp_path):
+    """Gemma 3's shape, a compressed document decoded well past the window (the ring has
+    written over slots and dropped codebook rows): a .kvc file and a fork each go on as the
+    cache that never left memory, bit for bit, through a question turn and decode steps."""
+    from test_kvc import _continue, _runtime, same_graph
+
+    from kvrun.run import kvc
+    from kvrun.run.session import Session
+
+    m = windowed("gemma3")
+    rt = _runtime(tmp_path, m)
+    s = Session(m, None, rt.new_kv(check("spindlekv:window=8,theta_k=0.7,theta_v=0.6", "0.3")),
+                ubatch=64)  # fmt: skip
+    logits = s.prefill(prompt(150, 3))
+    for _ in range(80):
+        logits = s.decode(int(logits.argmax()))
+    local = s.kv.layers[0]
+    assert s.kv.kept_counts()[:2] == [48, 48] and min(local.pos_c[0].tolist()) == 230 - 48
+    path = kvc.save(tmp_path / "ring.kvc", s.kv, s.tokens, rt)
+    kv, tokens, _ = kvc.load(path, rt)
+    same_graph(s.kv, kv)
+    fork = s.kv.fork()
+    question, steps = prompt(12, 5), (7, 9, 11, 40, 3, 5)
+    want = _continue(m, s.kv, s.tokens, question, steps)
+    assert torch.equal(_continue(m, kv, tokens, question, steps), want)
+    assert torch.equal(_continue(m, fork, tokens, question, steps), want)
+    assert kv.nbytes() == s.kv.nbytes() == fork.nbytes()
 
 
 def test_one_chunk_equals_chunked_and_bounds_prefill_memory():

@@ -66,6 +66,11 @@ class DenseSeg:
     def v(self) -> torch.Tensor:  # (1, Hkv, T, D)
         return self._float(self._v.data)
 
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [lo, hi) (1, Hkv, hi - lo, D) in the model's dtype: only those decoded
+        (`k` and `v` decode every slot where the KV type is another)."""
+        return self._float(self._k.data[:, :, lo:hi]), self._float(self._v.data[:, :, lo:hi])
+
     def _float(self, x: torch.Tensor) -> torch.Tensor:
         """Stored rows as the model's dtype (a copy where the KV type is another)."""
         if self.kv_type is None:

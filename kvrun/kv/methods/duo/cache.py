@@ -123,13 +123,22 @@ class DuoCache(KVManager):
         return out
 
     def _trim(self) -> None:
-        """Streaming heads keep the first `sinks` and the newest `window` slots."""
+        """Streaming heads keep the first `sinks` and the newest `window` slots; under a sliding
+        window (Gemma 3's local layers) both stores hold only what the next query sees."""
         a, w = self.opt["sinks"], self.opt["window"]
-        for st in self.layers:
+        for i, st in enumerate(self.layers):
             d = st.stream
             if d.length > a + w and len(st.stream_heads):
                 idx = torch.cat([torch.arange(a), torch.arange(d.length - w, d.length)])
                 d.keep(idx[None].to(self.device))
+            if sw := self.config.window(i):
+                for seg in (st.ret, st.stream):
+                    if seg.length and int(seg.pos[0, 0]) <= self.seen - sw:  # slots: by position
+                        seg.keep((seg.pos[0] > self.seen - sw).nonzero().T)
+
+    def kept_counts(self) -> list[int]:
+        """Slots held per layer (its retrieval heads', or its streaming heads' where more)."""
+        return [max(st.ret.length, st.stream.length) for st in self.layers]
 
     def end_chunk(self, n_tokens: int) -> None:
         super().end_chunk(n_tokens)

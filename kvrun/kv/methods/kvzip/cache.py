@@ -140,7 +140,7 @@ class Reconstruct(KVManager):
         st, own, T = self.owner.layers[layer], self.own[layer], k.shape[2]
         own.append(k, v, positions)
         ops = self.rope.kernels  # the native CPU kernels, on float32 K/V
-        if ops is not None and not q.dtype == st.dense.k.dtype == torch.float32:
+        if ops is not None and not q.dtype == st.dense.dtype == torch.float32:
             ops = None
         body = st.kivi is not None and st.kivi.length
         if ops is not None and not body and st.dense.mask(positions, 0, None) is None:
@@ -178,7 +178,8 @@ class Reconstruct(KVManager):
         base = d.length - o.turn  # the turn's first slot
         a, b = base + self.a, base + self.b  # the chunk's slots
         s0 = min(o.opt["sinks"], self.a)  # the turn's sinks before the chunk
-        keys = torch.cat([d.k[0, :, base : base + s0], d.k[0, :, a:b], own.k[0]], dim=1).float()
+        sinks, chunk = d.rows(base, base + s0)[0], d.rows(a, b)[0]
+        keys = torch.cat([sinks[0], chunk[0], own.k[0]], dim=1).float()
         z = o.scores[layer][:, self.a : self.b]
         if ops is not None:  # the pass rows are the last T keys: causal by slot
             col = ops.attn_colsum(q, keys[None], None, q.shape[-1] ** -0.5, mode=1)[2]

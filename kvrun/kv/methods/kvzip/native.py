@@ -30,9 +30,11 @@ def reconstruct(ops, rec, layer: int, q, d: DenseSeg, own: DenseSeg) -> torch.Te
     base = d.length - o.turn  # the turn's first slot
     a, b = base + rec.a, base + rec.b  # the chunk's slots
     s0 = min(o.opt["sinks"], rec.a)  # the turn's sinks before the chunk
-    scored = [(base, base + s0), (a, b)]
-    kx = torch.cat([d.k[:, :, lo:hi] for lo, hi in scored] + [own.k], dim=2)
-    vx = torch.cat([d.v[:, :, lo:hi] for lo, hi in scored] + [own.v], dim=2)
+    # each range's rows decoded once (--kv-dtype f16: the ranges partition the cache, so every
+    # slot is decoded once per call, not the whole cache per range)
+    scored = [d.rows(base, base + s0), d.rows(a, b)]
+    kx = torch.cat([k for k, _ in scored] + [own.k], dim=2)
+    vx = torch.cat([v for _, v in scored] + [own.v], dim=2)
     # the pass rows are the newest keys: causal by slot; mode 1: each key's largest probability
     out, lse, best = ops.attn_colsum(q, kx, vx, q.shape[-1] ** -0.5, mode=1)
     z = o.scores[layer][:, rec.a : rec.b]
@@ -40,5 +42,5 @@ def reconstruct(ops, rec, layer: int, q, d: DenseSeg, own: DenseSeg) -> torch.Te
     parts = [Partial(out, lse)]
     for lo, hi in [(0, base), (base + s0, a), (b, d.length)]:  # the rest of the cache
         if hi > lo:
-            parts.append(flash(q, d.k[:, :, lo:hi], d.v[:, :, lo:hi]))
+            parts.append(flash(q, *d.rows(lo, hi)))
     return combine(parts, rec.dtype)

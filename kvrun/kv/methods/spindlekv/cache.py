@@ -17,6 +17,7 @@ from ...cache import keep_indices
 from ...protocol import KVManager
 from ...state import Int, ListInto, state
 from .store import CodedLayer, pack_bits, unpack_bits
+from .window import ring, stale, trim
 
 
 def endpoints(r_c: Fraction, beta: Fraction) -> tuple[Fraction, Fraction]:
@@ -67,11 +68,18 @@ def qhead_scores(qw, k, sliding: int | None = None, length_norm: bool = True) ->
     return vote
 
 
-def select_keep(scores: torch.Tensor, k: int, t: int, n_kv: int, gqa: str) -> torch.Tensor:
+def select_keep(
+    scores: torch.Tensor, k: int, t: int, n_kv: int, gqa: str, first: int = 0
+) -> torch.Tensor:
     """Keep bits (Hkv, g, t): per query head the top k of scores (Hq, t - w), ties to the lower
-    position, plus the window; gqa=mean picks once per KV head on the group-mean score."""
+    position, plus the window; gqa=mean picks once per KV head on the group-mean score. Only
+    tokens from `first` on are candidates (a sliding window's newest): k is cut to their count."""
     Hq, n_ctx = scores.shape
     g = Hq // n_kv
+    if first:
+        scores = scores.clone()
+        scores[:, :first] = float("-inf")
+        k = min(k, max(n_ctx - first, 0))
     if gqa == "mean":
         top = keep_indices(scores.view(n_kv, g, n_ctx).mean(1), None, k).repeat_interleave(g, 0)
     else:
@@ -79,6 +87,7 @@ def select_keep(scores: torch.Tensor, k: int, t: int, n_kv: int, gqa: str) -> to
     keep = torch.zeros(Hq, t, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, top, True)
     keep[:, n_ctx:] = True
+    keep[:, :first] = False  # an observation window longer than the sliding one
     return keep.view(n_kv, g, t)
 
 
@@ -178,24 +187,51 @@ class SpindleKVCache(KVManager):
         st, o = self.layers[layer], self.opt
         Hkv, t, _ = kp.shape
         plan = self.keep_counts(t)
+        sw = self.config.window(layer)
+        # a sliding window: only its newest sw tokens are candidates (kvrun's decision: the
+        # budget's tokens the window forbids are not given to other layers or positions)
+        first = max(t - sw, 0) if sw else 0
         if plan is None:
             keep = torch.ones(Hkv, self.group, t, dtype=torch.bool, device=kp.device)
+            keep[..., :first] = False
         else:
             tpos = torch.arange(self.turn_start, self.turn_start + t, device=kp.device)
             kr = self.rope.at(layer).apply(kp[None], tpos)[0]  # (Hkv, t, D) post-RoPE, transient
-            sw = self.config.window(layer)
             sc = qhead_scores(qwin, kr, sw, o["score_norm"] == "length")
             sc = pool_scores(sc, o["pool"])
-            keep = select_keep(sc, plan[layer], t, Hkv, o["gqa"])
+            keep = select_keep(sc, plan[layer], t, Hkv, o["gqa"], first)
         sl = union_slots(keep)
         st.all_bits &= bool(sl.valid.all()) and bool(keep.all(1).eq(keep.any(1)).all())
         pos = torch.where(sl.valid, sl.rel + self.turn_start, 0).to(torch.int32)  # (Hkv, S)
         gather = sl.rel[..., None].expand(-1, -1, kp.shape[2])
         ks, vs = kp.gather(1, gather), vp.gather(1, gather)  # (Hkv, S, D) kept, in slot order
         st.store_turn(layer, ks, vs, sl.valid, pos, sl.mask, o)
+        if sw:  # earlier turns' slots the window no longer sees go (the newest sw stay)
+            self.bound(layer, self.turn_start + t - 1)
+
+    def bound(self, layer: int, last: int) -> None:
+        """A windowed layer keeps the newest `window` positions up to `last` (trim), where it
+        holds more or holds an older one."""
+        st, window = self.layers[layer], self.config.window(layer)
+        lo = last - window + 1
+        if st.n_slots > window or stale(st, lo):
+            trim(st, lo)
 
     def decode(self, layer, qr, k, v, positions):
-        st = self.layers[layer]
+        """A decode token; on a windowed layer at the window, written over each head's oldest
+        slot (`ring`), else stored, attended, and the layer trimmed back to the window."""
+        st, window = self.layers[layer], self.config.window(layer)
+        if window and k.shape[2] == 1 and st.n_slots >= window:
+            p = int(positions[0])
+            lo = p - window + 1
+            if ring(st, layer, k[0, :, 0], v[0, :, 0], p, lo, self.ones_mask, self.opt, window):
+                return st.attend(qr, positions, window)
+        out = self._decode(st, layer, qr, k, v, positions)
+        if window and st.n_slots > window:
+            self.bound(layer, int(positions[-1]))
+        return out
+
+    def _decode(self, st: CodedLayer, layer, qr, k, v, positions):
         if st.kernels is not None and k.shape[2] == 1 and self._fuse(st, qr):
             pos = self.rope.position(positions)  # coded and attended in one native call
             out = st.step_native(qr, k[0, :, 0], v[0, :, 0], pos, self.opt)
@@ -246,6 +282,10 @@ class SpindleKVCache(KVManager):
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers)
+
+    def kept_counts(self) -> list[int]:
+        """Slots held per layer (per KV head, padding included), as KVCache.kept_counts."""
+        return [st.n_slots for st in self.layers]
 
     def stores(self) -> list:
         return list(self.layers)
