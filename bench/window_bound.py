@@ -16,7 +16,7 @@ import json
 import sys
 
 METHODS = ["full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "kvzip", "minikv",
-           "xkv", "minicache", "spindlekv", "snapkv+kivi2", "minicache+kivi4"]  # fmt: skip
+           "xkv", "minicache", "spindlekv", "duo", "kvzap", "snapkv+kivi2", "minicache+kivi4"]  # fmt: skip
 TEXT = "/usr/share/common-licenses/GPL-3"
 
 
@@ -39,12 +39,16 @@ def held(model: str, methods: list[str], tokens: int, decode: int, budget: str |
             spec = check(m, budget)
         except KvrunError:
             spec = check(m)
-        kv = rt.new_kv(spec)
-        s = Session(rt.model, rt.tokenizer, kv, ubatch=256)
-        with torch.inference_mode():
-            logits = s.prefill(ids)
-            for _ in range(decode):
-                logits = s.decode(int(logits.argmax()))
+        try:
+            kv = rt.new_kv(spec)
+            s = Session(rt.model, rt.tokenizer, kv, ubatch=256)
+            with torch.inference_mode():
+                logits = s.prefill(ids)
+                for _ in range(decode):
+                    logits = s.decode(int(logits.argmax()))
+        except KvrunError as e:  # e.g. a calibrated method without its calibration
+            rows.append({"method": m, "error": str(e)})
+            continue
         if not hasattr(kv, "kept_counts"):
             rows.append({"method": m, "error": "no kept_counts()"})
             continue

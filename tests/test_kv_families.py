@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-from calib_helpers import ensure_calibrated
 import test_kv_contract as contract
 import test_kv_methods
+from calib_helpers import ensure_calibrated
 
 import tiny_families
 from kvrun.kv import REGISTRY

@@ -168,7 +168,8 @@ def ruler(ctx, tasks, length, samples, seed, chat, out, resume, json_path, plot,
     rows = rr.summary(records, configs, task_list)
     doc = {"task": "ruler", "settings": {**settings, "tasks": task_list, "samples": samples},
            "complete": not interrupted, "scores": rows}  # fmt: skip
-    title = f"RULER {n} tokens, {samples} samples per task" + " (question after)" * question_after
+    title = f"RULER {n} tokens, {samples} sample{'s' * (samples != 1)} per task"
+    title += " (question after)" * question_after
     console = err_console if json_path == "-" else Console(highlight=False)
     console.print(score_table(rows, configs, task_list, title))
     if json_path == "-":

@@ -17,7 +17,7 @@ def plot_scores(path: str, rows: list[dict], configs, tasks: list[str], title: s
     cols = tasks + ["average"]
     grid = [[r["tasks"].get(t, float("nan")) for t in tasks] + [r["average"] or float("nan")]
             for r in rows]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(1.5 + 0.75 * len(cols), 1.2 + 0.45 * len(rows)),
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 0.75 * len(cols)), 1.2 + 0.45 * len(rows)),
                            constrained_layout=True)  # fmt: skip
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
     for i, row in enumerate(grid):

@@ -81,7 +81,9 @@ class MiniCache(Method):
         c, e, layout = kv.config, elem(kv), kv.kivi_layout  # the KIVI store of E, or None
         total = 0
         for i, st in kv.plain.items():  # a window's layers keep dense K, V under store=kivi4
-            total += kivi_of(c, e, layout, st) if layout and not c.window(i) else dense(c, st.length, e)
+            total += (
+                kivi_of(c, e, layout, st) if layout and not c.window(i) else dense(c, st.length, e)
+            )
         for p in kv.pairs:
             if p.k is None:  # nothing merged yet
                 continue

@@ -70,7 +70,9 @@ class MiniCacheKV(KVManager):
         self.plain = {
             i: self._kivi()
             if self.kivi_layout and not window(i)
-            else DenseSeg(self.H, self.D, self.dtype, self.device, kernels=kernels, kv_type=self.kv_type)
+            else DenseSeg(
+                self.H, self.D, self.dtype, self.device, kernels=kernels, kv_type=self.kv_type
+            )
             for i in plain
         }
         self.pairs = [Pair(a, b, None if window(a) else self._kivi()) for a, b in self.pair_list]
@@ -148,7 +150,9 @@ class MiniCacheKV(KVManager):
         masking window, something to restore (all retained: SDPA keeps step 1 equal to full).
         A window's pair holds only what the step's queries see (end of merge), so it fuses."""
         window = self.config.window(pair.a)  # a pair's layers share it (pairing)
-        if pair.kivi is not None or (window and pair.length and pair.first < self.seen + T - window):
+        if pair.kivi is not None or (
+            window and pair.length and pair.first < self.seen + T - window
+        ):
             return False
         g = self.layout.g
         return pair.length == 0 or pair.k.ridx.numel() + pair.v.ridx.numel() < 2 * g * pair.length

@@ -186,9 +186,7 @@ class Half:
 
 # a .kvc file holds the merged halves, the KIVI store of E and the length; layers a, b and the
 # scratch are the run's, and a prefill's exact buffers are gone between turns
-@state(
-    k=Maybe(New(Half)), v=Maybe(New(Half)), kivi=Into(), length=Int(0, "T"), first=Int(0, "T")
-)
+@state(k=Maybe(New(Half)), v=Maybe(New(Half)), kivi=Into(), length=Int(0, "T"), first=Int(0, "T"))
 class Pair:
     """Layers (a, b) = (l-1, l): merged halves, exact buffers during a prefill, pending slot."""
 
