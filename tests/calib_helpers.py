@@ -20,7 +20,12 @@ def ensure_calibrated(model, spec) -> None:
         g = torch.Generator().manual_seed(5)
         samples = [torch.randint(0, 256, (96,), generator=g).tolist() for _ in range(2)]
         with torch.inference_mode():
-            f = fit.fit(model, None, samples, hidden=8, epochs=2, ubatch=64)
+            from kvrun.run.session import Session
+
+            def prefill(kv, ids):
+                return Session(model, None, kv, ubatch=64).prefill(ids)
+
+            f = fit.fit(model, prefill, samples, hidden=8, epochs=2)
         fit.save(f, c, None)
     else:  # duo: a fixed pattern is all the contract needs (the calibration has its own tests)
         scores = torch.rand(c.n_layers, c.n_kv_heads, generator=torch.Generator().manual_seed(6))

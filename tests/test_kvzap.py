@@ -13,6 +13,7 @@ from test_kv_methods import drive, new_kv, prompt, tiny
 from kvrun.kv import calib, check
 from kvrun.kv.methods.kvzap import fit as kvzap_fit
 from kvrun.kv.methods.kvzap.scorer import Scorer, features, fit_linear, standardise
+from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,6 +125,9 @@ def test_default_model_scorers_rank_like_kvzip(default_runtime):
     held = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()[:3000]
     cut = lambda t, n: [tok.bos_id] + tok.encode(t, add_bos=False)[:n]  # noqa: E731
     with torch.inference_mode():
-        f = kvzap_fit.fit(rt.model, tok, [cut(text, 700)], [cut(held, 300)])
+        def prefill(kv, ids):
+            return Session(rt.model, tok, kv, ubatch=512).prefill(ids)
+
+        f = kvzap_fit.fit(rt.model, prefill, [cut(text, 700)], [cut(held, 300)])
     print(f"held-out rank correlation: {f.rho}")
     assert f.rho["linear"] > 0.3, f.rho

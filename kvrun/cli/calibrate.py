@@ -95,10 +95,14 @@ def calibrate(method, texts, held_out, length, hidden, as_json, model: ModelOpti
 
 def _kvzap(rt, bodies, other, length, hidden, ubatch) -> dict:
     from ..kv.methods.kvzap import fit as kvzap_fit
+    from ..run.session import Session
 
     samples = _samples(rt.tokenizer, bodies, length)
     held = _samples(rt.tokenizer, [other], length) if other else None
-    f = kvzap_fit.fit(rt.model, rt.tokenizer, samples, held, hidden=hidden, ubatch=ubatch)
+    def prefill(kv, ids):
+        return Session(rt.model, rt.tokenizer, kv, ubatch=ubatch).prefill(ids)
+
+    f = kvzap_fit.fit(rt.model, prefill, samples, held, hidden=hidden)
     where = kvzap_fit.save(f, rt.config, rt.path)
     on = "held-out" if held else "training"
     rho = ", ".join(f"{k} {v:.3f}" for k, v in f.rho.items())

@@ -125,7 +125,7 @@ def ruler(ctx, tasks, length, samples, seed, chat, out, resume, json_path, plot,
     kvrun ruler --length 4k --kv full --kv snapkv --kv-budget 0.25,0.5 --question-after
     kvrun ruler --tasks niah_single_1,vt --length 2k --samples 20 --kv full
     kvrun ruler --kv snapkv --kv-budget 0.25 -o ruler.jsonl   (then --resume to go on)
-    kvrun ruler --kv full --kv kvzip --parallel 4 --json scores.json --plot scores.png
+    kvrun ruler --kv full --kv pyramidkv --parallel 4 --json scores.json --plot scores.png
     kvrun ruler --kv full --kv snapkv --ray   (samples spread over a Ray cluster)
     """
     task_list = ru.parse_tasks(tasks)

@@ -4,6 +4,7 @@ from kvrun's own KVzip cache, against each layer's Q, K and V rows; a ridge regr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ from ... import calib, check
 from ...protocol import Pass
 from ..kvzip.cache import KVzipCache
 from .scorer import Scorer, features, fit_linear, fit_mlp, standardise
+
+Prefill = Callable[[object, list[int]], object]  # (cache, ids): the model run over ids
 
 FLOOR = 1e-6  # scores below it (never attended) are fitted as log(FLOOR)
 
@@ -39,17 +42,17 @@ class Collect(KVzipCache):
         self.scores = [None] * len(self.layers)
 
 
-def collect(model, tokenizer, samples: list[list[int]], ubatch: int = 512):
+def collect(model, samples: list[list[int]], prefill: Prefill):
     """Per layer: features X (N, F) and log-scores Y (N, Hkv) of every sample's tokens (a
-    leading BOS, never repeated by the pass, left out)."""
-    from ....run.session import Session
-
+    leading BOS, never repeated by the pass, left out). prefill(kv, ids) runs the model over
+    ids into the cache kv with its planning passes (a Session's prefill: the caller's, since
+    the KV layer does not drive the model)."""
     L = model.config.n_layers
     X: list[list[torch.Tensor]] = [[] for _ in range(L)]
     Y: list[list[torch.Tensor]] = [[] for _ in range(L)]
     for ids in samples:
         kv = Collect(model.config, model.rope, model.device, model.dtype)
-        Session(model, tokenizer, kv, ubatch=ubatch).prefill(ids)
+        prefill(kv, ids)
         for i in range(L):
             x = torch.cat(kv.feats[i])[kv.lo :]
             y = kv.taken[i][:, kv.lo :].T.clamp_min(FLOOR).log()
@@ -76,16 +79,15 @@ class Fit:
 
 def fit(
     model,
-    tokenizer,
+    prefill: Prefill,
     samples: list[list[int]],
     held_out: list[list[int]] | None = None,
     hidden: int = 0,
     epochs: int = 30,
     ridge: float = 1e-2,
-    ubatch: int = 512,
 ) -> Fit:
     """Scorers for every layer: linear always, an MLP of `hidden` units when hidden > 0."""
-    X, Y = collect(model, tokenizer, samples, ubatch)
+    X, Y = collect(model, samples, prefill)
     tensors: dict[str, torch.Tensor] = {}
     for i, (x, y) in enumerate(zip(X, Y, strict=True)):
         mu, sd = standardise(x)
@@ -107,7 +109,7 @@ def fit(
         "samples": len(samples),
     }
     kinds = ["linear"] + (["mlp"] if hidden else [])
-    Xh, Yh = collect(model, tokenizer, held_out, ubatch) if held_out else (X, Y)
+    Xh, Yh = collect(model, held_out, prefill) if held_out else (X, Y)
     rho = {k: correlation(tensors, k, Xh, Yh) for k in kinds}
     return Fit(tensors, meta, int(len(X[0])), rho)
 
