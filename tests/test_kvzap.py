@@ -125,6 +125,7 @@ def test_default_model_scorers_rank_like_kvzip(default_runtime):
     held = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()[:3000]
     cut = lambda t, n: [tok.bos_id] + tok.encode(t, add_bos=False)[:n]  # noqa: E731
     with torch.inference_mode():
+
         def prefill(kv, ids):
             return Session(rt.model, tok, kv, ubatch=512).prefill(ids)
 

@@ -99,6 +99,7 @@ def _kvzap(rt, bodies, other, length, hidden, ubatch) -> dict:
 
     samples = _samples(rt.tokenizer, bodies, length)
     held = _samples(rt.tokenizer, [other], length) if other else None
+
     def prefill(kv, ids):
         return Session(rt.model, rt.tokenizer, kv, ubatch=ubatch).prefill(ids)
 
