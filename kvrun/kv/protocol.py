@@ -210,6 +210,9 @@ class Ctx:
     # (Hq, T) fp32 the probabilities the step's own attention used (the saved query's, over
     # every held slot), where the native step kept them; else None
     probs: torch.Tensor | None = None
+    # heads padded to the layer's largest (scope=adaptive): the padding's position is PAD
+    padded: bool = False
+    rope: Any = None  # the layer's Rope (kvrun/models/rope.py): a method that unrotates queries
 
     @property
     def keys(self) -> torch.Tensor:  # (Hkv, T, D) post-RoPE keys of the held slots
@@ -225,7 +228,8 @@ class Ctx:
         if self.probs is not None:
             return self.probs[:, : self.store.length - self.queries.shape[1]]
         sw = self.config.window(self.layer)
-        return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
+        at = self.positions if sw or self.padded else None  # padding: masked by its position
+        return attention.window_scores(self.queries, self.keys, sw, at)
 
     def window_votes(self, kind: str, kernel: int) -> torch.Tensor:  # (Hkv, T - w) fp32
         """SnapKV's votes (§4.2): pooled per query head, then summed per KV head (max-pooling

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from ..spec import Method
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
+from .keydiff import KeyDiff
 from .kivi import KIVI2, KIVI4
 from .knorm import KNorm
 from .kvzip import KVzip
@@ -29,6 +31,8 @@ REGISTRY: dict[str, type[Method]] = {
         TOVA,
         KNorm,
         KVzip,
+        KeyDiff,
+        ExpectedAttention,
         MiniKV,
         MiniKVPyramid,
         XKV,
