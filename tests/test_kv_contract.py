@@ -260,10 +260,11 @@ def test_stores_follow_the_store_protocol(m, text):
             assert out.shape == q.shape and torch.isfinite(out).all(), text
 
 
-@pytest.mark.parametrize("name", ["tova", "knorm", "kvzip"])
+@pytest.mark.parametrize("name", ["tova", "knorm", "kvzip", "keydiff", "expected_attention"])
 def test_a_scoring_method_lives_in_its_own_files(name):
-    """TOVA, KNorm and KVzip were added as one module each plus the registry line: their names
-    appear nowhere else in kvrun/ (a method is one place to read)."""
+    """TOVA, KNorm, KVzip, KeyDiff and Expected Attention were added as one module each plus
+    the registry line: their names appear nowhere else in kvrun/ (a method is one place to
+    read)."""
     from pathlib import Path
 
     import kvrun

@@ -13,8 +13,8 @@ from ..state import Like, state
 from .buffer import Buffer
 from .kvtypes import KVType
 
-# the position of a padding slot (a head holding fewer slots than its layer's largest:
-# kvzip:scope=layer, scope=adaptive): after every query, so no mask lets one see it
+# the position of a padding slot (a head holding fewer slots than its layer's largest,
+# scope=adaptive and the like): after every query, so no mask lets one see it
 PAD = 2**31 - 1
 
 
