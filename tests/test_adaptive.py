@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from naive_ref import Watch, points, rank
+from naive_ref import Watch, keep_top, points, rank
 from test_kv_methods import budget_tokens, drive, new_kv, prompt, tiny
 from test_kv_select import ref_snap_scores
 
@@ -164,3 +164,56 @@ def test_alpha_one_is_the_uniform_selection():
         logits[spec] = drive(m, new_kv(m, spec, "0.3", hook), ids, 16, 4)
     assert kept["knorm:scope=adaptive,alpha=1"] == kept["knorm"] != []
     torch.testing.assert_close(logits["knorm"], logits["knorm:scope=adaptive,alpha=1"])
+
+
+def critical_rule(budget: str, margins: list):
+    """CriticalKV (critical=1) over KNorm's scores, per KV head: its floor(B / 2) lowest key
+    norms first, then the best (score + 1e-4) * mean over the group of ||v W_o,h||_1, W_o,h
+    the columns of the output projection that query head h's output multiplies."""
+
+    def predict(h, layer, point, n):
+        if point != "prefill":
+            return None
+        B = budget_tokens(budget, n, 0)
+        W = h.model.model.layers[layer].self_attn.o_proj.weight.double()  # (dim, Hq * D)
+        rows = []
+        for hk, held in enumerate(h.held[layer]):
+            if len(held) <= B:
+                rows.append(held)
+                continue
+            raw = {p: -float(h.K[layer][hk, p].norm()) for p in held}
+            order = rank(raw)
+            first = order[: B // 2]
+            margins.append(_margin(raw[order[B // 2 - 1]], raw[order[B // 2]]))
+            norm = torch.zeros(len(held), dtype=torch.float64)
+            for g in range(h.G):
+                qh = hk * h.G + g
+                Wh = W[:, qh * h.D : (qh + 1) * h.D]  # (dim, D)
+                norm += (h.V[layer][hk, held] @ Wh.T).abs().sum(-1) / h.G
+            s = {p: (raw[p] + 1e-4) * float(x) for p, x in zip(held, norm, strict=True)}
+            s.update({p: math.inf for p in first})
+            kept, margin = keep_top(s, B)
+            rows.append(kept)
+            margins.append(margin)
+        return rows
+
+    return predict
+
+
+@pytest.mark.parametrize("budget", ["0.3", "12"])
+def test_critical_matches_naive_oracle(budget):
+    """knorm:critical=1 keeps, per KV head, what CriticalKV's two stages keep (float64, the
+    output projection read from the model's weights); attention outputs follow."""
+    m = tiny()
+    margins = []
+    w = Watch(m, "knorm:critical=1", budget, critical_rule(budget, margins))
+    w.model = m
+    drive(m, w.kv, prompt(61, seed=38), 16, 4)
+    assert min(margins) > MARGIN, "a near-tie: pick another prompt"
+    plain = []
+
+    def hook(layer, point, positions):
+        plain.append([sorted(p for p in r if p >= 0) for r in positions.tolist()])
+
+    drive(m, new_kv(m, "knorm", budget, hook), prompt(61, seed=38), 16, 4)
+    assert [e[3] for e in points(w.events, "prefill")] != plain[: m.config.n_layers]

@@ -39,6 +39,10 @@ ADAPTIVE = [m for m in SELECT if _adaptive(m)]
 CASES = [pytest.param(m, m.name, id=m.name) for m in REGISTRY.values()] + [
     pytest.param(m, f"{m.name}:scope=adaptive", id=f"{m.name}:scope=adaptive") for m in ADAPTIVE
 ]
+# CriticalKV's refinement (critical=1, the model's W_o lent to the cache), per head and adaptive
+CRITICAL = ["knorm:critical=1", "kvzip:critical=1", "snapkv:scope=adaptive,critical=1"]
+CRITICAL += ["h2o:scope=adaptive,critical=1"]
+CASES += [pytest.param(REGISTRY[t.partition(":")[0]], t, id=t) for t in CRITICAL]
 SELECT_CASES = [c for c in CASES if c.values[0].kind == "select"]
 
 
@@ -129,7 +133,7 @@ def _stacks() -> list[str]:
                 out.append(check(f"{sel.name}+{store.name}").name)
             except KvrunError:
                 pass
-    return out + [f"{m.name}:scope=adaptive" for m in ADAPTIVE]
+    return out + [f"{m.name}:scope=adaptive" for m in ADAPTIVE] + CRITICAL
 
 
 @pytest.mark.parametrize("text", _stacks())

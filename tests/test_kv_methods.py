@@ -66,7 +66,10 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def new_kv(model, spec: str, budget=None, hook=None):
     kw = {"on_select": hook} if hook is not None else {}
-    return build(check(spec, budget), model.config, model.rope, "cpu", torch.float32, **kw)
+    parsed = check(spec, budget)
+    if parsed.select.critical:  # CriticalKV reads the output projection (as Runtime.new_kv)
+        kw["out_proj"] = lambda layer: model.model.layers[layer].self_attn.o_proj
+    return build(parsed, model.config, model.rope, "cpu", torch.float32, **kw)
 
 
 @torch.inference_mode()

@@ -85,6 +85,33 @@ def keep_adaptive(
         d.acc.masked_fill_(padding.repeat_interleave(len(d.acc) // Hkv, dim=0), 0)
 
 
+class OutProj:
+    """The model's attention output projection, lent to a cache for CriticalKV (critical=1):
+    `modules(layer)` is the layer's o_proj, dense or packed; its weight per query head is read
+    once per layer by projecting the identity (whatever form the module keeps it in) and
+    shared by every fork of the cache."""
+
+    shared_by_forks = True
+
+    def __init__(self, modules, n_heads: int, head_dim: int):
+        self.modules, self.n_heads, self.head_dim = modules, n_heads, head_dim
+        self._w: dict[int, torch.Tensor] = {}
+
+    def weights(self, layer: int, dtype, device) -> torch.Tensor:
+        """(Hq, D, dim) fp32: W_o's block that head h's output goes through."""
+        w = self._w.get(layer)
+        if w is None:
+            n = self.n_heads * self.head_dim
+            with torch.inference_mode():
+                w = self.modules(layer)(torch.eye(n, dtype=dtype, device=device)[None])[0]
+            w = self._w[layer] = w.float().view(self.n_heads, self.head_dim, -1)
+        return w
+
+
+CRITICAL_EPS = 1e-4  # kvpress CriticalKVPress's epsilon
+CRITICAL_FIRST = Fraction(1, 2)  # its first_stage_ratio: the share of B chosen by raw scores
+
+
 @state(dense=Into(), kivi=Into(), queries=Maybe(Tensor("kv", ("Hq", "w", "D"))))
 @dataclass(slots=True, eq=False)
 class Layer:
@@ -100,9 +127,18 @@ class Layer:
 class KVCache(KVManager):
     """The cache of a validated KVSpec (--kv and --kv-budget)."""
 
-    def __init__(self, spec: KVSpec, config, rope, device, dtype, on_select=None):
+    def __init__(self, spec: KVSpec, config, rope, device, dtype, on_select=None, out_proj=None):
         super().__init__(config, rope, device, dtype, on_select)
         m, o = spec.select, spec.select_opts
+        # CriticalKV (critical=1): the model's output projection, `out_proj(layer)` its o_proj
+        self.out_proj = None
+        if m.critical:
+            if out_proj is None:
+                raise KvrunError(
+                    f"--kv {spec.name}:critical=1 needs the model's output projection "
+                    "(kvrun.kv.build(..., out_proj=...); Runtime.new_kv passes it)"
+                )
+            self.out_proj = OutProj(out_proj, config.n_heads, config.head_dim)
         self.spec, self.name, self.method, self.opt = spec, spec.name, m, o
         self.protected = spec.protected
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
@@ -400,6 +436,8 @@ class KVCache(KVManager):
                 held = (d, st.queries, d.pos, d.acc)
                 at = (self.seen, Bl, st.probs, self.adaptive, self.rope.at(i))
                 scores = m.score(Ctx(i, o, self.config, *held, *at))
+                if self.out_proj is not None:
+                    scores = self.critical(i, d, scores, Bl)
                 if self.adaptive:
                     keep_adaptive(d, scores, Bl, m.alpha, m.sinks, recent[Bl])
                 # one in, one out (a decode step at the budget): written over, not compacted
@@ -408,6 +446,25 @@ class KVCache(KVManager):
             if d.pos is not None:  # the hook sees position order, whatever the slots' order
                 at = torch.where(d.pos == PAD, -1, d.pos) if self.adaptive else d.pos
                 self.report(i, point, at if self.on_select is None else at.sort(1).values)
+
+    def critical(self, layer: int, d: DenseSeg, scores: torch.Tensor, B: int) -> torch.Tensor:
+        """CriticalKV's refinement (§3; kvpress CriticalKVPress.score) of scores (Hkv or 1, C)
+        for the C oldest slots: each KV head's floor(B / 2) best by the scores rank first; the
+        others by (score + 1e-4) * ||W_o v||_1, the L1 norm of the slot's value through each
+        query head's block of the output projection, averaged over the group."""
+        W = self.out_proj.weights(layer, self.dtype, self.device)  # (Hq, D, dim)
+        Hkv, C = d.n_kv, scores.shape[1]
+        v = d.v[0, :, :C].float()  # (Hkv, C, D)
+        G = W.shape[0] // Hkv
+        norm = torch.stack([(v[h // G] @ W[h]).abs().sum(-1) for h in range(W.shape[0])])
+        s = scores.float().expand(Hkv, -1)
+        if self.adaptive:  # padding is no slot: never among the first stage
+            s = s.masked_fill(d.pos[:, :C] == PAD, float("-inf"))
+        first = math.floor(CRITICAL_FIRST * B)
+        best = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :first]
+        out = (s + CRITICAL_EPS) * norm.view(Hkv, G, C).mean(1)
+        out = torch.where(torch.isinf(s), s, out)  # protected (inf) stays, even on a zero value
+        return out.scatter(1, best, float("inf"))
 
     def top(
         self, scores: torch.Tensor, T: int, k: int, pos: torch.Tensor | None = None

@@ -73,7 +73,9 @@ class KVManager:
         shared = [self.config, self.rope, getattr(self.rope, "kernels", None), self.on_select]
         shared.append(native.ops() if native.ops.cache_info().currsize else None)
         for v in vars(self).values():
-            if isinstance(v, _SHARED) or type(v).__module__.endswith("kv.spec"):
+            # what a model lends a cache (the output projection's weights) is shared too
+            lent = getattr(type(v), "shared_by_forks", False)
+            if isinstance(v, _SHARED) or type(v).__module__.endswith("kv.spec") or lent:
                 shared.append(v)
         memo = {id(v): v for v in shared if v is not None}
         return copy.deepcopy(self, memo)

@@ -129,8 +129,9 @@ ADAPTIVE = "adaptive"
 
 
 def adaptive(default: str = "head", choices: tuple[str, ...] = ("head", ADAPTIVE), **kw):
-    """The `scope` and `alpha` options of a scoring method that offers AdaKV's head-adaptive
-    budgets (docs/methods/adaptive.md): `scope, alpha = adaptive()` in the class body."""
+    """The `scope`, `alpha` and `critical` options of a scoring method that offers AdaKV's
+    head-adaptive budgets and CriticalKV's refinement (docs/methods/adaptive.md):
+    `scope, alpha, critical = adaptive()` in the class body."""
     scope = Option(
         default,
         "head = B per KV head; adaptive = the layer's Hkv * B to its best (head, slot) pairs "
@@ -141,7 +142,10 @@ def adaptive(default: str = "head", choices: tuple[str, ...] = ("head", ADAPTIVE
     alpha = Option(
         0.2, "scope=adaptive: each KV head keeps at least alpha * B (AdaKV)", lo=0.0, hi=1.0
     )
-    return scope, alpha
+    critical = Option(
+        False, "CriticalKV: half of B by the scores, the rest weighted by ||W_o v||_1 per head"
+    )
+    return scope, alpha, critical
 
 
 NEVER: frozenset[str] = frozenset()
@@ -189,6 +193,7 @@ class Method:
     queries: int = 0  # the newest queries of the turn kept for score() (ctx.queries)
     cumulative: bool = False  # accumulate attention column sums over every query (ctx.attention)
     scope: str = "head"  # "layer": one kept set for every KV head of a layer
+    critical: bool = False  # CriticalKV's refinement of the scores (needs the model's W_o)
     sinks: int = 0  # first slots always kept
     newest: int = 0  # newest slots always kept, whatever the budget
 
@@ -475,6 +480,10 @@ def parse(text: str, registry: Mapping[str, type[Method]], budget=None) -> KVSpe
     if store and sel.own_store:
         raise KvrunError(
             f"{sel.name} cannot be stacked with {store.name}: it has its own store ({sel.own_store})"
+        )
+    if sel.critical and sel.scope == "layer":
+        raise KvrunError(
+            f"{sel.name}:critical=1 weighs each KV head's values: use scope=head or adaptive"
         )
     if store and sel.scope == ADAPTIVE:
         raise KvrunError(

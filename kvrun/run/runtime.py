@@ -82,7 +82,10 @@ class Runtime:
     load_s: float = 0.0  # wall time of load_runtime (resolve, read, build)
 
     def new_kv(self, spec: KVSpec | None = None, **kw) -> KVManager:
-        """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full."""
+        """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full.
+        A spec that weighs values by the output projection (critical=1) is lent it."""
+        if spec is not None and spec.select.critical:
+            kw.setdefault("out_proj", lambda layer: self.model.model.layers[layer].self_attn.o_proj)
         return build(
             spec or FULL, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
         )

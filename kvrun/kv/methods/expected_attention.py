@@ -20,7 +20,7 @@ class ExpectedAttention(Method):
     covariance = Option(True, "add the queries' covariance term (else the mean alone)")
     vnorm = Option(True, "weight each key by its value's L2 norm")
     epsilon = Option(0.0, "added to the expected attention before the value norm", lo=0.0)
-    scope, alpha = adaptive()
+    scope, alpha, critical = adaptive()
     points = frozenset({"prefill"})
 
     @property

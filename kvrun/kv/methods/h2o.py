@@ -16,7 +16,7 @@ class H2O(Method):
     runs_at = "every chunk and step"
     recent = Option(0.5, "share of the budget B for the most recent tokens", lo=0.0, hi=1.0)
     sinks = Option(0, "first tokens always kept", lo=0)
-    scope, alpha = adaptive()
+    scope, alpha, critical = adaptive()
     newest = 1  # the newest token
     points = frozenset({"chunk", "step"})
     cumulative = True

@@ -15,7 +15,7 @@ class KeyDiff(Method):
     axes = ("key diversity", "top-k + window", "uniform", "dense")
     runs_at = "prefill-end"
     window = Option(0, "newest tokens always kept", lo=0)
-    scope, alpha = adaptive()
+    scope, alpha, critical = adaptive()
     points = frozenset({"prefill"})
 
     @property

@@ -13,7 +13,7 @@ class KNorm(Method):
     axes = ("key norm", "top-k + window", "uniform", "dense")
     runs_at = "prefill-end"
     window = Option(0, "newest tokens always kept", lo=0)
-    scope, alpha = adaptive()
+    scope, alpha, critical = adaptive()
     points = frozenset({"prefill"})
 
     @property

@@ -20,7 +20,7 @@ class SnapKV(Method):
     kernel = Option(7, "pooling kernel over the votes", lo=1, odd=True)
     pool = Option("max", "pooling", choices=("max", "avg"))
     chunked = Option(False, "also compress after every prefill chunk (bounded peak memory)")
-    scope, alpha = adaptive()
+    scope, alpha, critical = adaptive()
 
     @property
     def points(self) -> frozenset[str]:

@@ -13,7 +13,9 @@ class TOVA(Method):
     axes = ("last query", "top-k", "uniform", "dense")
     runs_at = "prefill-end and every step"
     # layer = one kept set per layer (the paper's), head = per KV head, adaptive = AdaKV's
-    scope, alpha = adaptive("layer", (*SCOPES, ADAPTIVE), was="heads", was_values={"kv": "head"})
+    scope, alpha, critical = adaptive(
+        "layer", (*SCOPES, ADAPTIVE), was="heads", was_values={"kv": "head"}
+    )
     newest = 1  # the newest token
     points = frozenset({"prefill", "step"})
     queries = 1

@@ -15,7 +15,7 @@ class KVzip(Method):
     sinks = Option(4, "first tokens always kept", lo=0)
     chunk = Option(2048, "tokens reconstructed per pass", lo=16)
     # layer = the layer's Hkv * B to its best (head, slot) pairs with no floor (adaptive, alpha=0)
-    scope, alpha = adaptive(
+    scope, alpha, critical = adaptive(
         "head", (*SCOPES, ADAPTIVE), was="heads", was_values={"uniform": "head"}
     )
     points = frozenset({"prefill"})

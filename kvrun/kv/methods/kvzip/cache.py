@@ -29,9 +29,9 @@ class KVzipCache(KVCache):
 
     bound_in_prefill = False  # the reconstruction passes read the whole turn
 
-    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+    def __init__(self, spec, config, rope, device, dtype, on_select=None, out_proj=None):
         self.scope = spec.select.scope
-        super().__init__(spec, config, rope, device, dtype, on_select)
+        super().__init__(spec, config, rope, device, dtype, on_select, out_proj)
 
     def reset(self) -> None:
         super().reset()
@@ -87,6 +87,8 @@ class KVzipCache(KVCache):
                 base = d.length - self.turn  # the turn's slots are the newest
                 s[:, base:] = z
                 s[:, base : base + max(0, self.opt["sinks"] - start)] = float("inf")
+                if self.out_proj is not None:  # CriticalKV over the reconstruction scores
+                    s = self.critical(i, d, s, B)
                 if self.scope == "adaptive":  # sinks and earlier turns are already inf
                     keep_adaptive(d, s, B, self.spec.select.alpha)
                 elif self.scope == "layer":
