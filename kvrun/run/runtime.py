@@ -85,10 +85,15 @@ class Runtime:
         """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full.
         A spec that weighs values by the output projection (critical=1) is lent it."""
         if spec is not None and spec.select.critical:
-            kw.setdefault("out_proj", lambda layer: self.model.model.layers[layer].self_attn.o_proj)
+            kw.setdefault("out_proj", self.out_proj)
         return build(
             spec or FULL, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
         )
+
+    def out_proj(self, layer: int):
+        """Layer `layer`'s attention output projection (dense or packed): lent to a cache that
+        weighs values by it (critical=1)."""
+        return self.model.model.layers[layer].self_attn.o_proj
 
 
 def load_runtime(
