@@ -246,6 +246,9 @@ def test_pull_unknown(name):
         ("snapkv", "lots", ["not a number"]),
         ("snapkv", "8", ["protected minimum of 32"]),
         ("streaming:sinks=4", "3", ["protected minimum of 5"]),
+        ("knorm:scope=adaptive+kivi2", None, ["cannot be stacked", "knorm:scope=head+kivi2"]),
+        ("keydiff:scope=layer", None, ["choose one of head, adaptive"]),
+        ("expected_attention:alpha=1.5", None, ["out of range"]),
     ],
 )
 def test_bad_kv_options_fail_before_loading(kv, budget, needles):
@@ -259,7 +262,7 @@ def test_kv_list_names_every_method():
     names = {m["name"] for m in json.loads(r.stdout)}
     assert names == {"full", "streaming", "h2o", "snapkv", "pyramidkv", "kivi2", "kivi4",
                      "minikv", "minikv-pyramid", "xkv", "minicache", "spindlekv", "tova",
-                     "knorm", "kvzip"}  # fmt: skip
+                     "knorm", "kvzip", "keydiff", "expected_attention"}  # fmt: skip
     assert "window" in run("kv", "list").stdout
 
 

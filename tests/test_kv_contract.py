@@ -29,6 +29,23 @@ N, UBATCH, DECODE = 80, 32, 6  # a prompt of three chunks, then decode steps
 COVER = "4096"  # a budget above every length here: nothing needs to go
 
 
+def _adaptive(m) -> bool:
+    """Whether the method offers scope=adaptive (AdaKV's head-adaptive budgets)."""
+    return any(o.name == "scope" and "adaptive" in o.choices for o in m.options)
+
+
+# every selection at its defaults, and each that offers it at scope=adaptive (heads padded)
+ADAPTIVE = [m for m in SELECT if _adaptive(m)]
+CASES = [pytest.param(m, m.name, id=m.name) for m in REGISTRY.values()] + [
+    pytest.param(m, f"{m.name}:scope=adaptive", id=f"{m.name}:scope=adaptive") for m in ADAPTIVE
+]
+# CriticalKV's refinement (critical=1, the model's W_o lent to the cache), per head and adaptive
+CRITICAL = ["knorm:critical=1", "kvzip:critical=1", "snapkv:scope=adaptive,critical=1"]
+CRITICAL += ["h2o:scope=adaptive,critical=1"]
+CASES += [pytest.param(REGISTRY[t.partition(":")[0]], t, id=t) for t in CRITICAL]
+SELECT_CASES = [c for c in CASES if c.values[0].kind == "select"]
+
+
 def _with(name: str, opts: str) -> str:
     return f"{name}:{opts}" if opts else name
 
@@ -59,8 +76,8 @@ def test_declaration(m):
             check(m.name, "0.5")
 
 
-@pytest.mark.parametrize("m", REGISTRY.values(), ids=lambda m: m.name)
-def test_budget_covering_everything_equals_full(m):
+@pytest.mark.parametrize("m,text", CASES)
+def test_budget_covering_everything_equals_full(m, text):
     """Under its lossless options, a budget that covers every token keeps every token and
     gives the full cache's logits (prefill in chunks, then decode steps)."""
     model = tiny()
@@ -69,7 +86,8 @@ def test_budget_covering_everything_equals_full(m):
     # a covering budget where the method runs at one by default; the others (MiniKV: the
     # prompt's heavy and recent fractions) cover everything through their lossless options
     budget = COVER if m.kind == "select" and m.default_budget else None
-    kv = new_kv(model, _lossless(m), budget)
+    lossless = text if text != m.name else _lossless(m)
+    kv = new_kv(model, lossless, budget)
     toks = ref[N - 1 : -1].argmax(-1).tolist()  # the full cache's greedy tokens
     out = drive(model, kv, ids, UBATCH, n_decode=DECODE, tokens=toks)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -88,12 +106,12 @@ def test_budget_covering_everything_equals_full(m):
         assert kv.kept_counts() == [held(i) for i in range(c.n_layers)]
 
 
-@pytest.mark.parametrize("m", SELECT + STORES, ids=lambda m: m.name)
-def test_default_settings_compress_and_report(m):
+@pytest.mark.parametrize("m,text", [c for c in CASES if c.values[0] in SELECT + STORES])
+def test_default_settings_compress_and_report(m, text):
     """At its defaults (budget 0.2 where it takes one) a method holds fewer bytes than the
     full cache after a prompt and decode steps, and describes itself as JSON."""
     model = tiny()
-    kv = new_kv(model, m.name)
+    kv = new_kv(model, text)
     drive(model, kv, prompt(300, seed=4), 128, n_decode=DECODE)
     full = kv.nbytes_full()
     assert full == (300 + DECODE) * model.config.kv_bytes_per_token(4)
@@ -116,7 +134,7 @@ def _stacks() -> list[str]:
                 out.append(check(f"{sel.name}+{store.name}").name)
             except KvrunError:
                 pass
-    return out
+    return out + [f"{m.name}:scope=adaptive" for m in ADAPTIVE] + CRITICAL
 
 
 @pytest.mark.parametrize("text", _stacks())
@@ -185,8 +203,8 @@ def test_every_method_is_stackable_or_says_why():
             assert spec.name == (store.name if sel.name == "full" else text)
 
 
-@pytest.mark.parametrize("m", REGISTRY.values(), ids=lambda m: m.name)
-def test_batch_of_three_equals_three_single_runs(m):
+@pytest.mark.parametrize("m,text", CASES)
+def test_batch_of_three_equals_three_single_runs(m, text):
     """B = 3: three prompts of different lengths, each prefilled alone, then decode steps
     with the three tokens in one forward pass (Session.decode_batch). Logits, kept bytes and
     lengths equal three B = 1 runs (up to the float reordering of a 3-row product)."""
@@ -195,7 +213,7 @@ def test_batch_of_three_equals_three_single_runs(m):
     budget = "0.5" if m.kind == "select" and m.takes_budget else None
 
     def session():
-        return Session(model, None, new_kv(model, m.name, budget), ubatch=UBATCH)
+        return Session(model, None, new_kv(model, text, budget), ubatch=UBATCH)
 
     singles, batch = [], [session() for _ in prompts]
     for p in prompts:
@@ -214,8 +232,8 @@ def test_batch_of_three_equals_three_single_runs(m):
         assert batch[b].kv.nbytes() == s.kv.nbytes()
 
 
-@pytest.mark.parametrize("m", SELECT, ids=lambda m: m.name)
-def test_stores_follow_the_store_protocol(m):
+@pytest.mark.parametrize("m,text", SELECT_CASES)
+def test_stores_follow_the_store_protocol(m, text):
     """Every per-layer store a method's cache holds (alone and stacked on each store) has the
     Store protocol's parts (kvrun/kv/protocol.py), and its partials, merged by log-sum-exp,
     are finite attention outputs over what it holds. (FullKV and MiniCache's dense pairs
@@ -224,7 +242,7 @@ def test_stores_follow_the_store_protocol(m):
     from kvrun.kv.protocol import Store
 
     model = tiny()
-    texts = [m.name] + [f"{m.name}+{s.name}" for s in STORES]
+    texts = [text] + [f"{text}+{s.name}" for s in STORES]
     for text in texts:
         try:
             check(text)
@@ -251,10 +269,11 @@ def test_stores_follow_the_store_protocol(m):
 DERIVED = {"kvzip": ("kv/methods/kvzap", "cli/calibrate.py")}
 
 
-@pytest.mark.parametrize("name", ["tova", "knorm", "kvzip"])
+@pytest.mark.parametrize("name", ["tova", "knorm", "kvzip", "keydiff", "expected_attention"])
 def test_a_scoring_method_lives_in_its_own_files(name):
-    """TOVA, KNorm and KVzip were added as one module each plus the registry line: their names
-    appear nowhere else in kvrun/ (a method is one place to read)."""
+    """TOVA, KNorm, KVzip, KeyDiff and Expected Attention were added as one module each plus
+    the registry line: their names appear nowhere else in kvrun/ (a method is one place to
+    read)."""
     from pathlib import Path
 
     import kvrun
@@ -313,14 +332,14 @@ def test_a_method_is_a_class_whose_options_are_fields():
     assert check("h2o", "100").select.kept_recent(100) == 50
 
 
-@pytest.mark.parametrize("m", REGISTRY.values(), ids=lambda m: m.name)
-def test_a_fork_goes_on_as_the_original_and_apart_from_it(m):
+@pytest.mark.parametrize("m,text", CASES)
+def test_a_fork_goes_on_as_the_original_and_apart_from_it(m, text):
     """kv.fork() after a compressed prompt: the fork and the original, each fed the same
     next turn and decode steps, give the same logits bit for bit and hold the same bytes,
     and feeding the fork changes nothing the original holds (a kept prefix, one compressed
     document asked many questions)."""
     model = tiny()
-    kv = new_kv(model, m.name)
+    kv = new_kv(model, text)
     drive(model, kv, prompt(150, seed=3), 64, n_decode=3)
     held, seen = kv.nbytes(), kv.seen
     fork = kv.fork()
@@ -330,3 +349,28 @@ def test_a_fork_goes_on_as_the_original_and_apart_from_it(m):
     a = drive(model, kv, prompt(20, seed=4), 64, n_decode=DECODE)
     assert torch.equal(a, b)
     assert kv.nbytes() == fork.nbytes() and kv.seen == fork.seen
+
+
+@pytest.mark.parametrize("m", ADAPTIVE, ids=lambda m: m.name)
+def test_adaptive_scope_is_refused_on_a_store_and_holds_uneven_heads(m):
+    """scope=adaptive (docs/methods/adaptive.md) refuses every store in one line naming both
+    (a KIVI body cannot mask padding); alone, its heads hold different counts of tokens
+    somewhere in the tiny model, and a layer's tokens are Hkv * B_l at the prefill end."""
+    text = f"{m.name}:scope=adaptive"
+    for store in STORES:
+        with pytest.raises(KvrunError, match=f"{m.name}.*{store.name}"):
+            check(f"{text}+{store.name}")
+    model = tiny()
+    c = model.config
+    counts = {}
+
+    def hook(layer, point, positions):  # the last report: the prefill's end (h2o: last chunk)
+        counts[layer] = [int((r >= 0).sum()) for r in positions]
+
+    kv = new_kv(model, text, "0.6", hook)  # above snapkv's window of 32: something to choose
+    drive(model, kv, prompt(120, seed=9), 32)
+    spec = check(text, "0.6")
+    Bl = spec.select.budgets(spec.budget.tokens(120, spec.protected), 120, c.n_layers)
+    assert sorted(counts) == list(range(c.n_layers))
+    assert all(sum(counts[i]) == c.n_kv_heads * Bl[i] for i in counts), (Bl, counts)
+    assert any(len(set(r)) > 1 for r in counts.values()), counts

@@ -37,17 +37,16 @@ def family(request, monkeypatch):
     return request.param
 
 
-ALL = list(REGISTRY.values())
+@pytest.mark.parametrize("m,text", contract.CASES)
+def test_budget_covering_everything_equals_full(family, m, text):
+    contract.test_budget_covering_everything_equals_full(m, text)
 
 
-@pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
-def test_budget_covering_everything_equals_full(family, m):
-    contract.test_budget_covering_everything_equals_full(m)
-
-
-@pytest.mark.parametrize("m", contract.SELECT + contract.STORES, ids=lambda m: m.name)
-def test_default_settings_compress_and_report(family, m):
-    contract.test_default_settings_compress_and_report(m)
+@pytest.mark.parametrize(
+    "m,text", [c for c in contract.CASES if c.values[0] in contract.SELECT + contract.STORES]
+)
+def test_default_settings_compress_and_report(family, m, text):
+    contract.test_default_settings_compress_and_report(m, text)
 
 
 @pytest.mark.parametrize("text", contract._stacks())
@@ -60,9 +59,9 @@ def test_static_step_equals_eager(family, spec):
     contract.test_static_step_equals_eager(spec)
 
 
-@pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
-def test_batch_of_three_equals_three_single_runs(family, m):
-    contract.test_batch_of_three_equals_three_single_runs(m)
+@pytest.mark.parametrize("m,text", contract.CASES)
+def test_batch_of_three_equals_three_single_runs(family, m, text):
+    contract.test_batch_of_three_equals_three_single_runs(m, text)
 
 
 @pytest.mark.parametrize("text", ["kivi2", "snapkv+kivi4"])
@@ -87,9 +86,9 @@ def test_kivi_stores_only_the_global_layers(text):
         drive(every, new_kv(every, f"{text}:residual=32"), prompt(150, seed=3), 64)
 
 
-@pytest.mark.parametrize("m", ALL, ids=lambda m: m.name)
-def test_a_fork_goes_on_as_the_original_and_apart_from_it(family, m):
-    contract.test_a_fork_goes_on_as_the_original_and_apart_from_it(m)
+@pytest.mark.parametrize("m,text", contract.CASES)
+def test_a_fork_goes_on_as_the_original_and_apart_from_it(family, m, text):
+    contract.test_a_fork_goes_on_as_the_original_and_apart_from_it(m, text)
 
 
 class _Windowed:

@@ -67,8 +67,11 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def new_kv(model, spec: str, budget=None, hook=None):
     kw = {"on_select": hook} if hook is not None else {}
-    ensure_calibrated(model, s := check(spec, budget))  # kvzap, duo: a tiny calibration first
-    return build(s, model.config, model.rope, "cpu", torch.float32, **kw)
+    parsed = check(spec, budget)
+    ensure_calibrated(model, parsed)  # kvzap, duo: a tiny calibration first
+    if parsed.select.critical:  # CriticalKV reads the output projection (as Runtime.new_kv)
+        kw["out_proj"] = lambda layer: model.model.layers[layer].self_attn.o_proj
+    return build(parsed, model.config, model.rope, "cpu", torch.float32, **kw)
 
 
 @torch.inference_mode()

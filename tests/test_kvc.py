@@ -39,7 +39,13 @@ class TinyRuntime:
         self.model, self.config, self.path = model, model.config, path
 
     def new_kv(self, spec):
-        return build(spec, self.config, self.model.rope, "cpu", torch.float32)
+        kw = {}
+        if spec.select.critical:  # as Runtime.new_kv: CriticalKV is lent the output projection
+            kw["out_proj"] = self.out_proj
+        return build(spec, self.config, self.model.rope, "cpu", torch.float32, **kw)
+
+    def out_proj(self, layer: int):
+        return self.model.model.layers[layer].self_attn.o_proj
 
 
 def _runtime(tmp_path, model, name="model.gguf", content=b"tiny model file") -> TinyRuntime:
@@ -57,8 +63,9 @@ def _continue(model, kv, tokens, question, steps):
     return torch.stack(out)
 
 
-# memos a load leaves empty, made again on first use (SpindleKV's kept counts, a shelf's offsets)
-MEMOS = {"_counts", "_off"}
+# memos a load leaves empty, made again on first use (SpindleKV's kept counts, a shelf's offsets,
+# the output projection's weights CriticalKV reads from the model)
+MEMOS = {"_counts", "_off", "_w"}
 
 
 def same_graph(a, b, path="kv", seen=None):

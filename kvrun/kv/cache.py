@@ -5,7 +5,9 @@ a flush, so a graph is recaptured once per R steps)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -13,10 +15,10 @@ from ..errors import KvrunError
 from ..kernels.dense_decode import dense_decode
 from .attention import attention_colsum, combine, dense_attention, group_sum
 from .protocol import Ctx, KVManager, StaticSegment
-from .spec import KVSpec
+from .spec import ADAPTIVE, KVSpec
 from .state import Into, ListInto, Maybe, Tensor, state
 from .stores import kvtypes
-from .stores.dense import DenseSeg
+from .stores.dense import PAD, DenseSeg
 from .stores.kivi import KiviLayer
 from .stores.kvtypes import KVType
 
@@ -29,6 +31,85 @@ def keep_indices(scores: torch.Tensor, protected: torch.Tensor | None, k: int) -
         scores = scores.masked_fill(protected, float("inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     return order.sort(dim=-1).values
+
+
+def keep_adaptive(
+    d: DenseSeg, scores: torch.Tensor, budget: int, alpha: float, first: int = 0, last: int = 0
+) -> None:
+    """AdaKV's selection (docs/methods/adaptive.md) in one layer held with a position per slot
+    and head: scores (Hkv or 1, C) fp32 for the C oldest slots (the newer ones kept). Each KV
+    head first keeps its floor(alpha * budget) best (the safeguard), its `first` oldest and `last`
+    newest held tokens always among what it keeps; the rest of the layer's Hkv * budget slots go
+    to the best (head, slot) pairs of the whole layer, raw scores compared across heads (as
+    AdaKV and kvpress do). Heads then hold different counts: each is padded at its front to the
+    largest, the padding zeros at position PAD (no query sees it; counted in nbytes). Ties go to
+    the lower position, then the lower head."""
+    Hkv, T = d.n_kv, d.length
+    if scores.shape[1] < T:
+        pad = scores.new_full((scores.shape[0], T - scores.shape[1]), float("inf"))
+        scores = torch.cat([scores, pad], dim=1)
+    pos = d.pos.long().expand(Hkv, -1)
+    real = pos != PAD
+    # every head in position order, its padding first: column j is the head's j-th slot
+    order = torch.where(real, pos, -1).argsort(dim=1, stable=True)
+    s = scores.float().expand(Hkv, -1).gather(1, order)
+    r = real.gather(1, order)
+    n_real = r.sum(1, keepdim=True)  # (Hkv, 1)
+    rank = torch.arange(T, device=s.device)[None] - (T - n_real)  # among the head's tokens
+    protect = r & ((rank < first) | (rank >= n_real - last))
+    s = s.masked_fill(protect, float("inf")).masked_fill(~r, float("-inf"))
+    total = min(Hkv * budget, int(n_real.sum()))
+    keep = torch.zeros_like(r)
+    floor = min(budget, math.floor(Fraction(str(alpha)) * budget))  # exact, as B(n) is
+    if floor:
+        best = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :floor]
+        keep.scatter_(1, best, True)
+        keep &= r
+    left = total - int(keep.sum())
+    if left > 0:  # slot-major: ties to the lower position, then the lower head
+        flat = s.masked_fill(keep, float("-inf")).t().reshape(-1)
+        pick = torch.sort(flat, descending=True, stable=True).indices[:left]
+        kt = keep.t().contiguous().view(-1)
+        kt[pick] = True
+        keep = kt.view(T, Hkv).t()
+    count = keep.sum(1)  # (Hkv,)
+    S = int(count.max())
+    col = torch.arange(T, device=s.device)[None].expand(Hkv, -1)
+    # per head: S - count dropped slots (to become padding), then the kept in position order
+    chosen = torch.where(keep, col, -1).argsort(dim=1, stable=True)[:, T - S :]
+    d.keep(order.gather(1, chosen))
+    padding = torch.arange(S, device=s.device)[None] < (S - count)[:, None]  # (Hkv, S)
+    d.pos.masked_fill_(padding, PAD)
+    d.zero(padding)
+    if d.acc is not None:
+        d.acc.masked_fill_(padding.repeat_interleave(len(d.acc) // Hkv, dim=0), 0)
+
+
+class OutProj:
+    """The model's attention output projection, lent to a cache for CriticalKV (critical=1):
+    `modules(layer)` is the layer's o_proj, dense or packed; its weight per query head is read
+    once per layer by projecting the identity (whatever form the module keeps it in) and
+    shared by every fork of the cache."""
+
+    shared_by_forks = True
+
+    def __init__(self, modules, n_heads: int, head_dim: int):
+        self.modules, self.n_heads, self.head_dim = modules, n_heads, head_dim
+        self._w: dict[int, torch.Tensor] = {}
+
+    def weights(self, layer: int, dtype, device) -> torch.Tensor:
+        """(Hq, D, dim) fp32: W_o's block that head h's output goes through."""
+        w = self._w.get(layer)
+        if w is None:
+            n = self.n_heads * self.head_dim
+            with torch.inference_mode():
+                w = self.modules(layer)(torch.eye(n, dtype=dtype, device=device)[None])[0]
+            w = self._w[layer] = w.float().view(self.n_heads, self.head_dim, -1)
+        return w
+
+
+CRITICAL_EPS = 1e-4  # kvpress CriticalKVPress's epsilon
+CRITICAL_FIRST = Fraction(1, 2)  # its first_stage_ratio: the share of B chosen by raw scores
 
 
 @state(dense=Into(), kivi=Into(), queries=Maybe(Tensor("kv", ("Hq", "w", "D"))))
@@ -46,9 +127,18 @@ class Layer:
 class KVCache(KVManager):
     """The cache of a validated KVSpec (--kv and --kv-budget)."""
 
-    def __init__(self, spec: KVSpec, config, rope, device, dtype, on_select=None):
+    def __init__(self, spec: KVSpec, config, rope, device, dtype, on_select=None, out_proj=None):
         super().__init__(config, rope, device, dtype, on_select)
         m, o = spec.select, spec.select_opts
+        # CriticalKV (critical=1): the model's output projection, `out_proj(layer)` its o_proj
+        self.out_proj = None
+        if m.critical:
+            if out_proj is None:
+                raise KvrunError(
+                    f"--kv {spec.name}:critical=1 needs the model's output projection "
+                    "(kvrun.kv.build(..., out_proj=...); Runtime.new_kv passes it)"
+                )
+            self.out_proj = OutProj(out_proj, config.n_heads, config.head_dim)
         self.spec, self.name, self.method, self.opt = spec, spec.name, m, o
         self.protected = spec.protected
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
@@ -57,11 +147,13 @@ class KVCache(KVManager):
         self.selects = not spec.keeps_all
         self.points = m.points
         self.n_queries = m.queries
+        self.adaptive = m.scope == ADAPTIVE  # heads hold different counts (keep_adaptive)
         # full keeps every token at its position (slot = position), except under a sliding
         # window, whose layers hold at most the window's tokens (a ring, positions kept)
         self.slot_positions = spec.keeps_all and self.kivi_layout is None and not config.any_window
         self.pos_rows = self.position_rows()
-        # the rows kept only for a sliding window's mask, beyond the method's formula
+        # the position rows a selection keeps only to mask (a sliding window, padded heads),
+        # counted by Method.nbytes beyond the method's own slot_bytes
         self.window_rows = 0 if m.evicts_at_decode else self.pos_rows
         self.count_pos = self.pos_rows > 0  # rows held only for the debug hook: not counted
         if on_select is not None and not self.pos_rows:
@@ -71,8 +163,9 @@ class KVCache(KVManager):
         one_call = self.kivi_layout is None and not config.any_window and not self.keys_pre_rope
         step_scores = m.cumulative or (self.n_queries == 1 and "step" in self.points)
         self._plain_decode = one_call and not step_scores
-        # ... or that also keep the probabilities they attend with (a step's scores, cumulative sums)
-        self._scored_decode = one_call and step_scores
+        # ... or that also keep the probabilities they attend with (a step's scores, cumulative
+        # sums); not over padded heads (scope=adaptive): those native calls see every slot
+        self._scored_decode = one_call and step_scores and not self.adaptive
         self.layers: list[Layer] = []
         self.reset()
 
@@ -143,6 +236,8 @@ class KVCache(KVManager):
         eviction; a subclass that masks by position (padding) overrides it."""
         m = self.method
         rows = 1 if m.per_layer else self.config.n_kv_heads
+        if self.adaptive:  # the padding of shorter heads is masked by position
+            return rows
         if m.evicts_at_decode:
             return rows
         # a sliding window (Mistral's, Gemma 3's local layers) masks by position: a cache
@@ -216,7 +311,8 @@ class KVCache(KVManager):
             return self._to_store(st, q, k, v)
         if self.n_queries and "step" in self.points:
             st.queries = q[0]  # (Hq, 1, D) the step's query scores the step's eviction
-            if self.config.window(layer) is None and st.dense.native_scores(q):
+            native = st.dense.native_scores(q) and not self.adaptive  # padding: masked below
+            if self.config.window(layer) is None and native:
                 d = st.dense  # natively, the step's own probabilities score it (no 2nd pass)
                 d.append(k, v, positions)
                 out, st.probs = d.attend_probs(q)
@@ -238,7 +334,7 @@ class KVCache(KVManager):
         T, window, d = k.shape[2], self.config.window(layer), st.dense
         d.append(k, v, positions)
         if self.method.cumulative:
-            if d.native_scores(q):  # one pass gives the output and the probabilities
+            if d.native_scores(q) and not self.adaptive:  # output and probabilities in one pass
                 return self._attend_native(d, q, positions, window).to(self.dtype)
             mask = d.mask(positions, T, window)
             if T == 1 and mask is None and q.is_cuda:  # one kernel, probabilities out
@@ -281,7 +377,8 @@ class KVCache(KVManager):
         for i, st in enumerate(self.layers):
             window, d = self.config.window(i), st.dense
             if window and d.pos is not None and d.length > window:
-                newest, slots = d.pos.topk(window, dim=1)  # (R, window) positions, slots
+                at = torch.where(d.pos == PAD, -1, d.pos)  # padding (scope=adaptive) is oldest
+                newest, slots = at.topk(window, dim=1)  # (R, window) positions, slots
                 d.keep(slots.gather(1, newest.argsort(dim=1)))  # in position order
 
     def end_chunk(self, n_tokens: int) -> None:
@@ -337,13 +434,37 @@ class KVCache(KVManager):
             d, Bl = st.dense, budgets[i]
             if d.length > Bl and (st.queries is not None or not self.n_queries):
                 held = (d, st.queries, d.pos, d.acc)
-                scores = m.score(Ctx(i, o, self.config, *held, self.seen, Bl, st.probs))
+                at = (self.seen, Bl, st.probs, self.adaptive, self.rope.at(i))
+                scores = m.score(Ctx(i, o, self.config, *held, *at))
+                if self.out_proj is not None:
+                    scores = self.critical(i, d, scores, Bl)
+                if self.adaptive:
+                    keep_adaptive(d, scores, Bl, m.alpha, m.sinks, recent[Bl])
                 # one in, one out (a decode step at the budget): written over, not compacted
-                one = d.length == Bl + 1 and d.evict_one(scores, m.sinks, recent[Bl])
-                if not one:
+                elif not (d.length == Bl + 1 and d.evict_one(scores, m.sinks, recent[Bl])):
                     d.keep(self.top(scores, d.length, Bl, None if d.in_order() else d.pos))
             if d.pos is not None:  # the hook sees position order, whatever the slots' order
-                self.report(i, point, d.pos if self.on_select is None else d.pos.sort(1).values)
+                at = torch.where(d.pos == PAD, -1, d.pos) if self.adaptive else d.pos
+                self.report(i, point, at if self.on_select is None else at.sort(1).values)
+
+    def critical(self, layer: int, d: DenseSeg, scores: torch.Tensor, B: int) -> torch.Tensor:
+        """CriticalKV's refinement (§3; kvpress CriticalKVPress.score) of scores (Hkv or 1, C)
+        for the C oldest slots: each KV head's floor(B / 2) best by the scores rank first; the
+        others by (score + 1e-4) * ||W_o v||_1, the L1 norm of the slot's value through each
+        query head's block of the output projection, averaged over the group."""
+        W = self.out_proj.weights(layer, self.dtype, self.device)  # (Hq, D, dim)
+        Hkv, C = d.n_kv, scores.shape[1]
+        v = d.v[0, :, :C].float()  # (Hkv, C, D)
+        G = W.shape[0] // Hkv
+        norm = torch.stack([(v[h // G] @ W[h]).abs().sum(-1) for h in range(W.shape[0])])
+        s = scores.float().expand(Hkv, -1)
+        if self.adaptive:  # padding is no slot: never among the first stage
+            s = s.masked_fill(d.pos[:, :C] == PAD, float("-inf"))
+        first = math.floor(CRITICAL_FIRST * B)
+        best = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :first]
+        out = (s + CRITICAL_EPS) * norm.view(Hkv, G, C).mean(1)
+        out = torch.where(torch.isinf(s), s, out)  # protected (inf) stays, even on a zero value
+        return out.scatter(1, best, float("inf"))
 
     def top(
         self, scores: torch.Tensor, T: int, k: int, pos: torch.Tensor | None = None

@@ -73,7 +73,9 @@ class KVManager:
         shared = [self.config, self.rope, getattr(self.rope, "kernels", None), self.on_select]
         shared.append(native.ops() if native.ops.cache_info().currsize else None)
         for v in vars(self).values():
-            if isinstance(v, _SHARED) or type(v).__module__.endswith("kv.spec"):
+            # what a model lends a cache (the output projection's weights) is shared too
+            lent = getattr(type(v), "shared_by_forks", False)
+            if isinstance(v, _SHARED) or type(v).__module__.endswith("kv.spec") or lent:
                 shared.append(v)
         memo = {id(v): v for v in shared if v is not None}
         return copy.deepcopy(self, memo)
@@ -210,6 +212,9 @@ class Ctx:
     # (Hq, T) fp32 the probabilities the step's own attention used (the saved query's, over
     # every held slot), where the native step kept them; else None
     probs: torch.Tensor | None = None
+    # heads padded to the layer's largest (scope=adaptive): the padding's position is PAD
+    padded: bool = False
+    rope: Any = None  # the layer's Rope (kvrun/models/rope.py): a method that unrotates queries
 
     @property
     def keys(self) -> torch.Tensor:  # (Hkv, T, D) post-RoPE keys of the held slots
@@ -225,7 +230,8 @@ class Ctx:
         if self.probs is not None:
             return self.probs[:, : self.store.length - self.queries.shape[1]]
         sw = self.config.window(self.layer)
-        return attention.window_scores(self.queries, self.keys, sw, self.positions if sw else None)
+        at = self.positions if sw or self.padded else None  # padding: masked by its position
+        return attention.window_scores(self.queries, self.keys, sw, at)
 
     def window_votes(self, kind: str, kernel: int) -> torch.Tensor:  # (Hkv, T - w) fp32
         """SnapKV's votes (§4.2): pooled per query head, then summed per KV head (max-pooling

@@ -123,6 +123,31 @@ def pooling(where: str, text: str) -> None:
 
 # `scope`, the one name for "one kept set (or statistic) per KV head, or one for the layer"
 SCOPES = ("head", "layer")
+# scope=adaptive (AdaKV): the layer's Hkv * B slots go to its best (head, slot) pairs, so heads
+# hold different counts (padded to the layer's largest, masked by position: cache.keep_adaptive)
+ADAPTIVE = "adaptive"
+
+
+def adaptive(default: str = "head", choices: tuple[str, ...] = ("head", ADAPTIVE), **kw):
+    """The `scope`, `alpha` and `critical` options of a scoring method that offers AdaKV's
+    head-adaptive budgets and CriticalKV's refinement (docs/methods/adaptive.md):
+    `scope, alpha, critical = adaptive()` in the class body."""
+    scope = Option(
+        default,
+        "head = B per KV head; adaptive = the layer's Hkv * B to its best (head, slot) pairs "
+        "(AdaKV)" + ("; layer = one kept set per layer" if "layer" in choices else ""),
+        choices=choices,
+        **kw,
+    )
+    alpha = Option(
+        0.2, "scope=adaptive: each KV head keeps at least alpha * B (AdaKV)", lo=0.0, hi=1.0
+    )
+    critical = Option(
+        False, "CriticalKV: half of B by the scores, the rest weighted by ||W_o v||_1 per head"
+    )
+    return scope, alpha, critical
+
+
 NEVER: frozenset[str] = frozenset()
 
 
@@ -168,6 +193,7 @@ class Method:
     queries: int = 0  # the newest queries of the turn kept for score() (ctx.queries)
     cumulative: bool = False  # accumulate attention column sums over every query (ctx.attention)
     scope: str = "head"  # "layer": one kept set for every KV head of a layer
+    critical: bool = False  # CriticalKV's refinement of the scores (needs the model's W_o)
     sinks: int = 0  # first slots always kept
     newest: int = 0  # newest slots always kept, whatever the budget
 
@@ -454,6 +480,16 @@ def parse(text: str, registry: Mapping[str, type[Method]], budget=None) -> KVSpe
     if store and sel.own_store:
         raise KvrunError(
             f"{sel.name} cannot be stacked with {store.name}: it has its own store ({sel.own_store})"
+        )
+    if sel.critical and sel.scope == "layer":
+        raise KvrunError(
+            f"{sel.name}:critical=1 weighs each KV head's values: use scope=head or adaptive"
+        )
+    if store and sel.scope == ADAPTIVE:
+        raise KvrunError(
+            f"{sel.name}:scope=adaptive cannot be stacked with {store.name}: its heads hold "
+            "different counts, padded and masked by position, which a KIVI body cannot mask; "
+            f"use {sel.name}:scope=head+{store.name}"
         )
     if store and sel.evicts_at_decode and store.kivi["bits"] != 16:
         raise KvrunError(

@@ -82,13 +82,21 @@ class Runtime:
     load_s: float = 0.0  # wall time of load_runtime (resolve, read, build)
 
     def new_kv(self, spec: KVSpec | None = None, **kw) -> KVManager:
-        """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full."""
+        """A fresh KV manager for this model from a validated spec (kvrun.kv.check); None: full.
+        A spec that weighs values by the output projection (critical=1) is lent it."""
+        if spec is not None and spec.select.critical:
+            kw.setdefault("out_proj", self.out_proj)
         kv = build(
             spec or FULL, self.config, self.model.rope, self.model.device, self.model.dtype, **kw
         )
         if hasattr(kv, "use_model_file"):  # a calibrated method (kvzap, duo) finds its own
             kv.use_model_file(self.path)
         return kv
+
+    def out_proj(self, layer: int):
+        """Layer `layer`'s attention output projection (dense or packed): lent to a cache that
+        weighs values by it (critical=1)."""
+        return self.model.model.layers[layer].self_attn.o_proj
 
 
 def load_runtime(

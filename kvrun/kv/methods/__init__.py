@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from ..spec import Method
 from .duo import Duo
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
+from .keydiff import KeyDiff
 from .kivi import KIVI2, KIVI4
 from .knorm import KNorm
 from .kvzap import KVzap
@@ -33,6 +35,8 @@ REGISTRY: dict[str, type[Method]] = {
         KVzip,
         KVzap,
         Duo,
+        KeyDiff,
+        ExpectedAttention,
         MiniKV,
         MiniKVPyramid,
         XKV,

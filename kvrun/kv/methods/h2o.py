@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from ..spec import Method, Option
+from ..spec import Method, Option, adaptive
 
 
 class H2O(Method):
@@ -16,6 +16,7 @@ class H2O(Method):
     runs_at = "every chunk and step"
     recent = Option(0.5, "share of the budget B for the most recent tokens", lo=0.0, hi=1.0)
     sinks = Option(0, "first tokens always kept", lo=0)
+    scope, alpha, critical = adaptive()
     newest = 1  # the newest token
     points = frozenset({"chunk", "step"})
     cumulative = True

@@ -4,7 +4,7 @@ Compression"): each KV head keeps the keys with the lowest L2 norm at the end of
 
 from __future__ import annotations
 
-from ..spec import Method, Option
+from ..spec import Method, Option, adaptive
 
 
 class KNorm(Method):
@@ -13,6 +13,7 @@ class KNorm(Method):
     axes = ("key norm", "top-k + window", "uniform", "dense")
     runs_at = "prefill-end"
     window = Option(0, "newest tokens always kept", lo=0)
+    scope, alpha, critical = adaptive()
     points = frozenset({"prefill"})
 
     @property

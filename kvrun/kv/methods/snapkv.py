@@ -4,7 +4,7 @@ votes are pooled, and each KV head keeps its top-k plus the window at the end of
 
 from __future__ import annotations
 
-from ..spec import Method, Option
+from ..spec import Method, Option, adaptive
 
 
 class SnapKV(Method):
@@ -20,6 +20,7 @@ class SnapKV(Method):
     kernel = Option(7, "pooling kernel over the votes", lo=1, odd=True)
     pool = Option("max", "pooling", choices=("max", "avg"))
     chunked = Option(False, "also compress after every prefill chunk (bounded peak memory)")
+    scope, alpha, critical = adaptive()
 
     @property
     def points(self) -> frozenset[str]:

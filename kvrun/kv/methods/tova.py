@@ -4,7 +4,7 @@ the end of the prefill and after every decode step (spec: docs/methods/tova.md).
 
 from __future__ import annotations
 
-from ..spec import SCOPES, Method, Option
+from ..spec import ADAPTIVE, SCOPES, Method, adaptive
 
 
 class TOVA(Method):
@@ -12,12 +12,9 @@ class TOVA(Method):
     summary = "TOVA: the newest query's attention, mean over heads, at prefill end and every step"
     axes = ("last query", "top-k", "uniform", "dense")
     runs_at = "prefill-end and every step"
-    scope = Option(
-        "layer",
-        "layer = one kept set per layer (paper); head = per KV head",
-        choices=SCOPES,
-        was="heads",
-        was_values={"kv": "head"},
+    # layer = one kept set per layer (the paper's), head = per KV head, adaptive = AdaKV's
+    scope, alpha, critical = adaptive(
+        "layer", (*SCOPES, ADAPTIVE), was="heads", was_values={"kv": "head"}
     )
     newest = 1  # the newest token
     points = frozenset({"prefill", "step"})
@@ -29,7 +26,7 @@ class TOVA(Method):
         a = ctx.window_scores()  # (Hq, T - 1)
         if self.scope == "layer":
             return a.mean(0, keepdim=True)  # one kept set for the whole layer: the paper's rule
-        return ctx.by_kv_head(a)  # the group's sum ranks as its mean
+        return ctx.by_kv_head(a)  # the group's sum ranks as its mean (and compares across heads)
 
     def slot_bytes(self, config) -> int:
         """L * T * (2 * Hkv * D * e + 4 * R): int32 positions, one row (scope=layer) or Hkv."""

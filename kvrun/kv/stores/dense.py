@@ -13,6 +13,10 @@ from ..state import Like, state
 from .buffer import Buffer
 from .kvtypes import KVType
 
+# the position of a padding slot (a head holding fewer slots than its layer's largest,
+# scope=adaptive and the like): after every query, so no mask lets one see it
+PAD = 2**31 - 1
+
 
 # a .kvc file holds the slots (the kernels, count_pos and every size but T are the run's)
 @state(_k=Like({2: "slots"}), _v=Like({2: "slots"}), pos=Like({1: "slots"}), acc=Like({1: "slots"}))

@@ -10,16 +10,15 @@ import torch
 
 from ....errors import KvrunError
 from ...attention import combine, sdpa
-from ...cache import KVCache, keep_indices
+from ...cache import KVCache, keep_adaptive, keep_indices
 from ...protocol import KVManager, Pass
 from ...state import Int, ListOf, Nothing, state
-from ...stores.dense import DenseSeg
+from ...stores.dense import PAD, DenseSeg
 from . import native
 
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk repeated after NEXT
-PAD = 2**31 - 1  # the position of a padding slot (scope=layer): after every query
 QUERY_BLOCK = 64  # pass queries scored at a time
 
 
@@ -30,9 +29,9 @@ class KVzipCache(KVCache):
 
     bound_in_prefill = False  # the reconstruction passes read the whole turn
 
-    def __init__(self, spec, config, rope, device, dtype, on_select=None):
+    def __init__(self, spec, config, rope, device, dtype, on_select=None, out_proj=None):
         self.scope = spec.select.scope
-        super().__init__(spec, config, rope, device, dtype, on_select)
+        super().__init__(spec, config, rope, device, dtype, on_select, out_proj)
 
     def reset(self) -> None:
         super().reset()
@@ -40,7 +39,7 @@ class KVzipCache(KVCache):
         self.scores: list[torch.Tensor | None] = [None] * self.config.n_layers  # (Hkv, t) fp32
 
     def position_rows(self) -> int:
-        if self.scope == "layer":
+        if self.scope != "head":
             return self.config.n_kv_heads  # padding is masked (in the method's formula)
         return super().position_rows()  # a sliding window's positions, where the model has one
 
@@ -88,7 +87,11 @@ class KVzipCache(KVCache):
                 base = d.length - self.turn  # the turn's slots are the newest
                 s[:, base:] = z
                 s[:, base : base + max(0, self.opt["sinks"] - start)] = float("inf")
-                if self.scope == "layer":
+                if self.out_proj is not None:  # CriticalKV over the reconstruction scores
+                    s = self.critical(i, d, s, B)
+                if self.scope == "adaptive":  # sinks and earlier turns are already inf
+                    keep_adaptive(d, s, B, self.spec.select.alpha)
+                elif self.scope == "layer":
                     self._keep_layer(d, s, B)
                 else:
                     d.keep(keep_indices(s, None, B))
