@@ -34,9 +34,10 @@ KVRUN = Path(sys.executable).with_name("kvrun")
 # kvrun method -> kvpress press; None: only one side has it
 PAIRS = {
     "streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress",
-    "tova": "TOVAPress", "kvzip": "KVzipPress", None: None,
+    "tova": "TOVAPress", "kvzip": "KVzipPress", "keydiff": "KeyDiffPress",
+    "expected_attention": "ExpectedAttentionPress", None: None,
 }  # fmt: skip
-KVPRESS_ONLY = ["ExpectedAttentionPress", "KeyDiffPress"]  # kvrun has no such method
+KVPRESS_ONLY: list[str] = []  # presses kvrun has no method for (rows of kvpress's alone)
 
 WORKER = r"""
 import json, sys, time

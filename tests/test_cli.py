@@ -262,7 +262,7 @@ def test_kv_list_names_every_method():
     names = {m["name"] for m in json.loads(r.stdout)}
     assert names == {"full", "streaming", "h2o", "snapkv", "pyramidkv", "kivi2", "kivi4",
                      "minikv", "minikv-pyramid", "xkv", "minicache", "spindlekv", "tova",
-                     "knorm", "kvzip", "keydiff", "expected_attention"}  # fmt: skip
+                     "knorm", "kvzip", "keydiff", "expected_attention", "kvzap", "duo"}  # fmt: skip
     assert "window" in run("kv", "list").stdout
 
 

@@ -246,6 +246,13 @@ def check_spec(path: Path, saved: dict, spec=None, budget: str | None = None, dt
         mine = check(saved["kv"], saved["budget"])
     except KvrunError as e:
         raise DamagedKvcFile(f"{path} holds a spec this kvrun does not take ({e})") from None
+    # the header names its method three times: they must agree (an edited `kv` must not load
+    # the state under another method whose store reads alike, e.g. snapkv+kivi2 as kivi2)
+    names = {saved["name"], saved["describe"].get("method"), mine.name}
+    if len(names) != 1:
+        raise DamagedKvcFile(
+            f"{path} names its KV method inconsistently ({', '.join(sorted(map(str, names)))})"
+        )
     held_dtype = check_dtype(path, saved.get("dtype"), spec.dtype if spec is not None else dtype)
     mine = mine.with_dtype(held_dtype)
     if spec is not None:
