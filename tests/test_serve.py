@@ -258,7 +258,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, case):
 
 def test_api_key_and_a_full_queue(default_gguf):
     """With --api-key a bad or missing key is 401 (/health needs none); beyond --queue
-    waiting requests, 503 with Retry-After; a bounded load (200 short requests from 16
+    waiting requests, 503 with Retry-After; a bounded load (100 short requests from 16
     clients) gets no other error and leaves the server's RSS within 10 % of before."""
     s = Served(default_gguf, "-np", "4", "--queue", "2", "--api-key", "sesame", weights=[])
     try:
@@ -288,10 +288,10 @@ def test_api_key_and_a_full_queue(default_gguf):
             assert one(i) == [(200, None)]
         rss0 = s.rss()
         with ThreadPoolExecutor(16) as pool:
-            answers = [a for one_request in pool.map(one, range(200)) for a in one_request]
+            answers = [a for one_request in pool.map(one, range(100)) for a in one_request]
         codes = [code for code, _ in answers]
         assert set(codes) <= {200, 503}, codes
-        assert codes.count(200) == 200 and codes.count(503) > 0  # the queue did turn some away
+        assert codes.count(200) == 100 and codes.count(503) > 0  # the queue did turn some away
         assert all(ra == "1" for code, ra in answers if code == 503)
         assert s.rss() <= 1.10 * rss0
         assert s.health() == 200
