@@ -35,7 +35,9 @@ KVRUN = Path(sys.executable).with_name("kvrun")
 PAIRS = {
     "streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress",
     "tova": "TOVAPress", "kvzip": "KVzipPress", "keydiff": "KeyDiffPress",
-    "expected_attention": "ExpectedAttentionPress", None: None,
+    "expected_attention": "ExpectedAttentionPress",
+    "snapkv:scope=adaptive": "AdaKVPress(SnapKVPress)",
+    "snapkv:critical=1": "CriticalKVPress(SnapKVPress)", None: None,
 }  # fmt: skip
 KVPRESS_ONLY: list[str] = []  # presses kvrun has no method for (rows of kvpress's alone)
 
@@ -60,7 +62,13 @@ except FileNotFoundError:
     pass
 with open(cfg["out"], "a") as out:
     for name, ratio in cfg["presses"]:
-        press = None if name == "none" else getattr(kvpress, name)(compression_ratio=ratio)
+        if name == "none":
+            press = None
+        elif "(" in name:  # a wrapper press around a scorer: AdaKVPress(SnapKVPress)
+            outer, inner = name.rstrip(")").split("(")
+            press = getattr(kvpress, outer)(getattr(kvpress, inner)(compression_ratio=ratio))
+        else:
+            press = getattr(kvpress, name)(compression_ratio=ratio)
         for s in samples:
             if (name, ratio, s["task"], s["index"]) in done:
                 continue
