@@ -68,7 +68,8 @@ def reference_scores(model, ids, kind):
         q = a.q_proj(h).view(1, T, c.n_heads, c.head_dim).transpose(1, 2)
         k = a.k_proj(h).view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = a.v_proj(h).view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        out.append(Scorer.of(tensors, i, kind, "cpu")(features(q, k, v)))
+        x = features(q, k, v)
+        out.append(Scorer.of(tensors, i, kind, "cpu", x.shape[1], c.n_kv_heads)(x))
     return out
 
 
@@ -132,3 +133,25 @@ def test_default_model_scorers_rank_like_kvzip(default_runtime):
         f = kvzap_fit.fit(rt.model, prefill, [cut(text, 700)], [cut(held, 300)])
     print(f"held-out rank correlation: {f.rho}")
     assert f.rho["linear"] > 0.3, f.rho
+
+
+def test_a_calibration_of_another_shape_is_one_line(tmp_path, monkeypatch):
+    """A kept calibration whose scorers lack a tensor or have another shape (a file edited,
+    or made for another model) is refused in one line naming the fit command, never a
+    traceback at the first prefill."""
+    from kvrun.errors import KvrunError
+
+    model = tiny()
+    ensure_calibrated(model, check("kvzap"))
+    where = calib.entry("kvzap", model.config, None)
+    tensors, meta = calib.load(where, "kvzap", "")
+    for edit in ("drop", "shape"):
+        bad = dict(tensors)
+        if edit == "drop":
+            del bad["linear.0.w"]
+        else:
+            bad["linear.0.w"] = bad["linear.0.w"][:, :-1].contiguous()
+        calib.save(where, bad, meta)
+        with pytest.raises(KvrunError, match="another shape or lacks"):
+            drive(model, new_kv(model, "kvzap", "0.5"), prompt(40, seed=3), 16, n_decode=1)
+    calib.save(where, tensors, meta)  # as it was, for the other tests

@@ -57,7 +57,17 @@ class KVzapCache(KVzipCache):
                     f"the kvzap calibration {where.name} is for another model shape; make a new "
                     f"one with `{COMMAND}`"
                 )
-            self.scorers = [Scorer.of(tensors, i, self.kind, self.device) for i in range(L)]
+            c = self.config
+            F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # the layer's q, k, v rows
+            scorers = [
+                Scorer.of(tensors, i, self.kind, self.device, F, c.n_kv_heads) for i in range(L)
+            ]
+            if any(s is None for s in scorers):
+                raise KvrunError(
+                    f"the kvzap calibration {where.name} holds scorers of another shape or lacks "
+                    f"some; make a new one with `{COMMAND}`"
+                )
+            self.scorers = scorers
         return self.scorers
 
     def position_rows(self) -> int:

@@ -118,7 +118,7 @@ def correlation(tensors, kind: str, X, Y) -> float:
     """Mean over layers and KV heads of the rank correlation between predicted and true log-scores."""
     out = []
     for i, (x, y) in enumerate(zip(X, Y, strict=True)):
-        pred = Scorer.of(tensors, i, kind, "cpu")(x)  # (Hkv, N)
+        pred = Scorer.of(tensors, i, kind, "cpu", x.shape[1], y.shape[1])(x)  # (Hkv, N)
         out += [rank_correlation(pred[h], y[:, h]) for h in range(y.shape[1])]
     return sum(out) / len(out)
 

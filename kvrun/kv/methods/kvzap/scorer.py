@@ -35,11 +35,20 @@ class Scorer:
         return (z @ p["w"].T + p["b"]).T
 
     @staticmethod
-    def of(tensors: dict[str, torch.Tensor], layer: int, kind: str, device) -> Scorer:
-        """Layer `layer`'s scorer of kind linear or mlp from a calibration's tensors."""
+    def of(tensors: dict[str, torch.Tensor], layer: int, kind: str, device, F: int, H: int):
+        """Layer `layer`'s scorer of kind linear or mlp from a calibration's tensors, for F
+        features and H KV heads; None where a tensor is missing or of another shape (a file
+        edited or made for another model: the caller says so in one line)."""
         keys = ("w", "b") if kind == "linear" else ("w1", "b1", "w2", "b2")
-        p = {k: tensors[f"{kind}.{layer}.{k}"] for k in keys}
-        p |= {k: tensors[f"{layer}.{k}"] for k in ("mu", "sd")}
+        p = {k: tensors.get(f"{kind}.{layer}.{k}") for k in keys}
+        p |= {k: tensors.get(f"{layer}.{k}") for k in ("mu", "sd")}
+        if any(v is None or not v.is_floating_point() for v in p.values()):
+            return None
+        h = p["w1"].shape[0] if kind == "mlp" and p["w1"].dim() == 2 else 0
+        want = {"mu": (F,), "sd": (F,), "w": (H, F), "b": (H,),
+                "w1": (h, F), "b1": (h,), "w2": (H, h), "b2": (H,)}  # fmt: skip
+        if any(tuple(v.shape) != want[k] for k, v in p.items()):
+            return None
         return Scorer({k: v.to(device, torch.float32) for k, v in p.items()})
 
 
