@@ -14,14 +14,43 @@ def require_matplotlib() -> None:
         raise KvrunError("--plot needs matplotlib: pip install matplotlib") from None
 
 
-def plot_heatmaps(path: str, records: list[dict], configs, lengths, depths) -> None:
-    """Accuracy per (depth, length) cell, red (0) to green (1), one panel per config."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (one line where matplotlib is missing)."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def heat(ax, grid: list[list[float]], top: float, fmt: str):
+    """grid red (0) to green (top) on ax, each cell's value written in it (NaN: left blank)."""
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=top, aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:  # not NaN
+                color = "white" if v < 0.15 * top or v > 0.85 * top else "black"  # dark ends
+                ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=8, color=color)
+    return image
+
+
+def save(fig, path: str) -> None:
+    """The figure into path (a one-line error where it cannot be written), then closed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise KvrunError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def plot_heatmaps(path: str, records: list[dict], configs, lengths, depths) -> None:
+    """Accuracy per (depth, length) cell, red (0) to green (1), one panel per config."""
+    plt = pyplot()
     n = len(configs)
     cols = min(n, 3)
     rows = -(-n // cols)
@@ -42,12 +71,7 @@ def plot_heatmaps(path: str, records: list[dict], configs, lengths, depths) -> N
             ]
             for d in depths
         ]
-        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                if v == v:  # not NaN
-                    color = "white" if v < 0.15 or v > 0.85 else "black"  # dark ends of RdYlGn
-                    ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=8, color=color)
+        image = heat(ax, grid, 1, ".0%")
         ax.set_title(cfg.label, fontsize=10)
         ax.set_xticks(range(len(lengths)), [nd.fmt_length(L) for L in lengths])
         ax.set_yticks(range(len(depths)), [nd.fmt_depth(d) for d in depths])
@@ -57,9 +81,4 @@ def plot_heatmaps(path: str, records: list[dict], configs, lengths, depths) -> N
         ax.axis("off")
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise KvrunError(f"cannot write {path}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    save(fig, path)
