@@ -124,7 +124,7 @@ def pooling(where: str, text: str) -> None:
 # `scope`, the one name for "one kept set (or statistic) per KV head, or one for the layer"
 SCOPES = ("head", "layer")
 # scope=adaptive (AdaKV): the layer's Hkv * B slots go to its best (head, slot) pairs, so heads
-# hold different counts (padded to the layer's largest, masked by position: cache.keep_adaptive)
+# hold different counts (padded to the layer's largest, masked by position: adaptive.keep_adaptive)
 ADAPTIVE = "adaptive"
 
 

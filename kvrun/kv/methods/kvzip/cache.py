@@ -9,8 +9,9 @@ import math
 import torch
 
 from ....errors import KvrunError
+from ...adaptive import keep_adaptive
 from ...attention import combine, sdpa
-from ...cache import KVCache, keep_adaptive, keep_indices
+from ...cache import KVCache, keep_indices
 from ...protocol import KVManager, Pass
 from ...state import Int, ListOf, Nothing, state
 from ...stores.dense import PAD, DenseSeg
