@@ -3,6 +3,7 @@
     python bench/decode_profile.py                 # default model, --wtype auto, full cache
     python bench/decode_profile.py --wtype f32     # the dense reference path
     python bench/decode_profile.py --kv snapkv --budget 0.25 --prompt 2048
+    python bench/decode_profile.py --prompt 8000 --kv-dtype f32   # the float32 cache
     python bench/decode_profile.py --modules       # through the modules, not kvrun/models/fused_decode.py
     python bench/decode_profile.py --products      # the int4 products alone, back to back
 
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--wtype", default="auto")
     ap.add_argument("--kv", default="full")
     ap.add_argument("--budget", default=None)
+    ap.add_argument("--kv-dtype", default="auto", help="as kvrun's --kv-dtype (auto: f16 on the CPU)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the steps")
     ap.add_argument("--steps", type=int, default=64, help="timed steps (16 more profiled)")
     ap.add_argument("--threads", type=int, default=2)
@@ -54,7 +56,8 @@ def main() -> None:
     try:
         from kvrun.kv import check
 
-        kv = rt.new_kv(check(args.kv, args.budget))
+        spec = check(args.kv, args.budget)
+        kv = rt.new_kv(spec.with_dtype(args.kv_dtype) if hasattr(spec, "with_dtype") else spec)
     except ImportError:  # checkouts before the KV registry: new_kv parsed the text itself
         kv = rt.new_kv(args.kv, args.budget)
     if args.modules:
@@ -76,7 +79,8 @@ def main() -> None:
     total = sum(e.self_cpu_time_total for e in events) / 16 / 1e3
     ops = sum(e.count for e in events) / 16
     wtype = getattr(rt.weights, "wtype", "f32")
-    print(f"{args.model} --wtype {wtype} --kv {args.kv}, {args.threads} threads")
+    print(f"{args.model} --wtype {wtype} --kv {args.kv} --kv-dtype {args.kv_dtype}, "
+          f"{args.threads} threads")  # fmt: skip
     print(f"{ms:.2f} ms/step unprofiled ({1e3 / ms:.1f} tok/s); profiled self CPU "
           f"{total:.2f} ms/step, {ops:.0f} torch ops/step")  # fmt: skip
     print("| op | calls/step | self ms/step |\n| --- | ---: | ---: |")

@@ -423,6 +423,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // unsigned codes (0..63) x signed activations -> 8 int32 partial sums
 inline __m256i dot_us(__m256i q, __m256i y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
