@@ -31,7 +31,9 @@ def main() -> None:
     ap.add_argument("--wtype", default="auto")
     ap.add_argument("--kv", default="full")
     ap.add_argument("--budget", default=None)
-    ap.add_argument("--kv-dtype", default="auto", help="as kvrun's --kv-dtype (auto: f16 on the CPU)")
+    ap.add_argument(
+        "--kv-dtype", default="auto", help="as kvrun's --kv-dtype (auto: f16 on the CPU)"
+    )
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the steps")
     ap.add_argument("--steps", type=int, default=64, help="timed steps (16 more profiled)")
     ap.add_argument("--threads", type=int, default=2)

@@ -34,7 +34,8 @@ KVRUN = Path(sys.executable).with_name("kvrun")
 # kvrun method -> kvpress press; None: only one side has it
 PAIRS = {
     "streaming": "StreamingLLMPress", "snapkv": "SnapKVPress", "knorm": "KnormPress",
-    "tova": "TOVAPress", "kvzip": "KVzipPress", "keydiff": "KeyDiffPress",
+    "tova": "TOVAPress", "kvzip": "KVzipPress", "kvzip:scope=model": "KVzipPress",
+    "keydiff": "KeyDiffPress",
     "expected_attention": "ExpectedAttentionPress",
     "snapkv:scope=adaptive": "AdaKVPress(SnapKVPress)",
     "snapkv:critical=1": "CriticalKVPress(SnapKVPress)", None: None,
@@ -121,9 +122,8 @@ def write_samples(args, path: Path) -> int:
 
 
 def run_kvpress(py: Path, hf: Path, samples: Path, out: Path, ratios, threads: int) -> None:
-    presses = [("none", 0.0)] + [
-        (p, r) for p in [*[v for v in PAIRS.values() if v], *KVPRESS_ONLY] for r in ratios
-    ]
+    names = dict.fromkeys([*[v for v in PAIRS.values() if v], *KVPRESS_ONLY])  # each press once
+    presses = [("none", 0.0)] + [(p, r) for p in names for r in ratios]
     cfg = {"model": str(hf), "samples": str(samples), "out": str(out), "presses": presses,
            "threads": threads}  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

@@ -146,6 +146,14 @@ def test_every_method_and_stack_round_trips_bit_for_bit(tmp_path, text):
     assert body <= 1.05 * header["kv_bytes"], (body, header["kv_bytes"])
 
 
+@pytest.mark.parametrize("text", ["kvzip:scope=layer", "kvzip:scope=model"])
+def test_padded_heads_and_layers_round_trip(tmp_path, text):
+    """KVzip's heads (scope=layer) and layers too (scope=model) keeping different counts,
+    padded at PAD: the file keeps each layer's own count and the padding's positions."""
+    path, header = _round_trip(tmp_path, test_kv_methods.tiny(), text, None)
+    assert header["spec"]["describe"]["scope"] == text.partition("=")[2]
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("text", ["full", "snapkv", "h2o"])
 def test_a_dense_store_in_another_kv_type_round_trips(tmp_path, text, dtype):

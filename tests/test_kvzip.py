@@ -35,7 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def opts_of(spec: str) -> tuple[int, str]:
     o = dict(x.split("=") for x in spec.partition(":")[2].split(",") if x)
-    return int(o.get("sinks", 4)), "layer" if o.get("scope") == "layer" else "uniform"
+    return int(o.get("sinks", 4)), {"layer": "layer", "model": "model"}.get(
+        o.get("scope"), "uniform"
+    )
 
 
 class KvzipRule:
@@ -93,9 +95,28 @@ class KvzipRule:
         B = budget_tokens(self.budget, n, self.sinks)
         forced = [p for p in range(min(self.sinks, n)) if p >= start]  # the sequence's sinks
         self.scores = self.pass_scores(h, n)
+        earlier_of = [[[p for p in r if p < start] for r in held] for held in h.held]
+        if self.heads == "model":  # the model's L * Hkv * B(n) to the best (layer, position, head)
+            s = {
+                (layer, p, hk): x
+                for layer, per_head in enumerate(self.scores)
+                for hk, d in enumerate(per_head)
+                for p, x in d.items()
+            }
+            pin = [(layer, p, hk) for layer in range(h.L) for hk in range(h.Hkv) for p in forced]
+            room = h.L * h.Hkv * B - sum(len(e) for held in earlier_of for e in held)
+            kept, margin = keep_top(s, room, pin)
+            h.margins.append(margin)
+            return [
+                [
+                    e + sorted(p for lk, p, k in kept if (lk, k) == (layer, hk))
+                    for hk, e in enumerate(earlier_of[layer])
+                ]
+                for layer in range(h.L)
+            ]
         rows = []
         for layer, per_head in enumerate(self.scores):
-            earlier = [[p for p in r if p < start] for r in h.held[layer]]  # kept as they are
+            earlier = earlier_of[layer]  # kept as they are
             if self.heads == "uniform":
                 picked = []
                 for hk, s in enumerate(per_head):
@@ -140,9 +161,10 @@ def predict_from(events):
 
 
 def expected_nbytes(w: Watch, c, heads: str) -> int:
-    """kvzip.md: sum_l T_l * (2 * Hkv * D * e + 4 * Hkv * [heads = layer]), T_l the layer's
-    largest head count (every head the same under scope=head)."""
-    per_slot = 2 * c.n_kv_heads * c.head_dim * E + (4 * c.n_kv_heads if heads == "layer" else 0)
+    """kvzip.md: sum_l T_l * (2 * Hkv * D * e + 4 * Hkv * [scope = layer or model]), T_l the
+    layer's largest head count (every head the same under scope=head)."""
+    padded = heads in ("layer", "model")
+    per_slot = 2 * c.n_kv_heads * c.head_dim * E + (4 * c.n_kv_heads if padded else 0)
     return sum(max(len(r) for r in rows) * per_slot for rows in w.held)
 
 
@@ -184,6 +206,8 @@ CASES = [
     (4, "kvzip:sinks=2", "0.25", True),
     (4, "kvzip:scope=layer", "0.3", True),
     (6, "kvzip:scope=layer", "20", False),
+    (4, "kvzip:scope=model", "0.3", True),
+    (6, "kvzip:scope=model", "20", False),
 ]
 
 
@@ -219,8 +243,12 @@ def test_kvzip_matches_naive_oracle(n_heads, spec, budget, use_session):
         assert all(set(range(sinks)) <= set(r) for r in rows)  # the sinks in every head
         if heads == "uniform":
             assert all(len(r) == B for r in rows)
-        else:
+        elif heads == "layer":
             assert sum(len(r) for r in rows) == c.n_kv_heads * B
+    if heads == "model":  # the layers share L * Hkv * B, and keep different counts
+        per_layer = [sum(len(r) for r in rows) for *_, rows in ref_events]
+        assert sum(per_layer) == c.n_layers * c.n_kv_heads * B
+        assert len(set(per_layer)) > 1
     if heads == "uniform":
         assert w.in_order  # slots in position order (kvzip.md: What is stored)
         assert any(rows[0] != rows[1] for *_, rows in ref_events)  # heads choose apart
@@ -260,7 +288,7 @@ def test_kvzip_later_turn_scores_the_new_turn_only():
             assert len(r2) == B and 0 < len([p for p in r2 if p >= n1]) < 40
 
 
-@pytest.mark.parametrize("spec", ["kvzip", "kvzip:scope=layer"])
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip:scope=layer", "kvzip:scope=model"])
 def test_naive_oracle_covering_budget_equals_full(spec):
     """The oracle itself: with a budget covering every token nothing is evicted and the logits
     are the full cache's; its pass scores are probabilities (at most 1, and the pass's first
@@ -281,7 +309,7 @@ def test_naive_oracle_covering_budget_equals_full(spec):
             assert sorted(s) == list(range(N)) and all(0 < x <= 1 for x in s.values())
 
 
-@pytest.mark.parametrize("spec", ["kvzip", "kvzip:scope=layer"])
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip:scope=layer", "kvzip:scope=model"])
 def test_kvzip_covering_budget_equals_full(spec):
     """--kv-budget 4096 covers every token: the full cache's logits, every position kept,
     nbytes() by the formula (scope=layer adds an int32 position per slot and head)."""
@@ -296,7 +324,8 @@ def test_kvzip_covering_budget_equals_full(spec):
     everything = [(layer, "prefill", N, [list(range(N))] * 2) for layer in range(c.n_layers)]
     assert points(w.events, "prefill") == everything
     n = N + STEPS
-    per_slot = 2 * c.n_kv_heads * c.head_dim * E + (4 * c.n_kv_heads if "layer" in spec else 0)
+    padded = "layer" in spec or "model" in spec
+    per_slot = 2 * c.n_kv_heads * c.head_dim * E + (4 * c.n_kv_heads if padded else 0)
     assert w.kv.nbytes() == c.n_layers * n * per_slot
 
 

@@ -135,7 +135,9 @@ def adaptive(default: str = "head", choices: tuple[str, ...] = ("head", ADAPTIVE
     scope = Option(
         default,
         "head = B per KV head; adaptive = the layer's Hkv * B to its best (head, slot) pairs "
-        "(AdaKV)" + ("; layer = one kept set per layer" if "layer" in choices else ""),
+        "(AdaKV)"
+        + ("; layer = one kept set per layer" if "layer" in choices else "")
+        + ("; model = one kept set for the whole model" if "model" in choices else ""),
         choices=choices,
         **kw,
     )

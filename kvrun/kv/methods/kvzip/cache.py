@@ -1,6 +1,7 @@
 """KVzip's cache (KVzip §3; kvpress's chunked scoring): the driver's store, a reconstruction pass
 per chunk of each turn ("Repeat the previous context" and the chunk, after the turn), and top-B
-per KV head (scope=head) or the layer's Hkv * B best (head, slot) pairs (scope=layer)."""
+per KV head (scope=head), the layer's Hkv * B best (head, slot) pairs (scope=layer) or the
+model's L * Hkv * B best (layer, head, slot) triples (scope=model)."""
 
 from __future__ import annotations
 
@@ -77,10 +78,13 @@ class KVzipCache(KVCache):
         return passes
 
     def select(self, point: str) -> None:
-        """B best slots per KV head by the pass's scores; sinks and earlier turns' slots kept."""
+        """B best slots per KV head by the pass's scores; sinks and earlier turns' slots kept.
+        scope=layer: the layer's Hkv * B best (head, slot) pairs; model: the model's L * Hkv * B
+        best (layer, head, slot) triples, over the layers that hold more than B."""
         T = max(st.dense.length for st in self.layers)  # local layers hold at most a window
         B = self.budget.tokens(T if self.kivi_layout else self.seen, self.protected)
         start = self.seen - self.turn  # the turn's first position
+        ranked: list[tuple[DenseSeg, torch.Tensor]] = []  # scope=model: ranked together
         for i, st in enumerate(self.layers):
             d, z = st.dense, self.scores[i]
             if d.length > B and z is not None:
@@ -94,12 +98,32 @@ class KVzipCache(KVCache):
                     keep_adaptive(d, s, B, self.spec.select.alpha)
                 elif self.scope == "layer":
                     self._keep_layer(d, s, B)
+                elif self.scope == "model":
+                    ranked.append((d, s))
                 else:
                     d.keep(keep_indices(s, None, B))
-            if d.pos is not None:
-                self.report(i, point, torch.where(d.pos == PAD, -1, d.pos))
+        if ranked:
+            self._keep_model(ranked, B)
+        for i, st in enumerate(self.layers):
+            if st.dense.pos is not None:
+                self.report(i, point, torch.where(st.dense.pos == PAD, -1, st.dense.pos))
         self.scores = [None] * len(self.layers)
         self.bound_windows()  # held back until the passes had the whole turn
+
+    def _keep_model(self, ranked: list[tuple[DenseSeg, torch.Tensor]], B: int) -> None:
+        """The len(ranked) * Hkv * B best (layer, head, slot) triples of the ranked layers
+        (ties to the lower layer, then position, then head), each layer's heads padded to its
+        largest count. Scores are softmax probabilities, alike across layers (KVzip §3.2)."""
+        flat = torch.cat([s.t().reshape(-1) for _, s in ranked])  # layer-, then slot-major
+        n = sum(s.shape[0] * B for _, s in ranked)
+        order = torch.sort(flat, descending=True, stable=True).indices[:n]
+        keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+        keep[order] = True
+        at = 0
+        for d, s in ranked:
+            Hkv, T = s.shape
+            self._keep_padded(d, keep[at : at + T * Hkv].view(T, Hkv).t())
+            at += T * Hkv
 
     def _keep_layer(self, d: DenseSeg, s: torch.Tensor, B: int) -> None:
         """Hkv * B best (head, slot) pairs, heads padded to the largest count with zeros at PAD
