@@ -407,6 +407,8 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
   }
   for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
   Retained rk(a.k, h, j0), rv(a.v, h, j0);
+  const T* ek = static_cast<const T*>(a.k.e) + h * a.k.e_h;
+  const T* ev = static_cast<const T*>(a.v.e) + h * a.v.e_h;
   for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0);
     for (int64_t j = 0; j < nb; j++) {
@@ -414,6 +416,9 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
       vp[j] = merged_row<T>(a.v, rv, h, b0 + j, UNIT, fv[j], nv[j]);
     }
     for (int64_t j = 0; j < nb; j++) {
+      // E's rows ahead asked of memory (as qstep.h's dense rows; retained rows are few)
+      prefetch_row(ek + (b0 + j + KV_AHEAD) * a.k.e_t, d);
+      prefetch_row(ev + (b0 + j + KV_AHEAD) * a.v.e_t, d);
       float dot[HG], kk = 0.f, f = fk[j];
       row_dots<HG, UNIT, T>(q, d, kp[j], dot, &kk);
       if (UNIT && nk[j] && kk > 0.f) f /= std::sqrt(kk);
