@@ -132,8 +132,9 @@ class _Windowed:
         self.seen += 1
 
 
-# every method bounds a window's layers (MiniCache's pairs and SpindleKV's coded layers too)
-BOUNDED = list(REGISTRY) + ["snapkv+kivi2", "minicache+kivi4"]
+# every method bounds a window's layers (MiniCache's pairs and SpindleKV's coded layers too),
+# two stacks too, and KVzip ranking the whole model (its layers keep different counts)
+BOUNDED = list(REGISTRY) + ["snapkv+kivi2", "minicache+kivi4", "kvzip:scope=model"]
 
 
 @pytest.mark.parametrize("dtype", [None, "f16"])

@@ -195,7 +195,9 @@ def test_minicache_refuses_block_kv_types():
 
 
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2"])
-@pytest.mark.parametrize("text", ["snapkv", "minikv", "spindlekv", "minicache", "xkv+kivi2"])
+@pytest.mark.parametrize(
+    "text", ["snapkv", "minikv", "spindlekv", "minicache", "xkv+kivi2", "kvzip:scope=model"]
+)
 def test_the_families_round_trip(tmp_path, family, text):
     """Gemma 3's two RoPEs and local layers, Phi-3's partial rotary, Qwen's biases."""
     c = tiny_families.kv_config(family)
