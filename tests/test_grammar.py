@@ -260,6 +260,20 @@ def test_plain_replies_and_llama3():
     assert tools.parse(llama, "Hello there") == ("Hello there", [])
 
 
+def assert_one_valid_call(fam, text: str, name: str | None) -> None:
+    """A forced call's text parses to one call of the named tool (any of the two where None),
+    its arguments valid for that tool."""
+    _, calls = tools.parse(fam, text)
+    assert len(calls) == 1, text
+    fn = calls[0]["function"]
+    args = json.loads(fn["arguments"])
+    if name or fn["name"] == "get_weather":
+        assert fn["name"] == "get_weather"
+        WeatherArgs.model_validate(args)
+    else:
+        assert fn["name"] == "get_time" and isinstance(args["tz"], str)
+
+
 @pytest.mark.parametrize("fam_name", ["hermes", "llama3"])
 def test_forced_calls_are_valid(grammars, fam_name):
     """A named or required call, drawn at random through its grammar, parses into a call to
@@ -272,15 +286,7 @@ def test_forced_calls_are_valid(grammars, fam_name):
     for name in ("get_weather", None):
         for seed in range(4):
             text = walk(grammars, tools.call_spec(fam, [WEATHER, TIME], name), seed)
-            _, calls = tools.parse(fam, text)
-            assert len(calls) == 1, text
-            fn = calls[0]["function"]
-            args = json.loads(fn["arguments"])
-            if name or fn["name"] == "get_weather":
-                assert fn["name"] == "get_weather"
-                WeatherArgs.model_validate(args)
-            else:
-                assert fn["name"] == "get_time" and isinstance(args["tz"], str)
+            assert_one_valid_call(fam, text, name)
     with pytest.raises(tools.ToolError, match="not among"):
         tools.call_spec(fam, [WEATHER], "nope")
 
@@ -453,15 +459,7 @@ def test_mistral_forced_calls_are_valid(mistral_grammars, syntax):
             text = walk(mistral_grammars, spec, seed)
             ids = tok.encode(text, add_bos=False)
             assert ids[0] == VOCAB and (syntax == "mistral" or VOCAB + 1 in ids), text
-            _, calls = tools.parse(fam, text)
-            assert len(calls) == 1, text
-            fn = calls[0]["function"]
-            args = json.loads(fn["arguments"])
-            if name or fn["name"] == "get_weather":
-                assert fn["name"] == "get_weather"
-                WeatherArgs.model_validate(args)
-            else:
-                assert fn["name"] == "get_time" and isinstance(args["tz"], str)
+            assert_one_valid_call(fam, text, name)
 
 
 def test_tool_arguments_are_closed():

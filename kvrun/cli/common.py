@@ -271,6 +271,16 @@ def ray_options(f):
     return _grouped("ray", lambda p: RayOptions(*(p.pop(k) for k in fields)), opts)(f)
 
 
+def chat_option(f):
+    """--chat/--raw for commands that send many prompts (batch documents, RULER samples)."""
+    return click.option(
+        "--chat/--raw",
+        "chat",
+        default=None,
+        help="Wrap prompts in the model's chat template (default: --chat when it has one).",
+    )(f)
+
+
 def question_after_option(f):
     """--question-after: the document is compressed before the question is seen."""
     return click.option(

@@ -16,6 +16,7 @@ from ..run.options import KVOptions, ModelOptions, ParallelOptions, RayOptions, 
 from ..tasks import longdoc as task
 from ..tasks.longdoc_run import LongdocOptions, absolute_paths, start_local, start_ray
 from .common import (
+    chat_option,
     debugging,
     graph_option,
     kv_options,
@@ -77,12 +78,7 @@ from .common import (
     type=click.IntRange(min=0),
     help="Tokens to generate per document (reserved in the context).",
 )
-@click.option(
-    "--chat/--raw",
-    "chat",
-    default=None,
-    help="Wrap prompts in the model's chat template (default: --chat when it has one).",
-)
+@chat_option
 @click.option(
     "--template",
     default=None,

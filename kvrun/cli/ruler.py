@@ -18,6 +18,7 @@ from ..tasks import ruler_run as rr
 from ..tasks.needle import write_json
 from ..tasks.ruler_tasks import LEFT_OUT, TASKS
 from .common import (
+    chat_option,
     kv_options,
     load_with_progress,
     model_options,
@@ -77,12 +78,7 @@ def score_table(rows: list[dict], configs, tasks: list[str], title: str) -> Tabl
     "--samples", default=10, show_default=True, type=click.IntRange(min=1), help="Samples per task."
 )
 @click.option("-s", "--seed", default=42, show_default=True, type=int, help="Seed of every sample.")
-@click.option(
-    "--chat/--raw",
-    "chat",
-    default=None,
-    help="Wrap prompts in the model's chat template (default: --chat when it has one).",
-)
+@chat_option
 @click.option(
     "-o",
     "--out",
