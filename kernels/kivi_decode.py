@@ -1,7 +1,8 @@
 """Decode attention over a KIVI-packed body with the dequantization fused (docs/methods/kivi.md).
 
 The body is what KiviLayer.body() holds: keys per channel in groups of G tokens, packed
-along tokens; values per token in groups of G channels, packed along channels. The Triton
+along tokens and kept block-major (a group's channels together, kivi_pack.keys_by_group);
+values per token in groups of G channels, packed along channels. The Triton
 kernel unpacks each tile's codes and applies its scales and zeros in registers, so K and V
 are never written out in fp16/fp32. Like dense_decode, one program serves the g query heads
 of a KV head and the tokens are split over programs, merged by log-sum-exp.
@@ -24,7 +25,7 @@ from .dense_decode import (
     store_partial,
 )
 from .dispatch import HAVE_TRITON, jit, next_pow2, use_triton
-from .kivi_pack import unpack_codes
+from .kivi_pack import keys_by_channel, unpack_codes
 
 # the kernels below need triton.language as a module global; the references need no triton
 tl = importlib.import_module("triton.language") if HAVE_TRITON else None
@@ -40,8 +41,8 @@ def _check(
     per = 32 // bits
     ok = (
         q.shape[0] == 1 and Hq % H == 0 and Tb % group == 0 and D % group == 0
-        and kq.shape == (H, D, Tb // per) and vq.shape == (H, Tb, D // per)
-        and ks.shape == kz.shape == (H, D, Tb // group) and vs.shape == vz.shape == (H, Tb, D // group)
+        and kq.shape == (H, Tb // group, D, group // per) and vq.shape == (H, Tb, D // per)
+        and ks.shape == kz.shape == (H, Tb // group, D) and vs.shape == vz.shape == (H, Tb, D // group)
     )  # fmt: skip
     if not ok:
         shapes = [tuple(t.shape) for t in body]
@@ -53,9 +54,9 @@ def _check(
 
 def kivi_decode_ref(
     q: torch.Tensor,  # (1, Hq, Tq, D) post-RoPE
-    k_codes: torch.Tensor,  # (Hkv, D, Tb*b/32) int32
-    k_scale: torch.Tensor,  # (Hkv, D, Tb/G) KV dtype
-    k_zero: torch.Tensor,  # (Hkv, D, Tb/G)
+    k_codes: torch.Tensor,  # (Hkv, Tb/G, D, G*b/32) int32, block-major
+    k_scale: torch.Tensor,  # (Hkv, Tb/G, D) KV dtype
+    k_zero: torch.Tensor,  # (Hkv, Tb/G, D)
     v_codes: torch.Tensor,  # (Hkv, Tb, D*b/32) int32
     v_scale: torch.Tensor,  # (Hkv, Tb, D/G)
     v_zero: torch.Tensor,  # (Hkv, Tb, D/G)
@@ -72,6 +73,9 @@ def kivi_decode_ref(
     H, Tb = _check(q, body, bits, group)
     _, Hq, Tq, D = q.shape
     G = group
+    k_codes, k_scale, k_zero = keys_by_channel(k_codes, k_scale, k_zero)  # (Hkv, D, ...)
+    # contiguous: the products below then sum in one order whatever views the body came as
+    k_scale, k_zero = k_scale.float().contiguous(), k_zero.float().contiguous()
     qg = q.float().reshape(H, Hq // H, Tq, D)  # (Hkv, g, Tq, D)
     kc = unpack_codes(k_codes, bits).float().view(H, D, Tb // G, G)  # (Hkv, D, Tb/G, G)
     sk = (kc * k_scale.float()[..., None]).view(H, D, Tb)  # (Hkv, D, Tb) per-call temporary
@@ -135,7 +139,8 @@ def kivi_decode_triton(
     block_d = max(16, next_pow2(D))
     _kivi_decode_kernel[(H, n_split)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, po, pl,
-        *q.stride()[1:], *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
+        *q.stride()[1:], *k_codes.stride(), k_scale.stride(0), k_scale.stride(2), k_scale.stride(1),
+        *v_codes.stride(), *v_scale.stride(),
         Tq, Tb, D, R, split, causal_offset or 0, 1.0 / math.sqrt(D),
         G=g, BITS=bits, GROUP=group, CAUSAL=causal_offset is not None,
         BLOCK_M=max(16, next_pow2(g * Tq)), BLOCK_N=block_n, BLOCK_D=block_d,
@@ -171,7 +176,7 @@ def kivi_decode(
 def _kivi_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, po_ptr, pl_ptr,
     sqh, sqt, sqd,
-    skc_h, skc_d, skc_w,
+    skc_h, skc_g, skc_d, skc_w,
     sks_h, sks_d, sks_g,
     svc_h, svc_t, svc_w,
     svs_h, svs_t, svs_g,
@@ -186,6 +191,7 @@ def _kivi_decode_kernel(
     tokens (keys) or channels (values); scales and zeros are broadcast over their GROUP.
     """
     PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER  # words a key group of one channel
     MASK: tl.constexpr = (1 << BITS) - 1
     h = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -213,10 +219,11 @@ def _kivi_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        # K tile (BLOCK_D channels, BLOCK_N tokens) from words packed along tokens
+        # K tile (BLOCK_D channels, BLOCK_N tokens) from words packed along tokens, block-major
         w = start // PER + tw
+        wo = (w // WPG) * skc_g + (w % WPG) * skc_w  # the word's group, then its place in it
         kw = tl.load(
-            kc_ptr + h * skc_h + d[:, None] * skc_d + w[None, :] * skc_w,
+            kc_ptr + h * skc_h + d[:, None] * skc_d + wo[None, :],
             mask=d_ok[:, None] & (w < hi // PER)[None, :],
             other=0,
         )  # (BLOCK_D, BLOCK_N/PER) int32

@@ -2,14 +2,14 @@
 flush needs.
 
 Keys (Hkv, n, D) are quantized per channel over groups of G consecutive tokens and packed
-along tokens; values per token over groups of G consecutive channels, packed along
-channels. Asymmetric min/max in fp32; scale and zero are rounded to the KV dtype first and
+along tokens, kept block-major (a group's channels together: keys_by_group); values per token
+over groups of G consecutive channels, packed along channels. Asymmetric min/max in fp32; scale and zero are rounded to the KV dtype first and
 the codes computed from the rounded values with round-half-to-even; a flat group (scale 0)
 gets code 0. Code i of an int32 word sits at bits [b*i, b*i + b). The Triton kernels are
 bit-identical to the reference: both divide with IEEE rounding (div_rn) and round exactly.
 
 The torch half mirrors KIVI's public quantize + pack (tests/kv_helpers.py; the tests hold
-them equal); it lives here so that kvrun.kv.stores.kivi imports it without an import cycle.
+them equal, the keys through keys_by_channel); it lives here so that kvrun.kv.stores.kivi imports it without an import cycle.
 """
 
 from __future__ import annotations
@@ -74,18 +74,41 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*words.shape[:-1], words.shape[-1] * per)
 
 
+def keys_by_group(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed keys from KIVI's public layout, (Hkv, D, n*b/32) words and (Hkv, D, n/G) scales
+    and zeros, to the store's block-major one (views): words (Hkv, n/G, D, G*b/32), scales and
+    zeros (Hkv, n/G, D). A group of G tokens then lies in one place, every channel of it (the
+    CPU reads a block as one stream, not D rows far apart); the codes are the same."""
+    H, D, W = codes.shape
+    wpg = group * bits // 32  # words a group of one channel
+    by_group = codes.view(H, D, W // wpg, wpg).transpose(1, 2)
+    return by_group, scale.transpose(1, 2), zero.transpose(1, 2)
+
+
+def keys_by_channel(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`keys_by_group`'s inverse: the public layout (copies where the views cannot be)."""
+    H, ng, D, wpg = codes.shape
+    return codes.transpose(1, 2).reshape(H, D, ng * wpg), scale.transpose(1, 2), zero.transpose(1, 2)
+
+
 def kivi_pack_ref(
     k: torch.Tensor,  # (Hkv, n, D) post-RoPE keys, KV dtype
     v: torch.Tensor,  # (Hkv, n, D) values
     bits: int,
     group: int,
 ) -> tuple[torch.Tensor, ...]:
-    """(k_codes (Hkv,D,n*b/32) int32, k_scale, k_zero (Hkv,D,n/G), v_codes (Hkv,n,D*b/32) int32,
-    v_scale, v_zero (Hkv,n,D/G)); scales and zeros in k's dtype. Torch reference."""
+    """(k_codes (Hkv,n/G,D,G*b/32) int32, k_scale, k_zero (Hkv,n/G,D), v_codes (Hkv,n,D*b/32)
+    int32, v_scale, v_zero (Hkv,n,D/G)): the keys block-major (keys_by_group), contiguous;
+    scales and zeros in k's dtype. Torch reference."""
     _check(k, v, bits, group)
     kc, ks, kz = quantize_groups(k.transpose(1, 2), bits, group, k.dtype)  # (Hkv, D, n)
     vc, vs, vz = quantize_groups(v, bits, group, k.dtype)  # (Hkv, n, D)
-    return pack_codes(kc, bits), ks, kz, pack_codes(vc, bits), vs, vz
+    keys = keys_by_group(pack_codes(kc, bits), ks, kz, group, bits)
+    return (*(t.contiguous() for t in keys), pack_codes(vc, bits), vs, vz)
 
 
 def kivi_pack_triton(
@@ -96,8 +119,8 @@ def kivi_pack_triton(
     if group & (group - 1):
         raise ValueError(f"kivi_pack: the Triton kernel needs a power-of-two group, not {group}")
     per, dev, dt = 32 // bits, k.device, k.dtype
-    kc = torch.empty(H, D, n // per, device=dev, dtype=torch.int32)
-    ks = torch.empty(H, D, n // group, device=dev, dtype=dt)
+    kc = torch.empty(H, n // group, D, group // per, device=dev, dtype=torch.int32)
+    ks = torch.empty(H, n // group, D, device=dev, dtype=dt)
     kz = torch.empty_like(ks)
     vc = torch.empty(H, n, D // per, device=dev, dtype=torch.int32)
     vs = torch.empty(H, n, D // group, device=dev, dtype=dt)
@@ -152,7 +175,8 @@ def _pack_keys_kernel(
     k_ptr, kc_ptr, ks_ptr, kz_ptr, skh, skt, skd, n, D,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
-    """One (KV head, token group): per-channel groups of GROUP tokens -> words along tokens.
+    """One (KV head, token group): per-channel groups of GROUP tokens -> words along tokens,
+    block-major (the group's channels together: keys_by_group).
 
     The tile is (words of the group WPG, codes per word PER, channels): token = w*PER + i.
     """
@@ -173,15 +197,14 @@ def _pack_keys_kernel(
     codes, scale, zero = _quantize_tile(x, lo[None, None, :], hi[None, None, :], BITS, DT)
     shift = (i * BITS).to(tl.uint32)
     words = tl.sum(codes << shift[None, :, None], 1)  # (WPG, BLOCK_D): disjoint fields, no carry
-    W = n // PER
+    row = (h * (n // GROUP) + gi) * D + d  # (BLOCK_D,) the group's channel rows
     tl.store(
-        kc_ptr + (h * D + d[None, :]) * W + gi * WPG + w[:, None],
+        kc_ptr + row[None, :] * WPG + w[:, None],
         words.to(tl.int32, bitcast=True),
         mask=d_ok[None, :],
     )
-    G_n = n // GROUP
-    tl.store(ks_ptr + (h * D + d) * G_n + gi, tl.reshape(scale, (BLOCK_D,)), mask=d_ok)
-    tl.store(kz_ptr + (h * D + d) * G_n + gi, tl.reshape(zero, (BLOCK_D,)), mask=d_ok)
+    tl.store(ks_ptr + row, tl.reshape(scale, (BLOCK_D,)), mask=d_ok)
+    tl.store(kz_ptr + row, tl.reshape(zero, (BLOCK_D,)), mask=d_ok)
 
 
 @jit

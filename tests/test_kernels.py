@@ -173,9 +173,12 @@ def test_kivi_pack_ref_equals_kivi_quantize_pack(bits, G, dtype):
     kc, ks, kz = quantize(k.transpose(1, 2), bits, -1, G, dtype)
     vc, vs, vz = quantize(v, bits, -1, G, dtype)
     want = (pack(kc, bits), ks, kz, pack(vc, bits), vs, vz)
-    for a, b in zip(got, want, strict=True):
+    public = (*kp.keys_by_channel(*got[:3]), *got[3:])  # the keys block-major, the same codes
+    assert got[0].shape == (2, 4, 128, G * bits // 32) and got[1].shape == (2, 4, 128)
+    for a, b in zip(public, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    assert torch.equal(kp.unpack_codes(got[0], bits), kc.long())  # unpack inverts pack
+    assert all(torch.equal(a, b) for a, b in zip(kp.keys_by_group(*want[:3], G, bits), got))
+    assert torch.equal(kp.unpack_codes(public[0], bits), kc.long())  # unpack inverts pack
     assert int(kp.pack_codes(torch.tensor([0, 1, 2, 3] * 4), 2)) == -454761244  # 0xE4E4E4E4
 
 
@@ -210,20 +213,21 @@ def _body(H, Tb, D, bits, G, dtype, device, seed):
     k, v = _kv_with_edge_cases(H, Tb + 2 * G, D, G, bits, dtype, device, seed)
     kc, ks, kz = quantize(k.transpose(1, 2), bits, -1, G, dtype)
     vc, vs, vz = quantize(v, bits, -1, G, dtype)
-    full = (pack(kc, bits), ks, kz, pack(vc, bits), vs, vz)
+    full = (*kp.keys_by_group(pack(kc, bits), ks, kz, G, bits), pack(vc, bits), vs, vz)
     return _cut(full, Tb, bits, G), (k[:, :Tb], v[:, :Tb])
 
 
 def _cut(body, Tb, bits, G):
     """The first Tb tokens of a body."""
     kq, ks, kz, vq, vs, vz = body
-    return (kq[..., : Tb * bits // 32], ks[..., : Tb // G], kz[..., : Tb // G],
+    return (kq[:, : Tb // G], ks[:, : Tb // G], kz[:, : Tb // G],
             vq[:, :Tb], vs[:, :Tb], vz[:, :Tb])  # fmt: skip
 
 
 def naive_kivi(q, body, bits, G, causal_offset=None):
     """Dequantize the body with kvrun.kv.stores.kivi, then materialised fp64 attention."""
     kq, ks, kz, vq, vs, vz = body
+    kq, ks, kz = kp.keys_by_channel(kq, ks, kz)
     k = dequantize(unpack(kq, bits), ks, kz, -1, G).transpose(1, 2)  # (Hkv, Tb, D)
     v = dequantize(unpack(vq, bits), vs, vz, -1, G)
     Tq, Tb = q.shape[2], k.shape[1]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from kv_helpers import pack, quantize
 
+from kvrun.kernels.kivi_pack import keys_by_channel
 from kvrun.kv.attention import combine, segment_attention
 from kvrun.kv.stores.kivi import KiviLayer, dequantize, unpack
 
@@ -100,8 +101,9 @@ def test_layout_shapes_and_contents(bits):
         300,
     )
     kq, ks, kz, vq, vs, vz = layer.body()
-    assert kq.shape == (H, D, 256 * bits // 32) and kq.dtype == torch.int32
-    assert ks.shape == kz.shape == (H, D, 256 // G) and ks.dtype == F16
+    assert kq.shape == (H, 256 // G, D, G * bits // 32) and kq.dtype == torch.int32
+    assert ks.shape == kz.shape == (H, 256 // G, D) and ks.dtype == F16
+    kq, ks, kz = keys_by_channel(kq, ks, kz)  # block-major: the public layout's codes
     assert vq.shape == (H, 256, D * bits // 32) and vq.dtype == torch.int32
     assert vs.shape == vz.shape == (H, 256, D // G) and vs.dtype == F16
     # keys quantized per channel along tokens, values per token along channels
@@ -134,7 +136,7 @@ def _check_invariants(layer: KiviLayer) -> None:
     kq, ks, _, vq, vs, _ = layer.body()
     Tq, G = layer.body_len, layer.G
     assert 0 <= layer.tail_len < layer.R and Tq % G == 0
-    assert kq.shape[-1] * 32 // layer.bits == Tq == vq.shape[1] == vs.shape[1] == ks.shape[-1] * G
+    assert kq.shape[1] * G == Tq == vq.shape[1] == vs.shape[1] == ks.shape[1] * G
 
 
 def test_tr_sequence_unit_g():

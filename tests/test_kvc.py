@@ -222,7 +222,7 @@ def test_another_model_another_spec_another_version_each_one_line(tmp_path):
     header = kvc.read_header(path)
     header["version"] = 99
     save_file(load_file(str(path)), str(tmp_path / "v99.kvc"), {"kvrun_kvc": json.dumps(header)})
-    with pytest.raises(KvrunError, match="format version 99; this kvrun reads version 2"):
+    with pytest.raises(KvrunError, match="format version 99; this kvrun reads version 3"):
         kvc.load(tmp_path / "v99.kvc", rt)
 
 

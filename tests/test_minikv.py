@@ -219,10 +219,10 @@ def test_residual_schedule_and_persistence():
     assert seen == {119: (992, 127), 120: (1120, 0), 121: (1120, 1)}
     assert kv.kept_counts() == [1200] * 3
     body1 = kv.layers[1].kivi.body()
-    assert torch.equal(body1[0][..., : body0[0].shape[-1]], body0[0])  # key codes
+    assert torch.equal(body1[0][:, : body0[0].shape[1]], body0[0])  # key codes, by group
     assert torch.equal(body1[3][:, :992], body0[3])  # value codes
-    for a, b in zip(body0[1:3], body1[1:3], strict=True):  # key scales/zeros
-        assert torch.equal(b[..., : a.shape[-1]], a)
+    for a, b in zip(body0[1:3], body1[1:3], strict=True):  # key scales/zeros, by group
+        assert torch.equal(b[:, : a.shape[1]], a)
 
 
 def test_flush_happens_before_attention():

@@ -59,7 +59,7 @@ def _body(Hkv: int, T: int, D: int, bits: int, G: int, seed: int):
 def _room(body, Tb: int):
     """The body as KiviLayer's buffers hold it: each with room beyond its Tb tokens."""
     kc, ks, kz, vc, vs, vz = body
-    grow = [(kc, 2), (ks, 2), (kz, 2), (vc, 1), (vs, 1), (vz, 1)]
+    grow = [(kc, 1), (ks, 1), (kz, 1), (vc, 1), (vs, 1), (vz, 1)]
     return [torch.cat([t, torch.full_like(t, 7)], d) for t, d in grow]
 
 

@@ -78,45 +78,6 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
   }
 }
 
-// x (n, m) with row stride xs -> y (m, n) with row stride ys: a block of scales or zeros by
-// group (values: n tokens' m groups) or by channel (keys: d channels' n groups)
-void kivi_by_group(const float* x, int64_t xs, int64_t n, int64_t m, float* y, int64_t ys) {
-  int64_t j = 0;
-#if defined(__AVX2__)
-  if (m == 1) {
-    for (; j + 8 <= n && xs == 1; j += 8) _mm256_storeu_ps(y + j, _mm256_loadu_ps(x + j));
-  } else if (m == 2 && xs == 2) {  // deinterleave 8 rows at a time
-    for (; j + 8 <= n; j += 8) {
-      const __m256 a = _mm256_loadu_ps(x + 2 * j), c = _mm256_loadu_ps(x + 2 * j + 8);
-      const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-      const __m256 ev = _mm256_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0));
-      const __m256 od = _mm256_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1));
-      _mm256_storeu_ps(y + j, _mm256_permutevar8x32_ps(ev, order));
-      _mm256_storeu_ps(y + ys + j, _mm256_permutevar8x32_ps(od, order));
-    }
-  } else if (m >= 4) {  // 8 rows x 4 columns at a time: two 4x4 transposes
-    for (; j + 8 <= n; j += 8)
-      for (int64_t g = 0; g + 4 <= m; g += 4) {
-        __m128 r0 = _mm_loadu_ps(x + j * xs + g), r1 = _mm_loadu_ps(x + (j + 1) * xs + g);
-        __m128 r2 = _mm_loadu_ps(x + (j + 2) * xs + g), r3 = _mm_loadu_ps(x + (j + 3) * xs + g);
-        __m128 r4 = _mm_loadu_ps(x + (j + 4) * xs + g), r5 = _mm_loadu_ps(x + (j + 5) * xs + g);
-        __m128 r6 = _mm_loadu_ps(x + (j + 6) * xs + g), r7 = _mm_loadu_ps(x + (j + 7) * xs + g);
-        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-        _MM_TRANSPOSE4_PS(r4, r5, r6, r7);
-        _mm256_storeu_ps(y + g * ys + j, _mm256_set_m128(r4, r0));
-        _mm256_storeu_ps(y + (g + 1) * ys + j, _mm256_set_m128(r5, r1));
-        _mm256_storeu_ps(y + (g + 2) * ys + j, _mm256_set_m128(r6, r2));
-        _mm256_storeu_ps(y + (g + 3) * ys + j, _mm256_set_m128(r7, r3));
-      }
-    const int64_t done = j;
-    for (int64_t g = m / 4 * 4; g < m; g++)
-      for (int64_t t = 0; t < done; t++) y[g * ys + t] = x[t * xs + g];
-  }
-#endif
-  for (; j < n; j++)
-    for (int64_t g = 0; g < m; g++) y[g * ys + j] = x[j * xs + g];
-}
-
 // pw (r, kb, d / G) = p * the value group's scale; zs (r, d / G) = zs * alpha + sum_t p * zero.
 // A block's scales and zeros are (nb, d / G) rows; where they are contiguous, p is repeated
 // d / G times and multiplies them as they lie.
@@ -167,13 +128,6 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
   }
 }
 
-// the scales and zeros of key groups gi0 .. gi0 + ng - 1 by group: cs, cz (ng, d)
-void kivi_key_columns(const KiviHead& b, int64_t gi0, int64_t ng, int64_t d, float* cs,
-                      float* cz) {
-  kivi_by_group(b.ks + gi0, b.ks_c, d, ng, cs, d);
-  kivi_by_group(b.kz + gi0, b.kz_c, d, ng, cz, d);
-}
-
 // qs (r, d) = q * a key group's scales cs (d), zc (r) = q . its zeros cz (d)
 void kivi_fold(const float* q, int64_t r, int64_t d, const float* cs, const float* cz, float* qs,
                float* zc) {
@@ -201,15 +155,15 @@ void kivi_fold(const float* q, int64_t r, int64_t d, const float* cs, const floa
 // scores s (r, kb) of body tokens [b0, b0 + nb), portable
 void kivi_scores_portable(const float* q, int64_t r, const KiviHead& b, int bits, int G,
                           int64_t b0, int64_t nb, int64_t d, float* s, int64_t kb, float* qs,
-                          float* zc, float* cs, float* cz) {
-  kivi_key_columns(b, b0 / G, nb / G, d, cs, cz);
+                          float* zc) {
   for (int64_t g0 = 0; g0 < nb; g0 += G) {
-    kivi_fold(q, r, d, cs + g0 / G * d, cz + g0 / G * d, qs, zc);
+    const int64_t gi = (b0 + g0) / G;
+    kivi_fold(q, r, d, b.ks + gi * b.ks_g, b.kz + gi * b.kz_g, qs, zc);
+    const int32_t* kw = b.kc + gi * b.kc_g;  // the group's words
     for (int64_t i = 0; i < r; i++)
       for (int64_t t = 0; t < G; t++) {
         float acc = 0.f;
-        for (int64_t c = 0; c < d; c++)
-          acc += qs[i * d + c] * kivi_code(b.kc + c * b.kc_c, bits, b0 + g0 + t);
+        for (int64_t c = 0; c < d; c++) acc += qs[i * d + c] * kivi_code(kw + c * b.kc_c, bits, t);
         s[i * kb + g0 + t] = acc + zc[i];
       }
   }
@@ -261,9 +215,9 @@ inline __m256 kivi_code8(const int32_t* w, int64_t at, __m256i shift) {
 }
 
 // s[i * kb + 8 * v + lane] = sum_c qs[i * d + c] * code(c, t0 + 8 * v + lane) + zc[i] for RB
-// rows and TB vectors of 8 tokens (one key group's)
+// rows and TB vectors of 8 tokens of one key group, whose words kw holds (t0 within it)
 template <int B, int RB, int TB>
-inline void kivi_keys_tile(const float* qs, int64_t d, const KiviHead& b, int64_t t0,
+inline void kivi_keys_tile(const float* qs, int64_t d, const int32_t* kw, int64_t wc, int64_t t0,
                            const float* zc, float* s, int64_t kb) {
   __m256 acc[RB][TB];
   int64_t at[TB];
@@ -274,8 +228,7 @@ inline void kivi_keys_tile(const float* qs, int64_t d, const KiviHead& b, int64_
   for (int i = 0; i < RB; i++)
 #pragma GCC unroll 4
     for (int v = 0; v < TB; v++) acc[i][v] = _mm256_setzero_ps();
-  const int32_t* w = b.kc;
-  const int64_t wc = b.kc_c;
+  const int32_t* w = kw;
   for (int64_t c = 0; c < d; c++, w += wc) {
     __m256 qb[RB];
 #pragma GCC unroll 4
@@ -294,12 +247,14 @@ inline void kivi_keys_tile(const float* qs, int64_t d, const KiviHead& b, int64_
       _mm256_storeu_ps(s + i * kb + 8 * v, _mm256_add_ps(acc[i][v], _mm256_set1_ps(zc[i])));
 }
 
+// the key group starting at token t0
 template <int B, int RB>
 inline void kivi_keys_rows(const float* qs, int64_t d, const KiviHead& b, int64_t t0, int G,
                            const float* zc, float* s, int64_t kb) {
+  const int32_t* kw = b.kc + t0 / G * b.kc_g;
   int v = 0;
-  for (; v + 2 <= G / 8; v += 2) kivi_keys_tile<B, RB, 2>(qs, d, b, t0 + 8 * v, zc, s + 8 * v, kb);
-  if (v < G / 8) kivi_keys_tile<B, RB, 1>(qs, d, b, t0 + 8 * v, zc, s + 8 * v, kb);
+  for (; v + 2 <= G / 8; v += 2) kivi_keys_tile<B, RB, 2>(qs, d, kw, b.kc_c, 8 * v, zc, s + 8 * v, kb);
+  if (v < G / 8) kivi_keys_tile<B, RB, 1>(qs, d, kw, b.kc_c, 8 * v, zc, s + 8 * v, kb);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -346,8 +301,8 @@ inline __m512 kivi_code16(const int32_t* w, int64_t at, __m512i shift) {
 }
 
 template <int B, int RB, int TB>
-inline void kivi_keys_tile16(const float* qs, int64_t d, const KiviHead& b, int64_t t0,
-                             const float* zc, float* s, int64_t kb) {
+inline void kivi_keys_tile16(const float* qs, int64_t d, const int32_t* kw, int64_t wc,
+                             int64_t t0, const float* zc, float* s, int64_t kb) {
   __m512 acc[RB][TB];
   int64_t at[TB];
   __m512i sh[TB];
@@ -357,8 +312,7 @@ inline void kivi_keys_tile16(const float* qs, int64_t d, const KiviHead& b, int6
   for (int i = 0; i < RB; i++)
 #pragma GCC unroll 4
     for (int v = 0; v < TB; v++) acc[i][v] = _mm512_setzero_ps();
-  const int32_t* w = b.kc;
-  const int64_t wc = b.kc_c;
+  const int32_t* w = kw;
   for (int64_t c = 0; c < d; c++, w += wc) {
 #pragma GCC unroll 4
     for (int v = 0; v < TB; v++) {
@@ -378,10 +332,12 @@ inline void kivi_keys_tile16(const float* qs, int64_t d, const KiviHead& b, int6
 template <int B, int RB>
 inline void kivi_keys_rows16(const float* qs, int64_t d, const KiviHead& b, int64_t t0, int G,
                              const float* zc, float* s, int64_t kb) {
+  const int32_t* kw = b.kc + t0 / G * b.kc_g;
+  const int64_t wc = b.kc_c;
   int v = 0;
-  for (; v + 4 <= G / 16; v += 4) kivi_keys_tile16<B, RB, 4>(qs, d, b, t0 + 16 * v, zc, s + 16 * v, kb);
-  for (; v + 2 <= G / 16; v += 2) kivi_keys_tile16<B, RB, 2>(qs, d, b, t0 + 16 * v, zc, s + 16 * v, kb);
-  if (v < G / 16) kivi_keys_tile16<B, RB, 1>(qs, d, b, t0 + 16 * v, zc, s + 16 * v, kb);
+  for (; v + 4 <= G / 16; v += 4) kivi_keys_tile16<B, RB, 4>(qs, d, kw, wc, 16 * v, zc, s + 16 * v, kb);
+  for (; v + 2 <= G / 16; v += 2) kivi_keys_tile16<B, RB, 2>(qs, d, kw, wc, 16 * v, zc, s + 16 * v, kb);
+  if (v < G / 16) kivi_keys_tile16<B, RB, 1>(qs, d, kw, wc, 16 * v, zc, s + 16 * v, kb);
 }
 
 template <int B, int RB, int CV>
@@ -441,11 +397,10 @@ inline void kivi_values_rows16(const KiviHead& b, int G, int64_t b0, int64_t nb,
 
 template <int B>
 void kivi_scores_avx2(const float* q, int64_t r, const KiviHead& b, int G, int64_t b0,
-                      int64_t nb, int64_t d, float* s, int64_t kb, float* qs, float* zc,
-                      float* cs, float* cz) {
-  kivi_key_columns(b, b0 / G, nb / G, d, cs, cz);
+                      int64_t nb, int64_t d, float* s, int64_t kb, float* qs, float* zc) {
   for (int64_t g0 = 0; g0 < nb; g0 += G) {
-    kivi_fold(q, r, d, cs + g0 / G * d, cz + g0 / G * d, qs, zc);
+    const int64_t gi = (b0 + g0) / G;
+    kivi_fold(q, r, d, b.ks + gi * b.ks_g, b.kz + gi * b.kz_g, qs, zc);
     for (int64_t i = 0; i < r; i += 3) {
       const int64_t t0 = b0 + g0;
       float* si = s + i * kb + g0;
@@ -544,8 +499,6 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
   float* alpha = zc + r;    // (r)
   float* pw = alpha + r;    // (r, kb, d / G) weights times value scales
   float* zs = pw + r * kb * gd;  // (r, d / G) sum of weights times value zeros
-  float* cs = zs + r * gd;  // (kb / G, d) a block's key scales, then zeros
-  float* cz = cs + kb / G * d;
   for (int64_t i = 0; i < r; i++) {
     mx[i] = -INFINITY;
     sm[i] = 0.f;
@@ -557,34 +510,17 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
 #endif
   for (int64_t b0 = j0; b0 < j0 + n; b0 += kb) {
     const int64_t nb = std::min(kb, j0 + n - b0);
-    // keys are d rows (channels) far apart, too many streams for the hardware prefetcher:
-    // each row's next line of words (scales, zeros) is fetched two blocks ahead
-    const int64_t ahead = b0 + 2 * kb;
-    if (ahead < j0 + n) {
-      const int64_t wa = ahead * bits / 32, ga = ahead / G;  // word and group ahead
-      if (wa % 16 < kb * bits / 32 || kb * bits / 32 >= 16) {
-        const int32_t* kc = b.kc + wa;
-        for (int64_t c = 0; c < d; c++, kc += b.kc_c) __builtin_prefetch(kc);
-      }
-      if (ga % 16 < kb / G || kb / G >= 16) {
-        const float *ks = b.ks + ga, *kz = b.kz + ga;
-        for (int64_t c = 0; c < d; c++, ks += b.ks_c, kz += b.kz_c) {
-          __builtin_prefetch(ks);
-          __builtin_prefetch(kz);
-        }
-      }
-    }
 #if defined(__AVX2__)
     if (simd) {
       switch (bits) {
-        case 1: kivi_scores_avx2<1>(q, r, b, G, b0, nb, d, s, kb, qs, zc, cs, cz); break;
-        case 2: kivi_scores_avx2<2>(q, r, b, G, b0, nb, d, s, kb, qs, zc, cs, cz); break;
-        case 4: kivi_scores_avx2<4>(q, r, b, G, b0, nb, d, s, kb, qs, zc, cs, cz); break;
-        default: kivi_scores_avx2<8>(q, r, b, G, b0, nb, d, s, kb, qs, zc, cs, cz); break;
+        case 1: kivi_scores_avx2<1>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        case 2: kivi_scores_avx2<2>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        case 4: kivi_scores_avx2<4>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        default: kivi_scores_avx2<8>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
       }
     } else
 #endif
-      kivi_scores_portable(q, r, b, bits, G, b0, nb, d, s, kb, qs, zc, cs, cz);
+      kivi_scores_portable(q, r, b, bits, G, b0, nb, d, s, kb, qs, zc);
     kivi_softmax(r, nb, b0, lim, s, kb, mx, sm, alpha);
     kivi_value_weights(r, nb, b0, b, gd, s, kb, alpha, pw, zs);
 #if defined(__AVX2__)
@@ -632,16 +568,17 @@ void kivi_dequant_avx2(const KiviHead& b, int G, int64_t t0, int64_t n, int64_t 
                        float* v) {
   for (int64_t t = 0; t < n; t += 8) {
     const int64_t g = (t0 + t) / G;
+    const int32_t* kw = b.kc + g * b.kc_g;
+    const float *ks = b.ks + g * b.ks_g, *kz = b.kz + g * b.kz_g;
     int64_t at;
     __m256i sh;
-    kivi_where<B>(t0 + t, at, sh);
+    kivi_where<B>((t0 + t) % G, at, sh);
     for (int64_t c0 = 0; c0 < d; c0 += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; i++) {
         const int64_t c = c0 + i;
-        const __m256 x = kivi_code8<B>(b.kc + c * b.kc_c, at, sh);
-        r[i] = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(b.ks[c * b.ks_c + g])),
-                             _mm256_set1_ps(b.kz[c * b.kz_c + g]));
+        const __m256 x = kivi_code8<B>(kw + c * b.kc_c, at, sh);
+        r[i] = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(ks[c])), _mm256_set1_ps(kz[c]));
       }
       kivi_transpose8(r);
       for (int i = 0; i < 8; i++) _mm256_storeu_ps(k + (t + i) * d + c0, r[i]);
@@ -677,15 +614,12 @@ void kivi_dequant(const KiviHead& b, int bits, int G, int64_t t0, int64_t n, int
     }
   }
 #endif
-  for (int64_t c = 0; c < d; c++) {
-    const int32_t* w = b.kc + c * b.kc_c;
-    const float* ks = b.ks + c * b.ks_c;
-    const float* kz = b.kz + c * b.kz_c;
+  for (int64_t c = 0; c < d; c++)
     for (int64_t t = 0; t < n; t++) {
       const int64_t g = (t0 + t) / G;
-      k[t * d + c] = kivi_code(w, bits, t0 + t) * ks[g] + kz[g];
+      const float s = b.ks[g * b.ks_g + c], z = b.kz[g * b.kz_g + c];
+      k[t * d + c] = kivi_code(b.kc + g * b.kc_g + c * b.kc_c, bits, (t0 + t) % G) * s + z;
     }
-  }
   for (int64_t t = 0; t < n; t++) {
     const int32_t* w = b.vc + (t0 + t) * b.vc_t;
     const float* vs = b.vs + (t0 + t) * b.vs_t;

@@ -41,8 +41,9 @@ void check_kivi_layout(int64_t bits, int64_t group, int64_t d) {
               "kivi: the group must be a multiple of 32 / bits dividing head_dim");
 }
 
-// k, v (H, n, D) float32 with contiguous rows -> [k_codes (H, D, n*b/32) int32, k_scale,
-// k_zero (H, D, n/G), v_codes (H, n, D*b/32) int32, v_scale, v_zero (H, n, D/G)]: kivi_pack_ref
+// k, v (H, n, D) float32 with contiguous rows -> [k_codes (H, n/G, D, G*b/32) int32, k_scale,
+// k_zero (H, n/G, D) (block-major), v_codes (H, n, D*b/32) int32, v_scale, v_zero (H, n, D/G)]:
+// kivi_pack_ref
 std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int64_t bits,
                                   int64_t group) {
   check_f32(k, "k");
@@ -53,7 +54,8 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
   check_kivi_layout(bits, group, D);
   TORCH_CHECK(n % G == 0, "kivi_pack: ", n, " tokens are not whole groups of ", G);
   const auto i32 = k.options().dtype(at::kInt);
-  at::Tensor kc = at::empty({H, D, n / per}, i32), ks = at::empty({H, D, n / G}, k.options());
+  const int64_t ng = n / G;
+  at::Tensor kc = at::empty({H, ng, D, G / per}, i32), ks = at::empty({H, ng, D}, k.options());
   at::Tensor kz = at::empty_like(ks), vc = at::empty({H, n, D / per}, i32);
   at::Tensor vs = at::empty({H, n, D / G}, k.options()), vz = at::empty_like(vs);
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -61,10 +63,12 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
   at::parallel_for(0, H * D, 16, [&](int64_t b, int64_t e) {
     for (int64_t hc = b; hc < e; hc++) {
       const int64_t h = hc / D, c = hc % D;
-      for (int64_t g = 0; g < n / G; g++)
+      for (int64_t g = 0; g < ng; g++) {
+        const int64_t row = (h * ng + g) * D + c;  // the group's channel c
         kivi_quant_group(kp + h * khs + g * G * kts + c, kts, G, (int)bits,
-                         kc.data_ptr<int32_t>() + hc * (n / per) + g * (G / per),
-                         ks.data_ptr<float>() + hc * (n / G) + g, kz.data_ptr<float>() + hc * (n / G) + g);
+                         kc.data_ptr<int32_t>() + row * (G / per), ks.data_ptr<float>() + row,
+                         kz.data_ptr<float>() + row);
+      }
     }
   });
   at::parallel_for(0, H * n, 64, [&](int64_t b, int64_t e) {
@@ -81,8 +85,8 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
 
 // ---------------------------------------------------------------------------- the body
 // KiviLayer's six body buffers (its Buffers' whole tensors, room included) and the tokens held,
-// checked: keys (H, D, >= tb*b/32) words and (H, D, >= tb/G) scales, zeros; values
-// (H, >= tb, D*b/32) words and (H, >= tb, D/G) scales, zeros; contiguous last dimensions
+// checked: keys block-major, (H, >= tb/G, D, G*b/32) words and (H, >= tb/G, D) scales, zeros;
+// values (H, >= tb, D*b/32) words and (H, >= tb, D/G) scales, zeros; contiguous last dimensions
 struct KiviBody {
   int64_t H, Tb, D, bits, G;
   const at::Tensor *kc, *ks, *kz, *vc, *vs, *vz;
@@ -95,28 +99,27 @@ struct KiviBody {
     for (const at::Tensor* t : {kc, vc})
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt, "kivi codes: int32");
     for (const at::Tensor* t : {kc, ks, kz, vc, vs, vz})
-      TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "kivi body: 3-D, contiguous last dim");
-    H = kc->size(0), Tb = tb, D = kc->size(1), bits = bits_, G = group;
+      TORCH_CHECK(t->dim() == (t == kc ? 4 : 3) && t->stride(t->dim() - 1) == 1,
+                  "kivi body: key words 4-D, the rest 3-D, contiguous last dims");
+    H = kc->size(0), Tb = tb, D = kc->size(2), bits = bits_, G = group;
     check_kivi_layout(bits, G, D);
     const int64_t per = 32 / bits;
-    bool ok = Tb >= 0 && Tb % G == 0;
+    bool ok = Tb >= 0 && Tb % G == 0 && kc->size(1) >= Tb / G && kc->size(3) == G / per;
     for (const at::Tensor* t : {ks, kz})
-      ok = ok && t->size(0) == H && t->size(1) == D && t->size(2) >= Tb / G;
+      ok = ok && t->size(0) == H && t->size(1) >= Tb / G && t->size(2) == D;
     for (const at::Tensor* t : {vs, vz})
       ok = ok && t->size(0) == H && t->size(1) >= Tb && t->size(2) == D / G;
-    ok = ok && kc->size(2) >= Tb / per && vc->size(0) == H && vc->size(1) >= Tb &&
-         vc->size(2) == D / per;
+    ok = ok && vc->size(0) == H && vc->size(1) >= Tb && vc->size(2) == D / per;
     TORCH_CHECK(ok, "kivi body: buffers do not hold ", Tb, " tokens of ", bits, " bits, group ", G);
   }
 
   kvq::KiviHead head(int64_t h) const {
     kvq::KiviHead b;
     b.kc = kc->data_ptr<int32_t>() + h * kc->stride(0);
-    b.kc_c = kc->stride(1);
+    b.kc_g = kc->stride(1), b.kc_c = kc->stride(2);
     b.ks = ks->data_ptr<float>() + h * ks->stride(0);
     b.kz = kz->data_ptr<float>() + h * kz->stride(0);
-    b.ks_c = ks->stride(1);
-    b.kz_c = kz->stride(1);
+    b.ks_g = ks->stride(1), b.kz_g = kz->stride(1);
     b.vc = vc->data_ptr<int32_t>() + h * vc->stride(0);
     b.vc_t = vc->stride(1);
     b.vs = vs->data_ptr<float>() + h * vs->stride(0);

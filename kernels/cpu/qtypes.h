@@ -98,15 +98,15 @@ typedef void (*AttnFn)(const float* q, int g, const float* k, int64_t ks, const 
                        int64_t vs, int64_t t, int64_t d, float scale, float* out, float* mx,
                        float* sm, float* scores);
 
-// ---- KIVI (kivi_attn.h): one KV head of a packed body (kvrun/kv/stores/kivi.py's layout, the
-// public KIVI one), each pointer at the head's first token; code i of a word sits at bits
-// [b*i, b*i + b)
+// ---- KIVI (kivi_attn.h): one KV head of a packed body (kvrun/kv/stores/kivi.py's layout: the
+// public KIVI one's codes, the keys block-major), each pointer at the head's first token; code
+// i of a word sits at bits [b*i, b*i + b)
 struct KiviHead {
-  const int32_t* kc;  // key words, channel c's at kc + c * kc_c: tokens packed along
-  int64_t kc_c;
-  const float* ks;  // key scales and zeros, channel c's groups of G tokens at + c * ks_c
-  const float* kz;  // (and + c * kz_c)
-  int64_t ks_c, kz_c;
+  const int32_t* kc;  // key words: group g's channel c at kc + g * kc_g + c * kc_c, its G
+  int64_t kc_g, kc_c;  // tokens packed along
+  const float* ks;  // key scales and zeros: group g's d channels at ks + g * ks_g
+  const float* kz;  // (and kz + g * kz_g)
+  int64_t ks_g, kz_g;
   const int32_t* vc;  // value words, token t's at vc + t * vc_t: channels packed along
   int64_t vc_t;
   const float* vs;  // value scales and zeros, token t's groups of G channels at + t * vs_t
@@ -120,7 +120,7 @@ inline int64_t kivi_block(int64_t group) { return group * std::max<int64_t>(4, (
 // floats of scratch a KIVI chunk needs for r rows
 inline int64_t kivi_scratch(int64_t r, int64_t d, int64_t group) {
   const int64_t kb = kivi_block(group), gd = d / group;
-  return r * (kb + d + 2 + kb * gd + gd) + 2 * kb / group * d + 2 * kb * gd + 64;
+  return r * (kb + d + 2 + kb * gd + gd) + 2 * kb * gd + 64;
 }
 
 // KIVI body attention of r query rows q (r, d), already multiplied by the softmax scale, over

@@ -35,7 +35,8 @@ from ..errors import KvrunError
 from ..kv.state import DamagedKvcFile, Loader, Writer
 from ..kv.stores import kvtypes
 
-FORMAT, VERSION = "kvrun-kvc", 2  # 2: the state as each class declares it (kvrun.kv.state)
+# 2: the state as each class declares it (kvrun.kv.state); 3: KIVI's keys block-major
+FORMAT, VERSION = "kvrun-kvc", 3
 _META_KEY, _STATE_KEY = "kvrun_kvc", "kvrun_kvc_state"
 
 

@@ -1,6 +1,11 @@
 """KIVI store (KIVI §3): per layer a packed 2/4-bit body and a dense tail. Keys are quantized per
 channel (groups of G tokens), values per token (groups of G channels), asymmetric min/max, codes
-packed into int32 words in the public KIVI layout; the manager decides when to flush."""
+packed into int32 words as the public KIVI code packs them; the manager decides when to flush.
+
+The body's keys are kept block-major, a group of G tokens of every channel together
+(kernels.kivi_pack.keys_by_group), where the public layout keeps each channel's row of all
+tokens: a decode step then reads the body as a few sequential streams instead of D rows far
+apart (bench/README.md, "KIVI's keys block-major"). The values are the public layout."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch
 from ...errors import KvrunError
 from ...kernels.dense_decode import dense_decode
 from ...kernels.kivi_decode import kivi_decode
-from ...kernels.kivi_pack import kivi_pack, unpack_codes
+from ...kernels.kivi_pack import keys_by_channel, kivi_pack, unpack_codes
 from ..attention import Partial, segment_attention
 from ..state import Like, state
 from . import kivi_native
@@ -36,9 +41,9 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     _vq=Like({1: "tq"}),
     _vs=Like({1: "tq"}),
     _vz=Like({1: "tq"}),
-    _kq=Like({2: "tq * bits // 32"}),
-    _ks=Like({2: "tq // G"}),
-    _kz=Like({2: "tq // G"}),
+    _kq=Like({1: "tq // G"}),
+    _ks=Like({1: "tq // G"}),
+    _kz=Like({1: "tq // G"}),
     _tk=Like({1: "tr"}),
     _tv=Like({1: "tr"}),
 )
@@ -73,9 +78,9 @@ class KiviLayer:
         # in C++ over a float32 store (kivi_native); None: the torch path (Triton on CUDA)
         self.kernels = kernels if self.device.type == "cpu" and dtype == torch.float32 else None
         H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32
-        self._kq = Buffer((H, D, 0), 2, i32, dev)  # (Hkv, D, Tq*b/32) keys by token
-        self._ks = Buffer((H, D, 0), 2, dtype, dev)  # (Hkv, D, Tq/G)
-        self._kz = Buffer((H, D, 0), 2, dtype, dev)  # (Hkv, D, Tq/G)
+        self._kq = Buffer((H, 0, D, group * bits // 32), 1, i32, dev)  # (Hkv, Tq/G, D, G*b/32)
+        self._ks = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tq/G, D)
+        self._kz = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tq/G, D)
         self._vq = Buffer((H, 0, D * bits // 32), 1, i32, dev)  # (Hkv, Tq, D*b/32)
         self._vs = Buffer((H, 0, D // group), 1, dtype, dev)  # (Hkv, Tq, D/G)
         self._vz = Buffer((H, 0, D // group), 1, dtype, dev)  # (Hkv, Tq, D/G)
@@ -121,7 +126,8 @@ class KiviLayer:
         return self.body_len + self.tail_len
 
     def body(self) -> tuple[torch.Tensor, ...]:
-        """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of the occupied body."""
+        """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of the occupied body, the keys
+        block-major (the module's docstring)."""
         return tuple(b.data for b in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +149,8 @@ class KiviLayer:
         if n == 0:
             return 0
         tk, tv = self.tail()
-        # (Hkv, D, n*b/32), (Hkv, D, n/G) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on CUDA,
-        # the native kernels on CPU (bit for bit the reference)
+        # (Hkv, n/G, D, G*b/32), (Hkv, n/G, D) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on
+        # CUDA, the native kernels on CPU (bit for bit the reference)
         pack = kivi_pack if self.kernels is None else self.kernels.kivi_pack
         packed = pack(tk[:, :n], tv[:, :n], self.bits, self.G)
         for buf, x in zip(
@@ -254,6 +260,7 @@ class KiviLayer:
             k, v = k[0], v[0]  # (Hkv, Tq, D)
         else:
             kq, ks, kz, vq, vs, vz = self.body()
+            kq, ks, kz = keys_by_channel(kq, ks, kz)
             k = dequantize(unpack(kq, self.bits), ks, kz, -1, self.G).transpose(1, 2)
             v = dequantize(unpack(vq, self.bits), vs, vz, -1, self.G)  # (Hkv, Tq, D)
         tk, tv = self.tail()
