@@ -92,7 +92,11 @@ def keys_by_channel(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`keys_by_group`'s inverse: the public layout (copies where the views cannot be)."""
     H, ng, D, wpg = codes.shape
-    return codes.transpose(1, 2).reshape(H, D, ng * wpg), scale.transpose(1, 2), zero.transpose(1, 2)
+    return (
+        codes.transpose(1, 2).reshape(H, D, ng * wpg),
+        scale.transpose(1, 2),
+        zero.transpose(1, 2),
+    )
 
 
 def kivi_pack_ref(

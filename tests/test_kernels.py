@@ -177,7 +177,8 @@ def test_kivi_pack_ref_equals_kivi_quantize_pack(bits, G, dtype):
     assert got[0].shape == (2, 4, 128, G * bits // 32) and got[1].shape == (2, 4, 128)
     for a, b in zip(public, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(kp.keys_by_group(*want[:3], G, bits), got))
+    by_group = kp.keys_by_group(*want[:3], G, bits)
+    assert all(torch.equal(a, b) for a, b in zip(by_group, got[:3], strict=True))
     assert torch.equal(kp.unpack_codes(public[0], bits), kc.long())  # unpack inverts pack
     assert int(kp.pack_codes(torch.tensor([0, 1, 2, 3] * 4), 2)) == -454761244  # 0xE4E4E4E4
 
