@@ -319,7 +319,7 @@ def compile_only(arch: int) -> bool:
     from kvrun.kernels import kivi_pack as kp
     from kvrun.kernels import merged_decode as md
 
-    unit = {"sqd", "skd", "svd", "ssn", "skc_w", "sks_g", "svc_w", "svs_g"}
+    unit = {"sqd", "skd", "svd", "ssn", "skc_w", "sks_d", "svc_w", "svs_g"}
     unit |= {"sbk_d", "sbv_d", "sik_s", "siv_s", "smk_s", "smv_s", "sp_s", "sc_d", "sm_b"}
     unit |= {"sek_d", "sev_d", "ssk_t", "ssv_t", "sok_t", "srk_d", "sov_t", "srv_d"}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -350,8 +350,9 @@ def compile_only(arch: int) -> bool:
                 attrs[(i,)] = [["tt.divisibility", 16]]
             else:
                 sig[name] = "fp32" if name == "sm_scale" else "i32"
-                if hints and name.startswith("s") and name not in ("split", "sm_scale"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]  # strides: multiples of D
+                # strides: multiples of D, but a KIVI key group's words per channel (skc_d)
+                if hints and name.startswith("s") and name not in ("split", "sm_scale", "skc_d"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
         keys = ("BITS", "GROUP", "HAS_LEN", "PER_HEAD", "CODED", "HAS_MASK", "UNIT", "OV_K")
         label = f"{fn.__name__} {dt} " + " ".join(f"{k}={consts[k]}" for k in keys if k in consts)
         try:
