@@ -34,7 +34,7 @@ from kvrun.kv.methods.spindlekv.cache import (
     spindle_keep,
     union_slots,
 )
-from kvrun.kv.methods.spindlekv.store import assign, build_codebook
+from kvrun.kv.methods.spindlekv.store import assign, build_codebook, nbytes_of
 from kvrun.models.config import ModelConfig
 from kvrun.models.model import Transformer
 from kvrun.models.rope import Rope, inverse_frequencies
@@ -999,3 +999,48 @@ def test_passkey_through_cli(default_gguf, passkey_file):
     assert out["kv"]["method"] == "spindlekv" and out["kv"]["budget"] == 0.5
     ratio = out["kv_bytes"] / out["kv_bytes_full"]
     assert 0.03 < ratio < 0.12  # eviction (mean 0.5 per query head) times codebooks
+
+
+def test_f16_store_halves_the_books_and_keeps_the_selection(tmp_path):
+    """--kv-dtype f16 (the CPU's default): the books, magnitudes and dense slots in f16, the
+    codebook built in fp32 and rounded after; the same kept sets, its float bytes halved, logits
+    near the f32 store's, and a .kvc round trip bit for bit. q8_0 is refused in one line."""
+    from test_kvc import _continue, _runtime, same_graph
+
+    from kvrun.run import kvc
+    from kvrun.run.session import Session
+
+    m, ids = tiny(), prompt(120, 21)
+    runs = {}
+    for dt in ("f32", "f16"):
+        for opts in ("", ",decode_codebook=off"):
+            spec = check(f"spindlekv:window=8{opts}", "0.35").with_dtype(dt)
+            kv = build(spec, m.config, m.rope, "cpu", torch.float32)
+            runs[dt, opts] = kv, drive(m, kv, ids, 32, n_decode=6)
+    for opts in ("", ",decode_codebook=off"):
+        (k32, l32), (k16, l16) = runs["f32", opts], runs["f16", opts]
+        st = k16.layers[0]
+        assert st.shelf_k.data.dtype == st.mag_k.dtype == torch.float16
+        assert opts == "" or st.k_d.dtype == torch.float16  # decode tokens kept dense
+        assert [store_sets(k16, i) for i in range(L)] == [store_sets(k32, i) for i in range(L)]
+        ints = sum(nbytes_of(t) for s in k16.layers for t in (s.idx_k, s.idx_v, s.pos_c,
+                   s.mask_c, s.pos_d, s.mask_d))  # fmt: skip
+        assert k16.nbytes() - ints == (k32.nbytes() - ints) // 2
+        assert 2 * k16.nbytes_full() == k32.nbytes_full()
+        err = (l16 - l32).abs().max() / l32.abs().max()
+        assert err < 0.02, err
+    rt = _runtime(tmp_path, m)
+    s = Session(
+        m, None, rt.new_kv(check("spindlekv:window=8", "0.35").with_dtype("f16")), ubatch=32
+    )
+    logits = s.prefill(ids)
+    for _ in range(5):
+        logits = s.decode(int(logits.argmax()))
+    path = kvc.save(tmp_path / "f16.kvc", s.kv, s.tokens, rt)
+    kv, tokens, _ = kvc.load(path, rt)
+    same_graph(s.kv, kv)
+    question, steps = prompt(12, 5), (7, 9, 11)
+    assert torch.equal(_continue(m, kv, tokens, question, steps),
+                       _continue(m, s.kv, s.tokens, question, steps))  # fmt: skip
+    with pytest.raises(KvrunError, match="codebooks in f32 or f16, not q8_0"):
+        build(check("spindlekv", "0.35").with_dtype("q8_0"), m.config, m.rope, "cpu", torch.float32)

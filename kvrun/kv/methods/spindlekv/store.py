@@ -403,7 +403,7 @@ class CodedLayer:
         self._append(idx_k=idx_k, idx_v=idx_v, mag_k=mag_k, mag_v=mag_v, pos_c=pos, mask_c=mask)
 
     def append_dense(self, k, v, pos, mask) -> None:
-        self._append(k_d=k, v_d=v, pos_d=pos, mask_d=mask)
+        self._append(k_d=k.to(self.dtype), v_d=v.to(self.dtype), pos_d=pos, mask_d=mask)
 
     def store_turn(self, layer: int, ks, vs, valid, pos, mask, o) -> None:
         """A turn's kept pre-RoPE vectors (Hkv, S, D), coded into the books (earlier entries kept)
@@ -538,7 +538,7 @@ class CodedLayer:
         exact post-RoPE k_new (1, Hkv, n, D) at k_pos_new, if any."""
         if self.n_slots == 0:
             return dense_attention(q, k_new, v_new, q_pos, k_pos_new, window)
-        ks, vs, pos, mask = self.materialise()
+        ks, vs, pos, mask = self.materialise(q.dtype)
         Hq, Tq = q.shape[1], q.shape[2]
         vis = position_mask(q_pos, pos, window)  # (Hkv, Tq, S) or None
         m = None
@@ -559,9 +559,12 @@ class CodedLayer:
             m = m.expand(Hq, Tq, ks.shape[2])[None]
         return sdpa(q, ks, vs, m)
 
-    def materialise(self):
-        """`slots` with K rotated and a batch dim: K, V (1, Hkv, S, D), positions, masks."""
+    def materialise(self, dtype: torch.dtype | None = None):
+        """`slots` with K rotated and a batch dim: K, V (1, Hkv, S, D), positions, masks; in
+        `dtype` where given (an f16 store's rows are rotated in the query's type)."""
         k, v, pos, mask = self.slots()
+        if dtype is not None:
+            k, v = k.to(dtype), v.to(dtype)
         return self.rope.apply(k[None], pos), v[None], pos, mask  # RoPE at each slot's position
 
     def nbytes(self) -> int:
