@@ -1,6 +1,7 @@
 // KIVI's packed body attended as it is stored (kvrun/kv/stores/kivi.py; the torch reference is
 // kernels/kivi_decode.py's kivi_decode_ref). Keys are quantized per channel over groups of G
-// tokens: each key group's scales fold into the query once (qs_c = q_c * s_c, d products a
+// tokens and kept block-major (a group's words, scales and zeros of every channel in one run,
+// read as one stream): each key group's scales fold into the query once (qs_c = q_c * s_c, d products a
 // row) and its zeros into one constant a row (sum_c q_c z_c), so a score is
 // sum_c qs_c * code + constant. Values are quantized per token over groups of G channels: a
 // probability is scaled by its value group's scale (p * s) and multiplies the codes, and
