@@ -78,9 +78,9 @@ def kivi_decode_ref(
     k_scale, k_zero = k_scale.float().contiguous(), k_zero.float().contiguous()
     qg = q.float().reshape(H, Hq // H, Tq, D)  # (Hkv, g, Tq, D)
     kc = unpack_codes(k_codes, bits).float().view(H, D, Tb // G, G)  # (Hkv, D, Tb/G, G)
-    sk = (kc * k_scale.float()[..., None]).view(H, D, Tb)  # (Hkv, D, Tb) per-call temporary
+    sk = (kc * k_scale[..., None]).view(H, D, Tb)  # (Hkv, D, Tb) per-call temporary
     s = torch.einsum("hgqc,hct->hgqt", qg, sk)  # (Hkv, g, Tq, Tb)
-    qz = torch.einsum("hgqc,hcn->hgqn", qg, k_zero.float())  # (Hkv, g, Tq, Tb/G): q . zK
+    qz = torch.einsum("hgqc,hcn->hgqn", qg, k_zero)  # (Hkv, g, Tq, Tb/G): q . zK
     s = (s + qz.repeat_interleave(G, dim=-1)) / math.sqrt(D)
     if causal_offset is not None:
         t = torch.arange(Tb, device=q.device)

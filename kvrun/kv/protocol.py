@@ -180,6 +180,19 @@ class KVManager:
         t.check_dim(self.config.head_dim, "this model")
         return t
 
+    def f16_kv_type(self, spec, dtype, device, what: str):
+        """dense_kv_type for a store of its own that keeps `what` in f32 or f16 only (MiniCache's
+        pairs, SpindleKV's codebooks): another --kv-dtype is a one-line error."""
+        from ..errors import KvrunError
+
+        t = self.dense_kv_type(spec, dtype, device)
+        if t is not None and t.name != "f16":
+            raise KvrunError(
+                f"--kv {spec.name} keeps its {what} in f32 or f16, not {t.name}: use "
+                "--kv-dtype f16 (the CPU's default) or f32"
+            )
+        return t
+
     def nbytes_full(self) -> int:
         """Bytes an uncompressed cache in the same KV type would hold for the tokens seen."""
         c = self.config

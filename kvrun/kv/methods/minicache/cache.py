@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from ....errors import KvrunError
 from ...attention import combine, dense_attention
 from ...protocol import KVManager
 from ...state import DictInto, ListInto, state
@@ -36,12 +35,9 @@ class MiniCacheKV(KVManager):
         self.kivi_layout = spec.kivi()
         # --kv-dtype: f16 (the CPU's default) halves the pairs' E, norms and retained rows and
         # the plain layers; the merge runs in fp32 and rounds after it (as E under KIVI)
-        self.kv_type = None if self.kivi_layout else self.dense_kv_type(spec, dtype, device)
-        if self.kv_type is not None and self.kv_type.name != "f16":
-            raise KvrunError(
-                f"--kv {spec.name} keeps its merged pairs in f32 or f16, not "
-                f"{self.kv_type.name}: use --kv-dtype f16 (the CPU's default) or f32"
-            )
+        self.kv_type = (
+            None if self.kivi_layout else self.f16_kv_type(spec, dtype, device, "merged pairs")
+        )
         self.store_dtype = self.kv_type.storage if self.kv_type else dtype  # pairs' rows
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim

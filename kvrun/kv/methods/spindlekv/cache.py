@@ -11,7 +11,6 @@ from fractions import Fraction
 
 import torch
 
-from ....errors import KvrunError
 from ....kernels import use_triton
 from ...attention import combine, pool_scores, sdpa, window_scores
 from ...cache import keep_indices
@@ -133,12 +132,7 @@ class SpindleKVCache(KVManager):
         self.group = config.n_heads // config.n_kv_heads
         # --kv-dtype: f16 (the CPU's default) halves the books, magnitudes and dense slots, as
         # MiniCache's pairs; the codebook is built and searched in fp32 and rounds after it
-        self.kv_type = self.dense_kv_type(spec, dtype, device)
-        if self.kv_type is not None and self.kv_type.name != "f16":
-            raise KvrunError(
-                f"--kv {spec.name} keeps its codebooks in f32 or f16, not "
-                f"{self.kv_type.name}: use --kv-dtype f16 (the CPU's default) or f32"
-            )
+        self.kv_type = self.f16_kv_type(spec, dtype, device, "codebooks")
         self.store_dtype = self.kv_type.storage if self.kv_type else dtype
         self.ones_mask = pack_bits(
             torch.ones(config.n_kv_heads, 1, self.group, dtype=torch.bool, device=device)
