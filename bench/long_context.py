@@ -17,12 +17,20 @@ quantizes V only with flash attention), then feeds N greedy tokens one at a time
 use --threads threads. KV bytes: kvrun's as measured by the cache (kv_bytes); llama.cpp's
 from its layout (2 * layers * Hkv * D * n_ctx at the type's bytes). "decode vs full" is each
 row's decode tok/s over the full cache's in the same run.
+
+On a shared or noisy machine one process's rate moves by 20-30% from run to run; --rounds N
+runs every row N times, round after round (each round the rows in order), and prints each
+row's median prefill and decode, and its "vs full" as the median of the rounds' ratios (each
+round's row over that round's full: a ratio taken side by side, not of two medians):
+
+    python bench/long_context.py --methods full,kivi2,minicache --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -135,8 +143,33 @@ def attempt(fn, *a) -> dict:
         return {"failed": str(e)}
 
 
+def summarise(runs: list[dict]) -> list[dict]:
+    """Rows measured over rounds (a row's result per round, `round` in each) -> one result a
+    row: the median of each rate over its rounds that did not fail, `rounds` the per-round
+    results, and decode_vs_full the median of the rounds' ratios to that round's full."""
+    labels = list(dict.fromkeys(r["row"] for r in runs))
+    full = {r["round"]: r for r in runs if r["row"] == "full" and "failed" not in r}
+    out = []
+    for label in labels:
+        mine = [r for r in runs if r["row"] == label]
+        ok = [r for r in mine if "failed" not in r]
+        if not ok:
+            out.append({**mine[-1], "rounds": mine})
+            continue
+        row = {**ok[0], "rounds": mine}
+        row.pop("round", None)
+        for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes"):
+            row[key] = statistics.median(r[key] for r in ok)
+        vs = [
+            r["decode_tok_s"] / full[r["round"]]["decode_tok_s"] for r in ok if r["round"] in full
+        ]
+        if vs and row["tool"] == "kvrun":
+            row["decode_vs_full"] = statistics.median(vs)
+        out.append(row)
+    return out
+
+
 def table(results: list[dict]) -> str:
-    full = next((r for r in results if r["row"] == "full" and "failed" not in r), None)
     lines = [
         "| --kv | KV bytes | peak RSS | prefill tok/s | decode tok/s | decode vs full |",
         "|---|---|---|---|---|---|",
@@ -145,11 +178,7 @@ def table(results: list[dict]) -> str:
         if "failed" in r:
             lines.append(f"| {r['row']} | failed: {r['failed']} | | | | |")
             continue
-        vs = (
-            f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x"
-            if full and r["tool"] == "kvrun"
-            else ""
-        )
+        vs = f"{r['decode_vs_full']:.2f}x" if "decode_vs_full" in r else ""
         lines.append(
             f"| {r['row']} | {r['kv_bytes'] / 1e6:.1f} MB | {r['peak_rss_bytes'] / 1e6:.0f} MB "
             f"| {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {vs} |"
@@ -170,27 +199,34 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="run every row this many times, alternated (medians)"
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     args.ctx = args.tokens + args.n + 64
     args.model_path, shape = model_shape(args.model)
     prompt = prompt_file(args.tokens, args.model, Path(f"/tmp/long_context_{args.tokens}.txt"))
-    results = []
+    runs = []
 
     def show(r: dict) -> None:
-        results.append(r)
+        runs.append(r)
         peer.log(json.dumps(r))
 
     methods = args.methods.split(",") if args.methods else None
-    for kv, budget in rows(methods, args.budget):
-        label = f"{kv} {budget}" if budget else kv
-        show({"row": label, "tool": "kvrun", **attempt(kvrun_row, args, prompt, kv, budget)})
-    if not args.no_llamacpp:
-        version, _ = peer.ensure_llamacpp()
-        for label, flash, kind in LLAMACPP:
+    version = peer.ensure_llamacpp()[0] if not args.no_llamacpp else None
+    for rnd in range(args.rounds):
+        for kv, budget in rows(methods, args.budget):
+            label = f"{kv} {budget}" if budget else kv
+            r = attempt(kvrun_row, args, prompt, kv, budget)
+            show({"row": label, "tool": "kvrun", "round": rnd, **r})
+        for label, flash, kind in LLAMACPP if version else []:
             r = attempt(llamacpp_row, args, prompt, flash, kind, shape)
-            show({"row": f"llama.cpp {version}, {label}", "tool": "llama.cpp", **r})
-    out = {"model": args.model_path, "tokens": args.tokens, "n": args.n,
-           "threads": args.threads, "budget": args.budget, "results": results}  # fmt: skip
+            show({"row": f"llama.cpp {version}, {label}", "tool": "llama.cpp", "round": rnd, **r})
+    results = summarise(runs)
+    out = {"model": args.model_path, "tokens": args.tokens, "n": args.n, "threads": args.threads,
+           "budget": args.budget, "rounds": args.rounds, "results": results}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(table(results))

@@ -229,15 +229,47 @@ def test_parallel_rows_report_the_batch(tiny_gguf):
     assert row["kv_bytes_full"] == one["kv_bytes_full"]
 
 
-def _vs_llamacpp():
+def _bench_module(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "vs_llamacpp.py"
-    spec = importlib.util.spec_from_file_location("vs_llamacpp", path)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _vs_llamacpp():
+    return _bench_module("vs_llamacpp")
+
+
+def test_long_context_rounds_take_medians_and_side_by_side_ratios():
+    """bench/long_context.py --rounds: a row's rates are medians over its rounds, and its
+    "vs full" the median of each round's ratio to that round's full (not of two medians); a
+    failed round is left out, a row failed in every round stays failed."""
+    _vs_llamacpp()  # puts bench/ on sys.path for long_context's own import of it
+    lc = _bench_module("long_context")
+
+    def run(row, rnd, decode, tool="kvrun"):
+        return {"row": row, "tool": tool, "round": rnd, "kv_bytes": 10, "peak_rss_bytes": 100,
+                "prefill_tok_s": 2 * decode, "decode_tok_s": decode}  # fmt: skip
+
+    runs = [run("full", 0, 40.0), run("kivi2", 0, 60.0), run("llama.cpp f16", 0, 20.0, "llama.cpp"),
+            run("full", 1, 30.0), run("kivi2", 1, 48.0), run("llama.cpp f16", 1, 25.0, "llama.cpp"),
+            run("full", 2, 50.0), {"row": "kivi2", "tool": "kvrun", "round": 2, "failed": "x"},
+            {"row": "tova", "tool": "kvrun", "round": 0, "failed": "exit 1: boom"}]  # fmt: skip
+    got = {r["row"]: r for r in lc.summarise(runs)}
+    assert list(got) == ["full", "kivi2", "llama.cpp f16", "tova"]
+    assert got["full"]["decode_tok_s"] == 40.0 and got["full"]["decode_vs_full"] == 1.0
+    k = got["kivi2"]
+    assert k["decode_tok_s"] == 54.0 and k["prefill_tok_s"] == 108.0 and len(k["rounds"]) == 3
+    assert k["decode_vs_full"] == pytest.approx(1.55)  # rounds: 1.5 and 1.6, not 54 / 40
+    assert "decode_vs_full" not in got["llama.cpp f16"]
+    assert got["tova"]["failed"] == "exit 1: boom"
+    table = lc.table(list(got.values()))
+    assert "| kivi2 | 0.0 MB | 0 MB | 108.0 | 54.0 | 1.55x |" in table
+    assert "| tova | failed: exit 1: boom |" in table
 
 
 def test_llamacpp_build_takes_only_the_cpus_own_extensions(monkeypatch):

@@ -49,11 +49,13 @@ def close(got, ref, dtype=F32):
 @pytest.mark.parametrize("T", LENGTHS)
 def test_merged_attn_matches_reference(Hq, Hkv, D, T, isa, threads):  # noqa: F811
     """One query row and two (a chunk), unit norms or plain factors, with and without retained
-    rows (K only, V only, both), a zero E row, float32 and float16 E."""
+    rows (K only, V only, both), a zero E row, float32 and float16 E (float16 with plain
+    factors: the streamed path, merged_heads_stream)."""
     g = Hq // Hkv
     for i, (Tq, unit, over, dtype) in enumerate(
-        [(1, True, True, F32), (1, False, False, F32), (2, True, False, F32), (1, True, True, F16)]
-    ):
+        [(1, True, True, F32), (1, False, False, F32), (2, True, False, F32), (1, True, True, F16),
+         (1, False, True, F16), (2, False, True, F16), (1, False, False, F16)]
+    ):  # fmt: skip
         args = pair_inputs(Hkv, g, Tq, T, D, unit, over, seed=T * 31 + Hq + i, dtype=dtype)
         args[0] = args[0].float()  # q is float32 on the native path
         close(native(args), merged_decode_ref(*args), dtype)
@@ -80,15 +82,16 @@ def test_own_tokens_fold_in_causally(Hq, Hkv, D, Tq, T, isa, threads):  # noqa: 
 
 
 @pytest.mark.parametrize("Hq,Hkv,D", HEADS)
-def test_retained_rows_per_token(Hq, Hkv, D, isa):  # noqa: F811
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_retained_rows_per_token(Hq, Hkv, D, dtype, isa):  # noqa: F811
     """scope=layer: one group of retained tokens, a row of Hkv * D per token, the factors given
     whole (unit off): as Layout.override maps them for the reference."""
     T, gen = 77, torch.Generator().manual_seed(Hq * D)
     q = torch.randn(1, Hq, 1, D, generator=gen)
-    ek, ev = torch.randn(2, Hkv, T, D, generator=gen)
+    ek, ev = torch.randn(2, Hkv, T, D, generator=gen).to(dtype)
     sk, sv = (0.5 + torch.rand(2, T, generator=gen)).expand(Hkv, 2, T).transpose(0, 1)
     idx = torch.tensor([0, 5, 6, 40, T - 1], dtype=torch.int32)
-    rk, rv = torch.randn(2, len(idx), Hkv * D, generator=gen)
+    rk, rv = torch.randn(2, len(idx), Hkv * D, generator=gen).to(dtype)
     ov = torch.full((Hkv, T), -1, dtype=torch.int32)
     r = torch.arange(len(idx), dtype=torch.int32)
     ov[:, idx.long()] = r[None, :] * Hkv + torch.arange(Hkv, dtype=torch.int32)[:, None]
@@ -97,7 +100,7 @@ def test_retained_rows_per_token(Hq, Hkv, D, isa):  # noqa: F811
     got = ops.merged_attn(
         q, ek, sk, ev, sv, False, idx, roff, rk, idx, roff, rv, 0, None, None, D**-0.5
     )
-    close(got, ref)
+    close(got, ref, dtype)
 
 
 def test_bad_arguments_are_refused():
@@ -167,10 +170,13 @@ def torch_path(kv):
 
 
 def count_native(monkeypatch, kv) -> list:
+    """Calls of a pair layer's native decode (a row rotated in the op, or several tokens
+    rotated before it)."""
     calls = []
     for view in kv.views.values():
-        real = view.attend_native
-        monkeypatch.setattr(view, "attend_native", lambda *a, r=real: calls.append(1) or r(*a))
+        for name in ("attend_native", "rope_attend_native"):
+            real = getattr(view, name)
+            monkeypatch.setattr(view, name, lambda *a, r=real: calls.append(1) or r(*a))
     return calls
 
 
@@ -278,3 +284,33 @@ def test_default_model_greedy_tokens_agree(default_runtime, spec, budget):
     assert len(a) == 12 and a == b
     torch.testing.assert_close(la, lb, atol=1e-3, rtol=0)
     assert all(getattr(st, "kernels", ops) is ops for st in kv.stores())  # native throughout
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("token", [False, True])
+def test_merge_into_writes_what_merge_and_appends_store(dtype, token):
+    """minicache_merge_into (a decode token, K and V in one call) puts into slot n of the
+    pair's buffers exactly what minicache_merge's outputs appended would: E and the norms in
+    the store's dtype, the factors float32; groups per head or one per token."""
+    H, D, cap, n = 3, 64, 9, 5
+    g, m = (1, H * D) if token else (H, D)
+    gen = torch.Generator().manual_seed(H + token)
+    xa, xb = torch.randn(2, 2, H, 1, D, generator=gen)  # [K, V] of layers a, b
+    xa[1, 2] = 0  # a zero row
+    e = [torch.zeros(H, cap, D, dtype=dtype) for _ in range(2)]
+    na, nb = ([torch.zeros(g, cap, dtype=dtype) for _ in range(2)] for _ in range(2))
+    fa, fb = ([torch.zeros(g, cap) for _ in range(2)] for _ in range(2))
+    d = ops.minicache_merge_into(list(xa), list(xb), g, 0.6, 1e-6, e, na, nb, fa, fb, n)
+    for h in range(2):
+        ga = xa[h].transpose(0, 1).reshape(1, 1, -1) if token else xa[h]  # Layout.groups
+        gb = xb[h].transpose(0, 1).reshape(1, 1, -1) if token else xb[h]
+        want_e, want_na, want_nb, want_d, want_fa, want_fb = ops.minicache_merge(ga, gb, 0.6, 1e-6)
+        heads = want_e.reshape(1, H, D).transpose(0, 1) if token else want_e  # Layout.heads
+        assert torch.equal(e[h][:, n : n + 1], heads.to(dtype))
+        assert torch.equal(na[h][:, n], want_na[:, 0].to(dtype))
+        assert torch.equal(nb[h][:, n], want_nb[:, 0].to(dtype))
+        assert torch.equal(fa[h][:, n], want_fa[:, 0]) and torch.equal(fb[h][:, n], want_fb[:, 0])
+        assert torch.equal(d[h], want_d[:, 0])
+        assert not e[h][:, :n].any() and not e[h][:, n + 1 :].any()  # nothing else written
+    with pytest.raises(RuntimeError):  # no room for slot n
+        ops.minicache_merge_into(list(xa), list(xb), g, 0.6, 1e-6, e, na, nb, fa, fb, cap)

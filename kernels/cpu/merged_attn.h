@@ -436,6 +436,62 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
   }
 }
 
+// merged_heads over an f16 E with whole factors (the CLI's store under --kv-dtype auto): E's
+// rows stream as a dense cache's do (qstep.h's scores_rows, four keys to one transposing
+// reduction, and weigh_rows), each score scaled by its key's factor and each weight by its
+// value's; a retained token's score comes from its exact row instead and its weight goes to
+// that row, not to E's. The f32 store keeps merged_heads' per-row sums (its logits stay bit
+// for bit those of the exact path).
+template <int HG, typename T>
+void merged_heads_stream(const MergedArgs& a, int64_t h, const float* q, int64_t j0, int64_t n,
+                         float* out, float* mx, float* sm) {
+  const int64_t d = a.d;
+  float sc[HG * SKB], r[HG], pr[HG * SKB];
+  const T* vp[SKB];
+  float ones[HG];  // weigh_ptrs' factor on out for the retained rows: none
+  for (int i = 0; i < HG; i++) {
+    mx[i] = -INFINITY;
+    sm[i] = 0.f;
+    ones[i] = 1.f;
+  }
+  for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
+  Retained rk(a.k, h, j0), rv(a.v, h, j0);
+  const T* ek = static_cast<const T*>(a.k.e) + h * a.k.e_h;
+  const T* ev = static_cast<const T*>(a.v.e) + h * a.v.e_h;
+  const float* fk = a.k.scale + h * a.k.s_h;
+  const float* fv = a.v.scale + h * a.v.s_h;
+  for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
+    const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0), b1 = b0 + nb;
+    scores_rows<HG, T>(q, ek + b0 * a.k.e_t, a.k.e_t, nb, d, 1.f, sc, SKB);
+    for (int64_t j = 0; j < nb; j++) {
+      const float f = fk[(b0 + j) * a.k.s_t] * a.scale;
+      for (int i = 0; i < HG; i++) sc[i * SKB + j] *= f;
+    }
+    for (; rk.r < rk.end && rk.idx[rk.r] < b1; rk.r++) {  // retained keys: their exact rows
+      const T* row = static_cast<const T*>(a.k.rows) + rk.r * a.k.r_row + h * a.k.r_col;
+      float dot[HG];
+      row_dots<HG, false, T>(q, d, row, dot, nullptr);
+      for (int i = 0; i < HG; i++) sc[i * SKB + rk.idx[rk.r] - b0] = dot[i] * a.scale;
+    }
+    softmax_block<HG>(sc, SKB, nb, mx, sm, r);
+    int64_t nr = 0;  // retained values: their weights moved to their exact rows
+    for (; rv.r < rv.end && rv.idx[rv.r] < b1; rv.r++, nr++) {
+      const int64_t j = rv.idx[rv.r] - b0;
+      vp[nr] = static_cast<const T*>(a.v.rows) + rv.r * a.v.r_row + h * a.v.r_col;
+      for (int i = 0; i < HG; i++) {
+        pr[i * SKB + nr] = sc[i * SKB + j];
+        sc[i * SKB + j] = 0.f;
+      }
+    }
+    for (int64_t j = 0; j < nb; j++) {
+      const float f = fv[(b0 + j) * a.v.s_t];
+      for (int i = 0; i < HG; i++) sc[i * SKB + j] *= f;
+    }
+    weigh_rows<HG, T>(sc, SKB, nb, ev + b0 * a.v.e_t, a.v.e_t, d, r, out);
+    if (nr) weigh_ptrs<HG, T>(pr, SKB, nr, vp, d, ones, out);
+  }
+}
+
 // dot[i] = q_i . RoPE(k) for HG rows q (stride d): k = (lo cos - hi sin, hi cos + lo sin)
 // of its halves lo, hi, with cs, sn the first d / 2 of its position's table rows
 template <int HG, typename T>
@@ -589,7 +645,7 @@ void merged_chunk(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* 
       float* o = part + r0 * a.d;
 #define KVQ_MERGED(HG)                                                                   \
   f16 ? (a.unit ? merged_heads<HG, uint16_t, true>(a, h, qh, j0, n, o, mx + r0, sm + r0)  \
-                : merged_heads<HG, uint16_t, false>(a, h, qh, j0, n, o, mx + r0, sm + r0)) \
+                : merged_heads_stream<HG, uint16_t>(a, h, qh, j0, n, o, mx + r0, sm + r0)) \
       : (a.unit ? merged_heads<HG, float, true>(a, h, qh, j0, n, o, mx + r0, sm + r0)     \
                 : merged_heads<HG, float, false>(a, h, qh, j0, n, o, mx + r0, sm + r0))
       if (hn == 3) KVQ_MERGED(3);

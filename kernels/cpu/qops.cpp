@@ -24,6 +24,8 @@
 //                                 (kivi_ops.h)
 //   codebook_step: a SpindleKV decode token coded, stored as a slot and attended, in one call
 //   minicache_merge: MiniCache's SLERP merge of two layers' rows (direction, norms, angle)
+//   minicache_merge_into: a decode token's merge written into a pair's buffers (K and V)
+//   rope_merged_attn: a MiniCache pair layer's decode row (rotate, attend) in one call
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   attn_probs: a decode row's attention (out) and the probabilities it used (p), optionally
@@ -914,6 +916,40 @@ std::vector<at::Tensor> merged_attn(const at::Tensor& q_, const at::Tensor& e_k,
   return {out, lse};
 }
 
+// A decode row of a MiniCache pair's layer in one call: q (1, Hq, 1, D) and k (1, Hkv, 1, D)
+// rotated by RoPE (row pos of the cos, ssin tables (>= pos + 1, D), as `rope`), then
+// merged_attn over the merged tokens (whole factors) and the step's own k, v -> [out
+// (1, Hq, 1, D), k rotated (1, Hkv, 1, D): what the pair merges once both layers ran].
+std::vector<at::Tensor> rope_merged_attn(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& cos,
+                                         const at::Tensor& ssin, int64_t pos,
+                                         const at::Tensor& e_k, const at::Tensor& s_k,
+                                         const at::Tensor& e_v, const at::Tensor& s_v,
+                                         const OptT& ridx_k, const OptT& roff_k,
+                                         const OptT& rows_k, const OptT& ridx_v,
+                                         const OptT& roff_v, const OptT& rows_v, int64_t r_grp,
+                                         double scale) {
+  for (const at::Tensor* x : {&q, &k, &v, &cos, &ssin}) check_f32(*x, "tensors");
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
+                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d &&
+                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "rope_merged_attn: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
+              "rope_merged_attn: cos and ssin tables (>= pos + 1, D)");
+  const Table* t = current();
+  at::Tensor qr = at::empty({1, hq, 1, d}, q.options()), kr = at::empty({1, hkv, 1, d}, q.options());
+  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
+  for (int64_t h = 0; h < hq; h++)
+    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data_ptr<float>() + h * d, d);
+  for (int64_t h = 0; h < hkv; h++)
+    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kr.data_ptr<float>() + h * d, d);
+  std::vector<at::Tensor> r = merged_attn(qr, e_k, s_k, e_v, s_v, false, ridx_k, roff_k, rows_k,
+                                          ridx_v, roff_v, rows_v, r_grp, kr, v, scale);
+  return {r[0], kr};
+}
+
 // One side (K or V) of SpindleKV's slots: coded (idx and mag given, book (N, D)) or dense
 // (book (Hkv, S, D)).
 kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag, const OptT& off,
@@ -1176,10 +1212,50 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
 }
 #include "kivi_ops.h"  // KIVI
 
-// MiniCache's MERGE (minicache/store.py's `merge`, the same float32 steps) of rows xa, xb
-// (..., m) -> [E (..., m), n_a, n_b, d = Omega / pi, and the factors n_a / ||E||, n_b / ||E||
-// (...) merged_attn takes (0 where ||E|| = 0)]: SLERP of the unit rows with weight t on xb
-// where sin(Omega) >= sin_eps, else normalised LERP (u_b below 1e-6); zero rows give u = 0.
+// MiniCache's MERGE of one row pair a, b (m floats; minicache/store.py's `merge`, the same
+// float32 steps): E into er (ua, ub: scratch of m), the norms la, lb, d = Omega / pi and the
+// factors n_a / ||E||, n_b / ||E|| merged_attn takes (0 where ||E|| = 0). SLERP of the unit
+// rows with weight t (tb) on b where sin(Omega) >= sin_eps, else normalised LERP (u_b below
+// 1e-6); zero rows give u = 0.
+struct MergedRow {
+  float la, lb, d, fa, fb;
+};
+
+MergedRow merge_row(const float* a, const float* b, int64_t m, float ta, float tb, float eps,
+                    float* ua, float* ub, float* er) {
+  float sa = 0.f, sb = 0.f;
+  for (int64_t i = 0; i < m; i++) sa += a[i] * a[i], sb += b[i] * b[i];
+  const float la = std::sqrt(sa), lb = std::sqrt(sb);
+  const float da = la > 0.f ? la : 1.f, db = lb > 0.f ? lb : 1.f;
+  float sd = 0.f, ss = 0.f;
+  for (int64_t i = 0; i < m; i++) {
+    ua[i] = a[i] / da, ub[i] = b[i] / db;
+    sd += (ub[i] - ua[i]) * (ub[i] - ua[i]);
+    ss += (ub[i] + ua[i]) * (ub[i] + ua[i]);
+  }
+  const float omega = 2.f * std::atan2(std::sqrt(sd), std::sqrt(ss));
+  const float s = std::sin(omega);
+  const bool slerp = s >= eps && s > 0.f;
+  const float sdiv = slerp ? s : 1.f;
+  const float wa = std::sin(ta * omega) / sdiv, wb = std::sin(tb * omega) / sdiv;
+  if (slerp) {
+    for (int64_t i = 0; i < m; i++) er[i] = wa * ua[i] + wb * ub[i];
+  } else {
+    float sl = 0.f;
+    for (int64_t i = 0; i < m; i++) {
+      er[i] = ta * ua[i] + tb * ub[i];
+      sl += er[i] * er[i];
+    }
+    const float ln = std::sqrt(sl), dl = ln > 0.f ? ln : 1.f;
+    for (int64_t i = 0; i < m; i++) er[i] = ln >= 1e-6f ? er[i] / dl : ub[i];
+  }
+  float se = 0.f;
+  for (int64_t i = 0; i < m; i++) se += er[i] * er[i];
+  const float ne = std::sqrt(se), inv = 1.f / (ne > 0.f ? ne : 1.f);
+  return {la, lb, omega / (float)M_PI, la * inv, lb * inv};
+}
+
+// merge_row over rows xa, xb (..., m) -> [E (..., m), n_a, n_b, d, the factors of a and b (...)]
 std::vector<at::Tensor> minicache_merge(const at::Tensor& xa_, const at::Tensor& xb_, double t,
                                         double sin_eps) {
   check_f32(xa_, "xa");
@@ -1193,47 +1269,85 @@ std::vector<at::Tensor> minicache_merge(const at::Tensor& xa_, const at::Tensor&
   at::Tensor na = at::empty(lead, xa.options()), nb = at::empty(lead, xa.options());
   at::Tensor dd = at::empty(lead, xa.options());
   at::Tensor fa = at::empty(lead, xa.options()), fb = at::empty(lead, xa.options());
-  const float ta = (float)(1.0 - t), tb = (float)t, eps = (float)sin_eps;
   std::vector<float> ua(m), ub(m);
   for (int64_t r = 0; r < rows; r++) {
-    const float *a = xa.data_ptr<float>() + r * m, *b = xb.data_ptr<float>() + r * m;
-    float sa = 0.f, sb = 0.f;
-    for (int64_t i = 0; i < m; i++) sa += a[i] * a[i], sb += b[i] * b[i];
-    const float la = std::sqrt(sa), lb = std::sqrt(sb);
-    const float da = la > 0.f ? la : 1.f, db = lb > 0.f ? lb : 1.f;
-    float sd = 0.f, ss = 0.f;
-    for (int64_t i = 0; i < m; i++) {
-      ua[i] = a[i] / da, ub[i] = b[i] / db;
-      sd += (ub[i] - ua[i]) * (ub[i] - ua[i]);
-      ss += (ub[i] + ua[i]) * (ub[i] + ua[i]);
-    }
-    const float omega = 2.f * std::atan2(std::sqrt(sd), std::sqrt(ss));
-    const float s = std::sin(omega);
-    const bool slerp = s >= eps && s > 0.f;
-    const float sdiv = slerp ? s : 1.f;
-    const float wa = std::sin(ta * omega) / sdiv, wb = std::sin(tb * omega) / sdiv;
-    float* er = e.data_ptr<float>() + r * m;
-    if (slerp) {
-      for (int64_t i = 0; i < m; i++) er[i] = wa * ua[i] + wb * ub[i];
-    } else {
-      float sl = 0.f;
-      for (int64_t i = 0; i < m; i++) {
-        er[i] = ta * ua[i] + tb * ub[i];
-        sl += er[i] * er[i];
-      }
-      const float ln = std::sqrt(sl), dl = ln > 0.f ? ln : 1.f;
-      for (int64_t i = 0; i < m; i++) er[i] = ln >= 1e-6f ? er[i] / dl : ub[i];
-    }
-    na.data_ptr<float>()[r] = la;
-    nb.data_ptr<float>()[r] = lb;
-    dd.data_ptr<float>()[r] = omega / (float)M_PI;
-    float se = 0.f;
-    for (int64_t i = 0; i < m; i++) se += er[i] * er[i];
-    const float ne = std::sqrt(se), inv = 1.f / (ne > 0.f ? ne : 1.f);
-    fa.data_ptr<float>()[r] = la * inv;
-    fb.data_ptr<float>()[r] = lb * inv;
+    const MergedRow o = merge_row(xa.data_ptr<float>() + r * m, xb.data_ptr<float>() + r * m, m,
+                                  (float)(1.0 - t), (float)t, (float)sin_eps, ua.data(),
+                                  ub.data(), e.data_ptr<float>() + r * m);
+    na.data_ptr<float>()[r] = o.la;
+    nb.data_ptr<float>()[r] = o.lb;
+    dd.data_ptr<float>()[r] = o.d;
+    fa.data_ptr<float>()[r] = o.fa;
+    fb.data_ptr<float>()[r] = o.fb;
   }
   return {e, na, nb, dd, fa, fb};
+}
+
+// One float32 value into element i of a float32 or float16 tensor (torch's rounding: RNE)
+inline void put_elem(const at::Tensor& x, int64_t i, float v) {
+  if (x.scalar_type() == at::kHalf) static_cast<uint16_t*>(x.data_ptr())[i] = kvq::fp32_to_fp16(v);
+  else x.data_ptr<float>()[i] = v;
+}
+
+// A decode token of a MiniCache pair merged straight into the pair's buffers, K and V in one
+// call (what minicache_merge, then each buffer's append, store): xa[h], xb[h] (Hkv, 1, D)
+// float32, layers a's and b's rows of half h (0 K, 1 V), merged in g groups of m = Hkv * D / g
+// (g = Hkv: per head; 1: the token's row); half h writes E into slot n of e[h] (Hkv, cap, D),
+// the norms into slot n of na[h], nb[h] (g, cap) (f32 or f16), the factors into fa[h], fb[h]
+// (g, cap) f32. Returns each group's d = Omega / pi (2, g) for a caller that retains.
+at::Tensor minicache_merge_into(at::TensorList xa_, at::TensorList xb_, int64_t g, double t,
+                                double sin_eps, at::TensorList e, at::TensorList na,
+                                at::TensorList nb, at::TensorList fa, at::TensorList fb,
+                                int64_t n) {
+  TORCH_CHECK(xa_.size() == 2 && xb_.size() == 2 && e.size() == 2 && na.size() == 2 &&
+                  nb.size() == 2 && fa.size() == 2 && fb.size() == 2,
+              "minicache_merge_into: rows, E, norms and factors of K and V");
+  const int64_t H = e[0].dim() == 3 ? e[0].size(0) : 0, D = e[0].dim() == 3 ? e[0].size(2) : 0;
+  TORCH_CHECK(g > 0 && H > 0 && (H * D) % g == 0, "minicache_merge_into: g dividing Hkv * D");
+  std::vector<at::Tensor> xa(2), xb(2);
+  for (int h = 0; h < 2; h++) {
+    check_f32(xa_[h], "xa");
+    check_f32(xb_[h], "xb");
+    TORCH_CHECK(xa_[h].numel() == H * D && xb_[h].numel() == H * D,
+                "minicache_merge_into: one token's rows (Hkv, 1, D) a half");
+    xa[h] = xa_[h].contiguous();
+    xb[h] = xb_[h].contiguous();
+  }
+  const int64_t m = H * D / g;
+  for (int h = 0; h < 2; h++) {
+    const at::Tensor& eh = e[h];
+    TORCH_CHECK(eh.dim() == 3 && eh.size(0) == H && eh.size(2) == D && n >= 0 &&
+                    n < eh.size(1) && (eh.scalar_type() == at::kFloat ||
+                                       eh.scalar_type() == at::kHalf),
+                "minicache_merge_into: E (Hkv, cap > n, D) float32 or float16");
+    for (const at::Tensor* x : {&na[h], &nb[h], &fa[h], &fb[h]})
+      TORCH_CHECK(x->dim() == 2 && x->size(0) == g && n < x->size(1) && x->stride(1) == 1 &&
+                      (x->scalar_type() == at::kFloat || x->scalar_type() == at::kHalf),
+                  "minicache_merge_into: norms and factors (g, cap > n), float32 or float16");
+    TORCH_CHECK(fa[h].scalar_type() == at::kFloat && fb[h].scalar_type() == at::kFloat,
+                "minicache_merge_into: factors float32");
+  }
+  at::Tensor dd = at::empty({2, g}, xa[0].options());
+  std::vector<float> ua(m), ub(m), er(m);
+  for (int h = 0; h < 2; h++) {
+    const at::Tensor& eh = e[h];
+    for (int64_t r = 0; r < g; r++) {
+      const MergedRow o = merge_row(xa[h].data_ptr<float>() + r * m,
+                                    xb[h].data_ptr<float>() + r * m, m,
+                                    (float)(1.0 - t), (float)t, (float)sin_eps, ua.data(),
+                                    ub.data(), er.data());
+      for (int64_t i = 0; i < m; i++) {  // element i of the group: head (r m + i) / D
+        const int64_t f = r * m + i, hd = f / D, c = f % D;
+        put_elem(eh, hd * eh.stride(0) + n * eh.stride(1) + c * eh.stride(2), er[i]);
+      }
+      put_elem(na[h], r * na[h].stride(0) + n, o.la);
+      put_elem(nb[h], r * nb[h].stride(0) + n, o.lb);
+      fa[h].data_ptr<float>()[r * fa[h].stride(0) + n] = o.fa;
+      fb[h].data_ptr<float>()[r * fb[h].stride(0) + n] = o.fb;
+      dd.data_ptr<float>()[h * g + r] = o.d;
+    }
+  }
+  return dd;
 }
 
 // One SpindleKV decode token in one call: k, v (Hkv, D) pre-RoPE coded into the shelves as
@@ -2039,6 +2153,16 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       &kivi_dequant);
   m.def("minicache_merge(Tensor xa, Tensor xb, float t, float sin_eps) -> Tensor[]",
         &minicache_merge);
+  m.def(
+      "rope_merged_attn(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
+      "Tensor e_k, Tensor s_k, Tensor e_v, Tensor s_v, Tensor? ridx_k, Tensor? roff_k, "
+      "Tensor? rows_k, Tensor? ridx_v, Tensor? roff_v, Tensor? rows_v, int r_grp, "
+      "float scale) -> Tensor[]",
+      &rope_merged_attn);
+  m.def(
+      "minicache_merge_into(Tensor[] xa, Tensor[] xb, int g, float t, float sin_eps, Tensor(a!)[] e, "
+      "Tensor(b!)[] na, Tensor(c!)[] nb, Tensor(d!)[] fa, Tensor(e!)[] fb, int n) -> Tensor",
+      &minicache_merge_into);
   m.def(
       "codebook_step(Tensor q, Tensor k, Tensor v, int pos, Tensor(a!) shelf_k, "
       "int[] counts_k, float theta_k, Tensor(b!) shelf_v, int[] counts_v, float theta_v, "

@@ -79,19 +79,29 @@ class MiniCacheKV(KVManager):
         }  # the pair as each of its layers' Store
 
     def attend(self, layer, q, k, v, positions):
-        """A plain layer's decode row on the native kernels in one call (rotate, store,
-        attend: DenseSeg.rotate_append_attend, as `full`'s); the rest as KVManager.attend."""
+        """A decode row on the native kernels in one call where it can: a plain layer's
+        (rotate, store, attend: DenseSeg.rotate_append_attend, as `full`'s), a pair layer's
+        over a dense E (rotate, attend: PairLayer.rope_attend_native); the rest as
+        KVManager.attend."""
         st, window = self.plain.get(layer), self.config.window(layer)
-        if (
-            isinstance(st, DenseSeg)
-            and st.kernels is not None
-            and k.shape[2] == 1
-            and not (self.in_prefill or self.static)
-            and not window
-        ):
+        row = k.shape[2] == 1 and not (self.in_prefill or self.static) and not window
+        if row and isinstance(st, DenseSeg) and st.kernels is not None:
             return st.rotate_append_attend(
                 self.rope.at(layer), q, k, v, self.rope.position(positions)
             )
+        role = self.role.get(layer) if row else None
+        if role is not None:
+            pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
+            if (
+                view.kernels is not None
+                and pair.k is not None
+                and q.dtype == torch.float32
+                and self._fuse(pair, 1)
+            ):
+                out, kr = view.rope_attend_native(
+                    self.rope.at(layer), q, k, v, self.rope.position(positions)
+                )
+                return self._decoded(pair, second, out.to(self.dtype), kr, v)
         return super().attend(layer, q, k, v, positions)
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
@@ -131,6 +141,11 @@ class MiniCacheKV(KVManager):
             out = combine(parts, self.dtype)
         else:  # the new tokens exact, after the restored ones
             out = view.attend(q, k, v, positions, self.config.window(layer))
+        return self._decoded(pair, second, out, k, v)
+
+    def _decoded(self, pair: Pair, second: bool, out, k, v) -> torch.Tensor:
+        """After a pair layer's decode row: layer a keeps its k, v (post-RoPE) for b, which
+        merges both into the pair."""
         if not second:
             pair.pending = (k, v)
             return out
@@ -198,6 +213,13 @@ class MiniCacheKV(KVManager):
         if n == 0:
             return
         lay = self.layout
+        if (
+            not prefill
+            and n == 1
+            and lay.merge_token(pair, (ka, va), (kb, vb), self.t, self.sin_eps, self.kernels)
+        ):  # a decode token: one native call
+            self._merged(pair, 1)
+            return
         if pair.k is None:
             never = -math.inf if self.rule == "paper" else math.inf
             thr = never if self.decode_retain else None
@@ -225,6 +247,10 @@ class MiniCacheKV(KVManager):
             pair.kivi.append(dirs[0].to(self.dtype), dirs[1].to(self.dtype))
             if prefill:
                 pair.kivi.flush(self.kivi_layout["group"])  # prefill flush unit U = G
+        self._merged(pair, n)
+
+    def _merged(self, pair: Pair, n: int) -> None:
+        """n more tokens merged; a window's pair keeps what the next query can see."""
         pair.length += n
         window = self.config.window(pair.a)
         if window and pair.length > window - 1:  # the next query sees the newest W - 1 merged

@@ -364,6 +364,31 @@ class Layout:
                 bufs[i].append((half.nb if second else half.na).data[:, n0:].float() * inv)
         return [b.data for b in bufs]
 
+    def merge_token(self, pair: Pair, xa, xb, t: float, sin_eps: float, kernels) -> bool:
+        """A decode token's K and V rows of layers a (xa) and b (xb), each (Hkv, 1, D), merged
+        straight into the pair's buffers (E, norms, the native factors) in one native call
+        (minicache_merge_into: what `merge`, each append and extend_factors store); False where
+        the general path must run (no kernels, KIVI's E, decode retention, factors not kept)."""
+        if kernels is None or pair.kivi is not None or pair.k is None or pair.k.thr is not None:
+            return False
+        if any(x.dtype != torch.float32 for x in (*xa, *xb)):
+            return False
+        n, f, halves = pair.length, pair.factors or {}, (pair.k, pair.v)
+        if len(f.get(False, ())) != 2 or len(f.get(True, ())) != 2:
+            return False
+        bufs = [h.e for h in halves] + [h.na for h in halves] + [h.nb for h in halves]
+        bufs += f[False] + f[True]
+        if any(b.n != n for b in bufs):
+            return False
+        for b in bufs:
+            b.reserve(n + 1)
+        b = [x.buf for x in bufs]
+        kernels.minicache_merge_into(list(xa), list(xb), self.g, t, sin_eps, b[0:2], b[2:4],
+                                     b[4:6], b[6:8], b[8:10], n)  # fmt: skip
+        for x in bufs:
+            x.advance()
+        return True
+
     def extend_factors(self, pair: Pair, i: int, start: int, factors) -> None:
         """The factors (g, n) of layers a and b that minicache_merge gave for tokens from `start`
         on, onto the pair's kept ones of half i (0 K, 1 V) where those end there."""
@@ -442,18 +467,33 @@ class PairLayer:
             Partial(*merged_decode(q, pair.k.e.data, sk, pair.v.e.data, sv, unit, ok, rk, ov, rv))
         ]
 
+    def _native_halves(self) -> tuple[tuple, tuple]:
+        """merged_attn's arguments of the K and V halves for this layer."""
+        pair, lay = self.pair, self.layout
+        fk, fv = lay.native_factors(pair, self.second)
+        return lay.native_args(pair.k, self.second, fk), lay.native_args(pair.v, self.second, fv)
+
     def attend_native(self, q, k_new, v_new) -> torch.Tensor:
         """q (1, Hq, T, D) over the merged tokens (a dense E) and the step's own exact k_new,
         v_new (1, Hkv, T, D), causal among themselves, in one native call (merged_attn)."""
-        pair, lay = self.pair, self.layout
-        fk, fv = lay.native_factors(pair, self.second)
-        ka = lay.native_args(pair.k, self.second, fk)
-        va = lay.native_args(pair.v, self.second, fv)
+        ka, va = self._native_halves()
         out, _ = self.kernels.merged_attn(
-            q, ka[0], ka[1], va[0], va[1], False, *ka[2:], *va[2:], int(not lay.token), k_new,
-            v_new, q.shape[-1] ** -0.5,
+            q, ka[0], ka[1], va[0], va[1], False, *ka[2:], *va[2:], int(not self.layout.token),
+            k_new, v_new, q.shape[-1] ** -0.5,
         )  # fmt: skip
         return out
+
+    def rope_attend_native(self, rope, q, k, v, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode row at position `pos`, q and k pre-RoPE: rotated and attended over the
+        merged tokens and the step's own k, v in one native call (rope_merged_attn; the
+        arithmetic of `rope.apply` and attend_native) -> (out, k rotated)."""
+        ka, va = self._native_halves()
+        cos, ssin = rope.signed_tables(pos + 1)
+        out, kr = self.kernels.rope_merged_attn(
+            q, k, v, cos, ssin, pos, ka[0], ka[1], va[0], va[1], *ka[2:], *va[2:],
+            int(not self.layout.token), q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        return out, kr
 
     def restore(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch views (1, Hkv, T + extra, D): the restored tokens, then room for `extra`."""
