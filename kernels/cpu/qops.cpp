@@ -916,6 +916,28 @@ std::vector<at::Tensor> merged_attn(const at::Tensor& q_, const at::Tensor& e_k,
   return {out, lse};
 }
 
+// A decode row's q (1, Hq, 1, D), k, v (1, Hkv, 1, D) float32 with contiguous rows, and RoPE
+// tables cos, ssin (>= pos + 1, D) (rope_store's and rope_merged_attn's checks)
+void check_rope_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& cos, const at::Tensor& ssin, int64_t pos, const char* op) {
+  for (const at::Tensor* x : {&q, &k, &v, &cos, &ssin}) check_f32(*x, "tensors");
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
+                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
+                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              op, ": q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
+  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
+              op, ": cos and ssin tables (>= pos + 1, D)");
+}
+
+// every head of a decode row x (1, H, 1, D) rotated by the table rows cp, sp into y (H, D)
+void rope_heads(const at::Tensor& x, const float* cp, const float* sp, float* y, const Table* t) {
+  const int64_t d = x.size(3);
+  for (int64_t h = 0; h < x.size(1); h++)
+    t->rope(x.data_ptr<float>() + h * x.stride(1), cp, sp, y + h * d, d);
+}
+
 // A decode row of a MiniCache pair's layer in one call: q (1, Hq, 1, D) and k (1, Hkv, 1, D)
 // rotated by RoPE (row pos of the cos, ssin tables (>= pos + 1, D), as `rope`), then
 // merged_attn over the merged tokens (whole factors) and the step's own k, v -> [out
@@ -929,22 +951,14 @@ std::vector<at::Tensor> rope_merged_attn(const at::Tensor& q, const at::Tensor& 
                                          const OptT& rows_k, const OptT& ridx_v,
                                          const OptT& roff_v, const OptT& rows_v, int64_t r_grp,
                                          double scale) {
-  for (const at::Tensor* x : {&q, &k, &v, &cos, &ssin}) check_f32(*x, "tensors");
-  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
-  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
-                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d &&
-                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "rope_merged_attn: q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
-  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
-                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
-              "rope_merged_attn: cos and ssin tables (>= pos + 1, D)");
+  check_rope_row(q, k, v, cos, ssin, pos, "rope_merged_attn");
+  const int64_t d = q.size(3);
   const Table* t = current();
-  at::Tensor qr = at::empty({1, hq, 1, d}, q.options()), kr = at::empty({1, hkv, 1, d}, q.options());
+  at::Tensor qr = at::empty({1, q.size(1), 1, d}, q.options());
+  at::Tensor kr = at::empty({1, k.size(1), 1, d}, q.options());
   const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
-  for (int64_t h = 0; h < hq; h++)
-    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data_ptr<float>() + h * d, d);
-  for (int64_t h = 0; h < hkv; h++)
-    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kr.data_ptr<float>() + h * d, d);
+  rope_heads(q, cp, sp, qr.data_ptr<float>(), t);
+  rope_heads(k, cp, sp, kr.data_ptr<float>(), t);
   std::vector<at::Tensor> r = merged_attn(qr, e_k, s_k, e_v, s_v, false, ridx_k, roff_k, rows_k,
                                           ridx_v, roff_v, rows_v, r_grp, kr, v, scale);
   return {r[0], kr};
@@ -1546,25 +1560,17 @@ int rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& cos, const at::Tensor& ssin, int64_t pos, at::Tensor& kbuf,
                at::Tensor& vbuf, int64_t n, int64_t kv_type, float* qr, const Table* t,
                const char* op) {
-  for (const at::Tensor* x : {&q, &k, &v, &cos, &ssin}) check_f32(*x, "tensors");
+  check_rope_row(q, k, v, cos, ssin, pos, op);
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
-  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 &&
-                  k.size(2) == 1 && k.sizes() == v.sizes() && k.size(3) == d && hq % hkv == 0 &&
-                  q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              op, ": q (1, Hq, 1, D), k and v (1, Hkv, 1, D)");
   TORCH_CHECK(kbuf.dim() == 4 && kbuf.sizes() == vbuf.sizes() &&
                   kbuf.scalar_type() == vbuf.scalar_type() && kbuf.size(1) == hkv &&
                   kbuf.is_contiguous() && vbuf.is_contiguous() && n >= 0 && n < kbuf.size(2),
               op, ": buffers (1, Hkv, cap, row) with room for slot n");
   const int type = kv_type_of(kbuf, kv_type, d);
-  TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.dim() == 2 &&
-                  cos.sizes() == ssin.sizes() && cos.size(1) == d && pos >= 0 && pos < cos.size(0),
-              op, ": cos and ssin tables (>= pos + 1, D)");
   const int64_t cap = kbuf.size(2), rb = kvq::kv_row_bytes(type, d);
   std::vector<float> kr(d);
   const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
-  for (int64_t h = 0; h < hq; h++)
-    t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr + h * d, d);
+  rope_heads(q, cp, sp, qr, t);
   uint8_t* kb = static_cast<uint8_t*>(kbuf.data_ptr());
   uint8_t* vb = static_cast<uint8_t*>(vbuf.data_ptr());
   for (int64_t h = 0; h < hkv; h++) {

@@ -92,12 +92,7 @@ class MiniCacheKV(KVManager):
         role = self.role.get(layer) if row else None
         if role is not None:
             pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
-            if (
-                view.kernels is not None
-                and pair.k is not None
-                and q.dtype == torch.float32
-                and self._fuse(pair, 1)
-            ):
+            if self._native(pair, view, q) and self._fuse(pair, 1):
                 out, kr = view.rope_attend_native(
                     self.rope.at(layer), q, k, v, self.rope.position(positions)
                 )
@@ -133,8 +128,7 @@ class MiniCacheKV(KVManager):
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
         pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
-        native = view.kernels is not None and pair.k is not None and q.dtype == torch.float32
-        if native and self._fuse(pair, k.shape[2]):
+        if self._native(pair, view, q) and self._fuse(pair, k.shape[2]):
             out = view.attend_native(q, k, v).to(self.dtype)  # merged and own tokens, one op
         elif self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact
             parts = view.partials(q, positions, 0, None) + [self.layout.own(q, k, v)]
@@ -142,6 +136,11 @@ class MiniCacheKV(KVManager):
         else:  # the new tokens exact, after the restored ones
             out = view.attend(q, k, v, positions, self.config.window(layer))
         return self._decoded(pair, second, out, k, v)
+
+    @staticmethod
+    def _native(pair: Pair, view: PairLayer, q) -> bool:
+        """Whether a pair layer's decode attends on the native kernels (merged_attn)."""
+        return view.kernels is not None and pair.k is not None and q.dtype == torch.float32
 
     def _decoded(self, pair: Pair, second: bool, out, k, v) -> torch.Tensor:
         """After a pair layer's decode row: layer a keeps its k, v (post-RoPE) for b, which

@@ -380,13 +380,12 @@ class Layout:
         bufs += f[False] + f[True]
         if any(b.n != n for b in bufs):
             return False
-        for b in bufs:
-            b.reserve(n + 1)
-        b = [x.buf for x in bufs]
-        kernels.minicache_merge_into(list(xa), list(xb), self.g, t, sin_eps, b[0:2], b[2:4],
-                                     b[4:6], b[6:8], b[8:10], n)  # fmt: skip
-        for x in bufs:
-            x.advance()
+        for buf in bufs:
+            buf.reserve(n + 1)
+        e, na, nb, fa, fb = ([x.buf for x in bufs[i : i + 2]] for i in range(0, 10, 2))
+        kernels.minicache_merge_into(list(xa), list(xb), self.g, t, sin_eps, e, na, nb, fa, fb, n)
+        for buf in bufs:
+            buf.advance()
         return True
 
     def extend_factors(self, pair: Pair, i: int, start: int, factors) -> None:
