@@ -12,10 +12,12 @@ dense tail. Forms, alternated, median of --reps:
   packed kernel for few rows, flash attention over dequantized ranges for many);
 - `packed`: the packed kernel (kernels/cpu/kivi_attn.h) whatever the rows, one call;
 - `torch`: the torch path (kivi_decode_ref over the body, segment_attention over the tail);
-- `dense`: float32 K/V of the same length, one call (attn_partial), for scale.
+- `dense`: float32 K/V of the same length, one call (attn_partial), for scale;
+- `f16`: the same K/V in float16, one call (attn_typed): `full`'s default cache on the CPU.
 
-Prints ms per 30 layers and the ratio torch / native (how many times faster the native path
-is). With --rows 1 the body is the decode step's; larger --rows a prefill chunk's (every
+Prints ms per 30 layers, the ratio torch / native (how many times faster the native path
+is) and f16 / native (the store's attention against `full`'s, the kernel behind issue 47's
+"decodes >= 1.5x full"). With --rows 1 the body is the decode step's; larger --rows a prefill chunk's (every
 slot visible: the chunk's own tokens are left out).
 """
 
@@ -47,7 +49,7 @@ def store(ops, bits: int, n: int, g: torch.Generator) -> KiviLayer:
     return layer
 
 
-def forms(ops, layers: list[KiviLayer], dense: list, q: torch.Tensor) -> dict:
+def forms(ops, layers: list[KiviLayer], dense: list, half: list, q: torch.Tensor) -> dict:
     def run_native():
         for layer in layers:
             layer.partials(q, None, 0, None)
@@ -67,7 +69,17 @@ def forms(ops, layers: list[KiviLayer], dense: list, q: torch.Tensor) -> dict:
         for k, v in dense:
             ops.attn_partial(q, k, v, D**-0.5)
 
-    return {"native": run_native, "packed": run_packed, "torch": run_torch, "dense": run_dense}
+    def run_f16():
+        for k, v in half:
+            ops.attn_typed(q, k, v, D**-0.5)
+
+    return {
+        "native": run_native,
+        "packed": run_packed,
+        "torch": run_torch,
+        "dense": run_dense,
+        "f16": run_f16,
+    }
 
 
 def main() -> None:
@@ -84,17 +96,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     print(f"ms per {LAYERS} layers, {args.threads} threads, {ops.isa()}, median of {args.reps}")
-    names = ["native", "packed", "torch", "dense"]
-    head = ["keys", "bits", "Tq", *names, "torch / native", "dense / native"]
+    names = ["native", "packed", "torch", "dense", "f16"]
+    head = ["keys", "bits", "Tq", *names, "torch / native", "dense / native", "f16 / native"]
     print("\n".join(md_head(head, "r" * len(head))))
     for n in (int(x) for x in args.keys.split(",")):
         dense = [(torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g))
                  for _ in range(LAYERS)]  # fmt: skip
+        half = [(k.half(), v.half()) for k, v in dense]
         for bits in (int(b) for b in args.bits.split(",")):
             layers = [store(ops, bits, n, g) for _ in range(LAYERS)]
             for tq in (int(r) for r in args.rows.split(",")):
                 q = torch.randn(1, HQ, tq, D, generator=g)
-                fs = forms(ops, layers, dense, q)
+                fs = forms(ops, layers, dense, half, q)
                 for f in fs.values():  # a warm-up
                     f()
                 runners = {name: partial(clock, f) for name, f in fs.items()}
@@ -104,6 +117,7 @@ def main() -> None:
                 ratios = [
                     f"{ms['torch'] / ms['native']:.1f}x",
                     f"{ms['dense'] / ms['native']:.2f}x",
+                    f"{ms['f16'] / ms['native']:.2f}x",
                 ]
                 print(md_row([n, bits, tq, *cells, *ratios]))
 

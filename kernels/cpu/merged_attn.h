@@ -163,12 +163,15 @@ inline void search_slot(const CodebookArgs& a, Search* sr, int64_t h, int64_t s,
   const int64_t bk = book_index(a.k, h, s) - (a.k.off != nullptr ? a.k.off[h] : 0);
   const int64_t bv = book_index(a.v, h, s) - (a.v.off != nullptr ? a.v.off[h] : 0);
   const int64_t b = sr->per_head ? h : 0, w = b * sr->words;
-  if (bk < sr->cnt_k[b]) {  // a row past the book's (spare room) is no entry
-    sr->seen_k[w + bk / 64] |= 1ull << (bk % 64);
+  // a row past the book's (spare room) is no entry; a row this thread searched already (another
+  // slot's, or another head's in a shared book) gives the same dots again: searched once
+  const uint64_t bit_k = 1ull << (bk % 64), bit_v = 1ull << (bv % 64);
+  if (bk < sr->cnt_k[b] && !(sr->seen_k[w + bk / 64] & bit_k)) {
+    sr->seen_k[w + bk / 64] |= bit_k;
     search_row(sr->uk + a0 * d, k, kr, d, bk, sr->best + a0, sr->row + a0);
   }
-  if (bv < sr->cnt_v[b]) {
-    sr->seen_v[w + bv / 64] |= 1ull << (bv % 64);
+  if (bv < sr->cnt_v[b] && !(sr->seen_v[w + bv / 64] & bit_v)) {
+    sr->seen_v[w + bv / 64] |= bit_v;
     search_row(sr->uv + a0 * d, k, vr, d, bv, sr->best + sr->nu + a0, sr->row + sr->nu + a0);
   }
 }
