@@ -64,13 +64,18 @@ def test_bad_slots_are_refused():
     slots, _ = _slots(2, 3, 20, 64, torch.int16, "partial", "layer", seed=1)
     q, (cos, sin) = torch.randn(1, 6, 1, 64), _tables(64)
     bk, ik, mk, bv, iv, mv, pos, m, ok, ov = slots
-    for bad in (
-        (bk, ik + 11, mk, bv, iv, mv, pos, m, ok, ov),  # a row past the book
-        (bk, ik, mk, bv, iv, mv, pos + 600, m, ok, ov),  # a position past the tables
-        (bk, ik, mk, bv, iv, mv, pos, m[..., :0], ok, ov),  # mask bytes
-        (bk, ik, None, bv, iv, mv, pos, m, ok, ov),  # idx without mag
+    one = torch.zeros_like(ik)
+    one[-1, 7] = 1  # one slot of the last head out of range, the rest in
+    for bad, says in (
+        ((bk, ik + 11, mk, bv, iv, mv, pos, m, ok, ov), "outside the book"),  # past the book
+        ((bk, ik, mk, bv, iv - one * 999, mv, pos, m, ok, ov), "outside the book"),  # negative
+        ((bk, ik, mk, bv, iv.int() + one.int() * 10**6, mv, pos, m, ok, ov), "outside the book"),
+        ((bk, ik, mk, bv, iv, mv, pos + 600, m, ok, ov), "outside the tables"),  # past the tables
+        ((bk, ik, mk, bv, iv, mv, pos - one.int() * 10**4, m, ok, ov), "outside the tables"),
+        ((bk, ik, mk, bv, iv, mv, pos, m[..., :0], ok, ov), "mask"),  # mask bytes
+        ((bk, ik, None, bv, iv, mv, pos, m, ok, ov), "idx and mag"),  # idx without mag
     ):
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match=says):
             call(ops.codebook_attn, q, bad, cos, sin, 0.125)
 
 

@@ -964,6 +964,25 @@ std::vector<at::Tensor> rope_merged_attn(const at::Tensor& q, const at::Tensor& 
   return {r[0], kr};
 }
 
+// The smallest and largest of n integers x[0], x[st], ... (n > 0; one pass the compiler
+// vectorizes where st is 1: the slots' bounds are checked every decode step)
+template <typename I>
+std::pair<int64_t, int64_t> row_range(const I* x, int64_t n, int64_t st) {
+  I lo = n ? x[0] : 0, hi = lo;
+  if (st == 1) {
+    for (int64_t s = 0; s < n; s++) {
+      lo = x[s] < lo ? x[s] : lo;
+      hi = x[s] > hi ? x[s] : hi;
+    }
+  } else {
+    for (int64_t s = 0; s < n; s++) {
+      lo = x[s * st] < lo ? x[s * st] : lo;
+      hi = x[s * st] > hi ? x[s * st] : hi;
+    }
+  }
+  return {(int64_t)lo, (int64_t)hi};
+}
+
 // One side (K or V) of SpindleKV's slots: coded (idx and mag given, book (N, D)) or dense
 // (book (Hkv, S, D)).
 kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag, const OptT& off,
@@ -998,16 +1017,15 @@ kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag
                 "codebook_attn: off (Hkv,) int32");
     b.off = off->data_ptr<int32_t>();
   }
-  const int64_t rows = book.size(0);  // every slot's row inside the book
-  for (int64_t h = 0; h < H; h++)
-    for (int64_t s = 0; s < S; s++) {
-      const int64_t o = h * b.i_h + s * b.i_s;
-      const int64_t i = b.idx_bytes == 2   ? static_cast<const int16_t*>(b.idx)[o]
-                        : b.idx_bytes == 4 ? static_cast<const int32_t*>(b.idx)[o]
-                                           : static_cast<const int64_t*>(b.idx)[o];
-      const int64_t row = i + (b.off != nullptr ? b.off[h] : 0);
-      TORCH_CHECK(i >= 0 && row < rows, "codebook_attn: slot row ", row, " outside the book's ", rows);
-    }
+  const int64_t rows = book.size(0);  // every slot's row inside the book: each head's extremes
+  for (int64_t h = 0; h < H; h++) {
+    const auto [lo, hi] = b.idx_bytes == 2   ? row_range(static_cast<const int16_t*>(b.idx) + h * b.i_h, S, b.i_s)
+                          : b.idx_bytes == 4 ? row_range(static_cast<const int32_t*>(b.idx) + h * b.i_h, S, b.i_s)
+                                             : row_range(static_cast<const int64_t*>(b.idx) + h * b.i_h, S, b.i_s);
+    const int64_t o = b.off != nullptr ? b.off[h] : 0;
+    TORCH_CHECK(S == 0 || (lo >= 0 && hi < rows - o), "codebook_attn: slot row ",
+                lo < 0 ? lo + o : hi + o, " outside the book's ", rows);
+  }
   return b;
 }
 
@@ -1037,11 +1055,11 @@ kvq::CodebookArgs codebook_args(const at::Tensor& q, const at::Tensor& book_k, c
   a.v = book_side(book_v, idx_v, mag_v, off_v, H, S, D, elem);
   a.pos = pos.data_ptr<int32_t>(), a.p_h = pos.stride(0), a.p_s = pos.stride(1);
   a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>(), a.cs_r = cos.stride(0);
-  for (int64_t h = 0; h < H; h++)
-    for (int64_t s = 0; s < S; s++) {
-      const int32_t p = a.pos[h * a.p_h + s * a.p_s];
-      TORCH_CHECK(p >= 0 && p < cos.size(0), "codebook_attn: position ", p, " outside the tables");
-    }
+  for (int64_t h = 0; h < H; h++) {
+    const auto [lo, hi] = row_range(a.pos + h * a.p_h, S, a.p_s);
+    TORCH_CHECK(S == 0 || (lo >= 0 && hi < cos.size(0)), "codebook_attn: position ",
+                lo < 0 ? lo : hi, " outside the tables");
+  }
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kByte && mask->dim() == 3 && mask->size(0) == H &&
                     mask->size(1) == S && mask->size(2) == (g + 7) / 8 && mask->stride(2) == 1,
