@@ -1024,7 +1024,7 @@ kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag
                                              : row_range(static_cast<const int64_t*>(b.idx) + h * b.i_h, S, b.i_s);
     const int64_t o = b.off != nullptr ? b.off[h] : 0;
     TORCH_CHECK(S == 0 || (lo >= 0 && hi < rows - o), "codebook_attn: slot row ",
-                lo < 0 ? lo + o : hi + o, " outside the book's ", rows);
+                lo < 0 ? lo : hi, " (book offset ", o, ") outside the book's ", rows);
   }
   return b;
 }
