@@ -4,7 +4,7 @@ table (issue 47's): KV bytes, peak RSS, prefill and decode tok/s, decode vs full
     python bench/long_context.py                               # default model, 8,000 tokens
     python bench/long_context.py --json bench/long_context.json --markdown
     python bench/long_context.py -m /tmp/shapes/qwen3-0.6b.q8_0.gguf --tokens 32000 \
-        --methods full,snapkv,kivi2                            # bench/family_shapes.py's file
+        --methods full,snapkv,kivi2 --llamacpp f16             # bench/family_shapes.py's file
     python bench/long_context.py --methods full,kivi2 --no-llamacpp   # a quick look
 
 Each row is its own `kvrun generate -f PROMPT --raw --json --temp 0 --ignore-eos -n N` process
@@ -13,10 +13,10 @@ Selecting methods run at --kv-budget 0.1 (--budget), the others at their default
 are every method of `kvrun kv list` and the stacks in STACKS. llama.cpp (llama-cpp-python in
 bench/.venv-llamacpp, built by bench/vs_llamacpp.py on first use) evaluates the same text with
 its f16 cache, f16 with flash attention, and a q8_0 cache with flash attention (llama.cpp
-quantizes V only with flash attention), then feeds N greedy tokens one at a time. Both sides
-use --threads threads. KV bytes: kvrun's as measured by the cache (kv_bytes); llama.cpp's
-from its layout (2 * layers * Hkv * D * n_ctx at the type's bytes). "decode vs full" is each
-row's decode tok/s over the full cache's in the same run.
+quantizes V only with flash attention; --llamacpp picks among them), then feeds N greedy tokens
+one at a time. Both sides use --threads threads. KV bytes: kvrun's as measured by the cache
+(kv_bytes); llama.cpp's from its layout (2 * layers * Hkv * D * n_ctx at the type's bytes).
+"decode vs full" is each row's decode tok/s over the full cache's in the same run.
 
 On a shared or noisy machine one process's rate moves by 20-30% from run to run; --rounds N
 runs every row N times, round after round (each round the rows in order), and prints each
@@ -38,8 +38,8 @@ import vs_llamacpp as peer
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 STACKS = ["snapkv+kivi2", "pyramidkv+kivi2", "xkv+kivi2", "minicache+kivi4"]
-# llama.cpp's caches: (label, flash attention, K/V type as ggml's number)
-LLAMACPP = [("f16 cache", False, 1), ("f16 + flash attention", True, 1), ("q8_0 + flash attention", True, 8)]  # fmt: skip
+# llama.cpp's caches: --llamacpp's name -> (label, flash attention, K/V type as ggml's number)
+LLAMACPP = {"f16": ("f16 cache", False, 1), "f16+fa": ("f16 + flash attention", True, 1), "q8_0+fa": ("q8_0 + flash attention", True, 8)}  # fmt: skip
 ELEM = {1: 2.0, 8: 34 / 32}
 
 WORKER = r"""
@@ -196,6 +196,12 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default=None, help="kvrun's --kv-dtype (default: its own)")
     ap.add_argument("--methods", default=None, help="comma list of --kv rows (default: all)")
     ap.add_argument("--no-llamacpp", action="store_true", help="kvrun's rows only")
+    ap.add_argument(
+        "--llamacpp",
+        default=",".join(LLAMACPP),
+        help=f"llama.cpp's caches to run, a comma list of {', '.join(LLAMACPP)} (default: all; "
+        "its q8_0 cache prefills at ~1/8 of f16's speed, hours at 32k)",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -205,6 +211,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    caches = [c.strip() for c in args.llamacpp.split(",") if c.strip()]
+    unknown = [c for c in caches if c not in LLAMACPP]
+    if unknown:
+        ap.error(f"--llamacpp: unknown cache {unknown[0]!r}; choose from {', '.join(LLAMACPP)}")
     args.ctx = args.tokens + args.n + 64
     args.model_path, shape = model_shape(args.model)
     prompt = prompt_file(args.tokens, args.model, Path(f"/tmp/long_context_{args.tokens}.txt"))
@@ -215,13 +225,13 @@ def main() -> None:
         peer.log(json.dumps(r))
 
     methods = args.methods.split(",") if args.methods else None
-    version = peer.ensure_llamacpp()[0] if not args.no_llamacpp else None
+    version = peer.ensure_llamacpp()[0] if not args.no_llamacpp and caches else None
     for rnd in range(args.rounds):
         for kv, budget in rows(methods, args.budget):
             label = f"{kv} {budget}" if budget else kv
             r = attempt(kvrun_row, args, prompt, kv, budget)
             show({"row": label, "tool": "kvrun", "round": rnd, **r})
-        for label, flash, kind in LLAMACPP if version else []:
+        for label, flash, kind in [LLAMACPP[c] for c in caches] if version else []:
             r = attempt(llamacpp_row, args, prompt, flash, kind, shape)
             show({"row": f"llama.cpp {version}, {label}", "tool": "llama.cpp", "round": rnd, **r})
     results = summarise(runs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 import pytest
@@ -270,6 +271,21 @@ def test_long_context_rounds_take_medians_and_side_by_side_ratios():
     table = lc.table(list(got.values()))
     assert "| kivi2 | 0.0 MB | 0 MB | 108.0 | 54.0 | 1.55x |" in table
     assert "| tova | failed: exit 1: boom |" in table
+
+
+def test_long_context_picks_llamacpp_caches(monkeypatch, capsys):
+    """bench/long_context.py --llamacpp: only the named caches run (a 32k run leaves out the
+    q8_0 cache, hours of prefill there); an unknown name is a one-line usage error."""
+    _vs_llamacpp()
+    lc = _bench_module("long_context")
+    assert set(lc.LLAMACPP) == {"f16", "f16+fa", "q8_0+fa"}
+    monkeypatch.setattr(sys, "argv", ["long_context.py", "--llamacpp", "f16,q4_0"])
+    with pytest.raises(SystemExit) as e:
+        lc.main()
+    assert e.value.code == 2
+    assert "--llamacpp: unknown cache 'q4_0'; choose from f16, f16+fa, q8_0+fa" in (
+        capsys.readouterr().err
+    )
 
 
 def test_llamacpp_build_takes_only_the_cpus_own_extensions(monkeypatch):
