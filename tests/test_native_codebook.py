@@ -188,6 +188,45 @@ def test_codebook_step_codes_stores_and_attends(books, dtype, masked, unseen, is
     assert counts == [[int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want]
 
 
+@pytest.mark.parametrize("books", [1, 3])
+def test_codebook_step_rotates_a_pre_rope_query(books, isa, threads):  # noqa: F811
+    """With the signed-sin table, q comes pre-RoPE and is rotated in the call as `rope` rotates
+    it: the same output, books and slots, bit for bit, as rotating q first."""
+    H, g, D, C, n, cap = 3, 3, 64, 150, 200, 205
+    gen = torch.Generator().manual_seed(books)
+    shelf = torch.nn.functional.normalize(torch.randn(books, C + 8, D, generator=gen), dim=-1)
+    shelf[:, C:] = 0
+    state = [
+        shelf.clone(), shelf.clone(),
+        torch.randint(0, C, (H, cap), generator=gen, dtype=torch.int16),
+        torch.randint(0, C, (H, cap), generator=gen, dtype=torch.int16),
+        0.5 + torch.rand(H, cap, generator=gen), 0.5 + torch.rand(H, cap, generator=gen),
+        torch.randint(0, 250, (H, cap), generator=gen, dtype=torch.int32),
+        pack_bits(torch.rand(H, cap, g, generator=gen) < 0.6),
+    ]  # fmt: skip
+    k, v = torch.randn(H, D, generator=gen), torch.randn(H, D, generator=gen)
+    q = torch.randn(1, H * g, 1, D, generator=gen)
+    cos, sin = _tables(D)
+    half = sin[:, : D // 2]
+    ssin = torch.cat([-half, half], dim=-1)
+    outs = []
+    for pre in (False, True):
+        sh_k, sh_v, ik, iv, mk, mv, pos, mask = [t.clone() for t in state]
+        qq = q if pre else ops.rope(q, cos[17:18][None], ssin[17:18][None])
+        out, ck, cv = ops.codebook_step(
+            qq, k, v, 17, sh_k, [C] * books, 0.9, sh_v, [C] * books, 0.8, ik, iv, mk, mv, pos,
+            mask, n, True, cos, sin, D**-0.5, ssin if pre else None,
+        )  # fmt: skip
+        outs.append([out, sh_k, sh_v, ik, iv, mk, mv, pos, mask, torch.tensor(ck + cv)])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="cos and ssin"):
+        ops.codebook_step(
+            q, k, v, 17, shelf.clone(), [C] * books, 0.9, shelf.clone(), [C] * books, 0.8,
+            *[t.clone() for t in state[2:]], n, True, cos, sin, D**-0.5, ssin[:, :8],
+        )  # fmt: skip
+
+
 def test_assign_refuses_a_full_shelf():
     shelf = Shelf(1, 64, F32, "cpu")
     shelf.reserve(2)

@@ -1,8 +1,8 @@
 // Attention over keys a store keeps in its own form, one chunk of keys at a time for qops.cpp's
 // split_keys: MiniCache's merged pairs (a shared direction E per token, a factor per layer,
 // retained exact rows) and SpindleKV's codebook slots (rows gathered from codebooks, scaled,
-// keys rotated at their own positions, a keep mask per query head), and the codebook search of
-// SpindleKV's decode tokens. Included by qkernels.cpp after qstep.h (one copy per instruction
+// keys rotated at their own positions, four slots to one reduction, a keep mask per query head),
+// and the codebook search of SpindleKV's decode tokens (best_rows). Included by qkernels.cpp after qstep.h (one copy per instruction
 // set); the structs are merged_types.h's.
 //
 // As qstep.h's attn_heads: the query rows of a KV head in groups of up to 3, each group reading
@@ -104,78 +104,6 @@ inline bool slot_visible(const CodebookArgs& a, int64_t h, int64_t s, int64_t r)
   return (a.mask[h * a.k_h + s * a.k_s + j / 8] >> (j % 8)) & 1;
 }
 
-// The search of one visited row r (book b) for the vectors u[a0 .. a0 + k): a dot product
-// each, kept where larger (ties: the lower row).
-inline void found(float s, int64_t r, float& best, int64_t& row) {
-  if (s > best || (s == best && r < row)) {
-    best = s;
-    row = r;
-  }
-}
-
-template <typename T>
-inline void search_row(const float* u, int64_t k, const T* x, int64_t d, int64_t r, float* best,
-                       int64_t* row) {
-#if defined(__AVX512F__)
-  if (d % 16 == 0 && k <= 4) {
-    __m512 acc[4];
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) {
-      const __m512 x16 = ld16(x + c);
-      for (int64_t i = 0; i < k; i++)
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(u + i * d + c), x16, acc[i]);
-    }
-    __m256 a8[4];
-    for (int i = 0; i < 4; i++) a8[i] = fold8(acc[i]);
-    float dot[4];
-    hsum4<4>(a8, dot);
-    for (int64_t i = 0; i < k; i++) found(dot[i], r, best[i], row[i]);
-    return;
-  }
-#endif
-#if defined(__AVX2__)
-  if (d % 8 == 0 && k <= 4) {
-    __m256 acc[4];
-    for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8) {
-      const __m256 x8 = ld8(x + c);
-      for (int64_t i = 0; i < k; i++)
-        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(u + i * d + c), x8, acc[i]);
-    }
-    float dot[4];
-    hsum4<4>(acc, dot);
-    for (int64_t i = 0; i < k; i++) found(dot[i], r, best[i], row[i]);
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < k; i++) {
-    float s = 0.f;
-    for (int64_t c = 0; c < d; c++) s += u[i * d + c] * ld1(x + c);
-    found(s, r, best[i], row[i]);
-  }
-}
-
-// slot s of head h visited: its K and V rows searched (coded slots only)
-template <typename T>
-inline void search_slot(const CodebookArgs& a, Search* sr, int64_t h, int64_t s, const T* kr,
-                        const T* vr) {
-  const int64_t d = a.d, a0 = sr->per_head ? h : 0, k = sr->per_head ? 1 : sr->nu;
-  const int64_t bk = book_index(a.k, h, s) - (a.k.off != nullptr ? a.k.off[h] : 0);
-  const int64_t bv = book_index(a.v, h, s) - (a.v.off != nullptr ? a.v.off[h] : 0);
-  const int64_t b = sr->per_head ? h : 0, w = b * sr->words;
-  // a row past the book's (spare room) is no entry; a row this thread searched already (another
-  // slot's, or another head's in a shared book) gives the same dots again: searched once
-  const uint64_t bit_k = 1ull << (bk % 64), bit_v = 1ull << (bv % 64);
-  if (bk < sr->cnt_k[b] && !(sr->seen_k[w + bk / 64] & bit_k)) {
-    sr->seen_k[w + bk / 64] |= bit_k;
-    search_row(sr->uk + a0 * d, k, kr, d, bk, sr->best + a0, sr->row + a0);
-  }
-  if (bv < sr->cnt_v[b] && !(sr->seen_v[w + bv / 64] & bit_v)) {
-    sr->seen_v[w + bv / 64] |= bit_v;
-    search_row(sr->uv + a0 * d, k, vr, d, bv, sr->best + sr->nu + a0, sr->row + sr->nu + a0);
-  }
-}
-
 // ------------------------------------------------------------------------------- portable
 // One chunk, row by row: scores (R, n) in `scratch`, then softmax and the weighted values.
 // key(r, j, s, vis) gives row r's score of key j (vis false: hidden); value(j, w, o) adds w
@@ -238,13 +166,12 @@ void merged_portable(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, floa
 
 template <typename T>
 void codebook_portable(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, float* out,
-                       float* mx, float* sm, float* scores, Search* sr) {
+                       float* mx, float* sm, float* scores) {
   const int64_t d = a.d, hd = d / 2;
   const float* q = a.q + h * a.R * d;
   std::vector<float> k(n * d);  // the chunk's keys, rotated
   for (int64_t j = 0; j < n; j++) {
     const T* c = book_row<T>(a.k, h, j0 + j);
-    if (sr != nullptr) search_slot(a, sr, h, j0 + j, c, book_row<T>(a.v, h, j0 + j));
     const int64_t p = a.pos[h * a.p_h + (j0 + j) * a.p_s];
     const float *cs = a.cos + p * a.cs_r, *sn = a.sin + p * a.cs_r;
     for (int64_t i = 0; i < hd; i++) {
@@ -304,6 +231,9 @@ inline void weigh_ptrs(const float* p, int64_t ps, int64_t n, const T* const* vp
         acc[a][c] = _mm512_mul_ps(_mm512_loadu_ps(out + a * d + c0 + 16 * c), ra);
     }
     for (int64_t j = 0; j < n; j++) {
+      if (j + 8 < n)  // gathered rows: asked for a few rows ahead, into L1
+        for (int64_t c = 0; c < 64 * (int64_t)sizeof(T); c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(vp[j + 8] + c0) + c, _MM_HINT_T0);
       __m512 vv[4];
       for (int c = 0; c < 4; c++) vv[c] = ld16(vp[j] + c0 + 16 * c);
       for (int a = 0; a < HG; a++) {
@@ -532,10 +462,73 @@ inline void rope_dots(const float* q, int64_t d, const T* kr, const float* cs, c
   hsum4<HG>(a8, dot);
 }
 
+// rope_dots for four slots at once: dots[i][c] = q_i . RoPE(kr[c]) (each slot its own table
+// rows cs[c], sn[c]); the query's halves are loaded once for the four, and each head's four sums
+// come out of one transposing reduction instead of one per slot
+template <int HG, typename T>
+inline void rope_dots4(const float* q, int64_t d, const T* const* kr, const float* const* cs,
+                       const float* const* sn, __m128* dots) {
+  const int64_t hd = d / 2;
+  __m256 a8[HG][4];
+#if defined(__AVX512F__)
+  __m512 acc[HG][4];
+  for (int i = 0; i < HG; i++)
+    for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < hd; e += 16) {
+    __m512 ql[HG], qh[HG];
+    for (int i = 0; i < HG; i++)
+      ql[i] = _mm512_loadu_ps(q + i * d + e), qh[i] = _mm512_loadu_ps(q + i * d + hd + e);
+    for (int c = 0; c < 4; c++) {
+      const __m512 lo = ld16(kr[c] + e), hi = ld16(kr[c] + hd + e);
+      const __m512 c16 = _mm512_loadu_ps(cs[c] + e), s16 = _mm512_loadu_ps(sn[c] + e);
+      const __m512 klo = _mm512_fmsub_ps(lo, c16, _mm512_mul_ps(hi, s16));
+      const __m512 khi = _mm512_fmadd_ps(hi, c16, _mm512_mul_ps(lo, s16));
+      for (int i = 0; i < HG; i++)
+        acc[i][c] = _mm512_fmadd_ps(qh[i], khi, _mm512_fmadd_ps(ql[i], klo, acc[i][c]));
+    }
+  }
+  for (int i = 0; i < HG; i++)
+    for (int c = 0; c < 4; c++) a8[i][c] = fold8(acc[i][c]);
+#else
+  for (int i = 0; i < HG; i++)
+    for (int c = 0; c < 4; c++) a8[i][c] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < hd; e += 8)
+    for (int c = 0; c < 4; c++) {
+      const __m256 lo = ld8(kr[c] + e), hi = ld8(kr[c] + hd + e);
+      const __m256 c8 = _mm256_loadu_ps(cs[c] + e), s8 = _mm256_loadu_ps(sn[c] + e);
+      const __m256 klo = _mm256_fmsub_ps(lo, c8, _mm256_mul_ps(hi, s8));
+      const __m256 khi = _mm256_fmadd_ps(hi, c8, _mm256_mul_ps(lo, s8));
+      for (int i = 0; i < HG; i++)
+        a8[i][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + hd + e), khi,
+                                   _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + e), klo, a8[i][c]));
+    }
+#endif
+  for (int i = 0; i < HG; i++) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a8[i][0], a8[i][1]),
+                                    _mm256_hadd_ps(a8[i][2], a8[i][3]));
+    dots[i] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  }
+}
+
+// n magnitudes of head h's slots s0.. as floats (f16 ones converted eight at a time)
+inline void book_mags(const BookSide& b, int64_t h, int64_t s0, int64_t n, float* out) {
+  if (b.mag == nullptr) {
+    for (int64_t j = 0; j < n; j++) out[j] = 1.f;
+    return;
+  }
+  int64_t j = 0;
+  if (b.mag_elem == EL_F16 && b.m_s == 1) {
+    const uint16_t* m = static_cast<const uint16_t*>(b.mag) + h * b.m_h + s0;
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + j))));
+  }
+  for (; j < n; j++) out[j] = book_mag(b, h, s0 + j);
+}
+
 // HG query rows (rows r0.. of head h) over codebook slots [j0, j0 + n)
 template <int HG, typename T>
 void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q, int64_t j0,
-                    int64_t n, float* out, float* mx, float* sm, Search* sr) {
+                    int64_t n, float* out, float* mx, float* sm) {
   const int64_t d = a.d, hd = d / 2;
   float sc[HG * SKB], r[HG], mv[SKB];
   const T* vp[SKB];
@@ -550,50 +543,74 @@ void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q
     mbyte[i] = a.mask != nullptr ? (int)(qh / 8) : 0;
     mbit[i] = a.mask != nullptr ? (int)(qh % 8) : 0;
   }
-  static const uint8_t all[1] = {1};  // no mask: every row sees every slot
   const T* kp[SKB];
-  int64_t cp[SKB];  // each slot's row offset in the RoPE tables
-  float mk[SKB];
+  const float *cs[SKB], *sn[SKB];  // each slot's rows of the RoPE tables
+  float mk[SKB];  // the keys' magnitudes times the scale
   for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0);
     for (int64_t j = 0; j < nb; j++) {  // the block's rows first: their loads go out early
       const int64_t s = b0 + j;
       kp[j] = book_row<T>(a.k, h, s);
       vp[j] = book_row<T>(a.v, h, s);
-      cp[j] = a.pos[h * a.p_h + s * a.p_s] * a.cs_r;
-      mk[j] = book_mag(a.k, h, s);
-      mv[j] = book_mag(a.v, h, s);
+      const int64_t p = a.pos[h * a.p_h + s * a.p_s] * a.cs_r;
+      cs[j] = a.cos + p, sn[j] = a.sin + p;
     }
+    book_mags(a.k, h, b0, nb, mk);
+    book_mags(a.v, h, b0, nb, mv);
+    for (int64_t j = 0; j < nb; j++) mk[j] *= a.scale;
     for (int64_t j = 0; j < std::min(PREFETCH, nb); j++) {  // the loop below asks for the rest
       _mm_prefetch(reinterpret_cast<const char*>(kp[j]), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(vp[j]), _MM_HINT_T1);
     }
-    for (int64_t j = 0; j < nb; j++) {
-      const int64_t s = b0 + j;
+    const uint8_t* bits = a.mask != nullptr ? a.mask + h * a.k_h + b0 * a.k_s : nullptr;
+    const bool bytes4 = bits != nullptr && a.k_s == 1;  // a slot's bits in one byte: 4 at once
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
       if (j + PREFETCH < nb) {  // gathered rows: the hardware cannot guess where they are
-        const int64_t f = j + PREFETCH;
-        for (int64_t c = 0; c < d * (int64_t)sizeof(T); c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(kp[f]) + c, _MM_HINT_T0);
-        for (int64_t c = 0; c < d * (int64_t)sizeof(T); c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(vp[f]) + c, _MM_HINT_T1);
-        for (int64_t c = 0; c < hd * 4; c += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(a.cos + cp[f]) + c, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(a.sin + cp[f]) + c, _MM_HINT_T0);
+        for (int64_t f = j + PREFETCH; f < std::min(nb, j + PREFETCH + 4); f++) {
+          for (int64_t c = 0; c < d * (int64_t)sizeof(T); c += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kp[f]) + c, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vp[f]) + c, _MM_HINT_T1);
+          }
+          for (int64_t c = 0; c < hd * 4; c += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(cs[f]) + c, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(sn[f]) + c, _MM_HINT_T0);
+          }
         }
       }
-      if (sr != nullptr) search_slot(a, sr, h, s, kp[j], vp[j]);
+      __m128 dots[HG];
+      rope_dots4<HG, T>(q, d, kp + j, cs + j, sn + j, dots);
+      const __m128 fs = _mm_loadu_ps(mk + j);
+      __m128i keep4 = _mm_setzero_si128();
+      if (bytes4) {
+        int32_t w;
+        std::memcpy(&w, bits + j, 4);
+        keep4 = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(w));
+      }
+      for (int i = 0; i < HG; i++) {
+        __m128 x = _mm_mul_ps(dots[i], fs);
+        if (bits != nullptr) {
+          __m128i hide;
+          if (bytes4) {
+            hide = _mm_cmpeq_epi32(_mm_and_si128(keep4, _mm_set1_epi32(1 << mbit[i])),
+                                   _mm_setzero_si128());
+          } else {
+            const uint8_t* p = bits + j * a.k_s + mbyte[i];
+            hide = _mm_setr_epi32(-!((p[0] >> mbit[i]) & 1), -!((p[a.k_s] >> mbit[i]) & 1),
+                                  -!((p[2 * a.k_s] >> mbit[i]) & 1),
+                                  -!((p[3 * a.k_s] >> mbit[i]) & 1));
+          }
+          x = _mm_blendv_ps(x, _mm_set1_ps(kNegInf), _mm_castsi128_ps(hide));
+        }
+        _mm_storeu_ps(sc + i * SKB + j, x);
+      }
+    }
+    for (; j < nb; j++) {
       float dot[HG];
-      rope_dots<HG, T>(q, d, kp[j], a.cos + cp[j], a.sin + cp[j], dot);
-      const float fs = mk[j] * a.scale;
-      const uint8_t* bits = a.mask != nullptr ? a.mask + h * a.k_h + s * a.k_s : all;
-      for (int i = 0; i < HG; i++) {  // no branch: keep bits follow no pattern
-        const float x = dot[i] * fs;
-        const uint32_t keep = 0u - (uint32_t)((bits[mbyte[i]] >> mbit[i]) & 1);
-        uint32_t xb, nb;
-        std::memcpy(&xb, &x, 4);
-        std::memcpy(&nb, &kNegInf, 4);
-        xb = (xb & keep) | (nb & ~keep);
-        std::memcpy(&sc[i * SKB + j], &xb, 4);
+      rope_dots<HG, T>(q, d, kp[j], cs[j], sn[j], dot);
+      for (int i = 0; i < HG; i++) {
+        const bool keep = bits == nullptr || ((bits[j * a.k_s + mbyte[i]] >> mbit[i]) & 1);
+        sc[i * SKB + j] = keep ? dot[i] * mk[j] : kNegInf;
       }
     }
     softmax_block<HG>(sc, SKB, nb, mx, sm, r);
@@ -603,23 +620,66 @@ void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q
   }
 }
 
+// The first of n rows with the largest dot product with each of NU vectors u, against best
+// and arg as they come (ties keep the earlier): the rows' dots a block at a time in
+// scores_rows' four rows to one transposing reduction, then one compare per row and vector.
+#if defined(__AVX512F__)
+// scores_rows on 16 lanes (d a multiple of 16): four rows' products summed in 512-bit
+// accumulators, halved to 256 bits, then scores_rows' transposing reduction
+template <int NU, typename T>
+inline void scores_rows16(const float* u, const T* k, int64_t ks, int64_t t, int64_t d, float* sc,
+                          int64_t ss) {
+  int64_t j = 0;
+  for (; j + 4 <= t; j += 4) {
+    __m512 acc[NU][4];
+    for (int a = 0; a < NU; a++)
+      for (int c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
+    const T* kr = k + j * ks;
+    for (int64_t i = 0; i < d; i += 16)
+      for (int c = 0; c < 4; c++) {
+        const __m512 kc = ld16(kr + c * ks + i);
+        for (int a = 0; a < NU; a++)
+          acc[a][c] = _mm512_fmadd_ps(_mm512_loadu_ps(u + a * d + i), kc, acc[a][c]);
+      }
+    for (int a = 0; a < NU; a++) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold8(acc[a][0]), fold8(acc[a][1])),
+                                      _mm256_hadd_ps(fold8(acc[a][2]), fold8(acc[a][3])));
+      _mm_storeu_ps(sc + a * ss + j,
+                    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
+  }
+  for (; j < t; j++) {
+    __m512 acc[NU];
+    for (int a = 0; a < NU; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 kc = ld16(k + j * ks + i);
+      for (int a = 0; a < NU; a++)
+        acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(u + a * d + i), kc, acc[a]);
+    }
+    for (int a = 0; a < NU; a++) sc[a * ss + j] = _mm512_reduce_add_ps(acc[a]);
+  }
+}
+#endif
+
 template <int NU, typename T>
 void best_rows_simd(const float* u, const T* book, int64_t stride, int64_t n, int64_t d,
                     float* best, int64_t* arg) {
-  for (int64_t i = 0; i < n; i++) {
-    const T* row = book + i * stride;
-    __m256 acc[NU];
-    for (int a = 0; a < NU; a++) acc[a] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8) {
-      const __m256 x = ld8(row + c);
-      for (int a = 0; a < NU; a++) acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(u + a * d + c), x, acc[a]);
-    }
+  float sc[NU * SKB];
+  for (int64_t b0 = 0; b0 < n; b0 += SKB) {
+    const int64_t nb = std::min<int64_t>(SKB, n - b0);
+#if defined(__AVX512F__)
+    if (d % 16 == 0)
+      scores_rows16<NU, T>(u, book + b0 * stride, stride, nb, d, sc, SKB);
+    else
+#endif
+      scores_rows<NU, T>(u, book + b0 * stride, stride, nb, d, 1.f, sc, SKB);
     for (int a = 0; a < NU; a++) {
-      const float s = hsum(acc[a]);
-      if (s > best[a]) {
-        best[a] = s;
-        arg[a] = i;
-      }
+      const float* s = sc + a * SKB;
+      float bv = best[a];
+      int64_t ba = -1;
+      for (int64_t j = 0; j < nb; j++)
+        if (s[j] > bv) bv = s[j], ba = j;
+      if (ba >= 0) best[a] = bv, arg[a] = b0 + ba;
     }
   }
 }
@@ -665,8 +725,7 @@ void merged_chunk(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* 
 
 // CodebookChunkFn: KV head h's R rows over slots [j0, j0 + n)
 void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, float* part,
-                    float* mx, float* sm, float* scratch, Search* sr) {
-  if (a.k.idx == nullptr) sr = nullptr;  // dense slots: no codebook to search
+                    float* mx, float* sm, float* scratch) {
   const bool f16 = a.elem == EL_F16;
 #if defined(__AVX2__)
   if (a.d % 64 == 0) {
@@ -674,10 +733,9 @@ void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, flo
     row_groups(a.R, [&](int64_t r0, int64_t hn) {
       const float* qh = q + r0 * a.d;
       float* o = part + r0 * a.d;
-      Search* s0 = r0 == 0 ? sr : nullptr;  // the first group of rows searches
 #define KVQ_BOOK(HG)                                                                     \
-  f16 ? codebook_heads<HG, uint16_t>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0, s0)       \
-      : codebook_heads<HG, float>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0, s0)
+  f16 ? codebook_heads<HG, uint16_t>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0)       \
+      : codebook_heads<HG, float>(a, h, r0, qh, j0, n, o, mx + r0, sm + r0)
       if (hn == 3) KVQ_BOOK(3);
       else if (hn == 2) KVQ_BOOK(2);
       else KVQ_BOOK(1);
@@ -686,8 +744,8 @@ void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, flo
     return;
   }
 #endif
-  if (f16) codebook_portable<uint16_t>(a, h, j0, n, part, mx, sm, scratch, sr);
-  else codebook_portable<float>(a, h, j0, n, part, mx, sm, scratch, sr);
+  if (f16) codebook_portable<uint16_t>(a, h, j0, n, part, mx, sm, scratch);
+  else codebook_portable<float>(a, h, j0, n, part, mx, sm, scratch);
 }
 
 // BestRowFn
@@ -696,16 +754,15 @@ void best_rows(const float* u, int64_t nu, const void* book, int elem, int64_t s
   const bool f16 = elem == EL_F16;
 #if defined(__AVX2__)
   if (d % 8 == 0) {
-    for (int64_t a0 = 0; a0 < nu; a0 += 4) {
-      const int64_t k = std::min<int64_t>(4, nu - a0);
+    for (int64_t a0 = 0; a0 < nu; a0 += 3) {  // 3 vectors a pass: 12 accumulators
+      const int64_t k = std::min<int64_t>(3, nu - a0);
       const float* ua = u + a0 * d;
 #define KVQ_BEST(NU)                                                                       \
   f16 ? best_rows_simd<NU>(ua, static_cast<const uint16_t*>(book), stride, n, d, best + a0,  \
                            arg + a0)                                                       \
       : best_rows_simd<NU>(ua, static_cast<const float*>(book), stride, n, d, best + a0,     \
                            arg + a0)
-      if (k == 4) KVQ_BEST(4);
-      else if (k == 3) KVQ_BEST(3);
+      if (k == 3) KVQ_BEST(3);
       else if (k == 2) KVQ_BEST(2);
       else KVQ_BEST(1);
 #undef KVQ_BEST

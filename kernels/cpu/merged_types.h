@@ -65,28 +65,10 @@ struct CodebookArgs {
   int64_t k_h, k_s;
 };
 
-// A SpindleKV decode token's search of the codebooks, done while the slots are attended over:
-// each coded slot's K row (V row) is compared with the token's unit vectors uk (uv); best and
-// row (K then V, nu each) keep the largest dot product and the lowest row that reaches it,
-// seen_k and seen_v (`words` 64-bit words per book) mark the rows visited.
-struct Search {
-  const float* uk;   // (nu, d): head h's vector at uk + h * d
-  const float* uv;
-  int64_t nu;        // Hkv
-  int64_t per_head;  // 1: a book per head, its slots searched for head h's vector alone
-  float* best;       // (2, Hkv)
-  int64_t* row;      // (2, Hkv)
-  uint64_t* seen_k;  // (books, words)
-  uint64_t* seen_v;
-  int64_t words;
-  const int64_t* cnt_k;  // rows each book held before the token (the rows searched)
-  const int64_t* cnt_v;
-};
-
 typedef void (*MergedChunkFn)(const MergedArgs& a, int64_t h, int64_t j0, int64_t n, float* part,
                               float* mx, float* sm, float* scratch);
 typedef void (*CodebookChunkFn)(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n,
-                                float* part, float* mx, float* sm, float* scratch, Search* sr);
+                                float* part, float* mx, float* sm, float* scratch);
 // For each of nu float32 rows u (nu, d): the first of n rows of `elem` at book + i * stride
 // with the largest dot product, best[a] (-inf where n = 0) and arg[a] (0 then)
 typedef void (*BestRowFn)(const float* u, int64_t nu, const void* book, int elem, int64_t stride,

@@ -494,24 +494,33 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 // as the chunk needs. out (hkv * R, d): the attention output; lse (hkv * R) or nullptr: each
 // row's log-sum-exp of its scores (-inf where it sees no key, its out row then 0).
 // `min_chunk`: the fewest keys a task is worth (a store whose keys are groups passes a multiple
-// of its group).
-template <class Chunk>
+// of its group). `extra` more tasks, other work of the same call, run in the same parallel
+// region after the chunks (run_extra(i), i < extra), where they fill the threads' last gaps.
+struct NoExtra {
+  void operator()(int64_t) const {}
+};
+template <class Chunk, class Extra = NoExtra>
 void split_keys(int64_t hkv, int64_t R, int64_t t, int64_t d, int64_t min_chunk,
-                const Chunk& chunk, float* out, float* lse) {
+                const Chunk& chunk, float* out, float* lse, int64_t extra = 0,
+                const Extra& run_extra = Extra()) {
   for (int64_t i = 0; i < hkv * R * d; i++) out[i] = 0.f;
   if (lse != nullptr)
     for (int64_t i = 0; i < hkv * R; i++) lse[i] = -INFINITY;
-  if (t == 0) return;
+  if (t == 0 && extra == 0) return;
   const int64_t threads = at::get_num_threads();
   // chunks of keys: enough tasks for the threads, each long enough to pay for itself
   int64_t chunk_len = (hkv * t + 4 * threads - 1) / (4 * threads);
   chunk_len = std::min<int64_t>(std::max<int64_t>(chunk_len, min_chunk), t);
   chunk_len = (chunk_len + min_chunk - 1) / min_chunk * min_chunk;
-  const int64_t nc = (t + chunk_len - 1) / chunk_len, tasks = hkv * nc;
+  const int64_t nc = t == 0 ? 0 : (t + chunk_len - 1) / chunk_len, tasks = hkv * nc;
   std::vector<float> part(tasks * R * d), mx(tasks * R), sm(tasks * R);
-  dynamic_for(tasks, 1, [&](int64_t b0, int64_t e0) {
+  dynamic_for(tasks + extra, 1, [&](int64_t b0, int64_t e0) {
     std::vector<float> scratch;
     for (int64_t task = b0; task < e0; task++) {
+      if (task >= tasks) {
+        run_extra(task - tasks);
+        continue;
+      }
       const int64_t c = task % nc, h = task / nc;
       const int64_t j0 = c * chunk_len, n = std::min(chunk_len, t - j0);
       chunk(h, j0, n, part.data() + task * R * d, mx.data() + task * R, sm.data() + task * R,
@@ -992,7 +1001,7 @@ kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag
   kvq::BookSide b{book.data_ptr(), 0, 0, nullptr, 0, 0, 0, nullptr, 0, 0, 0, nullptr};
   TORCH_CHECK(idx.has_value() == mag.has_value(), "codebook_attn: idx and mag go together");
   if (!idx.has_value()) {
-    TORCH_CHECK(book.dim() == 3 && book.size(0) == H && book.size(1) == S && book.size(2) == D &&
+    TORCH_CHECK(book.dim() == 3 && book.size(0) == H && book.size(1) >= S && book.size(2) == D &&
                     !off.has_value(),
                 "codebook_attn: dense slots (Hkv, S, D)");
     b.b_h = book.stride(0), b.b_r = book.stride(1);
@@ -1000,11 +1009,11 @@ kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag
   }
   TORCH_CHECK(book.dim() == 2 && book.size(1) == D, "codebook_attn: a book (N, D)");
   const auto it = idx->scalar_type();
-  TORCH_CHECK(idx->dim() == 2 && idx->size(0) == H && idx->size(1) == S &&
+  TORCH_CHECK(idx->dim() == 2 && idx->size(0) == H && idx->size(1) >= S &&
                   (it == at::kShort || it == at::kInt || it == at::kLong),
               "codebook_attn: idx (Hkv, S) int16, int32 or int64");
   b.mag_elem = row_elem(*mag, "mag");
-  TORCH_CHECK(mag->dim() == 2 && mag->size(0) == H && mag->size(1) == S, "codebook_attn: mag (Hkv, S)");
+  TORCH_CHECK(mag->dim() == 2 && mag->size(0) == H && mag->size(1) >= S, "codebook_attn: mag (Hkv, S)");
   b.b_r = book.stride(0);
   b.idx = idx->data_ptr();
   b.idx_bytes = (int)idx->element_size();
@@ -1029,12 +1038,13 @@ kvq::BookSide book_side(const at::Tensor& book, const OptT& idx, const OptT& mag
   return b;
 }
 
-// codebook_attn's arguments checked and filled in (q contiguous, the caller's).
+// codebook_attn's arguments checked and filled in (q contiguous, the caller's) for the first S
+// slots of the buffers (-1: all of pos's).
 kvq::CodebookArgs codebook_args(const at::Tensor& q, const at::Tensor& book_k, const OptT& idx_k,
                                 const OptT& mag_k, const at::Tensor& book_v, const OptT& idx_v,
                                 const OptT& mag_v, const at::Tensor& pos, const at::Tensor& cos,
                                 const at::Tensor& sin, const OptT& mask, const OptT& off_k,
-                                const OptT& off_v, double scale) {
+                                const OptT& off_v, double scale, int64_t S = -1) {
   check_f32(q, "q");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -1042,7 +1052,9 @@ kvq::CodebookArgs codebook_args(const at::Tensor& q, const at::Tensor& book_k, c
                   pos.dim() == 2 && pos.size(0) > 0 && q.size(1) % pos.size(0) == 0 &&
                   pos.scalar_type() == at::kInt,
               "codebook_attn: q (1, Hq, Tq, D), pos (Hkv, S) int32");
-  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), H = pos.size(0), S = pos.size(1);
+  const int64_t Hq = q.size(1), Tq = q.size(2), D = q.size(3), H = pos.size(0);
+  if (S < 0) S = pos.size(1);
+  TORCH_CHECK(S <= pos.size(1), "codebook_attn: pos (Hkv, S) int32");
   const int64_t g = Hq / H;
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() &&
                   cos.size(1) == D && cos.stride(1) == 1,
@@ -1062,27 +1074,27 @@ kvq::CodebookArgs codebook_args(const at::Tensor& q, const at::Tensor& book_k, c
   }
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kByte && mask->dim() == 3 && mask->size(0) == H &&
-                    mask->size(1) == S && mask->size(2) == (g + 7) / 8 && mask->stride(2) == 1,
+                    mask->size(1) >= S && mask->size(2) == (g + 7) / 8 && mask->stride(2) == 1,
                 "codebook_attn: mask (Hkv, S, ceil(g / 8)) uint8");
     a.mask = mask->data_ptr<uint8_t>(), a.k_h = mask->stride(0), a.k_s = mask->stride(1);
   }
   return a;
 }
 
-// split_keys over the S slots of a: out (Hkv * R, d), lse; with `searches` (one per thread)
-// the decode token's codebook search rides along (kvq::Search).
+// split_keys over the S slots of a: out (Hkv * R, d), lse; `extra` tasks of the caller's
+// (codebook_step's search) in the same parallel region.
+template <class Extra = NoExtra>
 void codebook_split(const kvq::CodebookArgs& a, int64_t H, int64_t S, float* out, float* lse,
-                    std::vector<kvq::Search>* searches) {
+                    int64_t extra = 0, const Extra& run_extra = Extra()) {
   const Table* tab = current();
   split_keys(
       H, a.R, S, a.d, 64,
       [&](int64_t h, int64_t j0, int64_t n, float* part, float* mx, float* sm,
           std::vector<float>& scratch) {
         scratch.resize(a.R * n);
-        kvq::Search* sr = searches != nullptr ? &(*searches)[at::get_thread_num()] : nullptr;
-        tab->codebook_chunk(a, h, j0, n, part, mx, sm, scratch.data(), sr);
+        tab->codebook_chunk(a, h, j0, n, part, mx, sm, scratch.data());
       },
-      out, lse);
+      out, lse, extra, run_extra);
 }
 
 // SpindleKV's decode attention (kernels/codebook_decode.py's arguments, and scale): q (1, Hq,
@@ -1102,8 +1114,7 @@ std::vector<at::Tensor> codebook_attn(const at::Tensor& q_, const at::Tensor& bo
                                             cos, sin, mask, off_k, off_v, scale);
   at::Tensor out = at::empty({1, q.size(1), q.size(2), q.size(3)}, q.options());
   at::Tensor lse = at::empty({1, q.size(1), q.size(2)}, q.options());
-  codebook_split(a, pos.size(0), pos.size(1), out.data_ptr<float>(), lse.data_ptr<float>(),
-                 nullptr);
+  codebook_split(a, pos.size(0), pos.size(1), out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }
 
@@ -1131,39 +1142,61 @@ struct Shelf {
 };
 
 // For every head, the first row with the largest u . row among the rows its book held before
-// the call: searched for every head of a book at once, in blocks over the threads (the first
-// maximum of each block, then over the blocks in order: the first overall).
+// the call: searched for every head of a book at once, in blocks (the first maximum of each
+// block, then over the blocks in order: the first overall). The blocks are tasks for the
+// caller's threads: scan_rows' own, or codebook_step's beside its attention.
+struct RowScan {
+  static constexpr int64_t BLOCK = 512;
+  const float* u;
+  const Shelf& sh;
+  int64_t per;                // heads searched a block (every head of a shared book, or one)
+  std::vector<int64_t> first;  // each book's first block
+  std::vector<float> bb;       // (blocks, per) each block's best dot products
+  std::vector<int64_t> ba;     // and their rows
+
+  RowScan(const float* u_, const Shelf& sh_, int64_t H)
+      : u(u_), sh(sh_), per(sh_.nb == 1 ? H : 1), first(sh_.nb + 1, 0) {
+    for (int64_t b = 0; b < sh.nb; b++) first[b + 1] = first[b] + (sh.cnt[b] + BLOCK - 1) / BLOCK;
+    bb.assign(blocks() * per, -INFINITY);
+    ba.assign(blocks() * per, 0);
+  }
+  int64_t blocks() const { return first[sh.nb]; }
+  int64_t rows() const {
+    int64_t n = 0;
+    for (int64_t b = 0; b < sh.nb; b++) n += sh.cnt[b];
+    return n;
+  }
+  void run(int64_t i, const Table* tab) {
+    int64_t b = 0;
+    while (i >= first[b + 1]) b++;
+    const int64_t r0 = (i - first[b]) * BLOCK, m = std::min(BLOCK, sh.cnt[b] - r0);
+    tab->best_rows(u + (sh.nb == 1 ? 0 : b) * sh.D, per, sh.row(b, r0), sh.elem, sh.D, m, sh.D,
+                   bb.data() + i * per, ba.data() + i * per);
+    for (int64_t k = 0; k < per; k++) ba[i * per + k] += r0;
+  }
+  void merge(int64_t H, float* best, int64_t* arg) const {
+    for (int64_t h = 0; h < H; h++) best[h] = -INFINITY, arg[h] = 0;
+    for (int64_t b = 0; b < sh.nb; b++)
+      for (int64_t i = first[b]; i < first[b + 1]; i++)
+        for (int64_t k = 0; k < per; k++) {
+          const int64_t h = (sh.nb == 1 ? 0 : b) + k;
+          if (bb[i * per + k] > best[h]) {
+            best[h] = bb[i * per + k];
+            arg[h] = ba[i * per + k];
+          }
+        }
+  }
+};
+
 void scan_rows(const float* u, int64_t H, const Shelf& sh, float* best, int64_t* arg,
                const Table* tab) {
-  const int64_t D = sh.D, nb = sh.nb, per = nb == 1 ? H : 1;
-  constexpr int64_t BLOCK = 512;
-  std::vector<int64_t> first(nb + 1, 0);  // each book's first block
-  for (int64_t b = 0; b < nb; b++) first[b + 1] = first[b] + (sh.cnt[b] + BLOCK - 1) / BLOCK;
-  const int64_t blocks = first[nb];
-  std::vector<float> bb(blocks * per, -INFINITY);
-  std::vector<int64_t> ba(blocks * per, 0);
-  int64_t rows = 0;
-  for (int64_t b = 0; b < nb; b++) rows += sh.cnt[b];
-  dynamic_for(blocks, rows * per * D >= (1 << 17) ? 1 : blocks, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-      int64_t b = 0;
-      while (i >= first[b + 1]) b++;
-      const int64_t r0 = (i - first[b]) * BLOCK, m = std::min(BLOCK, sh.cnt[b] - r0);
-      tab->best_rows(u + (nb == 1 ? 0 : b) * D, per, sh.row(b, r0), sh.elem, D, m, D,
-                     bb.data() + i * per, ba.data() + i * per);
-      for (int64_t k = 0; k < per; k++) ba[i * per + k] += r0;
-    }
-  });
-  for (int64_t h = 0; h < H; h++) best[h] = -INFINITY, arg[h] = 0;
-  for (int64_t b = 0; b < nb; b++)
-    for (int64_t i = first[b]; i < first[b + 1]; i++)
-      for (int64_t k = 0; k < per; k++) {
-        const int64_t h = (nb == 1 ? 0 : b) + k;
-        if (bb[i * per + k] > best[h]) {
-          best[h] = bb[i * per + k];
-          arg[h] = ba[i * per + k];
-        }
-      }
+  RowScan scan(u, sh, H);
+  const int64_t blocks = scan.blocks();
+  dynamic_for(blocks, scan.rows() * scan.per * sh.D >= (1 << 17) ? 1 : blocks,
+              [&](int64_t i0, int64_t i1) {
+                for (int64_t i = i0; i < i1; i++) scan.run(i, tab);
+              });
+  scan.merge(H, best, arg);
 }
 
 // SpindleKV's decode-time merging (spindlekv/store.py's `assign`), once each head's best row
@@ -1385,14 +1418,15 @@ at::Tensor minicache_merge_into(at::TensorList xa_, at::TensorList xb_, int64_t 
 // One SpindleKV decode token in one call: k, v (Hkv, D) pre-RoPE coded into the shelves as
 // codebook_assign does (theta_k, theta_v), written as slot n of the coded segment's buffers
 // (idx_k, idx_v, mag_k, mag_v, pos_c (Hkv, cap) and mask (Hkv, cap, ceil(g/8)): position
-// `pos`, every keep bit set), and q (1, Hq, 1, D) post-RoPE attending over slots 0..n as
-// codebook_attn does (masked: by the keep bits) -> out (1, Hq, 1, D). Each index must fit its
-// buffer (the caller widens int16 first).
+// `pos`, every keep bit set), and q (1, Hq, 1, D) post-RoPE (pre-RoPE with `ssin`: rotated
+// here at pos by cos and ssin, as `rope` does) attending over slots 0..n as codebook_attn does
+// (masked: by the keep bits) -> out (1, Hq, 1, D). Each index must fit its buffer (the caller
+// widens int16 first).
 //
-// The codebooks are read once: the search for the token's rows rides along the attention
-// over slots 0..n-1 (each row a slot points at is compared as it is gathered; every row is
-// some slot's, and any row none visits is searched after), then the token's own slot is
-// merged into the attention by log-sum-exp.
+// One parallel region: the attention over slots 0..n-1 in split_keys' chunks, and the search
+// of every row the books held before the token in RowScan's blocks (four keys to one
+// reduction, not a row at a time as slots point at them); then each head joins or adds a row,
+// and the token's own slot is merged into the attention by log-sum-exp.
 std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step(
     const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, int64_t pos,
     at::Tensor& shelf_k, at::IntArrayRef counts_k, double theta_k, at::Tensor& shelf_v,
@@ -1400,16 +1434,27 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
                          at::Tensor& idx_k, at::Tensor& idx_v, at::Tensor& mag_k,
                          at::Tensor& mag_v, at::Tensor& pos_c, at::Tensor& mask, int64_t n,
                          bool masked, const at::Tensor& cos, const at::Tensor& sin,
-                         double scale) {
+                         double scale, const OptT& ssin) {
   check_f32(q_, "q");
   check_f32(k, "k");
   check_f32(v, "v");
   const int64_t H = k.size(0), D = k.size(1);
   TORCH_CHECK(k.dim() == 2 && k.sizes() == v.sizes() && k.stride(1) == 1 && v.stride(1) == 1 &&
                   q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && q_.size(3) == D &&
-                  q_.size(1) % H == 0,
+                  q_.size(1) % H == 0 && q_.stride(3) == 1,
               "codebook_step: q (1, Hq, 1, D), k and v (Hkv, D)");
-  const at::Tensor q = q_.contiguous();
+  TORCH_CHECK(cos.dim() == 2 && pos >= 0 && pos < cos.size(0), "codebook_step: tables past pos");
+  at::Tensor q = q_.contiguous();
+  if (ssin.has_value()) {  // q pre-RoPE: rotated here at pos, as `rope` rotates it
+    check_f32(*ssin, "ssin");
+    TORCH_CHECK(ssin->sizes() == cos.sizes() && ssin->strides() == cos.strides() &&
+                    cos.stride(1) == 1 && cos.size(1) == D,
+                "codebook_step: cos and ssin tables (P, D) alike");
+    at::Tensor qr = at::empty_like(q);
+    rope_heads(q, cos.data_ptr<float>() + pos * cos.stride(0),
+               ssin->data_ptr<float>() + pos * ssin->stride(0), qr.data_ptr<float>(), current());
+    q = qr;
+  }
   const int64_t g = q.size(1) / H;
   std::vector<int64_t> ck(counts_k.begin(), counts_k.end()), cv(counts_v.begin(), counts_v.end());
   const Shelf sk = check_shelf(shelf_k, ck.data(), (int64_t)ck.size(), H, D, "codebook_step");
@@ -1427,7 +1472,6 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
                   mask.dim() == 3 && mask.size(0) == H && mask.size(1) == pos_c.size(1) &&
                   mask.size(2) == (g + 7) / 8 && mask.is_contiguous(),
               "codebook_step: pos_c int32, mask (Hkv, cap, ceil(g/8)) uint8");
-  TORCH_CHECK(cos.dim() == 2 && pos >= 0 && pos < cos.size(0), "codebook_step: tables past pos");
   const Table* tab = current();
   auto book = [&](const at::Tensor& shelf) {
     return shelf.size(0) == 1 ? shelf[0] : shelf.view({shelf.size(0) * shelf.size(1), D});
@@ -1443,62 +1487,29 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   std::vector<float> uk(H * D), uv(H * D), mk(H), mv(H);
   unit_rows(k.data_ptr<float>(), k.stride(0), H, D, uk.data(), mk.data());
   unit_rows(v.data_ptr<float>(), v.stride(0), H, D, uv.data(), mv.data());
-  // attention over slots 0..n-1, the search alongside (one Search per thread)
-  const int64_t per_head = sk.nb == 1 ? 0 : 1, books = per_head ? H : 1;
-  int64_t most = 0;
-  for (int64_t b = 0; b < books; b++) most = std::max({most, sk.cnt[b], sv.cnt[b]});
-  const int64_t words = (most + 63) / 64, threads = at::get_num_threads();
-  std::vector<float> best(threads * 2 * H, -INFINITY);
-  std::vector<int64_t> row(threads * 2 * H, INT64_MAX);
-  std::vector<uint64_t> seen(threads * 2 * books * words, 0);
-  const std::vector<int64_t> before_k(sk.cnt, sk.cnt + sk.nb), before_v(sv.cnt, sv.cnt + sv.nb);
-  std::vector<kvq::Search> searches(threads);
-  for (int64_t t = 0; t < threads; t++)
-    searches[t] = {uk.data(), uv.data(), H, per_head, best.data() + t * 2 * H,
-                   row.data() + t * 2 * H, seen.data() + t * 2 * books * words,
-                   seen.data() + (t * 2 + 1) * books * words, words, before_k.data(),
-                   before_v.data()};
+  const int64_t per_head = sk.nb == 1 ? 0 : 1;
+  // attention over slots 0..n-1, and the books' rows before the token searched for its unit
+  // vectors (RowScan's blocks) as more tasks of the same parallel region
+  RowScan scan_k(uk.data(), sk, H), scan_v(uv.data(), sv, H);
+  const int64_t nk_blocks = scan_k.blocks();
+  auto search = [&](int64_t i) {
+    if (i < nk_blocks) scan_k.run(i, tab);
+    else scan_v.run(i - nk_blocks, tab);
+  };
   at::Tensor out = at::empty({1, q.size(1), 1, D}, q.options());
   std::vector<float> lse(H * g);
-  if (n > 0) {
-    const kvq::CodebookArgs a = codebook_args(
-        q, book(shelf_k), OptT(idx_k.narrow(1, 0, n)), OptT(mag_k.narrow(1, 0, n)),
-        book(shelf_v), OptT(idx_v.narrow(1, 0, n)), OptT(mag_v.narrow(1, 0, n)),
-        pos_c.narrow(1, 0, n), cos, sin, masked ? OptT(mask.narrow(1, 0, n)) : c10::nullopt,
-        off_k, off_v, scale);
-    codebook_split(a, H, n, out.data_ptr<float>(), lse.data(), &searches);
-  } else {
-    std::fill(out.data_ptr<float>(), out.data_ptr<float>() + H * g * D, 0.f);
-    std::fill(lse.begin(), lse.end(), -INFINITY);
-  }
-  // the threads' searches merged (the largest dot, then the lowest row); rows no slot visited
-  // searched now; then each head joins a row or adds one, as codebook_assign
+  const kvq::CodebookArgs a = codebook_args(
+      q, book(shelf_k), OptT(idx_k), OptT(mag_k), book(shelf_v), OptT(idx_v), OptT(mag_v), pos_c,
+      cos, sin, masked ? OptT(mask) : c10::nullopt, off_k, off_v, scale, n);
+  codebook_split(a, H, n, out.data_ptr<float>(), lse.data(), nk_blocks + scan_v.blocks(), search);
+  // each head joins its best row or adds one, as codebook_assign
   std::vector<int64_t> ik(H), iv(H);
   for (int side = 0; side < 2; side++) {
     const Shelf& sh = side == 0 ? sk : sv;
     const float* u = side == 0 ? uk.data() : uv.data();
-    std::vector<float> b(H, -INFINITY);
-    std::vector<int64_t> r(H, INT64_MAX);
-    for (int64_t t = 0; t < threads; t++)
-      for (int64_t h = 0; h < H; h++) {
-        const int64_t i = t * 2 * H + side * H + h;
-        if (best[i] > b[h] || (best[i] == b[h] && row[i] < r[h])) b[h] = best[i], r[h] = row[i];
-      }
-    for (int64_t bk = 0; bk < books; bk++)
-      for (int64_t i = 0; i < sh.cnt[bk]; i++) {
-        uint64_t w = 0;
-        for (int64_t t = 0; t < threads; t++)
-          w |= seen[((t * 2 + side) * books + bk) * words + i / 64];
-        if ((w >> (i % 64)) & 1) continue;
-        for (int64_t h = per_head ? bk : 0; h < (per_head ? bk + 1 : H); h++) {
-          float s = -INFINITY;
-          int64_t a = 0;
-          tab->best_rows(u + h * D, 1, sh.row(bk, i), sh.elem, D, 1, D, &s, &a);
-          if (s > b[h] || (s == b[h] && i < r[h])) b[h] = s, r[h] = i;
-        }
-      }
-    for (int64_t h = 0; h < H; h++)
-      if (r[h] == INT64_MAX) r[h] = 0;  // an empty book: nothing found
+    std::vector<float> b(H);
+    std::vector<int64_t> r(H);
+    (side == 0 ? scan_k : scan_v).merge(H, b.data(), r.data());
     join_or_add(u, H, sh, b.data(), r.data(), side == 0 ? theta_k : theta_v,
                 side == 0 ? ik.data() : iv.data(), tab);
   }
@@ -2192,7 +2203,7 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "int[] counts_k, float theta_k, Tensor(b!) shelf_v, int[] counts_v, float theta_v, "
       "Tensor(c!) idx_k, Tensor(d!) idx_v, Tensor(e!) mag_k, Tensor(f!) mag_v, "
       "Tensor(g!) pos_c, Tensor(h!) mask, int n, bool masked, Tensor cos, Tensor sin, "
-      "float scale) -> (Tensor, int[], int[])",
+      "float scale, Tensor? ssin=None) -> (Tensor, int[], int[])",
       &codebook_step);
   // attention that keeps its probabilities (tova_attn.h)
   m.def(

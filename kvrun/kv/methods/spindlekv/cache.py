@@ -221,6 +221,25 @@ class SpindleKVCache(KVManager):
         if st.n_slots > window or stale(st, lo):
             trim(st, lo)
 
+    def attend(self, layer, q, k, v, positions):
+        """A decode row on the native kernels in one call where it can be (q and k pre-RoPE:
+        q rotated, the token coded and stored, q attending, all in codebook_step); the rest
+        as KVManager.attend says."""
+        st = self.layers[layer]
+        if (
+            st.kernels is not None
+            and not self.in_prefill
+            and not self.static
+            and k.shape[2] == 1
+            and k.shape[0] == 1
+            and not self.config.any_window  # windowed models: `decode`'s ring and bounds
+        ):
+            pos = self.rope.position(positions)
+            out = st.step_native(q, k[0, :, 0], v[0, :, 0], pos, self.opt, pre_rope=True)
+            if out is not None:
+                return out
+        return super().attend(layer, q, k, v, positions)
+
     def decode(self, layer, qr, k, v, positions):
         """A decode token; on a windowed layer at the window, written over each head's oldest
         slot (`ring`), else stored, attended, and the layer trimmed back to the window."""

@@ -434,12 +434,13 @@ class CodedLayer:
             mask,
         )
 
-    def step_native(self, q, k, v, pos: int, o) -> torch.Tensor | None:
+    def step_native(self, q, k, v, pos: int, o, pre_rope: bool = False) -> torch.Tensor | None:
         """`store_token` and attention over the slots in one native call (codebook_step): k, v
         (Hkv, D) pre-RoPE at position pos coded into the books and stored as the next coded
-        slot, q (1, Hq, 1, D) attending over every slot -> (1, Hq, 1, D). None where it does
-        not apply: no kernels, dense slots, decode tokens kept dense, or int16 indices that a
-        new entry may outgrow (the Python path widens them). Lean: it runs per layer per step."""
+        slot, q (1, Hq, 1, D) attending over every slot -> (1, Hq, 1, D); q post-RoPE, or
+        `pre_rope` (rotated in the call, as the layer's `rope.apply` rotates it). None where it
+        does not apply: no kernels, dense slots, decode tokens kept dense, or int16 indices that
+        a new entry may outgrow (the Python path widens them). Lean: it runs per layer per step."""
         bufs = self.bufs
         if (
             self.kernels is None
@@ -450,30 +451,35 @@ class CodedLayer:
         ):
             return None
         H = k.shape[0]
-        nk, nv = [b.n for b in self.books_k], [b.n for b in self.books_v]
-        for n_, dt in ((nk, self.idx_dtype[0]), (nv, self.idx_dtype[1])):
-            if dt == torch.int16 and max(n_) + H > INT16_MAX:
+        books_k, books_v = self.books_k, self.books_v
+        nk, nv = [b.n for b in books_k], [b.n for b in books_v]
+        room = H if len(nk) == 1 else 1  # new rows a step may add to a book
+        top_k, top_v = max(nk) + room, max(nv) + room
+        for top, dt in ((top_k, self.idx_dtype[0]), (top_v, self.idx_dtype[1])):
+            if dt == torch.int16 and top > INT16_MAX:
                 return None
         cols = [bufs[name] for name in CODED]
         n = cols[0].n
-        for b in cols:
-            if b.buf.shape[1] <= n:
+        if cols[0].buf.shape[1] <= n:  # the six columns grow together
+            for b in cols:
                 b.reserve(n + 1)
-        room = H if len(nk) == 1 else 1  # new rows a step may add to a book
-        for shelf, counts in ((self.shelf_k, nk), (self.shelf_v, nv)):
-            if shelf.data.shape[1] < max(counts) + room:
-                shelf.reserve(max(counts) + room)
+        if self.shelf_k.data.shape[1] < top_k:
+            self.shelf_k.reserve(top_k)
+        if self.shelf_v.data.shape[1] < top_v:
+            self.shelf_v.reserve(top_v)
         cos, sin = self.rope.tables(pos + 1)
+        ssin = self.rope.signed_tables(pos + 1)[1] if pre_rope else None
         out, nk, nv = self.kernels.codebook_step(
             q, k, v, pos, self.shelf_k.data, nk, o["theta_k"], self.shelf_v.data, nv,
-            o["theta_v"], *(b.buf for b in cols), n, not self.all_bits, cos, sin,
-            q.shape[-1] ** -0.5,
+            o["theta_v"], *[b.buf for b in cols], n, not self.all_bits, cos, sin,
+            q.shape[-1] ** -0.5, ssin,
         )  # fmt: skip
         for b in cols:
             b.n = n + 1
-        for books, counts in ((self.books_k, nk), (self.books_v, nv)):
-            for b, m in zip(books, counts, strict=True):
-                b.n = m
+        for b, m in zip(books_k, nk, strict=True):
+            b.n = m
+        for b, m in zip(books_v, nv, strict=True):
+            b.n = m
         return out
 
     def widen(self, layer: int, strict: bool) -> None:
