@@ -254,6 +254,9 @@ inline void weigh_ptrs(const float* p, int64_t ps, int64_t n, const T* const* vp
         acc[a][c] = _mm256_mul_ps(_mm256_loadu_ps(out + a * d + c0 + 8 * c), ra);
     }
     for (int64_t j = 0; j < n; j++) {
+      if (j + 8 < n)  // gathered rows: asked for a few rows ahead, into L1
+        for (int64_t c = 0; c < 8 * C * (int64_t)sizeof(T); c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(vp[j + 8] + c0) + c, _MM_HINT_T0);
       __m256 vv[C];
       for (int c = 0; c < C; c++) vv[c] = ld8(vp[j] + c0 + 8 * c);
       for (int a = 0; a < HG; a++) {
