@@ -188,6 +188,34 @@ def test_codebook_step_codes_stores_and_attends(books, dtype, masked, unseen, is
     assert counts == [[int((w[b].abs().sum(-1) > 0).sum()) for b in range(books)] for w in want]
 
 
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_codebook_search_near_theta_is_exact(dtype, isa, threads):  # noqa: F811
+    """The search passes over rows that cannot exceed theta (a bound from each row's first
+    half): on a book crowded around the tokens, with dots from below theta to 1 and rows whose
+    likeness sits in their second half, each head still joins the first best row, as `assign`."""
+    H, D, theta = 3, 64, 0.95
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(H, D, generator=gen)
+    u = torch.nn.functional.normalize(x, dim=1)
+    near = []
+    for h in range(H):
+        for eps in torch.linspace(0.05, 0.6, 400):
+            near.append(u[h] + eps * torch.randn(D, generator=gen) / D**0.5)
+        second = torch.cat([0.3 * torch.randn(D // 2, generator=gen), u[h, D // 2 :]])
+        near += [second] * 3  # alike in the second half only; a repeat ties with the first
+    book = torch.nn.functional.normalize(torch.stack(near), dim=1)
+    book = book[torch.randperm(len(book), generator=gen)]
+    x[1] = 5 * torch.cat([0.01 * x[1, : D // 2], u[1, D // 2 :]])  # its likeness in the second half
+    shelf = Shelf(1, D, dtype, "cpu")
+    shelf.books[0].append(book.to(dtype))
+    want, _, _ = assign(shelf.books[0].rows().clone(), x, theta)
+    shelf.reserve(shelf.books[0].n + H)
+    idx, _ = ops.codebook_assign(x, shelf.data, torch.tensor([shelf.books[0].n]), theta)
+    assert torch.equal(idx, want)
+    dots = torch.nn.functional.normalize(x, dim=1) @ book.T
+    assert ((dots > theta - 0.05) & (dots <= theta)).sum() > 10  # rows just under theta, too
+
+
 @pytest.mark.parametrize("books", [1, 3])
 def test_codebook_step_rotates_a_pre_rope_query(books, isa, threads):  # noqa: F811
     """With the signed-sin table, q comes pre-RoPE and is rotated in the call as `rope` rotates

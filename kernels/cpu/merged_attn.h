@@ -664,6 +664,105 @@ inline void scores_rows16(const float* u, const T* k, int64_t ks, int64_t t, int
 }
 #endif
 
+// For 4 rows at a time: the dots of NU vectors u (stride d) with each row's first m values
+// (sc[a * ss + j]) and the row's own squares over them (nr[j]), one transposing reduction each
+// (m a multiple of 16 on AVX-512, of 8 on AVX2)
+template <int NU, typename T>
+inline void head_dots(const float* u, int64_t d, const T* k, int64_t ks, int64_t t, int64_t m,
+                      float* sc, int64_t ss, float* nr) {
+  int64_t j = 0;
+  for (; j + 4 <= t; j += 4) {
+    __m256 a8[NU + 1][4];
+    const T* kr = k + j * ks;
+#if defined(__AVX512F__)
+    __m512 acc[NU + 1][4];
+    for (int a = 0; a <= NU; a++)
+      for (int c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < m; i += 16)
+      for (int c = 0; c < 4; c++) {
+        const __m512 kc = ld16(kr + c * ks + i);
+        acc[NU][c] = _mm512_fmadd_ps(kc, kc, acc[NU][c]);
+        for (int a = 0; a < NU; a++)
+          acc[a][c] = _mm512_fmadd_ps(_mm512_loadu_ps(u + a * d + i), kc, acc[a][c]);
+      }
+    for (int a = 0; a <= NU; a++)
+      for (int c = 0; c < 4; c++) a8[a][c] = fold8(acc[a][c]);
+#else
+    for (int a = 0; a <= NU; a++)
+      for (int c = 0; c < 4; c++) a8[a][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < m; i += 8)
+      for (int c = 0; c < 4; c++) {
+        const __m256 kc = ld8(kr + c * ks + i);
+        a8[NU][c] = _mm256_fmadd_ps(kc, kc, a8[NU][c]);
+        for (int a = 0; a < NU; a++)
+          a8[a][c] = _mm256_fmadd_ps(_mm256_loadu_ps(u + a * d + i), kc, a8[a][c]);
+      }
+#endif
+    for (int a = 0; a <= NU; a++) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a8[a][0], a8[a][1]),
+                                      _mm256_hadd_ps(a8[a][2], a8[a][3]));
+      _mm_storeu_ps(a < NU ? sc + a * ss + j : nr + j,
+                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+  for (; j < t; j++) {
+    const T* kr = k + j * ks;
+    __m256 acc[NU + 1];
+    for (int a = 0; a <= NU; a++) acc[a] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < m; i += 8) {
+      const __m256 kc = ld8(kr + i);
+      acc[NU] = _mm256_fmadd_ps(kc, kc, acc[NU]);
+      for (int a = 0; a < NU; a++)
+        acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(u + a * d + i), kc, acc[a]);
+    }
+    for (int a = 0; a < NU; a++) sc[a * ss + j] = hsum(acc[a]);
+    nr[j] = hsum(acc[NU]);
+  }
+}
+
+// u . x over d values (a multiple of 8), one row
+template <typename T>
+inline float row_dot1(const float* u, const T* x, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(u + i), ld8(x + i), acc);
+  return hsum(acc);
+}
+
+// A stored row is a unit vector rounded to the book's type: its squared norm is below this (f16
+// rounds each value by at most 2^-11 of it: 1.00098 at most)
+constexpr float kUnitRow2 = 1.002f;
+
+// best_rows_simd for a search that only needs the rows above `floor` (SpindleKV's theta): the
+// rows' first half first, and a row goes on to its whole dot product only where that half's dot
+// plus the Cauchy-Schwarz bound on the other half, ||u's other half|| * sqrt(kUnitRow2 - the
+// row's squares over the first), could exceed floor. best and arg are exact where best > floor
+// (a row that cannot pass floor is not compared; on real books under 1% of rows go on).
+template <int NU, typename T>
+void best_rows_above(const float* u, const T* book, int64_t stride, int64_t n, int64_t d,
+                     float floor, float* best, int64_t* arg) {
+  const int64_t m = d / 2;
+  float rest[NU];  // ||u_a[m:]||
+  for (int a = 0; a < NU; a++) {
+    float s2 = 0.f;
+    for (int64_t i = m; i < d; i++) s2 += u[a * d + i] * u[a * d + i];
+    rest[a] = std::sqrt(s2);
+  }
+  const float cut = floor - 1e-4f;  // the bound's own rounding, well inside
+  float sc[NU * SKB], nr[SKB];
+  for (int64_t b0 = 0; b0 < n; b0 += SKB) {
+    const int64_t nb = std::min<int64_t>(SKB, n - b0);
+    head_dots<NU, T>(u, d, book + b0 * stride, stride, nb, m, sc, SKB, nr);
+    for (int64_t j = 0; j < nb; j++) {
+      const float other = std::sqrt(std::max(0.f, kUnitRow2 - nr[j]));
+      for (int a = 0; a < NU; a++) {
+        if (sc[a * SKB + j] + rest[a] * other <= cut) continue;
+        const float s = row_dot1(u + a * d, book + (b0 + j) * stride, d);
+        if (s > best[a]) best[a] = s, arg[a] = b0 + j;
+      }
+    }
+  }
+}
+
 template <int NU, typename T>
 void best_rows_simd(const float* u, const T* book, int64_t stride, int64_t n, int64_t d,
                     float* best, int64_t* arg) {
@@ -753,26 +852,30 @@ void codebook_chunk(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n, flo
 
 // BestRowFn
 void best_rows(const float* u, int64_t nu, const void* book, int elem, int64_t stride, int64_t n,
-               int64_t d, float* best, int64_t* arg) {
+               int64_t d, float floor, float* best, int64_t* arg) {
   const bool f16 = elem == EL_F16;
 #if defined(__AVX2__)
   if (d % 8 == 0) {
+    // a floor the rows' unit norm can prune by (theta in (-1, 1]); else the whole search
+    const bool above = floor > -1.f && floor <= 1.f && d % 32 == 0;
     for (int64_t a0 = 0; a0 < nu; a0 += 3) {  // 3 vectors a pass: 12 accumulators
       const int64_t k = std::min<int64_t>(3, nu - a0);
       const float* ua = u + a0 * d;
-#define KVQ_BEST(NU)                                                                       \
-  f16 ? best_rows_simd<NU>(ua, static_cast<const uint16_t*>(book), stride, n, d, best + a0,  \
-                           arg + a0)                                                       \
-      : best_rows_simd<NU>(ua, static_cast<const float*>(book), stride, n, d, best + a0,     \
-                           arg + a0)
+#define KVQ_BEST_T(NU, T)                                                                      \
+  above ? best_rows_above<NU>(ua, static_cast<const T*>(book), stride, n, d, floor, best + a0,  \
+                              arg + a0)                                                        \
+        : best_rows_simd<NU>(ua, static_cast<const T*>(book), stride, n, d, best + a0, arg + a0)
+#define KVQ_BEST(NU) f16 ? KVQ_BEST_T(NU, uint16_t) : KVQ_BEST_T(NU, float)
       if (k == 3) KVQ_BEST(3);
       else if (k == 2) KVQ_BEST(2);
       else KVQ_BEST(1);
 #undef KVQ_BEST
+#undef KVQ_BEST_T
     }
     return;
   }
 #endif
+  (void)floor;  // the portable search is whole
   if (f16)
     best_rows_portable(u, nu, static_cast<const uint16_t*>(book), stride, n, d, best, arg);
   else

@@ -70,8 +70,10 @@ typedef void (*MergedChunkFn)(const MergedArgs& a, int64_t h, int64_t j0, int64_
 typedef void (*CodebookChunkFn)(const CodebookArgs& a, int64_t h, int64_t j0, int64_t n,
                                 float* part, float* mx, float* sm, float* scratch);
 // For each of nu float32 rows u (nu, d): the first of n rows of `elem` at book + i * stride
-// with the largest dot product, best[a] (-inf where n = 0) and arg[a] (0 then)
+// with the largest dot product, into best[a] and arg[a] as they come in (ties keep the earlier).
+// `floor`: only rows above it are wanted (-inf: every row); rows that cannot pass it may be
+// left out, so best and arg are exact only where best > floor (the rows are unit vectors).
 typedef void (*BestRowFn)(const float* u, int64_t nu, const void* book, int elem, int64_t stride,
-                          int64_t n, int64_t d, float* best, int64_t* arg);
+                          int64_t n, int64_t d, float floor, float* best, int64_t* arg);
 
 }  // namespace kvq

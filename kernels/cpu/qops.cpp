@@ -1142,20 +1142,22 @@ struct Shelf {
 };
 
 // For every head, the first row with the largest u . row among the rows its book held before
-// the call: searched for every head of a book at once, in blocks (the first maximum of each
-// block, then over the blocks in order: the first overall). The blocks are tasks for the
-// caller's threads: scan_rows' own, or codebook_step's beside its attention.
+// the call (exact where that exceeds `floor`, the only rows a join wants: best_rows may pass
+// over rows that cannot): searched for every head of a book at once, in blocks (the first
+// maximum of each block, then over the blocks in order: the first overall). The blocks are
+// tasks for the caller's threads: scan_rows' own, or codebook_step's beside its attention.
 struct RowScan {
   static constexpr int64_t BLOCK = 512;
   const float* u;
   const Shelf& sh;
+  float floor;                // only rows above it wanted (theta; -inf: every row)
   int64_t per;                // heads searched a block (every head of a shared book, or one)
   std::vector<int64_t> first;  // each book's first block
   std::vector<float> bb;       // (blocks, per) each block's best dot products
   std::vector<int64_t> ba;     // and their rows
 
-  RowScan(const float* u_, const Shelf& sh_, int64_t H)
-      : u(u_), sh(sh_), per(sh_.nb == 1 ? H : 1), first(sh_.nb + 1, 0) {
+  RowScan(const float* u_, const Shelf& sh_, int64_t H, float floor_)
+      : u(u_), sh(sh_), floor(floor_), per(sh_.nb == 1 ? H : 1), first(sh_.nb + 1, 0) {
     for (int64_t b = 0; b < sh.nb; b++) first[b + 1] = first[b] + (sh.cnt[b] + BLOCK - 1) / BLOCK;
     bb.assign(blocks() * per, -INFINITY);
     ba.assign(blocks() * per, 0);
@@ -1171,7 +1173,7 @@ struct RowScan {
     while (i >= first[b + 1]) b++;
     const int64_t r0 = (i - first[b]) * BLOCK, m = std::min(BLOCK, sh.cnt[b] - r0);
     tab->best_rows(u + (sh.nb == 1 ? 0 : b) * sh.D, per, sh.row(b, r0), sh.elem, sh.D, m, sh.D,
-                   bb.data() + i * per, ba.data() + i * per);
+                   floor, bb.data() + i * per, ba.data() + i * per);
     for (int64_t k = 0; k < per; k++) ba[i * per + k] += r0;
   }
   void merge(int64_t H, float* best, int64_t* arg) const {
@@ -1188,9 +1190,9 @@ struct RowScan {
   }
 };
 
-void scan_rows(const float* u, int64_t H, const Shelf& sh, float* best, int64_t* arg,
-               const Table* tab) {
-  RowScan scan(u, sh, H);
+void scan_rows(const float* u, int64_t H, const Shelf& sh, float floor, float* best,
+               int64_t* arg, const Table* tab) {
+  RowScan scan(u, sh, H, floor);
   const int64_t blocks = scan.blocks();
   dynamic_for(blocks, scan.rows() * scan.per * sh.D >= (1 << 17) ? 1 : blocks,
               [&](int64_t i0, int64_t i1) {
@@ -1216,7 +1218,8 @@ void join_or_add(const float* u, int64_t H, const Shelf& sh, const float* best,
     if (made > 0) {
       float nbv = bv;
       int64_t nav = 0;
-      tab->best_rows(u + h * D, 1, sh.row(b, before[b]), sh.elem, D, made, D, &nbv, &nav);
+      tab->best_rows(u + h * D, 1, sh.row(b, before[b]), sh.elem, D, made, D, -INFINITY, &nbv,
+                     &nav);
       if (nbv > bv) {
         bv = nbv;
         av = before[b] + nav;
@@ -1271,7 +1274,7 @@ std::vector<at::Tensor> codebook_assign(const at::Tensor& x, at::Tensor& shelf,
   std::vector<int64_t> arg(H);
   const Table* tab = current();
   unit_rows(x.data_ptr<float>(), x.stride(0), H, D, u.data(), mag.data_ptr<float>());
-  scan_rows(u.data(), H, sh, best.data(), arg.data(), tab);
+  scan_rows(u.data(), H, sh, (float)theta, best.data(), arg.data(), tab);
   join_or_add(u.data(), H, sh, best.data(), arg.data(), theta, idx.data_ptr<int64_t>(), tab);
   return {idx, mag};
 }
@@ -1490,7 +1493,7 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   const int64_t per_head = sk.nb == 1 ? 0 : 1;
   // attention over slots 0..n-1, and the books' rows before the token searched for its unit
   // vectors (RowScan's blocks) as more tasks of the same parallel region
-  RowScan scan_k(uk.data(), sk, H), scan_v(uv.data(), sv, H);
+  RowScan scan_k(uk.data(), sk, H, (float)theta_k), scan_v(uv.data(), sv, H, (float)theta_v);
   const int64_t nk_blocks = scan_k.blocks();
   auto search = [&](int64_t i) {
     if (i < nk_blocks) scan_k.run(i, tab);
