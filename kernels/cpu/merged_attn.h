@@ -748,17 +748,28 @@ void best_rows_above(const float* u, const T* book, int64_t stride, int64_t n, i
     rest[a] = std::sqrt(s2);
   }
   const float cut = floor - 1e-4f;  // the bound's own rounding, well inside
-  float sc[NU * SKB], nr[SKB];
+  float sc[NU * SKB], nr[SKB];  // a block's last eight may run past its rows: masked (live)
   for (int64_t b0 = 0; b0 < n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, n - b0);
     head_dots<NU, T>(u, d, book + b0 * stride, stride, nb, m, sc, SKB, nr);
-    for (int64_t j = 0; j < nb; j++) {
-      const float other = std::sqrt(std::max(0.f, kUnitRow2 - nr[j]));
+    for (int64_t j0 = 0; j0 < nb; j0 += 8) {  // eight rows' bounds at once; few rows pass
+      const __m256 other = _mm256_sqrt_ps(
+          _mm256_max_ps(_mm256_sub_ps(_mm256_set1_ps(kUnitRow2), _mm256_loadu_ps(nr + j0)),
+                        _mm256_setzero_ps()));
+      unsigned pass[NU];
       for (int a = 0; a < NU; a++) {
-        if (sc[a * SKB + j] + rest[a] * other <= cut) continue;
-        const float s = row_dot1(u + a * d, book + (b0 + j) * stride, d);
-        if (s > best[a]) best[a] = s, arg[a] = b0 + j;
+        const __m256 bound = _mm256_fmadd_ps(_mm256_set1_ps(rest[a]), other,
+                                             _mm256_loadu_ps(sc + a * SKB + j0));
+        const int live = nb - j0 < 8 ? (1 << (nb - j0)) - 1 : 0xFF;
+        pass[a] = (unsigned)_mm256_movemask_ps(
+                      _mm256_cmp_ps(bound, _mm256_set1_ps(cut), _CMP_GT_OQ)) & live;
       }
+      for (int64_t j = j0; j < std::min<int64_t>(nb, j0 + 8); j++)  // in row order: ties keep
+        for (int a = 0; a < NU; a++) {                                // the earlier row
+          if (!((pass[a] >> (j - j0)) & 1)) continue;
+          const float s = row_dot1(u + a * d, book + (b0 + j) * stride, d);
+          if (s > best[a]) best[a] = s, arg[a] = b0 + j;
+        }
     }
   }
 }
