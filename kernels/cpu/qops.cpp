@@ -1441,11 +1441,14 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   check_f32(q_, "q");
   check_f32(k, "k");
   check_f32(v, "v");
-  const int64_t H = k.size(0), D = k.size(1);
-  TORCH_CHECK(k.dim() == 2 && k.sizes() == v.sizes() && k.stride(1) == 1 && v.stride(1) == 1 &&
-                  q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && q_.size(3) == D &&
-                  q_.size(1) % H == 0 && q_.stride(3) == 1,
-              "codebook_step: q (1, Hq, 1, D), k and v (Hkv, D)");
+  // k and v (Hkv, D), or a decode row's (1, Hkv, 1, D) as the model gives them
+  const bool row4 = k.dim() == 4 && k.size(0) == 1 && k.size(2) == 1;
+  const int64_t H = row4 ? k.size(1) : k.size(0), D = k.size(-1);
+  const int64_t ks = row4 ? k.stride(1) : k.stride(0), vs = row4 ? v.stride(1) : v.stride(0);
+  TORCH_CHECK((row4 || k.dim() == 2) && k.sizes() == v.sizes() && k.stride(-1) == 1 &&
+                  v.stride(-1) == 1 && q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 &&
+                  q_.size(3) == D && H > 0 && q_.size(1) % H == 0 && q_.stride(3) == 1,
+              "codebook_step: q (1, Hq, 1, D), k and v (Hkv, D) or (1, Hkv, 1, D)");
   TORCH_CHECK(cos.dim() == 2 && pos >= 0 && pos < cos.size(0), "codebook_step: tables past pos");
   at::Tensor q = q_.contiguous();
   if (ssin.has_value()) {  // q pre-RoPE: rotated here at pos, as `rope` rotates it
@@ -1488,8 +1491,8 @@ std::tuple<at::Tensor, std::vector<int64_t>, std::vector<int64_t>> codebook_step
   const OptT off_k = offsets(shelf_k), off_v = offsets(shelf_v);
   // the token's unit vectors and norms
   std::vector<float> uk(H * D), uv(H * D), mk(H), mv(H);
-  unit_rows(k.data_ptr<float>(), k.stride(0), H, D, uk.data(), mk.data());
-  unit_rows(v.data_ptr<float>(), v.stride(0), H, D, uv.data(), mv.data());
+  unit_rows(k.data_ptr<float>(), ks, H, D, uk.data(), mk.data());
+  unit_rows(v.data_ptr<float>(), vs, H, D, uv.data(), mv.data());
   const int64_t per_head = sk.nb == 1 ? 0 : 1;
   // attention over slots 0..n-1, and the books' rows before the token searched for its unit
   // vectors (RowScan's blocks) as more tasks of the same parallel region

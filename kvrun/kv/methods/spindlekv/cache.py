@@ -235,7 +235,7 @@ class SpindleKVCache(KVManager):
             and not self.config.any_window  # windowed models: `decode`'s ring and bounds
         ):
             pos = self.rope.position(positions)
-            out = st.step_native(q, k[0, :, 0], v[0, :, 0], pos, self.opt, pre_rope=True)
+            out = st.step_native(q, k, v, pos, self.opt, pre_rope=True)
             if out is not None:
                 return out
         return super().attend(layer, q, k, v, positions)

@@ -436,11 +436,12 @@ class CodedLayer:
 
     def step_native(self, q, k, v, pos: int, o, pre_rope: bool = False) -> torch.Tensor | None:
         """`store_token` and attention over the slots in one native call (codebook_step): k, v
-        (Hkv, D) pre-RoPE at position pos coded into the books and stored as the next coded
-        slot, q (1, Hq, 1, D) attending over every slot -> (1, Hq, 1, D); q post-RoPE, or
-        `pre_rope` (rotated in the call, as the layer's `rope.apply` rotates it). None where it
-        does not apply: no kernels, dense slots, decode tokens kept dense, or int16 indices that
-        a new entry may outgrow (the Python path widens them). Lean: it runs per layer per step."""
+        (Hkv, D), or the row's (1, Hkv, 1, D), pre-RoPE at position pos coded into the books and
+        stored as the next coded slot, q (1, Hq, 1, D) attending over every slot -> (1, Hq, 1,
+        D); q post-RoPE, or `pre_rope` (rotated in the call, as the layer's `rope.apply` rotates
+        it). None where it does not apply: no kernels, dense slots, decode tokens kept dense, or
+        int16 indices that a new entry may outgrow (the Python path widens them). Lean: it runs
+        per layer per step."""
         bufs = self.bufs
         if (
             self.kernels is None
@@ -450,7 +451,7 @@ class CodedLayer:
             or q.dtype != torch.float32
         ):
             return None
-        H = k.shape[0]
+        H = k.shape[-3] if k.dim() == 4 else k.shape[0]
         books_k, books_v = self.books_k, self.books_v
         nk, nv = [b.n for b in books_k], [b.n for b in books_v]
         room = H if len(nk) == 1 else 1  # new rows a step may add to a book
