@@ -626,43 +626,6 @@ void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q
 // The first of n rows with the largest dot product with each of NU vectors u, against best
 // and arg as they come (ties keep the earlier): the rows' dots a block at a time in
 // scores_rows' four rows to one transposing reduction, then one compare per row and vector.
-#if defined(__AVX512F__)
-// scores_rows on 16 lanes (d a multiple of 16): four rows' products summed in 512-bit
-// accumulators, halved to 256 bits, then scores_rows' transposing reduction
-template <int NU, typename T>
-inline void scores_rows16(const float* u, const T* k, int64_t ks, int64_t t, int64_t d, float* sc,
-                          int64_t ss) {
-  int64_t j = 0;
-  for (; j + 4 <= t; j += 4) {
-    __m512 acc[NU][4];
-    for (int a = 0; a < NU; a++)
-      for (int c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
-    const T* kr = k + j * ks;
-    for (int64_t i = 0; i < d; i += 16)
-      for (int c = 0; c < 4; c++) {
-        const __m512 kc = ld16(kr + c * ks + i);
-        for (int a = 0; a < NU; a++)
-          acc[a][c] = _mm512_fmadd_ps(_mm512_loadu_ps(u + a * d + i), kc, acc[a][c]);
-      }
-    for (int a = 0; a < NU; a++) {
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold8(acc[a][0]), fold8(acc[a][1])),
-                                      _mm256_hadd_ps(fold8(acc[a][2]), fold8(acc[a][3])));
-      _mm_storeu_ps(sc + a * ss + j,
-                    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-    }
-  }
-  for (; j < t; j++) {
-    __m512 acc[NU];
-    for (int a = 0; a < NU; a++) acc[a] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 kc = ld16(k + j * ks + i);
-      for (int a = 0; a < NU; a++)
-        acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(u + a * d + i), kc, acc[a]);
-    }
-    for (int a = 0; a < NU; a++) sc[a * ss + j] = _mm512_reduce_add_ps(acc[a]);
-  }
-}
-#endif
 
 // For 4 rows at a time: the dots of NU vectors u (stride d) with each row's first m values
 // (sc[a * ss + j]) and the row's own squares over them (nr[j]), one transposing reduction each
@@ -780,12 +743,7 @@ void best_rows_simd(const float* u, const T* book, int64_t stride, int64_t n, in
   float sc[NU * SKB];
   for (int64_t b0 = 0; b0 < n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, n - b0);
-#if defined(__AVX512F__)
-    if (d % 16 == 0)
-      scores_rows16<NU, T>(u, book + b0 * stride, stride, nb, d, sc, SKB);
-    else
-#endif
-      scores_rows<NU, T>(u, book + b0 * stride, stride, nb, d, 1.f, sc, SKB);
+    scores_rows<NU, T>(u, book + b0 * stride, stride, nb, d, 1.f, sc, SKB);
     for (int a = 0; a < NU; a++) {
       const float* s = sc + a * SKB;
       float bv = best[a];
