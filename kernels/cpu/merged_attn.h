@@ -2,8 +2,8 @@
 // split_keys: MiniCache's merged pairs (a shared direction E per token, a factor per layer,
 // retained exact rows) and SpindleKV's codebook slots (rows gathered from codebooks, scaled,
 // keys rotated at their own positions, four slots to one reduction, a keep mask per query head),
-// and the codebook search of SpindleKV's decode tokens (best_rows). Included by qkernels.cpp after qstep.h (one copy per instruction
-// set); the structs are merged_types.h's.
+// and the codebook search of SpindleKV's decode tokens (best_rows). Included by qkernels.cpp
+// after qstep.h (one copy per instruction set); the structs are merged_types.h's.
 //
 // As qstep.h's attn_heads: the query rows of a KV head in groups of up to 3, each group reading
 // a block of keys once for its scores and once (from cache) to weigh the values, with a running
@@ -428,46 +428,10 @@ void merged_heads_stream(const MergedArgs& a, int64_t h, const float* q, int64_t
   }
 }
 
-// dot[i] = q_i . RoPE(k) for HG rows q (stride d): k = (lo cos - hi sin, hi cos + lo sin)
-// of its halves lo, hi, with cs, sn the first d / 2 of its position's table rows
-template <int HG, typename T>
-inline void rope_dots(const float* q, int64_t d, const T* kr, const float* cs, const float* sn,
-                      float* dot) {
-  const int64_t hd = d / 2;
-  __m256 a8[HG];
-#if defined(__AVX512F__)
-  __m512 acc[HG];
-  for (int i = 0; i < HG; i++) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < hd; c += 16) {
-    const __m512 lo = ld16(kr + c), hi = ld16(kr + hd + c);
-    const __m512 c16 = _mm512_loadu_ps(cs + c), s16 = _mm512_loadu_ps(sn + c);
-    const __m512 klo = _mm512_fmsub_ps(lo, c16, _mm512_mul_ps(hi, s16));
-    const __m512 khi = _mm512_fmadd_ps(hi, c16, _mm512_mul_ps(lo, s16));
-    for (int i = 0; i < HG; i++) {
-      acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + c), klo, acc[i]);
-      acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + hd + c), khi, acc[i]);
-    }
-  }
-  for (int i = 0; i < HG; i++) a8[i] = fold8(acc[i]);
-#else
-  for (int i = 0; i < HG; i++) a8[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < hd; c += 8) {
-    const __m256 lo = ld8(kr + c), hi = ld8(kr + hd + c);
-    const __m256 c8 = _mm256_loadu_ps(cs + c), s8 = _mm256_loadu_ps(sn + c);
-    const __m256 klo = _mm256_fmsub_ps(lo, c8, _mm256_mul_ps(hi, s8));
-    const __m256 khi = _mm256_fmadd_ps(hi, c8, _mm256_mul_ps(lo, s8));
-    for (int i = 0; i < HG; i++) {
-      a8[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c), klo, a8[i]);
-      a8[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + hd + c), khi, a8[i]);
-    }
-  }
-#endif
-  hsum4<HG>(a8, dot);
-}
-
-// rope_dots for four slots at once: dots[i][c] = q_i . RoPE(kr[c]) (each slot its own table
-// rows cs[c], sn[c]); the query's halves are loaded once for the four, and each head's four sums
-// come out of one transposing reduction instead of one per slot
+// dots[i][c] = q_i . RoPE(kr[c]) for HG rows q (stride d) and four slots: k = (lo cos - hi sin,
+// hi cos + lo sin) of its halves lo, hi, with cs[c], sn[c] the first d / 2 of its position's
+// table rows; the query's halves are loaded once for the four, and each head's four sums come
+// out of one transposing reduction
 template <int HG, typename T>
 inline void rope_dots4(const float* q, int64_t d, const T* const* kr, const float* const* cs,
                        const float* const* sn, __m128* dots) {
@@ -608,12 +572,22 @@ void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q
         _mm_storeu_ps(sc + i * SKB + j, x);
       }
     }
-    for (; j < nb; j++) {
-      float dot[HG];
-      rope_dots<HG, T>(q, d, kp[j], cs[j], sn[j], dot);
+    if (j < nb) {  // the last 1-3 slots: four again, the last one repeated
+      const T* k4[4];
+      const float *c4[4], *s4[4];
+      for (int c = 0; c < 4; c++) {
+        const int64_t t = std::min(j + c, nb - 1);
+        k4[c] = kp[t], c4[c] = cs[t], s4[c] = sn[t];
+      }
+      __m128 dots[HG];
+      rope_dots4<HG, T>(q, d, k4, c4, s4, dots);
       for (int i = 0; i < HG; i++) {
-        const bool keep = bits == nullptr || ((bits[j * a.k_s + mbyte[i]] >> mbit[i]) & 1);
-        sc[i * SKB + j] = keep ? dot[i] * mk[j] : kNegInf;
+        alignas(16) float dot[4];
+        _mm_store_ps(dot, dots[i]);
+        for (int64_t t = j; t < nb; t++) {
+          const bool keep = bits == nullptr || ((bits[t * a.k_s + mbyte[i]] >> mbit[i]) & 1);
+          sc[i * SKB + t] = keep ? dot[t - j] * mk[t] : kNegInf;
+        }
       }
     }
     softmax_block<HG>(sc, SKB, nb, mx, sm, r);
