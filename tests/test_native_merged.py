@@ -170,13 +170,22 @@ def torch_path(kv):
 
 
 def count_native(monkeypatch, kv) -> list:
-    """Calls of a pair layer's native decode (a row rotated in the op, or several tokens
-    rotated before it)."""
+    """Calls of a pair layer's native decode (a row rotated in the op on the pair's buffers
+    (minicache_step) or on views of them, or several tokens rotated before it)."""
     calls = []
     for view in kv.views.values():
         for name in ("attend_native", "rope_attend_native"):
             real = getattr(view, name)
             monkeypatch.setattr(view, name, lambda *a, r=real: calls.append(1) or r(*a))
+    step = kv._step
+
+    def counted(*a):
+        out = step(*a)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(kv, "_step", counted)
     return calls
 
 
@@ -232,6 +241,67 @@ def test_f16_pairs_decode_as_the_torch_path(monkeypatch, model_with_kernels, spe
     f32 = new_kv(m, spec)
     drive(m, f32, prompt(P, seed=3), 32, steps, tokens=toks)
     assert 0.45 < kv.nbytes() / f32.nbytes() < 0.6
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[1], SPECS[3]])
+def test_step_on_the_buffers_as_the_views(monkeypatch, model_with_kernels, spec, dtype):
+    """minicache_step (a pair layer's decode row on the pair's buffers, layer b's merge in the
+    same call) gives bit for bit what rope_merged_attn over views and minicache_merge_into
+    give: the logits and every buffer of every pair; it runs for every paired layer after the
+    first step (whose layers build the kept factors)."""
+    from kvrun.kv import build, check
+
+    m, P, steps = model_with_kernels, 75, 6
+
+    def run(fast: bool):
+        kv = build(check(spec).with_dtype(dtype), m.config, m.rope, "cpu", torch.float32)
+        if not fast:
+            monkeypatch.setattr(kv, "_step", lambda *a: None)
+        hits = count_native(monkeypatch, kv) if fast else []
+        views = [0]
+        for view in kv.views.values():
+            real = view.rope_attend_native
+            monkeypatch.setattr(
+                view,
+                "rope_attend_native",
+                lambda *a, r=real: views.__setitem__(0, views[0] + 1) or r(*a),
+            )
+        return kv, drive(m, kv, prompt(P, seed=3), 32, steps), len(hits), views[0]
+
+    fast, got, hits, views = run(True)
+    slow, ref, _, slow_views = run(False)
+    assert torch.equal(got, ref)
+    assert slow_views == hits == 2 * len(fast.pairs) * steps  # every paired layer, every step
+    assert views == 2 * len(fast.pairs)  # the first step's, on views; then minicache_step
+    for a, b in zip(fast.pairs, slow.pairs, strict=True):
+        assert a.length == b.length
+        for ha, hb in ((a.k, b.k), (a.v, b.v)):
+            for x, y in ((ha.e, hb.e), (ha.na, hb.na), (ha.nb, hb.nb)):
+                assert torch.equal(x.data, y.data)
+            assert torch.equal(ha.ridx, hb.ridx) and torch.equal(ha.ra, hb.ra)
+        for second in (False, True):
+            for x, y in zip(a.factors[second], b.factors[second], strict=True):
+                assert torch.equal(x.data, y.data)
+
+
+def test_step_refuses_bad_buffers(model_with_kernels):
+    """minicache_step checks what it is handed: ten buffers, room for n, layer a's rows at b."""
+    H, D, cap = 2, 64, 8
+    q, k, v = torch.randn(1, 4, 1, D), torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+    cos, ssin = torch.randn(16, D), torch.randn(16, D)
+    bufs = [torch.randn(H, cap, D) for _ in range(2)] + [torch.rand(H, cap) for _ in range(8)]
+    args = (None,) * 6 + (1, H, 0.6, 1e-6, D**-0.5)
+    out, kr = ops.minicache_step(q, k, v, cos, ssin, 3, bufs, 5, False, None, None, *args)
+    assert out.shape == q.shape and kr.shape == k.shape
+    for bad, msg in [
+        ((bufs[:9], 5, False, None), "10 buffers"),
+        ((bufs, cap + 1, False, None), "cap >= n"),
+        ((bufs, 5, True, None), "layer a's k and v"),
+    ]:
+        with pytest.raises(RuntimeError, match=msg):
+            b, n, second, ka = bad
+            ops.minicache_step(q, k, v, cos, ssin, 3, b, n, second, ka, ka, *args)
 
 
 @pytest.mark.usefixtures("one_thread")

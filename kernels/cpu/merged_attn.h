@@ -372,6 +372,16 @@ void merged_heads(const MergedArgs& a, int64_t h, const float* q, int64_t j0, in
   }
 }
 
+// sc[i][j] *= f[j * st] * c for HG rows (stride SKB) of n columns (factors not contiguous, or
+// a block with retained values)
+template <int HG>
+inline void scale_cols(float* sc, int64_t n, const float* f, int64_t st, float c) {
+  for (int64_t j = 0; j < n; j++) {
+    const float fj = f[j * st] * c;
+    for (int i = 0; i < HG; i++) sc[i * SKB + j] *= fj;
+  }
+}
+
 // merged_heads over an f16 E with whole factors (the CLI's store under --kv-dtype auto): E's
 // rows stream as a dense cache's do (qstep.h's scores_rows, four keys to one transposing
 // reduction, and weigh_rows), each score scaled by its key's factor and each weight by its
@@ -398,10 +408,16 @@ void merged_heads_stream(const MergedArgs& a, int64_t h, const float* q, int64_t
   const float* fv = a.v.scale + h * a.v.s_h;
   for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
     const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0), b1 = b0 + nb;
-    scores_rows<HG, T>(q, ek + b0 * a.k.e_t, a.k.e_t, nb, d, 1.f, sc, SKB);
-    for (int64_t j = 0; j < nb; j++) {
-      const float f = fk[(b0 + j) * a.k.s_t] * a.scale;
-      for (int i = 0; i < HG; i++) sc[i * SKB + j] *= f;
+    if (a.k.s_t == 1 && a.v.s_t == 1)  // the factors a block later asked for now: their streams
+      for (int64_t c = 0; c < SKB; c += 16) {  // are too thin for the hardware's prefetcher
+        _mm_prefetch(reinterpret_cast<const char*>(fk + b1 + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(fv + b1 + c), _MM_HINT_T0);
+      }
+    if (a.k.s_t == 1) {  // each key's factor applied in the scores' own pass
+      scores_rows<HG, T>(q, ek + b0 * a.k.e_t, a.k.e_t, nb, d, a.scale, sc, SKB, fk + b0);
+    } else {
+      scores_rows<HG, T>(q, ek + b0 * a.k.e_t, a.k.e_t, nb, d, 1.f, sc, SKB);
+      scale_cols<HG>(sc, nb, fk + b0 * a.k.s_t, a.k.s_t, a.scale);
     }
     for (; rk.r < rk.end && rk.idx[rk.r] < b1; rk.r++) {  // retained keys: their exact rows
       const T* row = static_cast<const T*>(a.k.rows) + rk.r * a.k.r_row + h * a.k.r_col;
@@ -409,19 +425,20 @@ void merged_heads_stream(const MergedArgs& a, int64_t h, const float* q, int64_t
       row_dots<HG, false, T>(q, d, row, dot, nullptr);
       for (int i = 0; i < HG; i++) sc[i * SKB + rk.idx[rk.r] - b0] = dot[i] * a.scale;
     }
-    softmax_block<HG>(sc, SKB, nb, mx, sm, r);
     int64_t nr = 0;  // retained values: their weights moved to their exact rows
-    for (; rv.r < rv.end && rv.idx[rv.r] < b1; rv.r++, nr++) {
-      const int64_t j = rv.idx[rv.r] - b0;
-      vp[nr] = static_cast<const T*>(a.v.rows) + rv.r * a.v.r_row + h * a.v.r_col;
-      for (int i = 0; i < HG; i++) {
-        pr[i * SKB + nr] = sc[i * SKB + j];
-        sc[i * SKB + j] = 0.f;
+    if (a.v.s_t == 1 && !(rv.r < rv.end && rv.idx[rv.r] < b1)) {  // none here: the values'
+      softmax_block<HG>(sc, SKB, nb, mx, sm, r, fv + b0);     // factors in the softmax's pass
+    } else {
+      softmax_block<HG>(sc, SKB, nb, mx, sm, r);
+      for (; rv.r < rv.end && rv.idx[rv.r] < b1; rv.r++, nr++) {
+        const int64_t j = rv.idx[rv.r] - b0;
+        vp[nr] = static_cast<const T*>(a.v.rows) + rv.r * a.v.r_row + h * a.v.r_col;
+        for (int i = 0; i < HG; i++) {
+          pr[i * SKB + nr] = sc[i * SKB + j];
+          sc[i * SKB + j] = 0.f;
+        }
       }
-    }
-    for (int64_t j = 0; j < nb; j++) {
-      const float f = fv[(b0 + j) * a.v.s_t];
-      for (int i = 0; i < HG; i++) sc[i * SKB + j] *= f;
+      scale_cols<HG>(sc, nb, fv + b0 * a.v.s_t, a.v.s_t, 1.f);
     }
     weigh_rows<HG, T>(sc, SKB, nb, ev + b0 * a.v.e_t, a.v.e_t, d, r, out);
     if (nr) weigh_ptrs<HG, T>(pr, SKB, nr, vp, d, ones, out);

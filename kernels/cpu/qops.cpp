@@ -26,6 +26,7 @@
 //   minicache_merge: MiniCache's SLERP merge of two layers' rows (direction, norms, angle)
 //   minicache_merge_into: a decode token's merge written into a pair's buffers (K and V)
 //   rope_merged_attn: a MiniCache pair layer's decode row (rotate, attend) in one call
+//   minicache_step: the same on the pair's buffers as kept, the later layer's merge after it
 //   attn_in, attn_out: a decoder layer's decode step before and after attention, fused
 //   rope_append_attend: a plain dense cache's decode row (rotate, store, attend) in one call
 //   attn_probs: a decode row's attention (out) and the probabilities it used (p), optionally
@@ -971,6 +972,58 @@ std::vector<at::Tensor> rope_merged_attn(const at::Tensor& q, const at::Tensor& 
   std::vector<at::Tensor> r = merged_attn(qr, e_k, s_k, e_v, s_v, false, ridx_k, roff_k, rows_k,
                                           ridx_v, roff_v, rows_v, r_grp, kr, v, scale);
   return {r[0], kr};
+}
+
+at::Tensor minicache_merge_into(at::TensorList xa_, at::TensorList xb_, int64_t g, double t,
+                                double sin_eps, at::TensorList e, at::TensorList na,
+                                at::TensorList nb, at::TensorList fa, at::TensorList fb,
+                                int64_t n);
+
+// A MiniCache pair layer's decode row on the pair's buffers as they are kept (room along the
+// token axis, n merged tokens held), in one call: q and k rotated (as rope_merged_attn), q
+// attending over the n merged tokens with this layer's factors and the row's own k, v; at the
+// pair's later layer (ka, va given: the earlier layer's rotated k and its v) the token's rows of
+// both layers are then merged into slot n (minicache_merge_into's arithmetic; the caller has
+// made room and advances the buffers after). bufs: E_K, E_V (Hkv, cap, D); the norms na_K, na_V,
+// nb_K, nb_V and the factors fa_K, fa_V, fb_K, fb_V (g, cap), factors float32; g is Hkv (a
+// group per head) or 1 (one per token, shared by the heads). -> [out (1, Hq, 1, D), k rotated]
+std::vector<at::Tensor> minicache_step(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& cos,
+                                       const at::Tensor& ssin, int64_t pos, at::TensorList bufs,
+                                       int64_t n, bool second, const OptT& ka, const OptT& va,
+                                       const OptT& ridx_k, const OptT& roff_k, const OptT& rows_k,
+                                       const OptT& ridx_v, const OptT& roff_v, const OptT& rows_v,
+                                       int64_t r_grp, int64_t g, double t, double sin_eps,
+                                       double scale) {
+  TORCH_CHECK(bufs.size() == 10, "minicache_step: E, norms and factors of K and V (10 buffers)");
+  const at::Tensor &ek = bufs[0], &ev = bufs[1];
+  TORCH_CHECK(ek.dim() == 3 && ek.sizes() == ev.sizes() && n >= 0 && n <= ek.size(1) &&
+                  ek.size(0) > 0 && (g == ek.size(0) || g == 1),
+              "minicache_step: E_K, E_V (Hkv, cap >= n, D), g Hkv or 1");
+  const int64_t H = ek.size(0);
+  at::Tensor fk = bufs[second ? 8 : 6], fv = bufs[second ? 9 : 7];
+  TORCH_CHECK(fk.dim() == 2 && fv.dim() == 2 && fk.size(0) == g && fv.size(0) == g &&
+                  fk.size(1) >= n && fv.size(1) >= n,
+              "minicache_step: factors (g, cap >= n)");
+  fk = fk.narrow(1, 0, n).expand({H, n});
+  fv = fv.narrow(1, 0, n).expand({H, n});
+  check_rope_row(q, k, v, cos, ssin, pos, "minicache_step");
+  const int64_t d = q.size(3);
+  const Table* tt = current();
+  at::Tensor qr = at::empty({1, q.size(1), 1, d}, q.options());
+  at::Tensor kr = at::empty({1, k.size(1), 1, d}, q.options());
+  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
+  rope_heads(q, cp, sp, qr.data_ptr<float>(), tt);
+  rope_heads(k, cp, sp, kr.data_ptr<float>(), tt);
+  at::Tensor out = merged_attn(qr, ek.narrow(1, 0, n), fk, ev.narrow(1, 0, n), fv, false, ridx_k,
+                               roff_k, rows_k, ridx_v, roff_v, rows_v, r_grp, kr, v, scale)[0];
+  if (second) {
+    TORCH_CHECK(ka.has_value() && va.has_value(), "minicache_step: layer a's k and v at layer b");
+    minicache_merge_into({*ka, *va}, {kr, v}, g, t, sin_eps, {bufs[0], bufs[1]},
+                         {bufs[2], bufs[3]}, {bufs[4], bufs[5]}, {bufs[6], bufs[7]},
+                         {bufs[8], bufs[9]}, n);
+  }
+  return {out, kr};
 }
 
 // The smallest and largest of n integers x[0], x[st], ... (n > 0; one pass the compiler
@@ -2204,6 +2257,12 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "minicache_merge_into(Tensor[] xa, Tensor[] xb, int g, float t, float sin_eps, Tensor(a!)[] e, "
       "Tensor(b!)[] na, Tensor(c!)[] nb, Tensor(d!)[] fa, Tensor(e!)[] fb, int n) -> Tensor",
       &minicache_merge_into);
+  m.def(
+      "minicache_step(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor ssin, int pos, "
+      "Tensor(a!)[] bufs, int n, bool second, Tensor? ka, Tensor? va, Tensor? ridx_k, "
+      "Tensor? roff_k, Tensor? rows_k, Tensor? ridx_v, Tensor? roff_v, Tensor? rows_v, "
+      "int r_grp, int g, float t, float sin_eps, float scale) -> Tensor[]",
+      &minicache_step);
   m.def(
       "codebook_step(Tensor q, Tensor k, Tensor v, int pos, Tensor(a!) shelf_k, "
       "int[] counts_k, float theta_k, Tensor(b!) shelf_v, int[] counts_v, float theta_v, "

@@ -122,10 +122,11 @@ inline void prefetch_row(const T* p, int64_t d) {
 
 // scores (HG, t) = q (HG, d) . k_j * scale for t keys, each key row read once, in order. Four
 // keys at a time, one accumulator per (head, key): their four sums come out of one transposing
-// reduction (3 hadds), not a horizontal sum per key and head
+// reduction (3 hadds), not a horizontal sum per key and head. kf, where given: key j's factor
+// too (the score q . k_j * (kf[j] * scale): MiniCache's per-key factors, contiguous)
 template <int HG, typename T = float>
 inline void scores_rows(const float* q, const T* k, int64_t ks, int64_t t, int64_t d,
-                        float scale, float* sc, int64_t ss) {
+                        float scale, float* sc, int64_t ss, const float* kf = nullptr) {
   const __m128 sv = _mm_set1_ps(scale);
   int64_t j = 0;
   for (; j + 4 <= t; j += 4) {
@@ -144,7 +145,8 @@ inline void scores_rows(const float* q, const T* k, int64_t ks, int64_t t, int64
       const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[a][0], acc[a][1]),
                                       _mm256_hadd_ps(acc[a][2], acc[a][3]));
       const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      _mm_storeu_ps(sc + a * ss + j, _mm_mul_ps(four, sv));
+      _mm_storeu_ps(sc + a * ss + j,
+                    _mm_mul_ps(four, kf ? _mm_mul_ps(_mm_loadu_ps(kf + j), sv) : sv));
     }
   }
   for (; j < t; j++) {
@@ -156,7 +158,7 @@ inline void scores_rows(const float* q, const T* k, int64_t ks, int64_t t, int64
       for (int a = 0; a < HG; a++)
         acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(q + a * d + i), kc, acc[a]);
     }
-    for (int a = 0; a < HG; a++) sc[a * ss + j] = hsum(acc[a]) * scale;
+    for (int a = 0; a < HG; a++) sc[a * ss + j] = hsum(acc[a]) * (kf ? kf[j] * scale : scale);
   }
 }
 
@@ -197,9 +199,11 @@ inline void weigh_rows(const float* p, int64_t ps, int64_t t, const T* v, int64_
 // HG heads over t keys, a block of keys at a time with a running maximum (online softmax): K
 // and V blocks alternate, so both stream from memory once, at the machine's streaming rate
 // A block's scores sc (HG rows, stride ss, n keys) -> exp(score - running max) in place, -inf
-// scores 0; the running max and sum per row, r: the factor on the row's earlier sums.
+// scores 0; the running max and sum per row, r: the factor on the row's earlier sums. vf, where
+// given: each weight stored times vf[j] (summed without it: MiniCache's value factors)
 template <int HG>
-inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm, float* r) {
+inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm, float* r,
+                          const float* vf = nullptr) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   for (int a = 0; a < HG; a++) {
     float* s = sc + a * ss;
@@ -223,13 +227,14 @@ inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm
       const __m256 x = _mm256_loadu_ps(s + j);
       __m256 e = exp8(_mm256_sub_ps(x, _mm256_set1_ps(m)));
       e = _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));  // exp8 clamps: -inf -> 0
-      _mm256_storeu_ps(s + j, e);
+      _mm256_storeu_ps(s + j, vf ? _mm256_mul_ps(e, _mm256_loadu_ps(vf + j)) : e);
       tv = _mm256_add_ps(tv, e);
     }
     float total = hsum(tv);
     for (; j < n; j++) {
-      s[j] = std::exp(s[j] - m);
-      total += s[j];
+      const float e = std::exp(s[j] - m);
+      s[j] = vf ? e * vf[j] : e;
+      total += e;
     }
     sm[a] = sm[a] * r[a] + total;
     mx[a] = m;

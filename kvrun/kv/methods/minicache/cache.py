@@ -91,6 +91,9 @@ class MiniCacheKV(KVManager):
             )
         role = self.role.get(layer) if row else None
         if role is not None:
+            out = self._step(layer, role, q, k, v, positions)
+            if out is not None:
+                return out
             pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
             if self._native(pair, view, q) and self._fuse(pair, 1):
                 out, kr = view.rope_attend_native(
@@ -98,6 +101,43 @@ class MiniCacheKV(KVManager):
                 )
                 return self._decoded(pair, second, out.to(self.dtype), kr, v)
         return super().attend(layer, q, k, v, positions)
+
+    def _step(self, layer, role, q, k, v, positions) -> torch.Tensor | None:
+        """A pair layer's decode row in one native call on the pair's buffers (minicache_step:
+        rotate, attend over the merged tokens and the row's own; at layer b the token's merge
+        into the buffers after): what the general path below computes, with no views built and
+        no second call a layer. None where that path must run."""
+        pair, second = self.pairs[role[0]], role[1]
+        if self.kernels is None or self.dtype != torch.float32 or pair.kivi is not None:
+            return None
+        bufs = self.layout.step_buffers(pair)
+        if bufs is None or (second and pair.pending is None) or not self._fuse(pair, 1):
+            return None
+        n = pair.length
+        if second:
+            for b in bufs:
+                b.reserve(n + 1)
+        ka, va = pair.pending if second else (None, None)
+        ridx = []
+        for half in (pair.k, pair.v):
+            rows = half.rb if second else half.ra
+            ridx += [half.ridx, half.roff, rows] if half.ridx.numel() else [None, None, None]
+        rope = self.rope.at(layer)
+        pos = self.rope.position(positions)
+        cos, ssin = rope.signed_tables(pos + 1)
+        out, kr = self.kernels.minicache_step(
+            q, k, v, cos, ssin, pos, [b.buf for b in bufs], n, second, ka, va, *ridx,
+            int(not self.layout.token), self.layout.g, self.t, self.sin_eps, q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        if not second:
+            pair.pending = (kr, v)
+            return out
+        for b in bufs:
+            b.advance()
+        pair.pending = None
+        pair.release()
+        self._merged(pair, 1)
+        return out
 
     def begin_prefill(self, n_tokens: int, select: bool = True) -> None:
         super().begin_prefill(n_tokens, select)

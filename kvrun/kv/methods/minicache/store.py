@@ -388,6 +388,20 @@ class Layout:
             buf.advance()
         return True
 
+    def step_buffers(self, pair: Pair) -> list[Buffer] | None:
+        """minicache_step's ten buffers of a pair (E_K, E_V, na_K, na_V, nb_K, nb_V, fa_K, fa_V,
+        fb_K, fb_V), each holding the pair's merged tokens; None where a decode row takes the
+        general path (KIVI's E, decode retention, factors not kept)."""
+        k, v, f = pair.k, pair.v, pair.factors
+        if k is None or k.e is None or k.thr is not None or not f:
+            return None
+        fa, fb = f.get(False, ()), f.get(True, ())
+        if len(fa) != 2 or len(fb) != 2:
+            return None
+        bufs = [k.e, v.e, k.na, v.na, k.nb, v.nb, fa[0], fa[1], fb[0], fb[1]]
+        n = pair.length
+        return bufs if all(b.n == n for b in bufs) else None
+
     def extend_factors(self, pair: Pair, i: int, start: int, factors) -> None:
         """The factors (g, n) of layers a and b that minicache_merge gave for tokens from `start`
         on, onto the pair's kept ones of half i (0 K, 1 V) where those end there."""
