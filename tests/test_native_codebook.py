@@ -345,3 +345,88 @@ def test_multi_token_decode_calls():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
     books = [[b.n for st in kv.layers for b in st.books_k + st.books_v] for kv in kvs]
     assert books[0] == books[1]
+
+
+# --- the prefill's codebook build (op codebook_build) ----------------------------------------
+@pytest.mark.parametrize("n,block", [(10000, 512), (777, 100), (50, 1024)])
+def test_native_build_equals_dense_reference(n, block):
+    """codebook_build's greedy gives the dense one-pick-at-a-time reference's entries and
+    indices (exact dot products: test_spindlekv's clustered vectors), as the torch blocks do."""
+    from test_spindlekv import clustered, dense_greedy
+
+    from kvrun.kv.methods.spindlekv.store import build_codebook
+
+    u = clustered(max(n, 60), 32, seed=n)[:n]
+    theta = (round(0.98 * 2**16) + 0.5) / 2**16  # halfway between representable dot products
+    picks, ref_idx = dense_greedy(u, theta)
+    entries, idx = build_codebook(u, theta, block=block, dtype=torch.float32, kernels=ops)
+    assert idx.tolist() == ref_idx.tolist()
+    assert torch.equal(entries, u[picks])
+    assert 0 < entries.shape[0] < n // 2  # real merging
+    blocks = build_codebook(u, theta, block=block, dtype=torch.float16)  # the torch path
+    got = build_codebook(u, theta, block=block, dtype=torch.float16, kernels=ops)
+    assert torch.equal(got[0], blocks[0]) and torch.equal(got[1], blocks[1])
+
+
+def test_native_build_edge_cases():
+    """Self loops and zero vectors (theta below 0: the zero row takes every row), no merging at
+    all (theta above 1), no rows, and a graph over its edge bound (empty: the torch path runs,
+    so build_codebook still answers)."""
+    from test_spindlekv import angles
+
+    from kvrun.kv.methods.spindlekv import store
+
+    u = torch.stack([angles(0)[0], angles(180)[0], torch.zeros(8)])
+    order, idx = ops.codebook_build(u, -0.5, 2, 100)
+    assert order.tolist() == [2] and idx.tolist() == [0, 0, 0]
+    u = angles(0, 5, 10, 60, 62, 120)
+    order, idx = ops.codebook_build(u, 1.01, 4, 100)
+    assert order.tolist() == list(range(6)) and idx.tolist() == list(range(6))
+    order, idx = ops.codebook_build(u, 0.98, 4, 100)
+    assert order.tolist() == [0, 3, 5] and idx.tolist() == [0, 0, 0, 1, 1, 2]
+    order, idx = ops.codebook_build(torch.zeros(0, 8), 0.5, 4, 100)
+    assert order.numel() == idx.numel() == 0
+    order, idx = ops.codebook_build(u, -2.0, 4, 3)  # 15 edges > 3
+    assert order.numel() == idx.numel() == 0
+    bound = store.MAX_EDGES
+    try:
+        store.MAX_EDGES = 3
+        entries, idx = store.build_codebook(u, -2.0, block=4, dtype=torch.float32, kernels=ops)
+    finally:
+        store.MAX_EDGES = bound
+    assert idx.tolist() == [0] * 6 and entries.shape == (1, 8)
+    with pytest.raises(RuntimeError, match="codebook_build"):
+        ops.codebook_build(torch.zeros(4), 0.5, 4, 100)
+
+
+def test_prefill_builds_natively_as_the_torch_path(monkeypatch):
+    """The manager's prefill codes its turn through codebook_build where the kernels are set:
+    the same books, indices and magnitudes as with the kernels unset."""
+    from kvrun.kv.methods.spindlekv import store
+
+    m = tiny()
+    calls = []
+    real = ops.codebook_build
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def codebook_build(self, *a):
+            calls.append(1)
+            return real(*a)
+
+    kvs = []
+    for kernels in (Counting(), None):
+        m.rope.kernels = kernels
+        try:
+            kv = new_kv(m, "spindlekv", 0.3)
+            drive(m, kv, prompt(90, seed=2), 32)
+        finally:
+            m.rope.kernels = None
+        kvs.append(kv)
+    assert calls  # the native build ran
+    for a, b in zip(kvs[0].layers, kvs[1].layers, strict=True):
+        for x, y in zip(a.books_k + a.books_v, b.books_k + b.books_v, strict=True):
+            assert torch.equal(x.rows(), y.rows())
+    assert store is not None

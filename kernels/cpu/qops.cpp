@@ -17,6 +17,7 @@
 //   codebook_attn: (out, lse) over SpindleKV's slots, codebook rows gathered, keys rotated at
 //                their positions, a keep mask per query head
 //   codebook_assign: SpindleKV's decode tokens into the codebooks (join the best row, or add)
+//   codebook_build: SpindleKV's prefill codebook (the greedy medoid cover) over its graph
 //   kivi_pack, kivi_attn, kivi_rope_append_attend, kivi_dequant: the KIVI store's flush (bit
 //                                 for bit kivi_pack_ref), one layer's attention over its packed
 //                                 body and dense tail (out, lse), a decode row rotated, stored
@@ -51,6 +52,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -63,6 +65,7 @@
 #include <atomic>
 #include <cstring>
 #include <numeric>
+#include <queue>
 #include <string>
 #include <vector>
 
@@ -1254,6 +1257,84 @@ void scan_rows(const float* u, int64_t H, const Shelf& sh, float floor, float* b
   scan.merge(H, best, arg);
 }
 
+// SpindleKV's codebook build (spindlekv/store.py's build_codebook: Alg. 1's greedy medoid cover
+// with the spec's alive degrees) over u (N, d) float32 unit (or zero) rows in candidate order:
+// rows a, b adjacent where u_a . u_b > theta, each row its own neighbour. The graph is made once,
+// in tiles of `tile` rows on and above the diagonal (torch's products, each pair's dot once: the
+// graph is exactly symmetric, and its degrees those of build_codebook's first pass), kept as
+// neighbour lists; then the row with the most alive neighbours (the lowest index on ties)
+// becomes an entry and takes them, until no row has an alive neighbour but itself, when the
+// rest become entries in index order. -> [order (C,) int64: each entry's row in pick order,
+// idx (N,) int64: each row's entry], or two empty tensors where the graph would hold more than
+// max_edges edges (the caller's blocked torch path then runs).
+std::vector<at::Tensor> codebook_build(const at::Tensor& u_, double theta, int64_t tile,
+                                       int64_t max_edges) {
+  check_f32(u_, "u");
+  TORCH_CHECK(u_.dim() == 2 && tile > 0 && max_edges >= 0,
+              "codebook_build: u (N, d), tile and max_edges positive");
+  const at::Tensor u = u_.contiguous();
+  const int64_t N = u.size(0);
+  const float th = (float)theta;
+  std::vector<std::vector<int32_t>> nb(N);
+  TORCH_CHECK(N < INT32_MAX, "codebook_build: too many rows");
+  int64_t edges = 0;
+  for (int64_t i = 0; i < N; i += tile) {
+    const at::Tensor ui = u.narrow(0, i, std::min(tile, N - i));
+    for (int64_t j = i; j < N; j += tile) {
+      const int64_t bi = ui.size(0), bj = std::min(tile, N - j);
+      const at::Tensor s = at::mm(ui, u.narrow(0, j, bj).t()).contiguous();
+      const float* sp = s.data_ptr<float>();
+      for (int64_t a = 0; a < bi; a++)
+        for (int64_t b = j == i ? a + 1 : 0; b < bj; b++)
+          if (sp[a * bj + b] > th) {
+            nb[i + a].push_back((int32_t)(j + b));
+            nb[j + b].push_back((int32_t)(i + a));
+            if (++edges > max_edges) return {at::empty({0}, u.options().dtype(at::kLong)),
+                                             at::empty({0}, u.options().dtype(at::kLong))};
+          }
+    }
+  }
+  at::Tensor order = at::empty({N}, u.options().dtype(at::kLong));
+  at::Tensor idx = at::empty({N}, u.options().dtype(at::kLong));
+  int64_t* op = order.data_ptr<int64_t>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  std::vector<int64_t> deg(N);
+  std::vector<char> alive(N, 1);
+  // (degree, -row): the largest degree first, then the lowest row; entries go stale as degrees
+  // fall (a fresh one is pushed) and are passed over when popped
+  std::priority_queue<std::pair<int64_t, int64_t>> heap;
+  for (int64_t a = 0; a < N; a++) {
+    deg[a] = 1 + (int64_t)nb[a].size();
+    heap.push({deg[a], -a});
+  }
+  int64_t c = 0;
+  std::vector<int32_t> taken;
+  while (!heap.empty()) {
+    const auto [dg, na] = heap.top();
+    heap.pop();
+    const int64_t a = -na;
+    if (!alive[a] || dg != deg[a]) continue;
+    if (dg <= 1) break;  // no alive neighbours left anywhere: the rest are their own entries
+    taken.assign(1, (int32_t)a);
+    for (const int32_t b : nb[a])
+      if (alive[b]) taken.push_back(b);
+    for (const int32_t b : taken) {
+      alive[b] = 0;
+      ip[b] = c;
+    }
+    op[c++] = a;
+    for (const int32_t b : taken)
+      for (const int32_t x : nb[b])
+        if (alive[x]) heap.push({--deg[x], -(int64_t)x});
+  }
+  for (int64_t a = 0; a < N; a++)
+    if (alive[a]) {
+      ip[a] = c;
+      op[c++] = a;
+    }
+  return {order.narrow(0, 0, c).clone(), idx};
+}
+
 // SpindleKV's decode-time merging (spindlekv/store.py's `assign`), once each head's best row
 // among the rows there before is known (best, arg): in head order, a head joins the better of
 // that and the rows earlier heads of the call added if above theta, else its unit vector u
@@ -2227,6 +2308,8 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "Tensor? idx_v, Tensor? mag_v, Tensor pos, Tensor cos, Tensor sin, Tensor? mask, "
       "Tensor? off_k, Tensor? off_v, float scale) -> Tensor[]",
       &codebook_attn);
+  m.def("codebook_build(Tensor u, float theta, int tile, int max_edges) -> Tensor[]",
+        &codebook_build);
   m.def("codebook_assign(Tensor x, Tensor(a!) shelf, Tensor(b!) counts, float theta) -> Tensor[]",
         &codebook_assign);
   // KIVI (kivi_ops.h)

@@ -16,6 +16,7 @@ from ...stores.buffer import Buffer
 
 ROUND = 32  # candidates examined per round of the greedy loop
 CPU_TILE = 1024  # on CPU a cb_block tile is split so it stays in cache (same counts, ~3x faster)
+MAX_EDGES = 1 << 24  # the native build's graph (8 bytes an edge); a denser one takes the blocks
 
 
 @contextmanager
@@ -69,17 +70,26 @@ def build_codebook(
     theta: float,
     block: int = 4096,
     dtype: torch.dtype = torch.float16,
+    kernels=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # entries (C, d) in dtype, idx (N,) int64
     """The greedy medoid cover of Alg. 1, with the spec's correction (alive degrees, where the paper
     sums the fixed S): u_a, u_b adjacent when u_a . u_b > theta (each node its own neighbour); the
     node with the most alive neighbours (lowest index on ties) becomes an entry and takes them.
-    Blocked, never the N x N graph: about two all-pairs passes, O(block^2 + N) memory."""
+    Blocked, never the N x N graph: about two all-pairs passes, O(block^2 + N) memory. With the
+    native CPU kernels (`kernels`), codebook_build: the graph's edges made once in the same tiles
+    and kept as lists, then the same greedy one pick at a time (where the edges stay under
+    MAX_EDGES; else this path)."""
     N, d = u.shape
     idx = torch.empty(N, dtype=torch.int64, device=u.device)
     if N == 0:
         return u.new_empty(0, d, dtype=dtype), idx
     if u.device.type == "cpu":
         block = min(block, CPU_TILE)
+        if kernels is not None:
+            u = u.float().contiguous()
+            order, made = kernels.codebook_build(u, theta, block, MAX_EDGES)
+            if order.numel():
+                return u[order].to(dtype), made
     with exact_fp32():
         u = u.float().contiguous()
         deg = initial_degrees(u, theta, block)  # (n,) alive degrees; dead rows hold <= 0
@@ -222,8 +232,10 @@ def build_books(
     theta: float,
     cb_block: int,
     dtype: torch.dtype,
+    kernels=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 6-7, new entries into the books: idx (Hkv, S) int64, magnitudes (Hkv, S) in dtype."""
+    """Steps 6-7, new entries into the books: idx (Hkv, S) int64, magnitudes (Hkv, S) in dtype
+    (the build natively where `kernels`)."""
     idx = torch.zeros(valid.shape, dtype=torch.int64, device=x.device)
     mag = torch.zeros(valid.shape, dtype=dtype, device=x.device)
     groups = [(books[0], valid)] if len(books) == 1 else []
@@ -233,7 +245,7 @@ def build_books(
         groups.append((b, sel))
     for book, sel in groups:  # candidates ordered by head, then position
         u, m = unit_vectors(x[sel])
-        entries, ix = build_codebook(u, theta, cb_block, dtype)
+        entries, ix = build_codebook(u, theta, cb_block, dtype, kernels)
         idx[sel] = ix + book.n
         mag[sel] = m.to(dtype)
         book.append(entries)
@@ -412,8 +424,9 @@ class CodedLayer:
             z = valid[..., None]
             self.append_dense(ks * z, vs * z, pos, mask)
             return
-        ik, mk = build_books(self.books_k, ks, valid, o["theta_k"], o["cb_block"], self.dtype)
-        iv, mv = build_books(self.books_v, vs, valid, o["theta_v"], o["cb_block"], self.dtype)
+        args = (o["cb_block"], self.dtype, self.kernels)
+        ik, mk = build_books(self.books_k, ks, valid, o["theta_k"], *args)
+        iv, mv = build_books(self.books_v, vs, valid, o["theta_v"], *args)
         self.widen(layer, o["index"] == "int16-strict")
         self.append_coded(ik.to(self.idx_dtype[0]), iv.to(self.idx_dtype[1]), mk, mv, pos, mask)
 
