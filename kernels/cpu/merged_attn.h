@@ -406,13 +406,22 @@ void merged_heads_stream(const MergedArgs& a, int64_t h, const float* q, int64_t
   const T* ev = static_cast<const T*>(a.v.e) + h * a.v.e_h;
   const float* fk = a.k.scale + h * a.k.s_h;
   const float* fv = a.v.scale + h * a.v.s_h;
+  const bool runs = a.k.s_t == 1 && a.v.s_t == 1 && SKB == ATTN_KB;
   for (int64_t b0 = j0; b0 < j0 + n; b0 += SKB) {
-    const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0), b1 = b0 + nb;
-    if (a.k.s_t == 1 && a.v.s_t == 1)  // the factors a block later asked for now: their streams
-      for (int64_t c = 0; c < SKB; c += 16) {  // are too thin for the hardware's prefetcher
-        _mm_prefetch(reinterpret_cast<const char*>(fk + b1 + c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(fv + b1 + c), _MM_HINT_T0);
+    if (runs) {  // the whole blocks before the next retained token of either half: the dense
+      int64_t next = j0 + n;  // cache's own loop (attn_blocks), the factors in its passes
+      if (rk.r < rk.end) next = std::min<int64_t>(next, rk.idx[rk.r]);
+      if (rv.r < rv.end) next = std::min<int64_t>(next, rv.idx[rv.r]);
+      const int64_t end = next == j0 + n ? next : b0 + (next - b0) / SKB * SKB;
+      if (end > b0) {
+        attn_blocks<HG, T>(q, ek, a.k.e_t, ev, a.v.e_t, b0, end, d, a.scale, out, mx, sm,
+                           nullptr, 0, fk, fv);
+        b0 = end - SKB;  // the loop's step: the next block
+        continue;
       }
+    }
+    // a block holding a retained token (or factors not contiguous)
+    const int64_t nb = std::min<int64_t>(SKB, j0 + n - b0), b1 = b0 + nb;
     if (a.k.s_t == 1) {  // each key's factor applied in the scores' own pass
       scores_rows<HG, T>(q, ek + b0 * a.k.e_t, a.k.e_t, nb, d, a.scale, sc, SKB, fk + b0);
     } else {

@@ -242,27 +242,39 @@ inline void softmax_block(float* sc, int64_t ss, int64_t n, float* mx, float* sm
 }
 
 
+// attn_heads' blocks of ATTN_KB keys from j0 to t (j0 a block's start), its running (out, mx,
+// sm) carried on; kf, vf, where given: key j's factor on its score and value j's on its weight
+// (MiniCache's merged tokens: scores_rows' and softmax_block's, indexed by j as k and v are)
+constexpr int64_t ATTN_KB = 128;
+template <int HG, typename T = float>
+inline void attn_blocks(const float* q, const T* k, int64_t ks, const T* v, int64_t vs,
+                        int64_t j0, int64_t t, int64_t d, float scale, float* out, float* mx,
+                        float* sm, float* sout = nullptr, int64_t ldo = 0,
+                        const float* kf = nullptr, const float* vf = nullptr) {
+  constexpr int64_t KB = ATTN_KB;
+  float sc[HG * KB], r[HG];
+  for (; j0 < t; j0 += KB) {
+    const int64_t n = t - j0 < KB ? t - j0 : KB;
+    scores_rows<HG, T>(q, k + j0 * ks, ks, n, d, scale, sc, KB, kf ? kf + j0 : nullptr);
+    if (sout != nullptr)
+      for (int a = 0; a < HG; a++)
+        std::memcpy(sout + a * ldo + j0, sc + a * KB, n * sizeof(float));  // the raw scores
+    softmax_block<HG>(sc, KB, n, mx, sm, r, vf ? vf + j0 : nullptr);
+    weigh_rows<HG, T>(sc, KB, n, v + j0 * vs, vs, d, r, out);
+  }
+}
+
 // sout, where given: each raw score also stored at sout[a * ldo + j] (tova_attn.h's scores)
 template <int HG, typename T = float>
 void attn_heads(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t t,
                 int64_t d, float scale, float* out, float* mx, float* sm, float* sout = nullptr,
                 int64_t ldo = 0) {
-  constexpr int64_t KB = 128;
-  float sc[HG * KB], r[HG];
   for (int a = 0; a < HG; a++) {
     mx[a] = -INFINITY;
     sm[a] = 0.f;
   }
   for (int64_t i = 0; i < HG * d; i++) out[i] = 0.f;
-  for (int64_t j0 = 0; j0 < t; j0 += KB) {
-    const int64_t n = t - j0 < KB ? t - j0 : KB;
-    scores_rows<HG, T>(q, k + j0 * ks, ks, n, d, scale, sc, KB);
-    if (sout != nullptr)
-      for (int a = 0; a < HG; a++)
-        std::memcpy(sout + a * ldo + j0, sc + a * KB, n * sizeof(float));  // the raw scores
-    softmax_block<HG>(sc, KB, n, mx, sm, r);
-    weigh_rows<HG, T>(sc, KB, n, v + j0 * vs, vs, d, r, out);
-  }
+  attn_blocks<HG, T>(q, k, ks, v, vs, 0, t, d, scale, out, mx, sm, sout, ldo);
 }
 #endif
 
