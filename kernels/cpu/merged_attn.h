@@ -616,9 +616,7 @@ void codebook_heads(const CodebookArgs& a, int64_t h, int64_t r0, const float* q
         }
       }
     }
-    softmax_block<HG>(sc, SKB, nb, mx, sm, r);
-    for (int i = 0; i < HG; i++)
-      for (int64_t j = 0; j < nb; j++) sc[i * SKB + j] *= mv[j];
+    softmax_block<HG>(sc, SKB, nb, mx, sm, r, mv);  // each weight times its value's magnitude
     weigh_ptrs<HG, T>(sc, SKB, nb, vp, d, r, out);
   }
 }
