@@ -243,6 +243,7 @@ def test_f16_pairs_decode_as_the_torch_path(monkeypatch, model_with_kernels, spe
     assert 0.45 < kv.nbytes() / f32.nbytes() < 0.6
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[1], SPECS[3]])
 def test_step_on_the_buffers_as_the_views(monkeypatch, model_with_kernels, spec, dtype):
