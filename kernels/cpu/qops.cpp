@@ -1010,23 +1010,17 @@ std::vector<at::Tensor> minicache_step(const at::Tensor& q, const at::Tensor& k,
               "minicache_step: factors (g, cap >= n)");
   fk = fk.narrow(1, 0, n).expand({H, n});
   fv = fv.narrow(1, 0, n).expand({H, n});
-  check_rope_row(q, k, v, cos, ssin, pos, "minicache_step");
-  const int64_t d = q.size(3);
-  const Table* tt = current();
-  at::Tensor qr = at::empty({1, q.size(1), 1, d}, q.options());
-  at::Tensor kr = at::empty({1, k.size(1), 1, d}, q.options());
-  const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
-  rope_heads(q, cp, sp, qr.data_ptr<float>(), tt);
-  rope_heads(k, cp, sp, kr.data_ptr<float>(), tt);
-  at::Tensor out = merged_attn(qr, ek.narrow(1, 0, n), fk, ev.narrow(1, 0, n), fv, false, ridx_k,
-                               roff_k, rows_k, ridx_v, roff_v, rows_v, r_grp, kr, v, scale)[0];
+  std::vector<at::Tensor> r =
+      rope_merged_attn(q, k, v, cos, ssin, pos, ek.narrow(1, 0, n), fk, ev.narrow(1, 0, n), fv,
+                       ridx_k, roff_k, rows_k, ridx_v, roff_v, rows_v, r_grp, scale);
+  const at::Tensor& kr = r[1];
   if (second) {
     TORCH_CHECK(ka.has_value() && va.has_value(), "minicache_step: layer a's k and v at layer b");
     minicache_merge_into({*ka, *va}, {kr, v}, g, t, sin_eps, {bufs[0], bufs[1]},
                          {bufs[2], bufs[3]}, {bufs[4], bufs[5]}, {bufs[6], bufs[7]},
                          {bufs[8], bufs[9]}, n);
   }
-  return {out, kr};
+  return r;
 }
 
 // The smallest and largest of n integers x[0], x[st], ... (n > 0; one pass the compiler
