@@ -118,10 +118,7 @@ class MiniCacheKV(KVManager):
             for b in bufs:
                 b.reserve(n + 1)
         ka, va = pair.pending if second else (None, None)
-        ridx = []
-        for half in (pair.k, pair.v):
-            rows = half.rb if second else half.ra
-            ridx += [half.ridx, half.roff, rows] if half.ridx.numel() else [None, None, None]
+        ridx = self.layout.retained_args(pair.k, second) + self.layout.retained_args(pair.v, second)
         rope = self.rope.at(layer)
         pos = self.rope.position(positions)
         cos, ssin = rope.signed_tables(pos + 1)

@@ -414,9 +414,15 @@ class Layout:
         """merged_attn's (E, factors (Hkv, T), ridx, roff, rows) of a half for layer b (second)
         or a."""
         scale = factors.expand(self.H, -1) if self.token else factors
+        return half.e.data, scale, *self.retained_args(half, second)
+
+    @staticmethod
+    def retained_args(half: Half, second: bool) -> tuple:
+        """The native kernels' (ridx, roff, rows) of a half's retained rows for layer b (second)
+        or a; three Nones where it retains none."""
         if half.ridx.numel() == 0:
-            return half.e.data, scale, None, None, None
-        return half.e.data, scale, half.ridx, half.roff, half.rb if second else half.ra
+            return None, None, None
+        return half.ridx, half.roff, half.rb if second else half.ra
 
     def fused_args(self, half: Half, work, second: bool):
         """merged_decode's (scale (Hkv, T), map, rows (N, D), unit) of a half; work: override's."""
