@@ -143,3 +143,20 @@ def no_native(monkeypatch):
     from kvrun.quant import native
 
     monkeypatch.setattr(native, "ops", lambda: None)
+
+
+@pytest.fixture
+def sdpa_prefill(monkeypatch):
+    """A prefill chunk's attention through SDPA even where the native kernels are set (as on the
+    torch path), for tests that compare the native decode or build bit for bit from the same
+    prefill; kvrun.kv.attention.native_attention has its own tests."""
+    import importlib
+
+    for name in (
+        "kvrun.kv.attention",
+        "kvrun.kv.stores.dense",
+        "kvrun.kv.stores.kivi_native",
+        "kvrun.kv.methods.spindlekv.cache",
+        "kvrun.kv.methods.kvzip.native",
+    ):
+        monkeypatch.setattr(importlib.import_module(name), "native_attention", lambda *a, **k: None)

@@ -285,6 +285,7 @@ SPECS = [
 ]
 
 
+@pytest.mark.usefixtures("sdpa_prefill")
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_equals_the_torch_path(monkeypatch, spec):
@@ -399,6 +400,7 @@ def test_native_build_edge_cases():
         ops.codebook_build(torch.zeros(4), 0.5, 4, 100)
 
 
+@pytest.mark.usefixtures("sdpa_prefill")
 def test_prefill_builds_natively_as_the_torch_path(monkeypatch):
     """The manager's prefill codes its turn through codebook_build where the kernels are set:
     the same books, indices and magnitudes as with the kernels unset."""

@@ -189,6 +189,7 @@ def count_native(monkeypatch, kv) -> list:
     return calls
 
 
+@pytest.mark.usefixtures("sdpa_prefill")
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_equals_the_torch_path(monkeypatch, model_with_kernels, spec):

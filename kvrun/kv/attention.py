@@ -48,11 +48,52 @@ def dense_attention(
     q_pos: torch.Tensor,  # (Tq,)
     k_pos: torch.Tensor,  # (Tk,) or (Hkv, Tk)
     window: int | None = None,
+    kernels=None,
 ) -> torch.Tensor:  # (B, Hq, Tq, D)
-    """Softmax attention over one segment, the fast path."""
+    """Softmax attention over one segment, the fast path; on the native CPU kernels where
+    `kernels` are given and apply (native_attention)."""
+    part = native_attention(kernels, q, k, v, q_pos, k_pos, window)
+    if part is not None:
+        return part.out
     group = q.shape[1] // k.shape[1]
     mask = _expand_mask(position_mask(q_pos, k_pos, window), group)
     return sdpa(q, k, v, mask)
+
+
+def native_attention(
+    kernels,
+    q: torch.Tensor,  # (1, Hq, Tq, D) post-RoPE
+    k: torch.Tensor,  # (1, Hkv, T, D) post-RoPE
+    v: torch.Tensor,  # (1, Hkv, T, D)
+    q_pos: torch.Tensor | None = None,  # (Tq,)
+    k_pos: torch.Tensor | None = None,  # (T,) or (1 or Hkv, T)
+    window: int | None = None,
+    causal: bool = True,
+) -> Partial | None:
+    """A prefill chunk's attention on the native CPU kernels (attn_colsum, attention alone):
+    by positions where k_pos is given (key j seen from row i when k_pos[j] <= q_pos[i], and
+    within the window), else causal by slot (q's rows are the last Tq of the T slots), or every
+    key seen (causal False). None where they do not apply (no kernels: the exact path and other
+    devices keep SDPA, bit for bit as before; one row: the decode kernels' case). 1.3x PyTorch's
+    CPU flash attention on a causal 4k chunk (bench/prefill_attention.py)."""
+    if (
+        kernels is None
+        or q.shape[2] < 2
+        or q.shape[0] != 1
+        or q.is_cuda
+        or not (q.dtype == k.dtype == v.dtype == torch.float32)
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+    ):
+        return None
+    scale = q.shape[-1] ** -0.5
+    if k_pos is None:
+        out, lse, _ = kernels.attn_colsum(q, k, v, scale, mode=2, causal=causal)
+    else:
+        kp = k_pos.to(torch.int32)
+        kp = kp[None] if kp.dim() == 1 else kp
+        out, lse, _ = kernels.attn_colsum(q, k, v, scale, kp, q_pos, window or 0, mode=2)
+    return Partial(out, lse)
 
 
 def sdpa(

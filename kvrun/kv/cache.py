@@ -269,7 +269,7 @@ class KVCache(KVManager):
             return combine(parts, self.dtype)
         if window and self.slot_positions:  # slot = position: mask the window by position
             k_pos = torch.arange(d.length, device=positions.device)
-            return dense_attention(q, d.k, d.v, positions, k_pos, window)
+            return dense_attention(q, d.k, d.v, positions, k_pos, window, d.kernels)
         return d.attend(q, positions, T, window)
 
     def _attend_native(self, d: DenseSeg, q, positions, window: int | None) -> torch.Tensor:

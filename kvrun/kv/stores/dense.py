@@ -8,7 +8,7 @@ import torch
 
 from ...kernels import use_triton
 from ...kernels.dense_decode import dense_decode
-from ..attention import Partial, position_mask, sdpa, segment_attention
+from ..attention import Partial, native_attention, position_mask, sdpa, segment_attention
 from ..state import Like, state
 from .buffer import Buffer
 from .kvtypes import KVType
@@ -317,6 +317,11 @@ class DenseSeg:
             return dense_decode(q, self.k, self.v)[0].to(q.dtype)
         if m is None and q.shape[2] == 1:
             part = self._attend_typed(q)
+            if part is not None:
+                return part.out
+        if m is not None and q.shape[2] > 1 and self.kernels is not None:  # a prefill chunk
+            k_pos = self.pos if self.pos is not None else None  # else causal by slot
+            part = native_attention(self.kernels, q, self.k, self.v, q_pos, k_pos, window)
             if part is not None:
                 return part.out
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head

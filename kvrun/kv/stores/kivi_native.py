@@ -1,14 +1,15 @@
 """KiviLayer's attention on the native CPU kernels (kernels/cpu/kivi_ops.h). A decode row, or a
 few query rows, attends over the packed body and the dense tail in one call (`kivi_attn`: the
 codes decoded inside the dot products, both segments merged exactly). A prefill chunk's many
-rows go to torch's CPU flash attention, which multiplies them as matrices: over the body
-dequantized a bounded range at a time, the tail's older tokens, and the chunk's own (causal)."""
+rows go to attn_colsum (kvrun.kv.attention.native_attention; torch's CPU flash attention where
+that does not apply), which multiplies them in tiles: over the body dequantized a bounded range
+at a time, the tail's older tokens, and the chunk's own (causal)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import Partial
+from ..attention import Partial, native_attention
 
 # query rows per KV head from which flash attention over dequantized ranges is the faster
 # (bench/kivi_attention.py measures both sides)
@@ -54,6 +55,9 @@ def _flash(kernels, layer, q: torch.Tensor, n_new: int) -> list[Partial]:
     qg = q.view(1, H, Hq // H * Tq, D)  # every body and older key is seen by every row
 
     def grouped(k: torch.Tensor, v: torch.Tensor) -> Partial:
+        part = native_attention(kernels, q, k, v, causal=False)  # every key seen
+        if part is not None:
+            return part
         out, lse = flash(qg, k, v)  # (1, Hkv, g*Tq, D), (1, Hkv, g*Tq)
         return Partial(out.view(1, Hq, Tq, D), lse.reshape(1, Hq, Tq))
 
@@ -67,7 +71,10 @@ def _flash(kernels, layer, q: torch.Tensor, n_new: int) -> list[Partial]:
     older = layer.tail_len - n_new
     if older:
         parts.append(grouped(tk[None, :, :older], tv[None, :, :older]))
-    if n_new:  # the chunk's own tokens, causal: each query head its own K/V rows
+    own = native_attention(kernels, q, tk[None, :, older:], tv[None, :, older:]) if n_new else None
+    if own is not None:  # the chunk's own tokens, causal by slot
+        parts.append(own)
+    elif n_new:  # the chunk's own tokens, causal: each query head its own K/V rows
         g = Hq // H
         k = tk[:, older:].repeat_interleave(g, 0)[None]  # (1, Hq, Tq, D)
         v = tv[:, older:].repeat_interleave(g, 0)[None]

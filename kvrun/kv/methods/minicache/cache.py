@@ -153,7 +153,7 @@ class MiniCacheKV(KVManager):
         window = self.config.window(layer)
         if pair.length == 0:  # first turn: exact attention over the buffer, as `full`
             k_pos = pair.first + torch.arange(kb.n, device=self.device)
-            return dense_attention(q, kb.data, vb.data, positions, k_pos, window)
+            return dense_attention(q, kb.data, vb.data, positions, k_pos, window, self.kernels)
         out = self.views[layer].attend(q, kb.data, vb.data, positions, window)  # turn exact
         if second:  # layer a computed the directions, layer b used them
             pair.release()
@@ -212,7 +212,9 @@ class MiniCacheKV(KVManager):
             k_pos = torch.arange(st.length, device=self.device)
             if st.body_len == 0:  # only the dense tail (a one-chunk prefill): as `full`
                 tk, tv = st.tail()
-                return dense_attention(qr, tk[None], tv[None], positions, k_pos, window)
+                return dense_attention(
+                    qr, tk[None], tv[None], positions, k_pos, window, self.kernels
+                )
             if not window or self.seen + kr.shape[2] <= window:
                 return combine(st.partials(qr, positions, kr.shape[2], window), self.dtype)
             kd, vd = st.dequantized()  # a sliding window: mask by position over the dequantized
@@ -222,7 +224,7 @@ class MiniCacheKV(KVManager):
         st.append(kr, v, positions)  # a DenseSeg: consecutive positions up to the queries'
         end = int(positions[-1]) + 1
         k_pos = torch.arange(end - st.length, end, device=self.device)
-        out = dense_attention(qr, st.k, st.v, positions, k_pos, window)
+        out = dense_attention(qr, st.k, st.v, positions, k_pos, window, self.kernels)
         if window and st.length > window - 1:  # hold what the next query can see (a ring's
             st.drop_front(st.length - (window - 1))  # bound: the window's newest, W - 1 held)
         return out

@@ -529,4 +529,4 @@ class PairLayer:
         ks, vs = self.restore(k_new.shape[2])
         ks[:, :, self.pair.length :], vs[:, :, self.pair.length :] = k_new, v_new
         k_pos = self.pair.first + torch.arange(ks.shape[2], device=ks.device)
-        return dense_attention(q, ks, vs, positions, k_pos, window)
+        return dense_attention(q, ks, vs, positions, k_pos, window, self.kernels)

@@ -12,7 +12,7 @@ from fractions import Fraction
 import torch
 
 from ....kernels import use_triton
-from ...attention import combine, pool_scores, sdpa, window_scores
+from ...attention import combine, native_attention, pool_scores, sdpa, window_scores
 from ...cache import keep_indices
 from ...protocol import KVManager
 from ...state import Int, ListInto, state
@@ -280,9 +280,13 @@ class SpindleKVCache(KVManager):
         window = self.config.window(layer)
         if st.n_slots == 0 and not (window and n > window):  # the turn alone, causal
             # the mask position_mask gives, built from the slots (the chunk is the turn's last T)
-            rows = torch.arange(n - T, n, device=kr.device)[:, None]
-            mask = torch.arange(n, device=kr.device)[None, :] <= rows if T > 1 else None
-            out = sdpa(qr, kr, vp[None], mask)
+            part = native_attention(st.kernels, qr, kr, vp[None])  # causal by slot
+            if part is not None:
+                out = part.out
+            else:
+                rows = torch.arange(n - T, n, device=kr.device)[:, None]
+                mask = torch.arange(n, device=kr.device)[None, :] <= rows if T > 1 else None
+                out = sdpa(qr, kr, vp[None], mask)
         else:
             out = st.attend(qr, positions, window, kr, vp[None], tpos)
         prev = st.qwin if st.qwin is not None else qr.new_empty(qr.shape[1], 0, qr.shape[3])
