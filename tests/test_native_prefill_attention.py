@@ -11,18 +11,12 @@ import pytest
 import torch
 from native_attention import HEADS, isa, needs_native, ops, threads  # noqa: F401
 from test_kv_methods import drive, new_kv, prompt, tiny
+from test_native_scores import TOL, qkv
 
 from kvrun.kv.attention import dense_attention, native_attention, position_mask, sdpa
 from kvrun.kv.stores.dense import PAD
 
 pytestmark = needs_native
-TOL = {"atol": 2e-6, "rtol": 1e-5}
-
-
-def qkv(Hq, Hkv, D, Tq, T, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, Hq, Tq, D, generator=g)
-    return q, torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
 
 
 @pytest.mark.parametrize("Hq,Hkv,D", HEADS)
