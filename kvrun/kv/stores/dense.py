@@ -320,8 +320,8 @@ class DenseSeg:
             if part is not None:
                 return part.out
         if m is not None and q.shape[2] > 1 and self.kernels is not None:  # a prefill chunk
-            k_pos = self.pos if self.pos is not None else None  # else causal by slot
-            part = native_attention(self.kernels, q, self.k, self.v, q_pos, k_pos, window)
+            # by positions where held, else causal by slot
+            part = native_attention(self.kernels, q, self.k, self.v, q_pos, self.pos, window)
             if part is not None:
                 return part.out
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head
