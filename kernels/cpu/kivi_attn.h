@@ -489,6 +489,41 @@ void kivi_values_avx2(int64_t r, const KiviHead& b, int G, int64_t b0, int64_t n
 }
 #endif  // __AVX2__
 
+// minicache+kivi4 (KiviHead's merged fields): a block's scores times its tokens' factors kf, a
+// retained token's score its exact row's (q is already scaled)
+void kivi_merged_keys(const float* q, int64_t r, const KiviHead& b, int64_t b0, int64_t nb,
+                      int64_t d, float* s, int64_t kb) {
+  for (int64_t i = 0; i < r; i++)
+    for (int64_t j = 0; j < nb; j++) s[i * kb + j] *= b.kf[b0 + j];
+  const int32_t* end = b.kr + b.nk;
+  for (const int32_t* p = std::lower_bound(b.kr, end, (int32_t)b0); p < end && *p < b0 + nb; p++) {
+    const float* row = b.krow + (p - b.kr) * d;
+    for (int64_t i = 0; i < r; i++) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < d; c++) acc += q[i * d + c] * row[c];
+      s[i * kb + *p - b0] = acc;
+    }
+  }
+}
+
+// the same for a block's weights p (r, kb) after its softmax: the retained tokens' weights moved
+// to ps (count, r) and zeroed, every weight times vf; -> the count, *first the first of them
+int64_t kivi_merged_weights(int64_t r, const KiviHead& b, int64_t b0, int64_t nb, float* s,
+                            int64_t kb, float* ps, const int32_t** first) {
+  const int32_t* end = b.vr + b.nv;
+  const int32_t* lo = std::lower_bound(b.vr, end, (int32_t)b0);
+  const int32_t* hi = std::lower_bound(lo, end, (int32_t)(b0 + nb));
+  for (const int32_t* p = lo; p < hi; p++)
+    for (int64_t i = 0; i < r; i++) {
+      ps[(p - lo) * r + i] = s[i * kb + *p - b0];
+      s[i * kb + *p - b0] = 0.f;
+    }
+  for (int64_t i = 0; i < r; i++)
+    for (int64_t j = 0; j < nb; j++) s[i * kb + j] *= b.vf[b0 + j];
+  *first = lo;
+  return hi - lo;
+}
+
 // KiviChunkFn: blocks of about 128 tokens, each scored, softmaxed and weighed in turn
 void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, int64_t j0,
                 int64_t n, int64_t d, const int64_t* lim, float* out, float* mx, float* sm,
@@ -500,6 +535,8 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
   float* alpha = zc + r;    // (r)
   float* pw = alpha + r;    // (r, kb, d / G) weights times value scales
   float* zs = pw + r * kb * gd;  // (r, d / G) sum of weights times value zeros
+  float* ps = zs + r * gd;       // (kb, r) a merged pair's retained value rows' weights
+  const bool merged = b.kf != nullptr;
   for (int64_t i = 0; i < r; i++) {
     mx[i] = -INFINITY;
     sm[i] = 0.f;
@@ -522,7 +559,10 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
     } else
 #endif
       kivi_scores_portable(q, r, b, bits, G, b0, nb, d, s, kb, qs, zc);
+    if (merged) kivi_merged_keys(q, r, b, b0, nb, d, s, kb);
     kivi_softmax(r, nb, b0, lim, s, kb, mx, sm, alpha);
+    const int32_t* vr0 = nullptr;
+    const int64_t nvr = merged ? kivi_merged_weights(r, b, b0, nb, s, kb, ps, &vr0) : 0;
     kivi_value_weights(r, nb, b0, b, gd, s, kb, alpha, pw, zs);
 #if defined(__AVX2__)
     if (simd) {
@@ -532,10 +572,16 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
         case 4: kivi_values_avx2<4>(r, b, G, b0, nb, d, pw, kb, alpha, out); break;
         default: kivi_values_avx2<8>(r, b, G, b0, nb, d, pw, kb, alpha, out); break;
       }
-      continue;
-    }
+    } else
 #endif
-    kivi_values_portable(r, b, bits, G, b0, nb, d, pw, kb, alpha, out);
+      kivi_values_portable(r, b, bits, G, b0, nb, d, pw, kb, alpha, out);
+    for (int64_t k = 0; k < nvr; k++) {  // a merged pair's retained value rows, exact
+      const float* row = b.vrow + (vr0 - b.vr + k) * d;
+      for (int64_t i = 0; i < r; i++) {
+        const float w = ps[k * r + i];
+        for (int64_t c = 0; c < d; c++) out[i * d + c] += w * row[c];
+      }
+    }
   }
   for (int64_t i = 0; i < r; i++)
     for (int64_t c = 0; c < d; c++) out[i * d + c] += zs[i * gd + c / G];

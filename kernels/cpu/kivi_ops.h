@@ -147,9 +147,10 @@ void merge_partial(int64_t R, int64_t d, float* part, float* mx, float* sm, cons
 // dense tail tk, tv (H, >= Tt, D) float32 (slots Tb .. Tb + Tt - 1), merged exactly: every slot
 // visible when n_new = 0, else the last n_new slots are the queries' own and query i sees the
 // slots up to its own (the body's too, where a flush put own tokens there). out (Hq * Tq, D);
-// lse (Hq * Tq) or nullptr.
+// lse (Hq * Tq) or nullptr. heads (H) or nullptr: the body's heads as kivi_merged_attn sets them.
 void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, const at::Tensor& tk,
-               const at::Tensor& tv, int64_t Tt, int64_t n_new, float sc, float* out, float* lse) {
+               const at::Tensor& tv, int64_t Tt, int64_t n_new, float sc, float* out, float* lse,
+               const kvq::KiviHead* heads = nullptr) {
   const int64_t H = body.H, Tb = body.Tb, D = body.D, G = body.G, bits = body.bits;
   TORCH_CHECK(tk.dim() == 3 && tk.sizes() == tv.sizes() && tk.strides() == tv.strides() &&
                   tk.size(0) == H && tk.size(1) >= Tt && tk.size(2) == D && tk.stride(2) == 1,
@@ -186,7 +187,8 @@ void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, co
         float *m2 = p2 + R * D, *s2 = m2 + R, *att = s2 + R, *qg = att + R * nt;
         float *pg = qg + g * D, *mg = pg + g * D, *sg = mg + g;
         if (in_body)
-          tab->kivi_chunk(qs.data() + h * R * D, R, body.head(h), (int)bits, (int)G, j0, jb - j0,
+          tab->kivi_chunk(qs.data() + h * R * D, R, heads ? heads[h] : body.head(h), (int)bits,
+                          (int)G, j0, jb - j0,
                           D, lo >= jb ? nullptr : lim.data(), part, mx, sm, scratch.data());
         if (!in_tail) return;
         float *P = in_body ? p2 : part, *M = in_body ? m2 : mx, *S = in_body ? s2 : sm;
@@ -284,6 +286,136 @@ at::Tensor kivi_rope_append_attend(const at::Tensor& q, const at::Tensor& k, con
   at::Tensor out = at::empty({1, hq, 1, d}, q.options());
   kivi_rows(qr.data(), hq, 1, body, tk, tv, tt + 1, 1, (float)scale, out.data_ptr<float>(),
             nullptr);
+  return out;
+}
+
+// ---------------------------------------------------------------------------- MiniCache's pairs
+// A merged pair's half (minicache+kivi4): its retained rows, checked. ridx (N) int32, each KV
+// head's indices ascending in its run [roff[h], roff[h + 1]) of roff (H + 1) int64, rows (N, D)
+// float32; all three None when it retains none.
+struct Retained {
+  const int32_t* idx = nullptr;
+  const int64_t* off = nullptr;
+  const float* rows = nullptr;
+
+  Retained(const c10::optional<at::Tensor>& ridx, const c10::optional<at::Tensor>& roff,
+           const c10::optional<at::Tensor>& rows_, int64_t H, int64_t D, int64_t L) {
+    if (!ridx.has_value()) {
+      TORCH_CHECK(!roff.has_value() && !rows_.has_value(), "kivi_merged: ridx, roff, rows together");
+      return;
+    }
+    TORCH_CHECK(roff.has_value() && rows_.has_value(), "kivi_merged: ridx, roff, rows together");
+    const at::Tensor &ri = *ridx, &ro = *roff, &rw = *rows_;
+    check_f32(rw, "retained rows");
+    TORCH_CHECK(ri.device().is_cpu() && ri.scalar_type() == at::kInt && ri.dim() == 1 &&
+                    ri.is_contiguous() && ro.device().is_cpu() && ro.scalar_type() == at::kLong &&
+                    ro.dim() == 1 && ro.is_contiguous() && ro.size(0) == H + 1 && rw.dim() == 2 &&
+                    rw.is_contiguous() && rw.size(0) == ri.size(0) && rw.size(1) == D,
+                "kivi_merged: ridx (N) int32, roff (H + 1) int64, rows (N, D) float32");
+    idx = ri.data_ptr<int32_t>(), off = ro.data_ptr<int64_t>(), rows = rw.data_ptr<float>();
+    bool ok = off[0] == 0 && off[H] == ri.size(0);
+    for (int64_t h = 0; ok && h < H; h++) {
+      ok = off[h] <= off[h + 1];
+      for (int64_t r = off[h]; ok && r < off[h + 1]; r++)
+        ok = idx[r] >= 0 && idx[r] < L && (r == off[h] || idx[r] > idx[r - 1]);
+    }
+    TORCH_CHECK(ok, "kivi_merged: retained rows not ascending tokens of the ", L, " held");
+  }
+
+  // head h's retained rows among the body's first tb tokens: [first, first + count)
+  int64_t body_rows(int64_t h, int64_t tb, int64_t* first) const {
+    if (idx == nullptr) return *first = 0;
+    *first = off[h];
+    return std::lower_bound(idx + off[h], idx + off[h + 1], (int32_t)tb) - (idx + off[h]);
+  }
+};
+
+// minicache+kivi4's pair layer, a decode row: a pair keeps its merged directions E in a KIVI
+// store (E_K as keys, E_V as values) and this layer attends over X_hat = E * n / ||E|| (its own
+// norms n), the retained rows exact, nothing restored. q (1, Hq, 1, D) post-RoPE over the body
+// (tb tokens: scores and value weights times n * 1 / ||E||, kinv / vinv (H, >= tb) those of the
+// dequantized rows, 0 for a zero row), the tail (tt exact rows of E, their factors here) and the
+// step's own k_new, v_new (1, H, 1, D) -> (1, Hq, 1, D). Norms nk, nv (H, >= tb + tt) float32.
+at::Tensor kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& ks,
+                            const at::Tensor& kz, const at::Tensor& vc, const at::Tensor& vs,
+                            const at::Tensor& vz, int64_t tb, const at::Tensor& tk,
+                            const at::Tensor& tv, int64_t tt, int64_t bits, int64_t group,
+                            const at::Tensor& nk, const at::Tensor& nv, const at::Tensor& kinv,
+                            const at::Tensor& vinv, const c10::optional<at::Tensor>& ridx_k,
+                            const c10::optional<at::Tensor>& roff_k,
+                            const c10::optional<at::Tensor>& rows_k,
+                            const c10::optional<at::Tensor>& ridx_v,
+                            const c10::optional<at::Tensor>& roff_v,
+                            const c10::optional<at::Tensor>& rows_v, const at::Tensor& k_new,
+                            const at::Tensor& v_new, double scale) {
+  for (const at::Tensor* t : {&q_, &tk, &tv, &nk, &nv, &kinv, &vinv, &k_new, &v_new})
+    check_f32(*t, "kivi_merged_attn's tensors");
+  const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
+  const int64_t H = body.H, D = body.D, L = tb + tt;
+  TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && q_.size(3) == D &&
+                  q_.size(1) % H == 0,
+              "kivi_merged_attn: q (1, Hq, 1, D), Hq a multiple of the store's ", H);
+  TORCH_CHECK(k_new.dim() == 4 && k_new.sizes() == v_new.sizes() && k_new.size(0) == 1 &&
+                  k_new.size(1) == H && k_new.size(2) == 1 && k_new.size(3) == D,
+              "kivi_merged_attn: k_new, v_new (1, H, 1, D)");
+  TORCH_CHECK(tk.dim() == 3 && tk.sizes() == tv.sizes() && tk.size(0) == H && tk.size(1) >= tt &&
+                  tk.size(2) == D && tk.stride(2) == 1 && tv.stride(2) == 1 && tt >= 0,
+              "kivi_merged_attn: tail k and v (H, >= tt, D), contiguous rows");
+  for (const at::Tensor* t : {&nk, &nv, &kinv, &vinv})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == H && t->stride(1) == 1 &&
+                    t->size(1) >= (t == &nk || t == &nv ? L : tb),
+                "kivi_merged_attn: norms (H, >= tb + tt), inverse norms (H, >= tb)");
+  const Retained rk(ridx_k, roff_k, rows_k, H, D, L), rv(ridx_v, roff_v, rows_v, H, D, L);
+  const at::Tensor q = q_.contiguous(), kn = k_new.contiguous(), vn = v_new.contiguous();
+  // the body's factors n / ||E||, per head
+  std::vector<float> fk(H * tb), fv(H * tb);
+  for (int64_t h = 0; h < H; h++) {
+    const float *a = nk.data_ptr<float>() + h * nk.stride(0), *ai = kinv.data_ptr<float>() + h * kinv.stride(0);
+    const float *b = nv.data_ptr<float>() + h * nv.stride(0), *bi = vinv.data_ptr<float>() + h * vinv.stride(0);
+    for (int64_t t = 0; t < tb; t++) {
+      fk[h * tb + t] = a[t] * ai[t];
+      fv[h * tb + t] = b[t] * bi[t];
+    }
+  }
+  // the tail's rows as this layer restores them, the retained exact, then the step's own row
+  at::Tensor tkx = at::empty({H, tt + 1, D}, q.options()), tvx = at::empty_like(tkx);
+  for (int s = 0; s < 2; s++) {
+    const at::Tensor &src = s ? tv : tk, &nrm = s ? nv : nk;
+    const Retained& ret = s ? rv : rk;
+    float* dst = (s ? tvx : tkx).data_ptr<float>();
+    for (int64_t h = 0; h < H; h++) {
+      const float* n = nrm.data_ptr<float>() + h * nrm.stride(0) + tb;
+      for (int64_t t = 0; t < tt; t++) {
+        const float* e = src.data_ptr<float>() + h * src.stride(0) + t * src.stride(1);
+        float* o = dst + (h * (tt + 1) + t) * D;
+        double ss = 0.0;
+        for (int64_t c = 0; c < D; c++) ss += (double)e[c] * e[c];
+        const float norm = (float)std::sqrt(ss), f = norm > 0.f ? n[t] / norm : 0.f;
+        for (int64_t c = 0; c < D; c++) o[c] = e[c] * f;
+      }
+      if (ret.idx != nullptr)
+        for (int64_t r = ret.off[h]; r < ret.off[h + 1]; r++)
+          if (ret.idx[r] >= tb)
+            std::memcpy(dst + (h * (tt + 1) + ret.idx[r] - tb) * D, ret.rows + r * D,
+                        D * sizeof(float));
+      const at::Tensor& own = s ? vn : kn;
+      std::memcpy(dst + (h * (tt + 1) + tt) * D, own.data_ptr<float>() + h * D, D * sizeof(float));
+    }
+  }
+  std::vector<kvq::KiviHead> heads(H);
+  for (int64_t h = 0; h < H; h++) {
+    kvq::KiviHead& b = heads[h];
+    b = body.head(h);
+    b.kf = fk.data() + h * tb, b.vf = fv.data() + h * tb;
+    int64_t first;
+    b.nk = rk.body_rows(h, tb, &first);
+    if (b.nk) b.kr = rk.idx + first, b.krow = rk.rows + first * D;
+    b.nv = rv.body_rows(h, tb, &first);
+    if (b.nv) b.vr = rv.idx + first, b.vrow = rv.rows + first * D;
+  }
+  at::Tensor out = at::empty({1, q.size(1), 1, D}, q.options());
+  kivi_rows(q.data_ptr<float>(), q.size(1), 1, body, tkx, tvx, tt + 1, 0, (float)scale,
+            out.data_ptr<float>(), nullptr, heads.data());
   return out;
 }
 

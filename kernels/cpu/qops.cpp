@@ -23,6 +23,8 @@
 //                                 body and dense tail (out, lse), a decode row rotated, stored
 //                                 and attended in one call, a range of the body dequantized
 //                                 (kivi_ops.h)
+//   kivi_merged_attn: a minicache+kivi4 pair layer's decode row over its E in the KIVI store,
+//                 restored in the products (n / ||E|| on scores and weights, retained rows)
 //   codebook_step: a SpindleKV decode token coded, stored as a slot and attended, in one call
 //   minicache_merge: MiniCache's SLERP merge of two layers' rows (direction, norms, angle)
 //   minicache_merge_into: a decode token's merge written into a pair's buffers (K and V)
@@ -2318,6 +2320,13 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int tb, Tensor(a!) tk, "
       "Tensor(b!) tv, int tt, int bits, int group, float scale) -> Tensor",
       &kivi_rope_append_attend);
+  m.def(
+      "kivi_merged_attn(Tensor q, Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, "
+      "Tensor vz, int tb, Tensor tk, Tensor tv, int tt, int bits, int group, Tensor nk, "
+      "Tensor nv, Tensor kinv, Tensor vinv, Tensor? ridx_k, Tensor? roff_k, Tensor? rows_k, "
+      "Tensor? ridx_v, Tensor? roff_v, Tensor? rows_v, Tensor k_new, Tensor v_new, "
+      "float scale) -> Tensor",
+      &kivi_merged_attn);
   m.def(
       "kivi_dequant(Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int bits, "
       "int group, int t0, int t1) -> Tensor[]",

@@ -112,6 +112,18 @@ struct KiviHead {
   const float* vs;  // value scales and zeros, token t's groups of G channels at + t * vs_t
   const float* vz;  // (and + t * vz_t)
   int64_t vs_t, vz_t;
+  // minicache+kivi4's merged pair (kivi_merged_attn; null for a plain store): token t's scores
+  // times kf[t] and its value weights times vf[t] (the layer's n / ||E||); a retained token's
+  // exact row in its restored one's place: nk ascending token indices kr, their rows krow
+  // (nk, d); the values' vr, vrow, nv likewise
+  const float* kf = nullptr;
+  const float* vf = nullptr;
+  const int32_t* kr = nullptr;
+  const float* krow = nullptr;
+  int64_t nk = 0;
+  const int32_t* vr = nullptr;
+  const float* vrow = nullptr;
+  int64_t nv = 0;
 };
 
 // body tokens a KIVI chunk scores at once (whole groups: at least 4, about 128 tokens)
@@ -120,7 +132,7 @@ inline int64_t kivi_block(int64_t group) { return group * std::max<int64_t>(4, (
 // floats of scratch a KIVI chunk needs for r rows
 inline int64_t kivi_scratch(int64_t r, int64_t d, int64_t group) {
   const int64_t kb = kivi_block(group), gd = d / group;
-  return r * (kb + d + 2 + kb * gd + gd) + 2 * kb * gd + 64;
+  return r * (2 * kb + d + 2 + kb * gd + gd) + 2 * kb * gd + 64;  // (+ r * kb: kivi_merged)
 }
 
 // KIVI body attention of r query rows q (r, d), already multiplied by the softmax scale, over

@@ -80,12 +80,17 @@ class MiniCacheKV(KVManager):
 
     def attend(self, layer, q, k, v, positions):
         """A decode row on the native kernels in one call where it can: a plain layer's
-        (rotate, store, attend: DenseSeg.rotate_append_attend, as `full`'s), a pair layer's
-        over a dense E (rotate, attend: PairLayer.rope_attend_native); the rest as
-        KVManager.attend."""
+        (rotate, store, attend: DenseSeg.rotate_append_attend, as `full`'s; KIVI's under
+        store=kivi4), a pair layer's over a dense E (rotate, attend: PairLayer.
+        rope_attend_native); the rest as KVManager.attend (a pair over KIVI: `decode`)."""
         st, window = self.plain.get(layer), self.config.window(layer)
         row = k.shape[2] == 1 and not (self.in_prefill or self.static) and not window
         if row and isinstance(st, DenseSeg) and st.kernels is not None:
+            return st.rotate_append_attend(
+                self.rope.at(layer), q, k, v, self.rope.position(positions)
+            )
+        if row and isinstance(st, KiviLayer) and st.kernels is not None and q.dtype == torch.float32:
+            # store=kivi4's plain layer: rotate, append to the tail, attend (as kivi's own rows)
             return st.rotate_append_attend(
                 self.rope.at(layer), q, k, v, self.rope.position(positions)
             )
@@ -165,6 +170,10 @@ class MiniCacheKV(KVManager):
         if role is None:
             return self._attend_plain(layer, q, k, v, positions)
         pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
+        if pair.kivi is not None:  # E in KIVI: restored inside the products, where it can
+            out = view.attend_kivi_native(q, k, v)
+            if out is not None:
+                return self._decoded(pair, second, out.to(self.dtype), k, v)
         if self._native(pair, view, q) and self._fuse(pair, k.shape[2]):
             out = view.attend_native(q, k, v).to(self.dtype)  # merged and own tokens, one op
         elif self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact

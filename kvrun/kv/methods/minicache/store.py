@@ -210,6 +210,10 @@ class Pair:
         # so kept and extended as tokens merge (8 bytes per token and group a half, beside E's
         # 4 * D; scratch as the restore workspace is, not in nbytes; rebuilt after a .kvc load)
         self.factors: dict[bool, list[Buffer]] | None = None
+        # under KIVI (minicache+kivi4): 1 / ||E|| (Hkv, body) fp32 of E_K's and E_V's dequantized
+        # body rows (0 for a zero row), for kivi_merged_attn; extended as the store flushes
+        # (scratch as the factors are: not in nbytes, rebuilt after a .kvc load)
+        self.kivi_inv: list[Buffer] | None = None
 
     def kvc_check(self, loader) -> str | None:
         """The halves as this spec's MiniCache makes them (kvrun.kv.state)."""
@@ -513,6 +517,46 @@ class PairLayer:
             int(not self.layout.token), q.shape[-1] ** -0.5,
         )  # fmt: skip
         return out, kr
+
+    def attend_kivi_native(self, q, k_new, v_new) -> torch.Tensor | None:
+        """A decode row over the pair's E in its KIVI store (minicache+kivi4) and the step's own
+        exact k_new, v_new (1, Hkv, 1, D), in one native call (kivi_merged_attn: X_hat = E * n /
+        ||E|| applied inside the products, the retained rows in place, nothing restored); None
+        where it does not apply (no kernels, scope=layer, not one float32 row, nothing merged)."""
+        pair, st = self.pair, self.pair.kivi
+        if (
+            self.kernels is None
+            or self.layout.token
+            or pair.k is None
+            or q.shape[2] != 1
+            or q.dtype != torch.float32
+            or pair.k.na.buf.dtype != torch.float32
+            or st.length != pair.length
+        ):
+            return None
+        kinv, vinv = self._kivi_inv()
+        norms = [(h.nb if self.second else h.na).buf for h in (pair.k, pair.v)]
+        ret = self.layout.retained_args(pair.k, self.second)
+        ret += self.layout.retained_args(pair.v, self.second)
+        return self.kernels.kivi_merged_attn(
+            q, *st.rooms()[:6], st.body_len, *st.rooms()[6:], st.tail_len, st.bits, st.G,
+            *norms, kinv, vinv, *ret, k_new, v_new, q.shape[-1] ** -0.5,
+        )  # fmt: skip
+
+    def _kivi_inv(self) -> list[torch.Tensor]:
+        """Pair.kivi_inv brought up to the body's length: the new groups dequantized once."""
+        pair, st = self.pair, self.pair.kivi
+        tb = st.body_len
+        if pair.kivi_inv is None or pair.kivi_inv[0].n > tb:
+            dev = st.rooms()[0].device
+            pair.kivi_inv = [Buffer((st.H, 0), 1, torch.float32, dev) for _ in range(2)]
+        n0 = pair.kivi_inv[0].n
+        if n0 < tb:
+            rows = self.kernels.kivi_dequant(*st.body(), st.bits, st.G, n0, tb)  # (1, Hkv, n, D)
+            for buf, x in zip(pair.kivi_inv, rows, strict=True):
+                norm = torch.linalg.vector_norm(x[0], dim=-1)  # (Hkv, n)
+                buf.append(torch.where(norm > 0, 1 / norm, 0.0))
+        return [b.buf for b in pair.kivi_inv]
 
     def restore(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch views (1, Hkv, T + extra, D): the restored tokens, then room for `extra`."""
