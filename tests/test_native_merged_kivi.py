@@ -190,9 +190,7 @@ def test_decode_equals_the_restore(monkeypatch, model_with_kernels, spec):
     calls = []
     for view in kv.views.values():
         real = view.attend_kivi_native
-        monkeypatch.setattr(
-            view, "attend_kivi_native", lambda *a, r=real: calls.append(1) or r(*a)
-        )
+        monkeypatch.setattr(view, "attend_kivi_native", lambda *a, r=real: calls.append(1) or r(*a))
     got = drive(m, kv, prompt(P, seed=3), 32, steps, tokens=toks)
     assert len(calls) == 2 * len(kv.pairs) * steps
     assert all(p.kivi.body_len > P // 2 for p in kv.pairs)

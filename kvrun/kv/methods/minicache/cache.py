@@ -89,7 +89,12 @@ class MiniCacheKV(KVManager):
             return st.rotate_append_attend(
                 self.rope.at(layer), q, k, v, self.rope.position(positions)
             )
-        if row and isinstance(st, KiviLayer) and st.kernels is not None and q.dtype == torch.float32:
+        if (
+            row
+            and isinstance(st, KiviLayer)
+            and st.kernels is not None
+            and q.dtype == torch.float32
+        ):
             # store=kivi4's plain layer: rotate, append to the tail, attend (as kivi's own rows)
             return st.rotate_append_attend(
                 self.rope.at(layer), q, k, v, self.rope.position(positions)
