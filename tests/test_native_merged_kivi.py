@@ -101,9 +101,32 @@ def test_matches_the_restore(bits, G, Hq, Hkv, D, T, isa, threads):  # noqa: F81
     q = torch.randn(1, Hq, 1, D, generator=g) * 2
     k_new, v_new = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
     kinv, vinv = _inv(st)
-    out = ops.kivi_merged_attn(q, *_args(st, nk, nv, kinv, vinv, rk, rv, k_new, v_new, D))
+    out, _ = ops.kivi_merged_attn(q, *_args(st, nk, nv, kinv, vinv, rk, rv, k_new, v_new, D))
     want = _reference(q, st, nk, nv, rk, rv, k_new, v_new)
     torch.testing.assert_close(out, want, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pos", [0, 1, 77])
+def test_rotated_in_the_call_as_before_it(pos):
+    """With the RoPE tables, q and k_new pre-RoPE are rotated in the call as rope.apply rotates
+    them: the same output as over the rotated ones, and k_new rotated returned."""
+    g = torch.Generator().manual_seed(pos)
+    Hkv, D, T = 2, 32, 90
+    rope = model6().rope.at(0)  # head_dim 32
+    st = _store(Hkv, D, T, 4, 32, 7, g)
+    nk, nv = torch.rand(Hkv, T, generator=g) + 1, torch.rand(Hkv, T, generator=g) + 1
+    rk, rv = _retained(Hkv, T, D, 0.2, g), _retained(Hkv, T, D, 0.2, g)
+    q, k = torch.randn(1, 6, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
+    v = torch.randn(1, Hkv, 1, D, generator=g)
+    kinv, vinv = _inv(st)
+    p = torch.tensor([pos])
+    qr, kr = rope.apply(q, p), rope.apply(k, p)
+    want, _ = ops.kivi_merged_attn(qr, *_args(st, nk, nv, kinv, vinv, rk, rv, kr, v, D))
+    cos, ssin = rope.signed_tables(pos + 1)
+    args = _args(st, nk, nv, kinv, vinv, rk, rv, k, v, D)
+    out, k_rot = ops.kivi_merged_attn(q, *args, cos, ssin, pos)
+    torch.testing.assert_close(k_rot, kr, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
 
 
 def test_a_zero_body_row_weighs_nothing():
@@ -121,7 +144,7 @@ def test_a_zero_body_row_weighs_nothing():
     assert bool((kinv[:, 32:] == 0).all())
     none = (None, None, None)
     kn, vn = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
-    out = ops.kivi_merged_attn(q, *_args(st, nk, nv, kinv, vinv, none, none, kn, vn, D))
+    out, _ = ops.kivi_merged_attn(q, *_args(st, nk, nv, kinv, vinv, none, none, kn, vn, D))
     want = _reference(q, st, nk, nv, none, none, kn, vn)
     torch.testing.assert_close(out, want, atol=3e-5, rtol=1e-4)
 
@@ -151,6 +174,9 @@ def test_bad_arguments_are_refused():
         ops.kivi_merged_attn(q, *_args(st, nk[:, :5], nv, kinv, vinv, none, none, kn, kn, D))
     with pytest.raises(RuntimeError, match="q"):
         ops.kivi_merged_attn(q[:, :3], *_args(st, nk, nv, kinv, vinv, none, none, kn, kn, D))
+    with pytest.raises(RuntimeError, match="together"):  # cos without ssin
+        args = _args(st, nk, nv, kinv, vinv, none, none, kn, kn, D)
+        ops.kivi_merged_attn(q, *args, torch.ones(4, D), None, 0)
 
 
 # --- the manager ------------------------------------------------------------------------------

@@ -489,12 +489,13 @@ void kivi_values_avx2(int64_t r, const KiviHead& b, int G, int64_t b0, int64_t n
 }
 #endif  // __AVX2__
 
-// minicache+kivi4 (KiviHead's merged fields): a block's scores times its tokens' factors kf, a
-// retained token's score its exact row's (q is already scaled)
+// minicache+kivi4 (KiviHead's merged fields): a block's scores times its tokens' factors
+// (kf * kfi), a retained token's score its exact row's (q is already scaled)
 void kivi_merged_keys(const float* q, int64_t r, const KiviHead& b, int64_t b0, int64_t nb,
                       int64_t d, float* s, int64_t kb) {
+  const float *f = b.kf + b0, *fi = b.kfi + b0;
   for (int64_t i = 0; i < r; i++)
-    for (int64_t j = 0; j < nb; j++) s[i * kb + j] *= b.kf[b0 + j];
+    for (int64_t j = 0; j < nb; j++) s[i * kb + j] *= f[j] * fi[j];
   const int32_t* end = b.kr + b.nk;
   for (const int32_t* p = std::lower_bound(b.kr, end, (int32_t)b0); p < end && *p < b0 + nb; p++) {
     const float* row = b.krow + (p - b.kr) * d;
@@ -518,8 +519,9 @@ int64_t kivi_merged_weights(int64_t r, const KiviHead& b, int64_t b0, int64_t nb
       ps[(p - lo) * r + i] = s[i * kb + *p - b0];
       s[i * kb + *p - b0] = 0.f;
     }
+  const float *f = b.vf + b0, *fi = b.vfi + b0;
   for (int64_t i = 0; i < r; i++)
-    for (int64_t j = 0; j < nb; j++) s[i * kb + j] *= b.vf[b0 + j];
+    for (int64_t j = 0; j < nb; j++) s[i * kb + j] *= f[j] * fi[j];
   *first = lo;
   return hi - lo;
 }

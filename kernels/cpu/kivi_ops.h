@@ -332,11 +332,13 @@ struct Retained {
 
 // minicache+kivi4's pair layer, a decode row: a pair keeps its merged directions E in a KIVI
 // store (E_K as keys, E_V as values) and this layer attends over X_hat = E * n / ||E|| (its own
-// norms n), the retained rows exact, nothing restored. q (1, Hq, 1, D) post-RoPE over the body
-// (tb tokens: scores and value weights times n * 1 / ||E||, kinv / vinv (H, >= tb) those of the
+// norms n), the retained rows exact, nothing restored. q (1, Hq, 1, D) over the body (tb
+// tokens: scores and value weights times n * 1 / ||E||, kinv / vinv (H, >= tb) those of the
 // dequantized rows, 0 for a zero row), the tail (tt exact rows of E, their factors here) and the
-// step's own k_new, v_new (1, H, 1, D) -> (1, Hq, 1, D). Norms nk, nv (H, >= tb + tt) float32.
-at::Tensor kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& ks,
+// step's own k_new, v_new (1, H, 1, D). Norms nk, nv (H, >= tb + tt) float32. With cos, ssin
+// (tables, row pos) q and k_new are pre-RoPE and rotated here (rope's arithmetic) -> [out (1,
+// Hq, 1, D), k_new rotated (1, H, 1, D)]; without, both post-RoPE -> [out, k_new].
+std::vector<at::Tensor> kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at::Tensor& ks,
                             const at::Tensor& kz, const at::Tensor& vc, const at::Tensor& vs,
                             const at::Tensor& vz, int64_t tb, const at::Tensor& tk,
                             const at::Tensor& tv, int64_t tt, int64_t bits, int64_t group,
@@ -347,7 +349,9 @@ at::Tensor kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at
                             const c10::optional<at::Tensor>& ridx_v,
                             const c10::optional<at::Tensor>& roff_v,
                             const c10::optional<at::Tensor>& rows_v, const at::Tensor& k_new,
-                            const at::Tensor& v_new, double scale) {
+                            const at::Tensor& v_new, double scale,
+                            const c10::optional<at::Tensor>& cos,
+                            const c10::optional<at::Tensor>& ssin, int64_t pos) {
   for (const at::Tensor* t : {&q_, &tk, &tv, &nk, &nv, &kinv, &vinv, &k_new, &v_new})
     check_f32(*t, "kivi_merged_attn's tensors");
   const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
@@ -366,16 +370,24 @@ at::Tensor kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at
                     t->size(1) >= (t == &nk || t == &nv ? L : tb),
                 "kivi_merged_attn: norms (H, >= tb + tt), inverse norms (H, >= tb)");
   const Retained rk(ridx_k, roff_k, rows_k, H, D, L), rv(ridx_v, roff_v, rows_v, H, D, L);
-  const at::Tensor q = q_.contiguous(), kn = k_new.contiguous(), vn = v_new.contiguous();
-  // the body's factors n / ||E||, per head
-  std::vector<float> fk(H * tb), fv(H * tb);
-  for (int64_t h = 0; h < H; h++) {
-    const float *a = nk.data_ptr<float>() + h * nk.stride(0), *ai = kinv.data_ptr<float>() + h * kinv.stride(0);
-    const float *b = nv.data_ptr<float>() + h * nv.stride(0), *bi = vinv.data_ptr<float>() + h * vinv.stride(0);
-    for (int64_t t = 0; t < tb; t++) {
-      fk[h * tb + t] = a[t] * ai[t];
-      fv[h * tb + t] = b[t] * bi[t];
-    }
+  at::Tensor q = q_.contiguous(), kn = k_new.contiguous();
+  const at::Tensor vn = v_new.contiguous();
+  TORCH_CHECK(cos.has_value() == ssin.has_value(), "kivi_merged_attn: cos and ssin together");
+  if (cos.has_value()) {  // pre-RoPE: rotated as kivi_rope_append_attend rotates
+    check_f32(*cos, "cos");
+    check_f32(*ssin, "ssin");
+    TORCH_CHECK(cos->is_contiguous() && ssin->is_contiguous() && cos->dim() == 2 &&
+                    cos->sizes() == ssin->sizes() && cos->size(1) == D && pos >= 0 &&
+                    pos < cos->size(0),
+                "kivi_merged_attn: cos and ssin tables (>= pos + 1, D)");
+    const kvq::Table* t = current();
+    const float *cp = cos->data_ptr<float>() + pos * D, *sp = ssin->data_ptr<float>() + pos * D;
+    at::Tensor qr = at::empty_like(q), kr = at::empty_like(kn);
+    for (int64_t h = 0; h < q.size(1); h++)
+      t->rope(q.data_ptr<float>() + h * D, cp, sp, qr.data_ptr<float>() + h * D, D);
+    for (int64_t h = 0; h < H; h++)
+      t->rope(kn.data_ptr<float>() + h * D, cp, sp, kr.data_ptr<float>() + h * D, D);
+    q = qr, kn = kr;
   }
   // the tail's rows as this layer restores them, the retained exact, then the step's own row
   at::Tensor tkx = at::empty({H, tt + 1, D}, q.options()), tvx = at::empty_like(tkx);
@@ -406,7 +418,8 @@ at::Tensor kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at
   for (int64_t h = 0; h < H; h++) {
     kvq::KiviHead& b = heads[h];
     b = body.head(h);
-    b.kf = fk.data() + h * tb, b.vf = fv.data() + h * tb;
+    b.kf = nk.data_ptr<float>() + h * nk.stride(0), b.kfi = kinv.data_ptr<float>() + h * kinv.stride(0);
+    b.vf = nv.data_ptr<float>() + h * nv.stride(0), b.vfi = vinv.data_ptr<float>() + h * vinv.stride(0);
     int64_t first;
     b.nk = rk.body_rows(h, tb, &first);
     if (b.nk) b.kr = rk.idx + first, b.krow = rk.rows + first * D;
@@ -416,7 +429,7 @@ at::Tensor kivi_merged_attn(const at::Tensor& q_, const at::Tensor& kc, const at
   at::Tensor out = at::empty({1, q.size(1), 1, D}, q.options());
   kivi_rows(q.data_ptr<float>(), q.size(1), 1, body, tkx, tvx, tt + 1, 0, (float)scale,
             out.data_ptr<float>(), nullptr, heads.data());
-  return out;
+  return {out, kn};
 }
 
 // Body tokens [t0, t1) (whole groups, of the body buffers) dequantized -> [k, v (1, H, t1 - t0,

@@ -23,8 +23,9 @@
 //                                 body and dense tail (out, lse), a decode row rotated, stored
 //                                 and attended in one call, a range of the body dequantized
 //                                 (kivi_ops.h)
-//   kivi_merged_attn: a minicache+kivi4 pair layer's decode row over its E in the KIVI store,
-//                 restored in the products (n / ||E|| on scores and weights, retained rows)
+//   kivi_merged_attn: a minicache+kivi4 pair layer's decode row (rotated here, or not) over
+//                 its E in the KIVI store, restored in the products (n / ||E|| on scores and
+//                 weights, retained rows)
 //   codebook_step: a SpindleKV decode token coded, stored as a slot and attended, in one call
 //   minicache_merge: MiniCache's SLERP merge of two layers' rows (direction, norms, angle)
 //   minicache_merge_into: a decode token's merge written into a pair's buffers (K and V)
@@ -2325,7 +2326,7 @@ TORCH_LIBRARY(kvrun_cpu, m) {
       "Tensor vz, int tb, Tensor tk, Tensor tv, int tt, int bits, int group, Tensor nk, "
       "Tensor nv, Tensor kinv, Tensor vinv, Tensor? ridx_k, Tensor? roff_k, Tensor? rows_k, "
       "Tensor? ridx_v, Tensor? roff_v, Tensor? rows_v, Tensor k_new, Tensor v_new, "
-      "float scale) -> Tensor",
+      "float scale, Tensor? cos=None, Tensor? ssin=None, int pos=0) -> Tensor[]",
       &kivi_merged_attn);
   m.def(
       "kivi_dequant(Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, int bits, "

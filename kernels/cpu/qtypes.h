@@ -113,11 +113,13 @@ struct KiviHead {
   const float* vz;  // (and + t * vz_t)
   int64_t vs_t, vz_t;
   // minicache+kivi4's merged pair (kivi_merged_attn; null for a plain store): token t's scores
-  // times kf[t] and its value weights times vf[t] (the layer's n / ||E||); a retained token's
-  // exact row in its restored one's place: nk ascending token indices kr, their rows krow
-  // (nk, d); the values' vr, vrow, nv likewise
+  // times kf[t] * kfi[t] and its value weights times vf[t] * vfi[t] (the layer's norm n, times
+  // 1 / ||E||); a retained token's exact row in its restored one's place: nk ascending token
+  // indices kr, their rows krow (nk, d); the values' vr, vrow, nv likewise
   const float* kf = nullptr;
+  const float* kfi = nullptr;
   const float* vf = nullptr;
+  const float* vfi = nullptr;
   const int32_t* kr = nullptr;
   const float* krow = nullptr;
   int64_t nk = 0;

@@ -105,6 +105,11 @@ class MiniCacheKV(KVManager):
             if out is not None:
                 return out
             pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
+            if pair.kivi is not None:  # E in KIVI: rotated and restored inside the call
+                pos = self.rope.position(positions)
+                res = view.attend_kivi_native(q, k, v, self.rope.at(layer), pos)
+                if res is not None:
+                    return self._decoded(pair, second, res[0].to(self.dtype), res[1], v)
             if self._native(pair, view, q) and self._fuse(pair, 1):
                 out, kr = view.rope_attend_native(
                     self.rope.at(layer), q, k, v, self.rope.position(positions)
@@ -176,9 +181,9 @@ class MiniCacheKV(KVManager):
             return self._attend_plain(layer, q, k, v, positions)
         pair, second, view = self.pairs[role[0]], role[1], self.views[layer]
         if pair.kivi is not None:  # E in KIVI: restored inside the products, where it can
-            out = view.attend_kivi_native(q, k, v)
-            if out is not None:
-                return self._decoded(pair, second, out.to(self.dtype), k, v)
+            res = view.attend_kivi_native(q, k, v)
+            if res is not None:
+                return self._decoded(pair, second, res[0].to(self.dtype), k, v)
         if self._native(pair, view, q) and self._fuse(pair, k.shape[2]):
             out = view.attend_native(q, k, v).to(self.dtype)  # merged and own tokens, one op
         elif self._fuse(pair, k.shape[2]):  # merged tokens in the kernel, the step's own exact

@@ -518,11 +518,15 @@ class PairLayer:
         )  # fmt: skip
         return out, kr
 
-    def attend_kivi_native(self, q, k_new, v_new) -> torch.Tensor | None:
+    def attend_kivi_native(
+        self, q, k_new, v_new, rope=None, pos: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode row over the pair's E in its KIVI store (minicache+kivi4) and the step's own
         exact k_new, v_new (1, Hkv, 1, D), in one native call (kivi_merged_attn: X_hat = E * n /
-        ||E|| applied inside the products, the retained rows in place, nothing restored); None
-        where it does not apply (no kernels, scope=layer, not one float32 row, nothing merged)."""
+        ||E|| applied inside the products, the retained rows in place, nothing restored) ->
+        (out, k_new rotated); with `rope` q and k_new are pre-RoPE and rotated at `pos` in the
+        call. None where it does not apply (no kernels, scope=layer, not one float32 row,
+        nothing merged)."""
         pair, st = self.pair, self.pair.kivi
         if (
             self.kernels is None
@@ -538,10 +542,12 @@ class PairLayer:
         norms = [(h.nb if self.second else h.na).buf for h in (pair.k, pair.v)]
         ret = self.layout.retained_args(pair.k, self.second)
         ret += self.layout.retained_args(pair.v, self.second)
-        return self.kernels.kivi_merged_attn(
+        cos, ssin = rope.signed_tables(pos + 1) if rope is not None else (None, None)
+        out, kr = self.kernels.kivi_merged_attn(
             q, *st.rooms()[:6], st.body_len, *st.rooms()[6:], st.tail_len, st.bits, st.G,
-            *norms, kinv, vinv, *ret, k_new, v_new, q.shape[-1] ** -0.5,
+            *norms, kinv, vinv, *ret, k_new, v_new, q.shape[-1] ** -0.5, cos, ssin, pos,
         )  # fmt: skip
+        return out, kr
 
     def _kivi_inv(self) -> list[torch.Tensor]:
         """Pair.kivi_inv brought up to the body's length: the new groups dequantized once."""
