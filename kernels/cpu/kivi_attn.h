@@ -259,15 +259,18 @@ inline void kivi_keys_rows(const float* qs, int64_t d, const KiviHead& b, int64_
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// AVX-512 (its builds): the same tiles 16 lanes wide; 4-bit codes by a 16-entry lookup too
+// AVX-512 (its builds): the same tiles 16 lanes wide; 4-bit codes by a 16-entry lookup too.
+// 4-bit codes come interleaved: the two words of 16 codes are broadcast as one 64-bit pair, so
+// lane 2j holds code j and lane 2j + 1 code 8 + j (a load, a shift and the lookup: no lane
+// permute per word); the tiles put their lanes back in order once, at their ends (kivi_il16)
 template <int B>
 inline void kivi_where16(int64_t i0, int64_t& at, __m512i& shift) {
   if constexpr (B == 8) {
     at = i0;
     shift = _mm512_setzero_si512();
   } else if constexpr (B == 4) {
-    at = i0 / 8;  // two words: lanes 0-7 the first's, 8-15 the second's
-    shift = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    at = i0 / 8;  // two words, interleaved across the lanes
+    shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
   } else {
     constexpr int PER = 32 / B;
     at = i0 / PER;
@@ -286,19 +289,29 @@ inline __m512 kivi_code16(const int32_t* w, int64_t at, __m512i shift) {
   } else {
     __m512i x;
     if constexpr (B == 4) {
-      const __m512i two = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(w + at)));
-      x = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two);
+      int64_t pair;
+      std::memcpy(&pair, w + at, sizeof(pair));
+      x = _mm512_set1_epi64(pair);  // words (w[at], w[at + 1]) in lanes (2j, 2j + 1)
     } else {
       x = _mm512_set1_epi32(w[at]);
     }
     x = _mm512_srlv_epi32(x, shift);
-    // lanes' low 4 bits (5 for the two-table lookup) index tables repeating the 2^B codes
+    // lanes' low 4 bits index a table repeating the 2^B codes
     const __m512 tab = B == 1 ? _mm512_setr_ps(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1)
                      : B == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
                               : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if constexpr (B == 4) return _mm512_permutex2var_ps(tab, x, tab);
     return _mm512_permutexvar_ps(x, tab);
   }
+}
+
+// 16 lanes of interleaved 4-bit codes' order (lane 2j: element j, 2j + 1: element 8 + j) put
+// in order (to = true) or the other way round
+template <int B>
+inline __m512 kivi_il16(__m512 x, bool to) {
+  if constexpr (B != 4) return x;
+  const __m512i in_order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m512i interleave = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_permutexvar_ps(to ? in_order : interleave, x);
 }
 
 template <int B, int RB, int TB>
@@ -327,7 +340,8 @@ inline void kivi_keys_tile16(const float* qs, int64_t d, const int32_t* kw, int6
   for (int i = 0; i < RB; i++)
 #pragma GCC unroll 4
     for (int v = 0; v < TB; v++)
-      _mm512_storeu_ps(s + i * kb + 16 * v, _mm512_add_ps(acc[i][v], _mm512_set1_ps(zc[i])));
+      _mm512_storeu_ps(s + i * kb + 16 * v,
+                       _mm512_add_ps(kivi_il16<B>(acc[i][v], true), _mm512_set1_ps(zc[i])));
 }
 
 template <int B, int RB>
@@ -357,7 +371,8 @@ inline void kivi_values_tile16(const KiviHead& b, int G, int64_t b0, int64_t nb,
   for (int i = 0; i < RB; i++)
 #pragma GCC unroll 4
     for (int v = 0; v < CV; v++)
-      acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(out + i * d + c0 + 16 * v), _mm512_set1_ps(alpha[i]));
+      acc[i][v] = _mm512_mul_ps(kivi_il16<B>(_mm512_loadu_ps(out + i * d + c0 + 16 * v), false),
+                                _mm512_set1_ps(alpha[i]));
   const int32_t* w = b.vc + b0 * b.vc_t;
   const int64_t wt = b.vc_t;
   const float* pr[RB];  // each row's weights of token j, by group
@@ -377,7 +392,8 @@ inline void kivi_values_tile16(const KiviHead& b, int G, int64_t b0, int64_t nb,
 #pragma GCC unroll 4
   for (int i = 0; i < RB; i++)
 #pragma GCC unroll 4
-    for (int v = 0; v < CV; v++) _mm512_storeu_ps(out + i * d + c0 + 16 * v, acc[i][v]);
+    for (int v = 0; v < CV; v++)
+      _mm512_storeu_ps(out + i * d + c0 + 16 * v, kivi_il16<B>(acc[i][v], true));
 }
 
 template <int B, int RB>
