@@ -132,6 +132,21 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
 // qs (r, d) = q * a key group's scales cs (d), zc (r) = q . its zeros cz (d)
 void kivi_fold(const float* q, int64_t r, int64_t d, const float* cs, const float* cz, float* qs,
                float* zc) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {  // 16 lanes, one reduction a row
+    for (int64_t i = 0; i < r; i++) {
+      const float* qi = q + i * d;
+      __m512 za = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m512 qv = _mm512_loadu_ps(qi + c);
+        _mm512_storeu_ps(qs + i * d + c, _mm512_mul_ps(qv, _mm512_loadu_ps(cs + c)));
+        za = _mm512_fmadd_ps(qv, _mm512_loadu_ps(cz + c), za);
+      }
+      zc[i] = _mm512_reduce_add_ps(za);
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < r; i++) {
     const float* qi = q + i * d;
     float z = 0.f;
