@@ -235,3 +235,29 @@ def test_scope_layer_keeps_the_restore(model_with_kernels):
     kv = new_kv(m, "minicache:store=kivi4,scope=layer,gamma=0.3,kivi_residual=32")
     drive(m, kv, prompt(70, seed=2), 32, 3)
     assert all(p.kivi_inv is None for p in kv.pairs)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_forks_and_a_reload_go_on_alike(model_with_kernels):
+    """A fork copies the kept inverse norms with the store; a cache that lost them (a .kvc
+    file keeps none: they are rebuilt from the body) decodes the same."""
+    m, spec = model_with_kernels, SPECS[0]
+    kv = new_kv(m, spec)
+    drive(m, kv, prompt(100, seed=4), 32, 40)  # past a flush: the inverse norms extended
+    n0 = [p.kivi_inv[0].n for p in kv.pairs]
+    fork, lost = kv.fork(), kv.fork()
+    for p in lost.pairs:
+        p.kivi_inv = None
+    toks = prompt(30, seed=8)
+    outs = []
+    for cache in (kv, fork, lost):
+        with torch.inference_mode():
+            n, rows = cache.seen, []
+            for t in toks:
+                rows.append(m(torch.tensor([[t]]), torch.tensor([n]), cache)[0])
+                cache.end_step()
+                n += 1
+        outs.append(torch.cat(rows))
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outs[2], outs[0], atol=1e-6, rtol=1e-6)
+    assert all(p.kivi_inv[0].n > n for p, n in zip(kv.pairs, n0, strict=True))  # flushed since
