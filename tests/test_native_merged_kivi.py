@@ -261,3 +261,19 @@ def test_forks_and_a_reload_go_on_alike(model_with_kernels):
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
     torch.testing.assert_close(outs[2], outs[0], atol=1e-6, rtol=1e-6)
     assert all(p.kivi_inv[0].n > n for p, n in zip(kv.pairs, n0, strict=True))  # flushed since
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("spec", ["minicache:gamma=0.3", SPECS[0]])
+def test_the_rows_reads_are_made_with_the_merge(model_with_kernels, spec):
+    """What a pair's native rows read beside its store is made as the prefill's turn is merged,
+    not by the first decode step: a dense E's factors for both layers, a KIVI E's inverse
+    norms over its body."""
+    m = model_with_kernels
+    kv = new_kv(m, spec)
+    drive(m, kv, prompt(100, seed=6), 32, 0)
+    for p in kv.pairs:
+        if p.kivi is not None:
+            assert [b.n for b in p.kivi_inv] == [p.kivi.body_len] * 2 and p.kivi.body_len
+        else:
+            assert [b.n for f in (False, True) for b in p.factors[f]] == [p.length] * 4

@@ -262,7 +262,20 @@ class MiniCacheKV(KVManager):
                 (ka, va), (kb, vb) = p.exact[p.a], p.exact[p.b]
                 self.merge(p, ka.data[0], va.data[0], kb.data[0], vb.data[0], prefill=True)
                 p.exact = None  # free the exact buffers
+                self._decode_ready(p)
             p.release()
+
+    def _decode_ready(self, pair: Pair) -> None:
+        """What a pair's native decode rows read beside its store, made as the turn is merged
+        (compression's work, not the first decode step's): both layers' factors n / ||E|| of a
+        dense E, the inverse norms of a KIVI E's body."""
+        view = self.views[pair.a]
+        if view.kernels is None or pair.k is None or self.dtype != torch.float32:
+            return
+        if pair.kivi is None:
+            self.layout.native_factors(pair, False)
+        elif not self.layout.token:
+            view._kivi_inv()
 
     def merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
         """Merge layers a's and b's tokens (Hkv, n, D) into the pair, choosing retained rows."""

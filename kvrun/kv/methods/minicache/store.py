@@ -353,20 +353,24 @@ class Layout:
     def native_factors(self, pair: Pair, second: bool) -> list[torch.Tensor]:
         """n / ||E|| (g, T) fp32 of layer b (second) or a for E_K and E_V (0 where ||E|| = 0,
         as `override`'s and fused_args' arithmetic), the pair's kept factors extended to its
-        merged tokens."""
+        merged tokens: both layers' at once, 1 / ||E|| computed once for the two."""
         if pair.factors is None:
             pair.factors = {}
-        bufs = pair.factors.setdefault(second, [])
         for i, half in enumerate((pair.k, pair.v)):
-            if len(bufs) == i:
-                bufs.append(Buffer((self.g, 0), 1, torch.float32, half.na.buf.device))
-            n0 = bufs[i].n
-            if n0 < pair.length:
-                e = self.groups(half.e.data[:, n0:].float())  # (g, n, m) the new tokens
-                norm = torch.linalg.vector_norm(e, dim=-1)
-                inv = 1 / torch.where(norm > 0, norm, 1.0)
-                bufs[i].append((half.nb if second else half.na).data[:, n0:].float() * inv)
-        return [b.data for b in bufs]
+            inv, at = None, -1  # 1 / ||E|| of the tokens from `at` on
+            for layer_b in (False, True):
+                bufs = pair.factors.setdefault(layer_b, [])
+                if len(bufs) == i:
+                    bufs.append(Buffer((self.g, 0), 1, torch.float32, half.na.buf.device))
+                n0 = bufs[i].n
+                if n0 >= pair.length:
+                    continue
+                if at != n0:
+                    e = self.groups(half.e.data[:, n0:].float())  # (g, n, m) the new tokens
+                    norm = torch.linalg.vector_norm(e, dim=-1)
+                    inv, at = 1 / torch.where(norm > 0, norm, 1.0), n0
+                bufs[i].append((half.nb if layer_b else half.na).data[:, n0:].float() * inv)
+        return [b.data for b in pair.factors[second]]
 
     def merge_token(self, pair: Pair, xa, xb, t: float, sin_eps: float, kernels) -> bool:
         """A decode token's K and V rows of layers a (xa) and b (xb), each (Hkv, 1, D), merged
