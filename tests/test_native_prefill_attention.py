@@ -72,19 +72,44 @@ def test_where_it_does_not_apply():
 
 
 @pytest.mark.parametrize(
-    "spec", ["full", "snapkv:window=8", "kivi2:residual=32", "spindlekv", "minicache"]
+    "spec",
+    ["full", "snapkv:window=8", "kivi2:residual=32", "spindlekv", "minicache", "tova", "h2o"]
+    + ["tova:scope=head"],
 )
 def test_prefill_with_the_kernels_set(spec):
     """The tiny model's prefill (chunks of 32) and decode with the managers' kernels set, against
-    the same managers without them: logits within rounding."""
+    the same managers without them: logits within rounding. A second turn follows the first's
+    selection (the stores that hold positions: older slots at scattered positions, the chunk's
+    rows still seeing by slot what they see by position)."""
     m = tiny()
-    ids = prompt(90, seed=4)
     outs = []
     for kernels in (ops, None):
         m.rope.kernels = kernels
         try:
             kv = new_kv(m, spec, None if spec == "minicache" else "0.5")
-            outs.append(drive(m, kv, ids, 32, n_decode=4))
+            first = drive(m, kv, prompt(90, seed=4), 32, n_decode=4)
+            outs.append(torch.cat([first, drive(m, kv, prompt(40, seed=5), 32, n_decode=2)]))
         finally:
             m.rope.kernels = None
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+
+
+def test_chunks_see_by_slot_only_where_positions_agree():
+    """DenseSeg._as_slots: a store holding positions attends a chunk by slot only where that
+    is what its positions say (no window, its own tokens last at their positions, every older
+    slot earlier); the rest by positions."""
+    from kvrun.kv.stores.dense import DenseSeg
+
+    seg = DenseSeg(2, 8, torch.float32, "cpu", pos_rows=2)
+    old = torch.tensor([0, 3, 5])
+    seg.append(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), old)
+    own = torch.tensor([9, 10])
+    seg.append(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), own)
+    assert seg._as_slots(own, 2, None)
+    assert not seg._as_slots(own, 2, 4)  # a window: by positions
+    assert not seg._as_slots(torch.tensor([10, 11]), 2, None)  # not the own slots' positions
+    assert not seg._as_slots(own, 1, None)
+    late = DenseSeg(2, 8, torch.float32, "cpu", pos_rows=1)
+    late.append(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), torch.tensor([20, 21]))
+    late.append(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), torch.tensor([7, 8]))
+    assert not late._as_slots(torch.tensor([7, 8]), 2, None)  # an older slot is later

@@ -307,21 +307,38 @@ class DenseSeg:
         rows = torch.arange(T - n_new, T, device=q_pos.device)
         return torch.arange(T, device=q_pos.device)[None, :] <= rows[:, None]
 
+    def _as_slots(self, q_pos: torch.Tensor, n_new: int, window: int | None) -> bool:
+        """Whether a chunk's rows see by slot what they see by position: no positions held, or
+        no window, the chunk's own tokens the last n_new slots at q_pos (every head) and every
+        older slot at an earlier position (a prefill before any eviction, or a later turn's)."""
+        if self.pos is None:
+            return True
+        T = self.length
+        if window is not None or n_new != q_pos.numel() or n_new > T:
+            return False
+        own = self.pos[:, T - n_new :]
+        if not torch.equal(own, q_pos.to(own.dtype).expand_as(own)):
+            return False
+        return T == n_new or int(self.pos[:, : T - n_new].max()) < int(q_pos[0])
+
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
     ) -> torch.Tensor:
         """The fast path for a lone segment, in the KV dtype: SDPA, or for one unmasked query on
         CUDA the split-K decode kernel (SDPA has no fast path there)."""
+        if q.shape[2] > 1 and self.kernels is not None and (self.pos is not None or n_new > 1):
+            # a prefill chunk: causal by slot where positions see as slots do, else by them (no
+            # mask built: the kernel compares positions itself)
+            by_pos = not self._as_slots(q_pos, n_new, window)
+            kp, qp, w = (self.pos, q_pos, window) if by_pos else (None, None, None)
+            part = native_attention(self.kernels, q, self.k, self.v, qp, kp, w)
+            if part is not None:
+                return part.out
         m = self.mask(q_pos, n_new, window)
         if m is None and q.shape[2] == 1 and use_triton(q):
             return dense_decode(q, self.k, self.v)[0].to(q.dtype)
         if m is None and q.shape[2] == 1:
             part = self._attend_typed(q)
-            if part is not None:
-                return part.out
-        if m is not None and q.shape[2] > 1 and self.kernels is not None:  # a prefill chunk
-            # by positions where held, else causal by slot
-            part = native_attention(self.kernels, q, self.k, self.v, q_pos, self.pos, window)
             if part is not None:
                 return part.out
         if m is not None and m.dim() == 3:  # per-KV-head mask -> per query head
