@@ -41,6 +41,22 @@ def _expand_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
     return mask.repeat_interleave(group, dim=0)
 
 
+def by_slot(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
+    """Whether queries at q_pos (Tq,) see by slot what they see by the keys' positions k_pos
+    ((T,) or (rows, T)): no window, the queries' own tokens the last Tq keys at their positions
+    (ascending), every older key at an earlier position. native_attention's causal by slot then
+    applies, which builds no mask and compares no positions (a prefill chunk's usual case)."""
+    Tq, T = q_pos.numel(), k_pos.shape[-1]
+    if window is not None or Tq < 2 or Tq > T:
+        return False
+    own = k_pos[..., T - Tq :]
+    if not torch.equal(own, q_pos.to(own.dtype).expand_as(own)):
+        return False
+    if not bool((q_pos[1:] > q_pos[:-1]).all()):
+        return False
+    return T == Tq or int(k_pos[..., : T - Tq].max()) < int(q_pos[0])
+
+
 def dense_attention(
     q: torch.Tensor,  # (B, Hq, Tq, D) post-RoPE
     k: torch.Tensor,  # (B, Hkv, Tk, D) post-RoPE
@@ -51,8 +67,11 @@ def dense_attention(
     kernels=None,
 ) -> torch.Tensor:  # (B, Hq, Tq, D)
     """Softmax attention over one segment, the fast path; on the native CPU kernels where
-    `kernels` are given and apply (native_attention)."""
-    part = native_attention(kernels, q, k, v, q_pos, k_pos, window)
+    `kernels` are given and apply (native_attention: causal by slot where the positions agree)."""
+    if kernels is not None and q.shape[2] > 1 and by_slot(q_pos, k_pos, window):
+        part = native_attention(kernels, q, k, v)
+    else:
+        part = native_attention(kernels, q, k, v, q_pos, k_pos, window)
     if part is not None:
         return part.out
     group = q.shape[1] // k.shape[1]

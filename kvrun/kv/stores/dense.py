@@ -8,7 +8,14 @@ import torch
 
 from ...kernels import use_triton
 from ...kernels.dense_decode import dense_decode
-from ..attention import Partial, native_attention, position_mask, sdpa, segment_attention
+from ..attention import (
+    Partial,
+    by_slot,
+    native_attention,
+    position_mask,
+    sdpa,
+    segment_attention,
+)
 from ..state import Like, state
 from .buffer import Buffer
 from .kvtypes import KVType
@@ -309,17 +316,11 @@ class DenseSeg:
 
     def _as_slots(self, q_pos: torch.Tensor, n_new: int, window: int | None) -> bool:
         """Whether a chunk's rows see by slot what they see by position: no positions held, or
-        no window, the chunk's own tokens the last n_new slots at q_pos (every head) and every
-        older slot at an earlier position (a prefill before any eviction, or a later turn's)."""
+        the chunk's own n_new tokens as kvrun.kv.attention.by_slot asks (a prefill before any
+        eviction, or a later turn's)."""
         if self.pos is None:
             return True
-        T = self.length
-        if window is not None or n_new != q_pos.numel() or n_new > T:
-            return False
-        own = self.pos[:, T - n_new :]
-        if not torch.equal(own, q_pos.to(own.dtype).expand_as(own)):
-            return False
-        return T == n_new or int(self.pos[:, : T - n_new].max()) < int(q_pos[0])
+        return n_new == q_pos.numel() and by_slot(q_pos, self.pos, window)
 
     def attend(
         self, q: torch.Tensor, q_pos: torch.Tensor, n_new: int, window: int | None
