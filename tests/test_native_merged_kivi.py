@@ -47,7 +47,7 @@ def _retained(Hkv: int, T: int, D: int, share: float, g: torch.Generator):
 
 
 def _inv(st: KiviLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 / ||E|| of the body's dequantized rows, 0 for a zero row (PairLayer._kivi_inv)."""
+    """1 / ||E|| of the body's dequantized rows, 0 for a zero row (PairLayer.inverse_norms)."""
     k, v = ops.kivi_dequant(*st.body(), st.bits, st.G, 0, st.body_len)
     out = []
     for x in (k[0], v[0]):

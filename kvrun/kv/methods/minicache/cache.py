@@ -275,7 +275,7 @@ class MiniCacheKV(KVManager):
         if pair.kivi is None:
             self.layout.native_factors(pair, False)
         elif not self.layout.token:
-            view._kivi_inv()
+            view.inverse_norms()
 
     def merge(self, pair: Pair, ka, va, kb, vb, prefill: bool) -> None:
         """Merge layers a's and b's tokens (Hkv, n, D) into the pair, choosing retained rows."""

@@ -542,7 +542,7 @@ class PairLayer:
             or st.length != pair.length
         ):
             return None
-        kinv, vinv = self._kivi_inv()
+        kinv, vinv = self.inverse_norms()
         norms = [(h.nb if self.second else h.na).buf for h in (pair.k, pair.v)]
         ret = self.layout.retained_args(pair.k, self.second)
         ret += self.layout.retained_args(pair.v, self.second)
@@ -553,7 +553,7 @@ class PairLayer:
         )  # fmt: skip
         return out, kr
 
-    def _kivi_inv(self) -> list[torch.Tensor]:
+    def inverse_norms(self) -> list[torch.Tensor]:
         """Pair.kivi_inv brought up to the body's length: the new groups dequantized once."""
         pair, st = self.pair, self.pair.kivi
         tb = st.body_len
