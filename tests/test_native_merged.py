@@ -61,6 +61,38 @@ def test_merged_attn_matches_reference(Hq, Hkv, D, T, isa, threads):  # noqa: F8
         close(native(args), merged_decode_ref(*args), dtype)
 
 
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128)])
+def test_sparse_retained_rows_between_dense_runs(Hq, Hkv, D, isa, threads):  # noqa: F811
+    """The streamed path (f16 E, plain factors) with retained tokens as MiniCache keeps them,
+    few and apart: the whole blocks between them go through the dense cache's loop, a block
+    holding one (or a cluster) through the block path. Gaps of 0, 1, 15, 16, 17, 127, 128 and
+    300 tokens, K only, V only and both in turn; the first and last tokens."""
+    T = 1400
+    args = pair_inputs(Hkv, Hq // Hkv, 1, T, D, False, False, seed=D + Hq, dtype=F16)
+    args[0] = args[0].float()
+    gen = torch.Generator().manual_seed(7)
+    ovk = torch.full((Hkv, T), -1, dtype=torch.int32)
+    ovv = ovk.clone()
+    for h in range(Hkv):
+        t, ks, vs = h, [], []
+        for i, gap in enumerate([0, 1, 15, 16, 17, 127, 128, 300, 0, 16, 1]):
+            if t >= T:
+                break
+            (ks if i % 3 != 1 else vs).append(t)  # K, V, both in turn
+            if i % 3 == 2:
+                vs.append(t)
+            t += gap + 1
+        ks.append(T - 1)
+        for t in ks:
+            ovk[h, t] = int((ovk >= 0).sum())
+        for t in vs:
+            ovv[h, t] = int((ovv >= 0).sum())
+    nk, nv = int((ovk >= 0).sum()), int((ovv >= 0).sum())
+    args[6:] = [ovk, 3 * torch.randn(nk, D, generator=gen).half(), ovv,
+                3 * torch.randn(nv, D, generator=gen).half()]  # fmt: skip
+    close(native(args), merged_decode_ref(*args), F16)
+
+
 @pytest.mark.parametrize("Hq,Hkv,D", HEADS[:4])
 @pytest.mark.parametrize("Tq", [1, 3])
 @pytest.mark.parametrize("T", [0, 1, 250])

@@ -616,8 +616,12 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
       }
     }
   }
-  for (int64_t i = 0; i < r; i++)
-    for (int64_t c = 0; c < d; c++) out[i * d + c] += zs[i * gd + c / G];
+  for (int64_t i = 0; i < r; i++)  // each value group's zeros, a group's G channels at a time
+    for (int64_t g = 0; g < gd; g++) {
+      float* o = out + i * d + g * G;
+      const float z = zs[i * gd + g];
+      for (int64_t c = 0; c < G; c++) o[c] += z;
+    }
 }
 
 #if defined(__AVX2__)
