@@ -227,6 +227,7 @@ void dynamic_for(int64_t n, int64_t grain, const F& f) {
 }
 
 constexpr int64_t TILE_ROWS = 16;  // weight rows a task takes (two interleaved groups)
+constexpr int64_t SERIAL_BYTES = 4 << 20;  // Call::run: smaller products on one thread
 
 // the weights of one call, checked, with their output columns
 struct Call {
@@ -259,7 +260,12 @@ struct Call {
     const int64_t n_all = n();
     // enough tiles per task that a task is worth a thread's wake-up (~16 KB of weights)
     const int64_t tile_bytes = TILE_ROWS * k / 2;
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile_bytes));
+    int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile_bytes));
+    // one row through small weights (under SERIAL_BYTES at ~4 bits a weight) stays on the
+    // calling thread: a decode row's weights stream at near one core's bandwidth (a 2-core
+    // EPYC: ~35 of the pair's ~62 GB/s) and a parallel region costs more than the second core
+    // saves there (bench/NOTES.md, 2026-12-07). Several rows (a prefill chunk, a batch) as before
+    if (m == 1 && tile_start.back() * tile_bytes < SERIAL_BYTES) grain = tile_start.back();
     dynamic_for(tile_start.back(), grain, [&](int64_t b, int64_t e) {
       size_t seg = 0;
       for (int64_t tile = b; tile < e; tile++) {
