@@ -104,13 +104,16 @@ def kivi_pack_ref(
     v: torch.Tensor,  # (Hkv, n, D) values
     bits: int,
     group: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(k_codes (Hkv,n/G,D,G*b/32) int32, k_scale, k_zero (Hkv,n/G,D), v_codes (Hkv,n,D*b/32)
     int32, v_scale, v_zero (Hkv,n,D/G)): the keys block-major (keys_by_group), contiguous;
-    scales and zeros in k's dtype. Torch reference."""
+    scales and zeros in `dtype` (default k's; the codes come from them rounded). Torch
+    reference."""
     _check(k, v, bits, group)
-    kc, ks, kz = quantize_groups(k.transpose(1, 2), bits, group, k.dtype)  # (Hkv, D, n)
-    vc, vs, vz = quantize_groups(v, bits, group, k.dtype)  # (Hkv, n, D)
+    dt = dtype or k.dtype
+    kc, ks, kz = quantize_groups(k.transpose(1, 2), bits, group, dt)  # (Hkv, D, n)
+    vc, vs, vz = quantize_groups(v, bits, group, dt)  # (Hkv, n, D)
     keys = keys_by_group(pack_codes(kc, bits), ks, kz, group, bits)
     return (*(t.contiguous() for t in keys), pack_codes(vc, bits), vs, vz)
 
@@ -146,11 +149,14 @@ def kivi_pack_triton(
     return kc, ks, kz, vc, vs, vz
 
 
-def kivi_pack(k: torch.Tensor, v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, ...]:
-    """Dispatcher: Triton on CUDA tensors (power-of-two group), else the torch reference."""
-    if use_triton(k, v) and not group & (group - 1):
+def kivi_pack(
+    k: torch.Tensor, v: torch.Tensor, bits: int, group: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Dispatcher: Triton on CUDA tensors (power-of-two group, scales in k's dtype), else the
+    torch reference."""
+    if use_triton(k, v) and not group & (group - 1) and dtype in (None, k.dtype):
         return kivi_pack_triton(k, v, bits, group)
-    return kivi_pack_ref(k, v, bits, group)
+    return kivi_pack_ref(k, v, bits, group, dtype)
 
 
 # ------------------------------------------------------------------------------- kernels

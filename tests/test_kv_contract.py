@@ -18,7 +18,7 @@ import torch
 from test_kv_methods import drive, new_kv, prompt, tiny
 
 from kvrun.errors import KvrunError
-from kvrun.kv import REGISTRY, check
+from kvrun.kv import REGISTRY, build, check
 from kvrun.run.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,6 +135,22 @@ def _stacks() -> list[str]:
             except KvrunError:
                 pass
     return out + [f"{m.name}:scope=adaptive" for m in ADAPTIVE] + CRITICAL
+
+
+@pytest.mark.parametrize("text", ["kivi2", "snapkv+kivi4", "minikv", "xkv+kivi2"])
+def test_nbytes_equals_the_spec_formula_f16_scales(text):
+    """The same under --kv-dtype f16 (the CPU's default): KIVI's scales and zeros in float16
+    (the formula's s = 2), its tail in the model's float32 (e = 4)."""
+    model = tiny()
+    spec = check(f"{text}:residual=32").with_dtype("f16")
+    kv = build(spec, model.config, model.rope, "cpu", torch.float32)
+    assert all(st.kivi.scale_dtype == torch.float16 for st in kv.layers if st.kivi is not None)
+
+    def after(point):
+        if point != "chunk":
+            assert kv.nbytes() == spec.select.nbytes(kv), (point, kv.seen)
+
+    drive(model, kv, prompt(150, seed=7), 64, n_decode=20, after=after)
 
 
 @pytest.mark.parametrize("text", _stacks())

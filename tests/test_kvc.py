@@ -188,6 +188,26 @@ def test_minicache_in_f16_round_trips_at_half_the_bytes(tmp_path, text):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("text", ["kivi2:residual=32", "snapkv+kivi4:residual=32", "minikv"])
+def test_kivi_scales_in_f16_round_trip(tmp_path, text):
+    """KIVI under --kv-dtype f16 (the CPU's default) keeps its scales and zeros in f16: the file
+    holds them so and goes on bit for bit; a header that says otherwise is refused."""
+    model = test_kv_methods.tiny()
+    (tmp_path / "f32").mkdir()
+    _, f32 = _round_trip(tmp_path / "f32", model, text, "f32")
+    path, header = _round_trip(tmp_path, model, text, "f16")
+    assert header["spec"]["dtype"] == "f16" and header["kv_bytes"] < f32["kv_bytes"]
+    kv, _, _ = kvc.load(path, _runtime(tmp_path, model))
+    held = [st.kivi for st in kv.layers if st.kivi is not None]
+    assert held and all(k.body()[1].dtype == k.body()[5].dtype == torch.float16 for k in held)
+    bad = rewrite(
+        path, tmp_path / "bad.kvc", header=lambda h: _with(h, spec=_with(h["spec"], dtype=None))
+    )
+    with pytest.raises(kvc.DamagedKvcFile) as e:
+        kvc.load(bad, _runtime(tmp_path, model))
+    assert "\n" not in str(e.value)
+
+
 def test_minicache_refuses_block_kv_types():
     m = test_kv_methods.tiny()
     with pytest.raises(KvrunError, match="f32 or f16, not q8_0"):

@@ -678,5 +678,7 @@ def test_chat_two_turns_on_minicache_kivi4(default_gguf):
     assert len(r.stdout.strip().splitlines()) >= 2  # two replies
     m = re.search(r"KV .* held / .* full \(([\d.]+)%\).*cache holds (\d+)/", r.stderr, re.S)
     assert m, r.stderr
-    # both turns held; merged halves on 4-bit stay far below the merged fp32 ratio (74%)
-    assert float(m.group(1)) < 40 and int(m.group(2)) > 40
+    # both turns held; against `full` in f16 (the CPU's --kv-dtype) the merged halves on
+    # 4-bit with f16 scales stay well below the plain pairs' ratio (76%), though a short chat
+    # keeps most of its tokens in KIVI's float32 tail (47% here)
+    assert float(m.group(1)) < 60 and int(m.group(2)) > 40

@@ -14,7 +14,7 @@ from kvrun.kv.attention import combine
 from kvrun.kv.stores.kivi import KiviLayer
 
 pytestmark = needs_native
-F32 = torch.float32
+F32, F16 = torch.float32, torch.float16
 
 
 def _kv(H: int, T: int, D: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,14 +41,17 @@ def _merged(parts) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("G", [32, 64])
 @pytest.mark.parametrize("Hq,Hkv,D", HEADS)
-def test_pack_is_bit_exact(bits, G, Hq, Hkv, D, threads):  # noqa: F811
+@pytest.mark.parametrize("half", [False, True])
+def test_pack_is_bit_exact(bits, G, Hq, Hkv, D, half, threads):  # noqa: F811
+    """The flush, scales and zeros float32 or float16 (--kv-dtype f16: rounded first, the
+    codes from the rounded values)."""
     T = _whole(LENGTHS[-1], G)
     k, v = _kv(Hkv, T, D, bits * 100 + G)
     view_k = torch.cat([k, k], 1)[:, :T]  # a tail buffer's view: rows strided by its room
-    for got, want in zip(
-        ops.kivi_pack(view_k, v, bits, G), kivi_pack_ref(k, v, bits, G), strict=True
-    ):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    want = kivi_pack_ref(k, v, bits, G, F16 if half else None)
+    for got, ref in zip(ops.kivi_pack(view_k, v, bits, G, half), want, strict=True):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+    assert want[1].dtype == (F16 if half else F32) and want[4].dtype == want[1].dtype
 
 
 def _body(Hkv: int, T: int, D: int, bits: int, G: int, seed: int):
@@ -80,22 +83,34 @@ def test_body_matches_reference(bits, G, Hq, Hkv, D, T, Tq, isa, threads):  # no
 
 @pytest.mark.parametrize("bits,G", [(1, 32), (2, 64), (4, 32), (8, 32), (4, 16), (2, 16)])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128)])
-def test_body_other_layouts(bits, G, Hq, Hkv, D, isa):  # noqa: F811
+@pytest.mark.parametrize("sdt", [F32, F16])
+def test_body_other_layouts(bits, G, Hq, Hkv, D, sdt, isa):  # noqa: F811
+    """Every layout, scales and zeros float32 or float16: attention and the dequantized body."""
     Tb = 320
-    body = _body(Hkv, Tb, D, bits, G, bits)
+    k, v = _kv(Hkv, Tb, D, bits)
+    body = kivi_pack_ref(k, v, bits, G, sdt)
     q = torch.randn(1, Hq, 1, D, generator=torch.Generator().manual_seed(bits))
     empty = torch.empty(Hkv, 0, D)
     out, lse = ops.kivi_attn(q, *body, Tb, empty, empty, 0, bits, G, 0, D**-0.5)
     ref_out, ref_lse = kivi_decode_ref(q, *body, bits, G)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+    kd, vd = ops.kivi_dequant(*body, bits, G, 0, Tb)
+    layer = KiviLayer(Hkv, D, bits, G, Tb, F32, "cpu", None, sdt)
+    layer.append(k, v)
+    layer.flush(Tb)
+    ref_k, ref_v = layer.dequantized()  # the torch path's
+    assert kd.dtype == F32 and torch.equal(kd[0], ref_k) and torch.equal(vd[0], ref_v)
 
 
-def _layers(Hkv: int, D: int, bits: int, G: int, R: int, before: int, new: int, seed: int):
+def _layers(
+    Hkv: int, D: int, bits: int, G: int, R: int, before: int, new: int, seed: int, sdt=None
+):
     """The same store twice, native kernels and torch path: `before` tokens appended and
-    flushed by R, then `new` more appended (a chunk's own tokens, or a decode row's)."""
-    native = KiviLayer(Hkv, D, bits, G, R, F32, "cpu", ops)
-    torch_path = KiviLayer(Hkv, D, bits, G, R, F32, "cpu")
+    flushed by R, then `new` more appended (a chunk's own tokens, or a decode row's); scales
+    and zeros in sdt (default float32)."""
+    native = KiviLayer(Hkv, D, bits, G, R, F32, "cpu", ops, sdt)
+    torch_path = KiviLayer(Hkv, D, bits, G, R, F32, "cpu", None, sdt)
     k, v = _kv(Hkv, before + new, D, seed)
     for layer in (native, torch_path):
         layer.append(k[:, :before], v[:, :before])
@@ -109,11 +124,12 @@ def _layers(Hkv: int, D: int, bits: int, G: int, R: int, before: int, new: int, 
     "before,Tq", [(0, 1), (300, 1), (1027, 1), (250, 7), (1027, 64), (0, 200), (700, 300)]
 )
 @pytest.mark.parametrize("own", [True, False])
-def test_store_partials_match_torch(Hq, Hkv, D, before, Tq, own, threads):  # noqa: F811
+@pytest.mark.parametrize("sdt", [F32, F16])
+def test_store_partials_match_torch(Hq, Hkv, D, before, Tq, own, sdt, threads):  # noqa: F811
     """Body and tail merged in one call (few rows) or through flash attention (many): the
     chunk's own tokens causal in the tail, or every slot seen (n_new 0)."""
     G = 64 if D >= 64 else 32
-    native, torch_path = _layers(Hkv, D, 2, G, 128, before, Tq, before + Tq)
+    native, torch_path = _layers(Hkv, D, 2, G, 128, before, Tq, before + Tq, sdt)
     q = torch.randn(1, Hq, Tq, D, generator=torch.Generator().manual_seed(Tq))
     n_new = Tq if own else 0
     out, lse = _merged(native.partials(q, None, n_new, None))
@@ -159,9 +175,10 @@ class _Rope:
 
 @pytest.mark.parametrize("Hq,Hkv,D", HEADS)
 @pytest.mark.parametrize("before", [0, 250, 1027])
-def test_decode_row_matches_rope_append_partials(Hq, Hkv, D, before, threads):  # noqa: F811
+@pytest.mark.parametrize("sdt", [F32, F16])
+def test_decode_row_matches_rope_append_partials(Hq, Hkv, D, before, sdt, threads):  # noqa: F811
     G = 32
-    native, torch_path = _layers(Hkv, D, 2, G, 128, before, 0, before + 1)
+    native, torch_path = _layers(Hkv, D, 2, G, 128, before, 0, before + 1, sdt)
     rope = _Rope(D, before + 8)
     g = torch.Generator().manual_seed(before)
     for pos in range(before, before + 3):
@@ -176,9 +193,11 @@ def test_decode_row_matches_rope_append_partials(Hq, Hkv, D, before, threads):  
 
 
 @pytest.mark.parametrize("bits,G", [(2, 32), (4, 64), (1, 32), (8, 32)])
-def test_flushes_and_dequantized_are_bit_exact(bits, G, threads):  # noqa: F811
+@pytest.mark.parametrize("sdt", [F32, F16])
+def test_flushes_and_dequantized_are_bit_exact(bits, G, sdt, threads):  # noqa: F811
     """Several flushes of a growing store: the same body buffers and dequantized K/V."""
-    native, torch_path = _layers(3, 64, bits, G, 2 * G, 5 * G + 7, 0, bits)
+    native, torch_path = _layers(3, 64, bits, G, 2 * G, 5 * G + 7, 0, bits, sdt)
+    assert native.body()[1].dtype == sdt
     for step in range(3):
         k, v = _kv(3, G + step, 64, step)
         for layer in (native, torch_path):
@@ -191,7 +210,7 @@ def test_flushes_and_dequantized_are_bit_exact(bits, G, threads):  # noqa: F811
 
 
 # --- end to end --------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["kivi2", "minikv"])
+@pytest.mark.parametrize("spec", ["kivi2", "minikv", "kivi4@f16"])
 def test_greedy_tokens_equal_torch_path(default_runtime, spec):
     """Greedy tokens on the default model's exact path (float32 weights: smooth products),
     the KIVI stores given the native kernels or not: the same tokens. (With the default
@@ -206,12 +225,33 @@ def test_greedy_tokens_equal_torch_path(default_runtime, spec):
     text = "The GNU General Public License is a free, copyleft license for software. " * 12
     ids = rt.tokenizer.encode(text)[:170]  # a flush during the prefill, more at its end
 
+    name, _, dtype = spec.partition("@")  # @f16: scales and zeros in float16
+
     def run(kernels):
-        kv = rt.new_kv(check(spec))
+        kv = rt.new_kv(check(name).with_dtype(dtype or None))
         for st in kv.layers:
             if st.kivi is not None:
                 st.kivi.kernels = kernels
         session = Session(rt.model, rt.tokenizer, kv, ubatch=128)
+        held = next(st.kivi for st in kv.layers if st.kivi is not None)
+        assert held.body()[1].dtype == (F16 if dtype else F32)
         return session.generate(ids, 16, SamplingConfig(temp=0), seed=0).tokens
 
     assert run(ops) == run(None)
+
+
+@pytest.mark.parametrize("dtype,scales", [(None, F32), ("f32", F32), ("auto", F16), ("f16", F16)])
+def test_kv_dtype_sets_the_scales(default_runtime, dtype, scales):
+    """--kv-dtype: KIVI's scales and zeros in f16 on the CPU by default (auto), as the spec's
+    KV dtype; kv_bytes_full counts `full` in the same dtype; another type is one line."""
+    from kvrun.errors import KvrunError
+    from kvrun.kv import check
+
+    rt = default_runtime
+    kv = rt.new_kv(check("snapkv+kivi2").with_dtype(dtype))
+    held = [st.kivi for st in kv.layers if st.kivi is not None]
+    assert held and all(k.scale_dtype == scales and k.dtype == F32 for k in held)
+    full = kv.full_kv_type
+    assert (full.name if full is not None else None) == (None if scales == F32 else "f16")
+    with pytest.raises(KvrunError, match="scales and zeros in f32 or f16, not q8_0"):
+        rt.new_kv(check("kivi2").with_dtype("q8_0"))

@@ -57,6 +57,8 @@ def test_passkey_through_cli(default_gguf, passkey_file, kv, budget):
     elif kv == "snapkv":
         assert 0.49 < ratio < 0.52  # half the prompt kept, plus the generated tokens
     elif kv == "kivi4":
-        assert ratio < 0.3  # 4-bit body (fp32 reference dtype) plus a <128-token tail
+        # a 4-bit body with f16 scales and zeros (0.625 bytes an element against f16's 2: 0.31)
+        # plus a < 128-token float32 tail (the model's dtype: <= 0.13 at ~1,950 tokens)
+        assert 0.3 < ratio < 0.45
     else:
-        assert ratio < 0.2
+        assert ratio < 0.3  # half the prompt in that body, plus the tail

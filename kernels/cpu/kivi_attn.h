@@ -82,10 +82,11 @@ void kivi_softmax(int64_t r, int64_t nb, int64_t b0, const int64_t* lim, float* 
 // pw (r, kb, d / G) = p * the value group's scale; zs (r, d / G) = zs * alpha + sum_t p * zero.
 // A block's scales and zeros are (nb, d / G) rows; where they are contiguous, p is repeated
 // d / G times and multiplies them as they lie.
+template <typename S>
 void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, int64_t gd,
                         const float* p, int64_t kb, const float* alpha, float* pw, float* zs) {
-  const float* vs = b.vs + b0 * b.vs_t;
-  const float* vz = b.vz + b0 * b.vz_t;
+  const S* vs = b.vscale<S>() + b0 * b.vs_t;
+  const S* vz = b.vzero<S>() + b0 * b.vz_t;
   for (int64_t i = 0; i < r; i++) {
     const float* pi = p + i * kb;
     float* w = pw + i * kb * gd;
@@ -97,8 +98,8 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
       __m256 za = _mm256_setzero_ps();
       for (; j + 8 <= nb; j += 8) {
         const __m256 pv = _mm256_loadu_ps(pi + j);
-        _mm256_storeu_ps(w + j, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + j)));
-        za = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + j), za);
+        _mm256_storeu_ps(w + j, _mm256_mul_ps(pv, ld8(vs + j)));
+        za = _mm256_fmadd_ps(pv, ld8(vz + j), za);
       }
       z[0] += hsum(za);
     } else if (gd == 2 && b.vs_t == 2 && b.vz_t == 2) {  // p0 p0 p1 p1 ... against (token, group) pairs
@@ -108,10 +109,10 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
         const __m256 lo = _mm256_unpacklo_ps(pv, pv), hi = _mm256_unpackhi_ps(pv, pv);
         const __m256 e0 = _mm256_permute2f128_ps(lo, hi, 0x20);
         const __m256 e1 = _mm256_permute2f128_ps(lo, hi, 0x31);
-        _mm256_storeu_ps(w + 2 * j, _mm256_mul_ps(e0, _mm256_loadu_ps(vs + 2 * j)));
-        _mm256_storeu_ps(w + 2 * j + 8, _mm256_mul_ps(e1, _mm256_loadu_ps(vs + 2 * j + 8)));
-        za = _mm256_fmadd_ps(e0, _mm256_loadu_ps(vz + 2 * j), za);
-        za = _mm256_fmadd_ps(e1, _mm256_loadu_ps(vz + 2 * j + 8), za);
+        _mm256_storeu_ps(w + 2 * j, _mm256_mul_ps(e0, ld8(vs + 2 * j)));
+        _mm256_storeu_ps(w + 2 * j + 8, _mm256_mul_ps(e1, ld8(vs + 2 * j + 8)));
+        za = _mm256_fmadd_ps(e0, ld8(vz + 2 * j), za);
+        za = _mm256_fmadd_ps(e1, ld8(vz + 2 * j + 8), za);
       }
       alignas(32) float lane[8];
       _mm256_store_ps(lane, za);
@@ -122,15 +123,16 @@ void kivi_value_weights(int64_t r, int64_t nb, int64_t b0, const KiviHead& b, in
     for (; j < nb; j++) {
       const float pj = pi[j];
       for (int64_t g = 0; g < gd; g++) {
-        w[j * gd + g] = pj * vs[j * b.vs_t + g];
-        z[g] += pj * vz[j * b.vz_t + g];
+        w[j * gd + g] = pj * ld1(vs + j * b.vs_t + g);
+        z[g] += pj * ld1(vz + j * b.vz_t + g);
       }
     }
   }
 }
 
 // qs (r, d) = q * a key group's scales cs (d), zc (r) = q . its zeros cz (d)
-void kivi_fold(const float* q, int64_t r, int64_t d, const float* cs, const float* cz, float* qs,
+template <typename S>
+void kivi_fold(const float* q, int64_t r, int64_t d, const S* cs, const S* cz, float* qs,
                float* zc) {
 #if defined(__AVX512F__)
   if (d % 16 == 0) {  // 16 lanes, one reduction a row
@@ -139,8 +141,8 @@ void kivi_fold(const float* q, int64_t r, int64_t d, const float* cs, const floa
       __m512 za = _mm512_setzero_ps();
       for (int64_t c = 0; c < d; c += 16) {
         const __m512 qv = _mm512_loadu_ps(qi + c);
-        _mm512_storeu_ps(qs + i * d + c, _mm512_mul_ps(qv, _mm512_loadu_ps(cs + c)));
-        za = _mm512_fmadd_ps(qv, _mm512_loadu_ps(cz + c), za);
+        _mm512_storeu_ps(qs + i * d + c, _mm512_mul_ps(qv, ld16(cs + c)));
+        za = _mm512_fmadd_ps(qv, ld16(cz + c), za);
       }
       zc[i] = _mm512_reduce_add_ps(za);
     }
@@ -155,26 +157,27 @@ void kivi_fold(const float* q, int64_t r, int64_t d, const float* cs, const floa
     __m256 za = _mm256_setzero_ps();
     for (; c + 8 <= d; c += 8) {
       const __m256 qv = _mm256_loadu_ps(qi + c);
-      _mm256_storeu_ps(qs + i * d + c, _mm256_mul_ps(qv, _mm256_loadu_ps(cs + c)));
-      za = _mm256_fmadd_ps(qv, _mm256_loadu_ps(cz + c), za);
+      _mm256_storeu_ps(qs + i * d + c, _mm256_mul_ps(qv, ld8(cs + c)));
+      za = _mm256_fmadd_ps(qv, ld8(cz + c), za);
     }
     z = hsum(za);
 #endif
     for (; c < d; c++) {
-      qs[i * d + c] = qi[c] * cs[c];
-      z += qi[c] * cz[c];
+      qs[i * d + c] = qi[c] * ld1(cs + c);
+      z += qi[c] * ld1(cz + c);
     }
     zc[i] = z;
   }
 }
 
 // scores s (r, kb) of body tokens [b0, b0 + nb), portable
+template <typename S>
 void kivi_scores_portable(const float* q, int64_t r, const KiviHead& b, int bits, int G,
                           int64_t b0, int64_t nb, int64_t d, float* s, int64_t kb, float* qs,
                           float* zc) {
   for (int64_t g0 = 0; g0 < nb; g0 += G) {
     const int64_t gi = (b0 + g0) / G;
-    kivi_fold(q, r, d, b.ks + gi * b.ks_g, b.kz + gi * b.kz_g, qs, zc);
+    kivi_fold(q, r, d, b.kscale<S>() + gi * b.ks_g, b.kzero<S>() + gi * b.kz_g, qs, zc);
     const int32_t* kw = b.kc + gi * b.kc_g;  // the group's words
     for (int64_t i = 0; i < r; i++)
       for (int64_t t = 0; t < G; t++) {
@@ -431,24 +434,25 @@ inline void kivi_values_rows16(const KiviHead& b, int G, int64_t b0, int64_t nb,
 // the value pass after the block's softmax finds them in L1 instead of waiting on each stream
 // (six a head, more than the hardware's stream prefetch keeps ahead of): kivi2 1.03x -> 1.09x
 // and kivi4 0.97x -> 1.04x `full` at 8,000 tokens on AVX2 (bench/NOTES.md, 2026-12-07)
+template <typename S>
 inline void kivi_prefetch_values(const KiviHead& b, int64_t t0, int64_t n) {
   const char* vc = (const char*)(b.vc + t0 * b.vc_t);
   for (int64_t o = 0; o < n * b.vc_t * 4; o += 64) _mm_prefetch(vc + o, _MM_HINT_T0);
-  const char* vs = (const char*)(b.vs + t0 * b.vs_t);
-  const char* vz = (const char*)(b.vz + t0 * b.vz_t);
-  for (int64_t o = 0; o < n * b.vs_t * 4; o += 64) {
+  const char* vs = (const char*)(b.vscale<S>() + t0 * b.vs_t);
+  const char* vz = (const char*)(b.vzero<S>() + t0 * b.vz_t);
+  for (int64_t o = 0; o < n * b.vs_t * (int64_t)sizeof(S); o += 64) {
     _mm_prefetch(vs + o, _MM_HINT_T0);
     _mm_prefetch(vz + o, _MM_HINT_T0);
   }
 }
 
-template <int B>
+template <int B, typename S>
 void kivi_scores_avx2(const float* q, int64_t r, const KiviHead& b, int G, int64_t b0,
                       int64_t nb, int64_t d, float* s, int64_t kb, float* qs, float* zc) {
   for (int64_t g0 = 0; g0 < nb; g0 += G) {
     const int64_t gi = (b0 + g0) / G;
-    kivi_prefetch_values(b, b0 + g0, G);
-    kivi_fold(q, r, d, b.ks + gi * b.ks_g, b.kz + gi * b.kz_g, qs, zc);
+    kivi_prefetch_values<S>(b, b0 + g0, G);
+    kivi_fold(q, r, d, b.kscale<S>() + gi * b.ks_g, b.kzero<S>() + gi * b.kz_g, qs, zc);
     for (int64_t i = 0; i < r; i += 3) {
       const int64_t t0 = b0 + g0;
       float* si = s + i * kb + g0;
@@ -573,10 +577,12 @@ int64_t kivi_merged_weights(int64_t r, const KiviHead& b, int64_t b0, int64_t nb
   return hi - lo;
 }
 
-// KiviChunkFn: blocks of about 256 tokens (kivi_block), each scored, softmaxed and weighed in turn
-void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, int64_t j0,
-                int64_t n, int64_t d, const int64_t* lim, float* out, float* mx, float* sm,
-                float* scratch) {
+// KiviChunkFn: blocks of about 256 tokens (kivi_block), each scored, softmaxed and weighed in
+// turn; S the scales' and zeros' element (float, or float16 bits)
+template <typename S>
+void kivi_chunk_as(const float* q, int64_t r, const KiviHead& b, int bits, int G, int64_t j0,
+                   int64_t n, int64_t d, const int64_t* lim, float* out, float* mx, float* sm,
+                   float* scratch) {
   const int64_t kb = kivi_block(G), gd = d / G;
   float* s = scratch;       // (r, kb) scores, then weights
   float* qs = s + r * kb;   // (r, d) the query with a group's scales folded in
@@ -600,19 +606,19 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
 #if defined(__AVX2__)
     if (simd) {
       switch (bits) {
-        case 1: kivi_scores_avx2<1>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
-        case 2: kivi_scores_avx2<2>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
-        case 4: kivi_scores_avx2<4>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
-        default: kivi_scores_avx2<8>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        case 1: kivi_scores_avx2<1, S>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        case 2: kivi_scores_avx2<2, S>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        case 4: kivi_scores_avx2<4, S>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
+        default: kivi_scores_avx2<8, S>(q, r, b, G, b0, nb, d, s, kb, qs, zc); break;
       }
     } else
 #endif
-      kivi_scores_portable(q, r, b, bits, G, b0, nb, d, s, kb, qs, zc);
+      kivi_scores_portable<S>(q, r, b, bits, G, b0, nb, d, s, kb, qs, zc);
     if (merged) kivi_merged_keys(q, r, b, b0, nb, d, s, kb);
     kivi_softmax(r, nb, b0, lim, s, kb, mx, sm, alpha);
     const int32_t* vr0 = nullptr;
     const int64_t nvr = merged ? kivi_merged_weights(r, b, b0, nb, s, kb, ps, &vr0) : 0;
-    kivi_value_weights(r, nb, b0, b, gd, s, kb, alpha, pw, zs);
+    kivi_value_weights<S>(r, nb, b0, b, gd, s, kb, alpha, pw, zs);
 #if defined(__AVX2__)
     if (simd) {
       switch (bits) {
@@ -640,6 +646,13 @@ void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, i
     }
 }
 
+void kivi_chunk(const float* q, int64_t r, const KiviHead& b, int bits, int G, int64_t j0,
+                int64_t n, int64_t d, const int64_t* lim, float* out, float* mx, float* sm,
+                float* scratch) {
+  if (b.half) kivi_chunk_as<uint16_t>(q, r, b, bits, G, j0, n, d, lim, out, mx, sm, scratch);
+  else kivi_chunk_as<float>(q, r, b, bits, G, j0, n, d, lim, out, mx, sm, scratch);
+}
+
 #if defined(__AVX2__)
 // 8x8 floats transposed in registers
 inline void kivi_transpose8(__m256 r[8]) {
@@ -663,13 +676,13 @@ inline void kivi_transpose8(__m256 r[8]) {
 
 // kivi_dequant 8 channels by 8 tokens at a time (keys transposed in registers), 8 channels of
 // a token at a time (values); a product, then a sum, as the reference
-template <int B>
+template <int B, typename S>
 void kivi_dequant_avx2(const KiviHead& b, int G, int64_t t0, int64_t n, int64_t d, float* k,
                        float* v) {
   for (int64_t t = 0; t < n; t += 8) {
     const int64_t g = (t0 + t) / G;
     const int32_t* kw = b.kc + g * b.kc_g;
-    const float *ks = b.ks + g * b.ks_g, *kz = b.kz + g * b.kz_g;
+    const S *ks = b.kscale<S>() + g * b.ks_g, *kz = b.kzero<S>() + g * b.kz_g;
     int64_t at;
     __m256i sh;
     kivi_where<B>((t0 + t) % G, at, sh);
@@ -678,7 +691,7 @@ void kivi_dequant_avx2(const KiviHead& b, int G, int64_t t0, int64_t n, int64_t 
       for (int i = 0; i < 8; i++) {
         const int64_t c = c0 + i;
         const __m256 x = kivi_code8<B>(kw + c * b.kc_c, at, sh);
-        r[i] = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(ks[c])), _mm256_set1_ps(kz[c]));
+        r[i] = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(ld1(ks + c))), _mm256_set1_ps(ld1(kz + c)));
       }
       kivi_transpose8(r);
       for (int i = 0; i < 8; i++) _mm256_storeu_ps(k + (t + i) * d + c0, r[i]);
@@ -686,44 +699,54 @@ void kivi_dequant_avx2(const KiviHead& b, int G, int64_t t0, int64_t n, int64_t 
   }
   for (int64_t t = 0; t < n; t++) {
     const int32_t* w = b.vc + (t0 + t) * b.vc_t;
-    const float* vs = b.vs + (t0 + t) * b.vs_t;
-    const float* vz = b.vz + (t0 + t) * b.vz_t;
+    const S* vs = b.vscale<S>() + (t0 + t) * b.vs_t;
+    const S* vz = b.vzero<S>() + (t0 + t) * b.vz_t;
     for (int64_t c0 = 0; c0 < d; c0 += 8) {
       int64_t at;
       __m256i sh;
       kivi_where<B>(c0, at, sh);
       const __m256 x = kivi_code8<B>(w, at, sh);
-      const __m256 y = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(vs[c0 / G])),
-                                     _mm256_set1_ps(vz[c0 / G]));
+      const __m256 y = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(ld1(vs + c0 / G))),
+                                     _mm256_set1_ps(ld1(vz + c0 / G)));
       _mm256_storeu_ps(v + t * d + c0, y);
     }
   }
 }
 #endif
 
-// KiviDequantFn
-void kivi_dequant(const KiviHead& b, int bits, int G, int64_t t0, int64_t n, int64_t d, float* k,
-                  float* v) {
+// KiviDequantFn's work, S the scales' and zeros' element
+template <typename S>
+void kivi_dequant_as(const KiviHead& b, int bits, int G, int64_t t0, int64_t n, int64_t d,
+                     float* k, float* v) {
 #if defined(__AVX2__)
   if (d % 8 == 0 && G % 8 == 0) {
     switch (bits) {
-      case 1: return kivi_dequant_avx2<1>(b, G, t0, n, d, k, v);
-      case 2: return kivi_dequant_avx2<2>(b, G, t0, n, d, k, v);
-      case 4: return kivi_dequant_avx2<4>(b, G, t0, n, d, k, v);
-      default: return kivi_dequant_avx2<8>(b, G, t0, n, d, k, v);
+      case 1: return kivi_dequant_avx2<1, S>(b, G, t0, n, d, k, v);
+      case 2: return kivi_dequant_avx2<2, S>(b, G, t0, n, d, k, v);
+      case 4: return kivi_dequant_avx2<4, S>(b, G, t0, n, d, k, v);
+      default: return kivi_dequant_avx2<8, S>(b, G, t0, n, d, k, v);
     }
   }
 #endif
+  const S *ks = b.kscale<S>(), *kz = b.kzero<S>();
   for (int64_t c = 0; c < d; c++)
     for (int64_t t = 0; t < n; t++) {
       const int64_t g = (t0 + t) / G;
-      const float s = b.ks[g * b.ks_g + c], z = b.kz[g * b.kz_g + c];
+      const float s = ld1(ks + g * b.ks_g + c), z = ld1(kz + g * b.kz_g + c);
       k[t * d + c] = kivi_code(b.kc + g * b.kc_g + c * b.kc_c, bits, (t0 + t) % G) * s + z;
     }
   for (int64_t t = 0; t < n; t++) {
     const int32_t* w = b.vc + (t0 + t) * b.vc_t;
-    const float* vs = b.vs + (t0 + t) * b.vs_t;
-    const float* vz = b.vz + (t0 + t) * b.vz_t;
-    for (int64_t c = 0; c < d; c++) v[t * d + c] = kivi_code(w, bits, c) * vs[c / G] + vz[c / G];
+    const S* vs = b.vscale<S>() + (t0 + t) * b.vs_t;
+    const S* vz = b.vzero<S>() + (t0 + t) * b.vz_t;
+    for (int64_t c = 0; c < d; c++)
+      v[t * d + c] = kivi_code(w, bits, c) * ld1(vs + c / G) + ld1(vz + c / G);
   }
+}
+
+// KiviDequantFn
+void kivi_dequant(const KiviHead& b, int bits, int G, int64_t t0, int64_t n, int64_t d, float* k,
+                  float* v) {
+  if (b.half) kivi_dequant_as<uint16_t>(b, bits, G, t0, n, d, k, v);
+  else kivi_dequant_as<float>(b, bits, G, t0, n, d, k, v);
 }

@@ -6,10 +6,12 @@
 
 // ---------------------------------------------------------------------------- flush
 // G values x[0], x[stride], ... quantized as kivi_pack_ref quantizes a group (min and max in
-// float32, scale = (max - min) / (2^b - 1), codes round-half-even((x - min) / scale) clamped,
-// code 0 for a flat group), packed into G / (32 / b) words, code i at bits [b*i, b*i + b)
+// float32, scale = (max - min) / (2^b - 1) and zero = min rounded to the scales' type S first,
+// codes round-half-even((x - zero) / scale) clamped, code 0 for a flat group), packed into
+// G / (32 / b) words, code i at bits [b*i, b*i + b)
+template <typename S>
 void kivi_quant_group(const float* x, int64_t stride, int64_t G, int bits, int32_t* words,
-                      float* scale, float* zero) {
+                      S* scale, S* zero) {
   float lo = x[0], hi = x[0];
   for (int64_t j = 1; j < G; j++) {
     const float v = x[j * stride];
@@ -17,9 +19,10 @@ void kivi_quant_group(const float* x, int64_t stride, int64_t G, int bits, int32
     hi = v > hi ? v : hi;
   }
   const float top = (float)((1 << bits) - 1);
-  const float s = (hi - lo) / top;
-  *zero = lo;
-  *scale = s;
+  *scale = (S)((hi - lo) / top);
+  *zero = (S)lo;
+  const float s = (float)*scale;
+  lo = (float)*zero;
   const int per = 32 / bits;
   for (int64_t w = 0; w < G / per; w++) {
     uint32_t word = 0;
@@ -43,9 +46,10 @@ void check_kivi_layout(int64_t bits, int64_t group, int64_t d) {
 
 // k, v (H, n, D) float32 with contiguous rows -> [k_codes (H, n/G, D, G*b/32) int32, k_scale,
 // k_zero (H, n/G, D) (block-major), v_codes (H, n, D*b/32) int32, v_scale, v_zero (H, n, D/G)]:
-// kivi_pack_ref
-std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int64_t bits,
-                                  int64_t group) {
+// kivi_pack_ref; the scales and zeros float16 where half (the KV dtype's), else float32
+template <typename S>
+std::vector<at::Tensor> kivi_pack_as(const at::Tensor& k, const at::Tensor& v, int64_t bits,
+                                     int64_t group) {
   check_f32(k, "k");
   check_f32(v, "v");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -55,9 +59,10 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
   TORCH_CHECK(n % G == 0, "kivi_pack: ", n, " tokens are not whole groups of ", G);
   const auto i32 = k.options().dtype(at::kInt);
   const int64_t ng = n / G;
-  at::Tensor kc = at::empty({H, ng, D, G / per}, i32), ks = at::empty({H, ng, D}, k.options());
+  const auto st = k.options().dtype(c10::CppTypeToScalarType<S>::value);
+  at::Tensor kc = at::empty({H, ng, D, G / per}, i32), ks = at::empty({H, ng, D}, st);
   at::Tensor kz = at::empty_like(ks), vc = at::empty({H, n, D / per}, i32);
-  at::Tensor vs = at::empty({H, n, D / G}, k.options()), vz = at::empty_like(vs);
+  at::Tensor vs = at::empty({H, n, D / G}, st), vz = at::empty_like(vs);
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t khs = k.stride(0), kts = k.stride(1), vhs = v.stride(0), vts = v.stride(1);
   at::parallel_for(0, H * D, 16, [&](int64_t b, int64_t e) {
@@ -66,8 +71,8 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
       for (int64_t g = 0; g < ng; g++) {
         const int64_t row = (h * ng + g) * D + c;  // the group's channel c
         kivi_quant_group(kp + h * khs + g * G * kts + c, kts, G, (int)bits,
-                         kc.data_ptr<int32_t>() + row * (G / per), ks.data_ptr<float>() + row,
-                         kz.data_ptr<float>() + row);
+                         kc.data_ptr<int32_t>() + row * (G / per), ks.data_ptr<S>() + row,
+                         kz.data_ptr<S>() + row);
       }
     }
   });
@@ -77,10 +82,15 @@ std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int6
       for (int64_t g = 0; g < D / G; g++)
         kivi_quant_group(x + g * G, 1, G, (int)bits,
                          vc.data_ptr<int32_t>() + ht * (D / per) + g * (G / per),
-                         vs.data_ptr<float>() + ht * (D / G) + g, vz.data_ptr<float>() + ht * (D / G) + g);
+                         vs.data_ptr<S>() + ht * (D / G) + g, vz.data_ptr<S>() + ht * (D / G) + g);
     }
   });
   return {kc, ks, kz, vc, vs, vz};
+}
+
+std::vector<at::Tensor> kivi_pack(const at::Tensor& k, const at::Tensor& v, int64_t bits,
+                                  int64_t group, bool half) {
+  return half ? kivi_pack_as<at::Half>(k, v, bits, group) : kivi_pack_as<float>(k, v, bits, group);
 }
 
 // ---------------------------------------------------------------------------- the body
@@ -95,7 +105,11 @@ struct KiviBody {
            const at::Tensor& vc_, const at::Tensor& vs_, const at::Tensor& vz_, int64_t tb,
            int64_t bits_, int64_t group)
       : kc(&kc_), ks(&ks_), kz(&kz_), vc(&vc_), vs(&vs_), vz(&vz_) {
-    for (const at::Tensor* t : {ks, kz, vs, vz}) check_f32(*t, "kivi scales and zeros");
+    const auto sdt = ks->scalar_type();
+    for (const at::Tensor* t : {ks, kz, vs, vz})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == sdt &&
+                      (sdt == at::kFloat || sdt == at::kHalf),
+                  "kivi scales and zeros: all float32 or all float16 CPU tensors");
     for (const at::Tensor* t : {kc, vc})
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt, "kivi codes: int32");
     for (const at::Tensor* t : {kc, ks, kz, vc, vs, vz})
@@ -117,13 +131,15 @@ struct KiviBody {
     kvq::KiviHead b;
     b.kc = kc->data_ptr<int32_t>() + h * kc->stride(0);
     b.kc_g = kc->stride(1), b.kc_c = kc->stride(2);
-    b.ks = ks->data_ptr<float>() + h * ks->stride(0);
-    b.kz = kz->data_ptr<float>() + h * kz->stride(0);
+    const int64_t es = ks->element_size();  // the scales' and zeros' bytes (2 where half)
+    b.half = es == 2;
+    b.ks = (const char*)ks->data_ptr() + h * ks->stride(0) * es;
+    b.kz = (const char*)kz->data_ptr() + h * kz->stride(0) * es;
     b.ks_g = ks->stride(1), b.kz_g = kz->stride(1);
     b.vc = vc->data_ptr<int32_t>() + h * vc->stride(0);
     b.vc_t = vc->stride(1);
-    b.vs = vs->data_ptr<float>() + h * vs->stride(0);
-    b.vz = vz->data_ptr<float>() + h * vz->stride(0);
+    b.vs = (const char*)vs->data_ptr() + h * vs->stride(0) * es;
+    b.vz = (const char*)vz->data_ptr() + h * vz->stride(0) * es;
     b.vs_t = vs->stride(1);
     b.vz_t = vz->stride(1);
     return b;
@@ -442,7 +458,8 @@ std::vector<at::Tensor> kivi_dequant(const at::Tensor& kc, const at::Tensor& ks,
   const int64_t H = body.H, D = body.D, G = group, n = t1 - t0;
   TORCH_CHECK(t0 >= 0 && t0 <= t1 && t1 <= body.Tb && t0 % G == 0 && t1 % G == 0,
               "kivi_dequant: [", t0, ", ", t1, ") is not whole groups of the body");
-  at::Tensor k = at::empty({1, H, n, D}, ks.options()), v = at::empty({1, H, n, D}, ks.options());
+  const auto f32 = ks.options().dtype(at::kFloat);  // float32 whatever the scales' type
+  at::Tensor k = at::empty({1, H, n, D}, f32), v = at::empty({1, H, n, D}, f32);
   const kvq::Table* tab = current();
   const int64_t per = std::max<int64_t>(G, 256 / G * G), blocks = (n + per - 1) / per;
   at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {

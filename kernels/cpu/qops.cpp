@@ -2316,7 +2316,7 @@ TORCH_LIBRARY(kvrun_cpu, m) {
   m.def("codebook_assign(Tensor x, Tensor(a!) shelf, Tensor(b!) counts, float theta) -> Tensor[]",
         &codebook_assign);
   // KIVI (kivi_ops.h)
-  m.def("kivi_pack(Tensor k, Tensor v, int bits, int group) -> Tensor[]", &kivi_pack);
+  m.def("kivi_pack(Tensor k, Tensor v, int bits, int group, bool half=False) -> Tensor[]", &kivi_pack);
   m.def(
       "kivi_attn(Tensor q, Tensor kc, Tensor ks, Tensor kz, Tensor vc, Tensor vs, Tensor vz, "
       "int tb, Tensor tk, Tensor tv, int tt, int bits, int group, int n_new, float scale) -> "

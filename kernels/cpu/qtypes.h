@@ -104,14 +104,20 @@ typedef void (*AttnFn)(const float* q, int g, const float* k, int64_t ks, const 
 struct KiviHead {
   const int32_t* kc;  // key words: group g's channel c at kc + g * kc_g + c * kc_c, its G
   int64_t kc_g, kc_c;  // tokens packed along
-  const float* ks;  // key scales and zeros: group g's d channels at ks + g * ks_g
-  const float* kz;  // (and kz + g * kz_g)
+  const void* ks;  // key scales and zeros: group g's d channels at ks + g * ks_g
+  const void* kz;  // (and kz + g * kz_g)
   int64_t ks_g, kz_g;
   const int32_t* vc;  // value words, token t's at vc + t * vc_t: channels packed along
   int64_t vc_t;
-  const float* vs;  // value scales and zeros, token t's groups of G channels at + t * vs_t
-  const float* vz;  // (and + t * vz_t)
+  const void* vs;  // value scales and zeros, token t's groups of G channels at + t * vs_t
+  const void* vz;  // (and + t * vz_t)
   int64_t vs_t, vz_t;
+  bool half = false;  // scales and zeros in float16 (the KV dtype's), else float32
+  // the scales and zeros as S: float, or uint16_t (float16 bits) where half
+  template <typename S> const S* kscale() const { return static_cast<const S*>(ks); }
+  template <typename S> const S* kzero() const { return static_cast<const S*>(kz); }
+  template <typename S> const S* vscale() const { return static_cast<const S*>(vs); }
+  template <typename S> const S* vzero() const { return static_cast<const S*>(vz); }
   // minicache+kivi4's merged pair (kivi_merged_attn; null for a plain store): token t's scores
   // times kf[t] * kfi[t] and its value weights times vf[t] * vfi[t] (the layer's norm n, times
   // 1 / ||E||); a retained token's exact row in its restored one's place: nk ascending token

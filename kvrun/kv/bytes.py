@@ -17,19 +17,21 @@ def dense(c, tokens: int, e: int) -> int:
     return 2 * c.n_kv_heads * tokens * c.head_dim * e
 
 
-def kivi(c, e: int, layout: dict, tq: int, tr: int) -> int:
-    """One layer's KIVI store (KIVI §3): Hkv * D * (Tq * (b/4 + 4e/G) + 2e * Tr), Tq quantized
-    tokens (whole groups of G), Tr in the fp tail."""
+def kivi(c, e: int, layout: dict, tq: int, tr: int, s: int | None = None) -> int:
+    """One layer's KIVI store (KIVI §3): Hkv * D * (Tq * (b/4 + 4s/G) + 2e * Tr), Tq quantized
+    tokens (whole groups of G), Tr in the fp tail of e-byte elements, the scales and zeros
+    s-byte (the KV dtype's: 2 under f16, the CPU's default; e where not given)."""
     b, g = layout["bits"], layout["group"]
-    n = c.n_kv_heads * c.head_dim * (tq * (Fraction(b, 4) + Fraction(4 * e, g)) + 2 * e * tr)
+    s = e if s is None else s
+    n = c.n_kv_heads * c.head_dim * (tq * (Fraction(b, 4) + Fraction(4 * s, g)) + 2 * e * tr)
     if n.denominator != 1:
         raise ValueError(f"KIVI body of {tq} tokens is not whole groups of {g}")
     return int(n)
 
 
 def kivi_of(c, e: int, layout: dict, store) -> int:
-    """`kivi` for a KiviLayer's current body and tail."""
-    return kivi(c, e, layout, store.body_len, store.tail_len)
+    """`kivi` for a KiviLayer's current body and tail, its scales' element size as held."""
+    return kivi(c, e, layout, store.body_len, store.tail_len, store.scale_dtype.itemsize)
 
 
 def composed(kv, per_slot: int = 0) -> int:

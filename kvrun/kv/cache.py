@@ -64,6 +64,11 @@ class KVCache(KVManager):
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
         self.kivi_layout = spec.kivi()
         self.kv_type = self._kv_type(spec, dtype, device)
+        # KIVI's scales and zeros in the KV dtype (baselines.md §5): f16 on the CPU under auto
+        # (--kv-dtype f32 keeps them float32); its tail stays the model's
+        kt = self.kivi_layout and self.f16_kv_type(spec, dtype, device, "KIVI scales and zeros")
+        self.kivi_scale_dtype = kt.storage if kt else None
+        self.full_kv_type = kt or None  # kv_bytes_full: `full` under the same --kv-dtype
         self.selects = not spec.keeps_all
         self.points = m.points
         self.n_queries = m.queries
@@ -199,8 +204,9 @@ class KVCache(KVManager):
     def _kivi(self) -> KiviLayer | None:
         lay = self.kivi_layout
         return lay and KiviLayer.of(
-            lay, self.config, self.dtype, self.device, self.name, self.rope.kernels
-        )
+            lay, self.config, self.dtype, self.device, self.name, self.rope.kernels,
+            self.kivi_scale_dtype,
+        )  # fmt: skip
 
     def _layer(self, layer: int, T: int) -> Layer:
         """The layer's state; a sliding window past the length needs positions to mask by."""
@@ -452,5 +458,6 @@ class KVCache(KVManager):
         d = self.spec.describe()
         if (b := self.budget) is not None:
             d["budget"] = float(b.value) if b.is_fraction else int(b.value)
-        d["kv_dtype"] = self.kv_type.name if self.kv_type else kvtypes.of(None, self.dtype).name
+        t = self.kv_type or self.full_kv_type  # dense rows, or KIVI's scales and zeros
+        d["kv_dtype"] = t.name if t else kvtypes.of(None, self.dtype).name
         return d

@@ -158,6 +158,9 @@ class KVManager:
         raise NotImplementedError
 
     kv_type = None  # the dense store's KVType where --kv-dtype differs from the model's dtype
+    # the KVType `full` would keep under the same --kv-dtype where kv_type is None but the store
+    # follows it otherwise (KIVI's scales and zeros): what nbytes_full counts
+    full_kv_type = None
 
     def dense_kv_type(self, spec, dtype, device):
         """The KVType (stores.kvtypes) --kv-dtype gives the rows this cache keeps dense, or None
@@ -196,10 +199,9 @@ class KVManager:
     def nbytes_full(self) -> int:
         """Bytes an uncompressed cache in the same KV type would hold for the tokens seen."""
         c = self.config
-        if self.kv_type is not None:
-            return int(
-                self.seen * 2 * c.n_layers * c.n_kv_heads * self.kv_type.row_bytes(c.head_dim)
-            )
+        t = self.kv_type or self.full_kv_type
+        if t is not None:
+            return int(self.seen * 2 * c.n_layers * c.n_kv_heads * t.row_bytes(c.head_dim))
         return self.seen * c.kv_bytes_per_token(self.dtype.itemsize)
 
     def describe(self) -> dict:

@@ -60,6 +60,7 @@ class KiviLayer:
         dtype: torch.dtype,
         device: torch.device | str,
         kernels=None,
+        scale_dtype: torch.dtype | None = None,
     ):
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"kivi: bits {bits} must be 1, 2, 4 or 8 (32/bits codes per int32)")
@@ -74,21 +75,28 @@ class KiviLayer:
             raise ValueError(f"kivi: head_dim {head_dim} must be a multiple of group {group}")
         self.H, self.D, self.bits, self.G, self.R = n_kv_heads, head_dim, bits, group, residual
         self.dtype, self.device = dtype, torch.device(device)
+        # scales and zeros: the KV dtype (baselines.md §5; f16 on the CPU under --kv-dtype auto),
+        # the tail's (the model's) where none is given
+        sdt = self.scale_dtype = scale_dtype or dtype
         # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): attention and flushes
-        # in C++ over a float32 store (kivi_native); None: the torch path (Triton on CUDA)
-        self.kernels = kernels if self.device.type == "cpu" and dtype == torch.float32 else None
+        # in C++ over a float32 tail, float32 or float16 scales (kivi_native); None: the torch
+        # path (Triton on CUDA)
+        native = dtype == torch.float32 and sdt in (torch.float32, torch.float16)
+        self.kernels = kernels if self.device.type == "cpu" and native else None
         H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32
         self._kq = Buffer((H, 0, D, group * bits // 32), 1, i32, dev)  # (Hkv, Tq/G, D, G*b/32)
-        self._ks = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tq/G, D)
-        self._kz = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tq/G, D)
+        self._ks = Buffer((H, 0, D), 1, sdt, dev)  # (Hkv, Tq/G, D)
+        self._kz = Buffer((H, 0, D), 1, sdt, dev)  # (Hkv, Tq/G, D)
         self._vq = Buffer((H, 0, D * bits // 32), 1, i32, dev)  # (Hkv, Tq, D*b/32)
-        self._vs = Buffer((H, 0, D // group), 1, dtype, dev)  # (Hkv, Tq, D/G)
-        self._vz = Buffer((H, 0, D // group), 1, dtype, dev)  # (Hkv, Tq, D/G)
+        self._vs = Buffer((H, 0, D // group), 1, sdt, dev)  # (Hkv, Tq, D/G)
+        self._vz = Buffer((H, 0, D // group), 1, sdt, dev)  # (Hkv, Tq, D/G)
         self._tk = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D) dense tail
         self._tv = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D)
 
     @classmethod
-    def of(cls, layout: dict, config, dtype, device, where: str, kernels=None) -> KiviLayer:
+    def of(
+        cls, layout: dict, config, dtype, device, where: str, kernels=None, scale_dtype=None
+    ) -> KiviLayer:
         """A layer's store in a spec's KIVI layout; a misfit is a one-line error naming `where`."""
         try:
             return cls(
@@ -100,6 +108,7 @@ class KiviLayer:
                 dtype,
                 device,
                 kernels,
+                scale_dtype,
             )
         except ValueError as e:
             raise KvrunError(f"{where}: {e}") from None
@@ -151,8 +160,11 @@ class KiviLayer:
         tk, tv = self.tail()
         # (Hkv, n/G, D, G*b/32), (Hkv, n/G, D) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on
         # CUDA, the native kernels on CPU (bit for bit the reference)
-        pack = kivi_pack if self.kernels is None else self.kernels.kivi_pack
-        packed = pack(tk[:, :n], tv[:, :n], self.bits, self.G)
+        if self.kernels is None:
+            packed = kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G, self.scale_dtype)
+        else:
+            half = self.scale_dtype == torch.float16
+            packed = self.kernels.kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G, half)
         for buf, x in zip(
             (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed, strict=True
         ):
