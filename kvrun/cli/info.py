@@ -52,8 +52,8 @@ def info(model, wtype, as_json):
         + ")"
         for name, w in weights.items()
     )
-    pretty["kv_bytes_per_token_f16"] = f"{kv16:,} B ({human_bytes(kv16)}) fp16/bf16"
-    pretty["kv_bytes_per_token_f32"] = f"{kv32:,} B ({human_bytes(kv32)}) fp32 (CPU default)"
+    pretty["kv_bytes_per_token_f16"] = f"{kv16:,} B ({human_bytes(kv16)}) fp16 (CPU default)"
+    pretty["kv_bytes_per_token_f32"] = f"{kv32:,} B ({human_bytes(kv32)}) fp32"
     pretty["kv_bytes_full_context_f16"] = (
         f"{human_bytes(kv16 * cfg.context_length)} at {cfg.context_length} tokens, fp16"
     )
