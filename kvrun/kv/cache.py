@@ -64,11 +64,8 @@ class KVCache(KVManager):
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
         self.kivi_layout = spec.kivi()
         self.kv_type = self._kv_type(spec, dtype, device)
-        # KIVI's scales and zeros in the KV dtype (baselines.md §5): f16 on the CPU under auto
-        # (--kv-dtype f32 keeps them float32); its tail stays the model's
-        kt = self.kivi_layout and self.f16_kv_type(spec, dtype, device, "KIVI scales and zeros")
-        self.kivi_scale_dtype = kt.storage if kt else None
-        self.full_kv_type = kt or None  # kv_bytes_full: `full` under the same --kv-dtype
+        # KIVI's scales and zeros in the KV dtype: f16 on the CPU under auto; the tail the model's
+        self.kivi_scale_dtype = self.kivi_scales(spec, dtype, device)
         self.selects = not spec.keeps_all
         self.points = m.points
         self.n_queries = m.queries
@@ -458,6 +455,6 @@ class KVCache(KVManager):
         d = self.spec.describe()
         if (b := self.budget) is not None:
             d["budget"] = float(b.value) if b.is_fraction else int(b.value)
-        t = self.kv_type or self.full_kv_type  # dense rows, or KIVI's scales and zeros
+        t = self.held_kv_type()
         d["kv_dtype"] = t.name if t else kvtypes.of(None, self.dtype).name
         return d

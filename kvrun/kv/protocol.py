@@ -162,6 +162,18 @@ class KVManager:
     # follows it otherwise (KIVI's scales and zeros): what nbytes_full counts
     full_kv_type = None
 
+    def held_kv_type(self):
+        """The KVType the cache's stores follow (dense rows, or KIVI's scales and zeros), None
+        where they are the model's dtype: what describe(), nbytes_full and a .kvc record."""
+        return self.kv_type or self.full_kv_type
+
+    def kivi_scales(self, spec, dtype, device):
+        """The dtype a KIVI store's scales and zeros take under --kv-dtype (f32 or f16; None: the
+        model's), setting full_kv_type to it (baselines.md §5: they are kept in the KV dtype)."""
+        kt = spec.kivi() and self.f16_kv_type(spec, dtype, device, "KIVI scales and zeros")
+        self.full_kv_type = kt or None
+        return kt.storage if kt else None
+
     def dense_kv_type(self, spec, dtype, device):
         """The KVType (stores.kvtypes) --kv-dtype gives the rows this cache keeps dense, or None
         where it is the model's dtype. Typed rows are the CPU's (CUDA's kernels read the
@@ -199,7 +211,7 @@ class KVManager:
     def nbytes_full(self) -> int:
         """Bytes an uncompressed cache in the same KV type would hold for the tokens seen."""
         c = self.config
-        t = self.kv_type or self.full_kv_type
+        t = self.held_kv_type()
         if t is not None:
             return int(self.seen * 2 * c.n_layers * c.n_kv_heads * t.row_bytes(c.head_dim))
         return self.seen * c.kv_bytes_per_token(self.dtype.itemsize)

@@ -85,13 +85,6 @@ def spec_text(spec) -> dict:
 MAX_STATE = 64 << 20  # bytes of a state's JSON, inflated: a zlib bomb stops here
 
 
-def _kv_dtype(kv) -> str | None:
-    """The --kv-dtype the cache's stores follow (dense rows, or KIVI's scales and zeros), None
-    where they are the model's dtype."""
-    t = kv.kv_type or kv.full_kv_type
-    return t.name if t else None
-
-
 def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None) -> Path:
     """Write kv (after a prefill: a document's turn, compressed) and the tokens it holds;
     `turns`: how a question continues them (`document_turn`)."""
@@ -108,7 +101,7 @@ def save(path: str | Path, kv, tokens: list[int], rt, turns: dict | None = None)
         "format": FORMAT,
         "version": VERSION,
         "model": model_identity(rt),
-        "spec": {**spec_text(kv.spec), "dtype": _kv_dtype(kv)},
+        "spec": {**spec_text(kv.spec), "dtype": (t := kv.held_kv_type()) and t.name},
         "class": _class_name(kv),
         "tokens": len(tokens),
         "turns": turns or {"chat": False},

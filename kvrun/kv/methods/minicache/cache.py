@@ -39,10 +39,7 @@ class MiniCacheKV(KVManager):
             None if self.kivi_layout else self.f16_kv_type(spec, dtype, device, "merged pairs")
         )
         self.store_dtype = self.kv_type.storage if self.kv_type else dtype  # pairs' rows
-        # under store=kivi4 its scales and zeros follow --kv-dtype (f32 or f16), as KVCache's
-        kt = self.kivi_layout and self.f16_kv_type(spec, dtype, device, "KIVI scales and zeros")
-        self.kivi_scale_dtype = kt.storage if kt else None
-        self.full_kv_type = kt or None
+        self.kivi_scale_dtype = self.kivi_scales(spec, dtype, device)  # under store=kivi4
         c = config
         self.H, self.D = c.n_kv_heads, c.head_dim
         self.layout = Layout(o["scope"] == "layer", self.H, self.D)
@@ -365,6 +362,6 @@ class MiniCacheKV(KVManager):
         )  # a pair's KIVI store of E is inside its view
 
     def describe(self) -> dict:
-        t = self.kv_type or self.full_kv_type
+        t = self.held_kv_type()
         name = t.name if t else kvtypes.of(None, self.dtype).name
         return {**self.spec.describe(), "kv_dtype": name}
