@@ -137,14 +137,18 @@ def _stacks() -> list[str]:
     return out + [f"{m.name}:scope=adaptive" for m in ADAPTIVE] + CRITICAL
 
 
-@pytest.mark.parametrize("text", ["kivi2", "snapkv+kivi4", "minikv", "xkv+kivi2"])
+@pytest.mark.parametrize(
+    "text", ["kivi2", "snapkv+kivi4", "minikv", "xkv+kivi2", "minicache+kivi4"]
+)
 def test_nbytes_equals_the_spec_formula_f16_scales(text):
-    """The same under --kv-dtype f16 (the CPU's default): KIVI's scales and zeros in float16
-    (the formula's s = 2), its tail in the model's float32 (e = 4)."""
+    """The same under --kv-dtype f16 (the CPU's default): KIVI's scales and zeros and its tail
+    in float16 (the formula's s = t = 2; the model's e = 4), as the spec's fp16 tail."""
     model = tiny()
     spec = check(f"{text}:residual=32").with_dtype("f16")
     kv = build(spec, model.config, model.rope, "cpu", torch.float32)
-    assert all(st.kivi.scale_dtype == torch.float16 for st in kv.layers if st.kivi is not None)
+    held = [st.kivi for st in getattr(kv, "layers", ()) if st.kivi is not None]
+    held += [p.kivi for p in getattr(kv, "pairs", ()) if p.kivi is not None]
+    assert held and all(k.scale_dtype == k.tail_dtype == torch.float16 for k in held)
 
     def after(point):
         if point != "chunk":

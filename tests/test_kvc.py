@@ -200,12 +200,34 @@ def test_kivi_scales_in_f16_round_trip(tmp_path, text):
     kv, _, _ = kvc.load(path, _runtime(tmp_path, model))
     held = [st.kivi for st in kv.layers if st.kivi is not None]
     assert held and all(k.body()[1].dtype == k.body()[5].dtype == torch.float16 for k in held)
+    assert all(k.tail_dtype == torch.float16 for k in held)  # the spec's fp16 tail
     bad = rewrite(
         path, tmp_path / "bad.kvc", header=lambda h: _with(h, spec=_with(h["spec"], dtype=None))
     )
     with pytest.raises(kvc.DamagedKvcFile) as e:
         kvc.load(bad, _runtime(tmp_path, model))
     assert "\n" not in str(e.value)
+
+
+def test_kivi_float32_tail_of_an_older_file_loads(tmp_path):
+    """A file written while KIVI's tail was float32 under f16 scales (before it followed the
+    KV dtype) still loads: the tail keeps its dtype and the cache goes on bit for bit."""
+    model = test_kv_methods.tiny()
+    rt = _runtime(tmp_path, model)
+    s = Session(model, None, rt.new_kv(check("kivi2:residual=32").with_dtype("f16")), ubatch=64)
+    s.prefill(test_kv_methods.prompt(DOC, seed=3))
+    held = [st.kivi for st in s.kv.layers if st.kivi is not None]
+    for k in held:  # as the older kvrun held it
+        for b in (k._tk, k._tv):
+            b.buf = b.buf.float()
+    assert held and all(k.tail_len and k.tail_dtype == torch.float32 for k in held)
+    path = kvc.save(tmp_path / "old.kvc", s.kv, s.tokens, rt)
+    kv, tokens, _ = kvc.load(path, rt)
+    assert all(st.kivi.tail_dtype == torch.float32 for st in kv.layers if st.kivi is not None)
+    assert kv.nbytes() == s.kv.nbytes()
+    question = test_kv_methods.prompt(QUESTION, seed=5)
+    want = _continue(model, s.kv, s.tokens, question, STEPS)
+    assert torch.equal(_continue(model, kv, tokens, question, STEPS), want)
 
 
 def test_minicache_refuses_block_kv_types():

@@ -87,7 +87,7 @@ def test_body_matches_reference(bits, G, Hq, Hkv, D, T, Tq, isa, threads):  # no
 def test_body_other_layouts(bits, G, Hq, Hkv, D, sdt, isa):  # noqa: F811
     """Every layout, scales and zeros float32 or float16: attention and the dequantized body."""
     Tb = 320
-    k, v = _kv(Hkv, Tb, D, bits)
+    k, v = (x.to(sdt).float() for x in _kv(Hkv, Tb, D, bits))  # as an f16 store's tail holds them
     body = kivi_pack_ref(k, v, bits, G, sdt)
     q = torch.randn(1, Hq, 1, D, generator=torch.Generator().manual_seed(bits))
     empty = torch.empty(Hkv, 0, D)
@@ -181,11 +181,18 @@ def test_decode_row_matches_rope_append_partials(Hq, Hkv, D, before, sdt, thread
     native, torch_path = _layers(Hkv, D, 2, G, 128, before, 0, before + 1, sdt)
     rope = _Rope(D, before + 8)
     g = torch.Generator().manual_seed(before)
+    assert native.tail_dtype == torch_path.tail_dtype == sdt  # the CPU's tail: the KV dtype
     for pos in range(before, before + 3):
         q = torch.randn(1, Hq, 1, D, generator=g)
         k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
         out = native.rotate_append_attend(rope, q, k, v, pos)
-        torch_path.append(rope.apply(k, pos)[0], v[0])
+        kr = rope.apply(k, pos)[0]
+        # the row as stored: rotated within rounding (f32), then rounded as torch rounds (f16)
+        tol = 1e-6 if sdt == F32 else 2**-10
+        torch.testing.assert_close(native.tail()[0][:, -1:].float(), kr, atol=tol, rtol=tol)
+        assert torch.equal(native.tail()[1][:, -1:], v[0].to(sdt))
+        # the torch path over the same rows: an f32 rotation's last bit can round an f16 apart
+        torch_path.append(kr if sdt == F32 else native.tail()[0][:, -1:], v[0])
         ref = combine(torch_path.partials(rope.apply(q, pos), None, 1, None), F32)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(native.tail()[0], torch_path.tail()[0], atol=1e-6, rtol=1e-6)

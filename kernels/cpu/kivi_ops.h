@@ -159,8 +159,18 @@ void merge_partial(int64_t R, int64_t d, float* part, float* mx, float* sm, cons
   }
 }
 
+// A KIVI store's dense tail: float32 (the model's), or float16 (the KV dtype's, baselines.md
+// §5's fp16 tail; the CPU's default), k and v alike.
+void check_tail(const at::Tensor& tk, const at::Tensor& tv, const char* op) {
+  const auto st = tk.scalar_type();
+  TORCH_CHECK(tk.device().is_cpu() && tv.device().is_cpu() && tv.scalar_type() == st &&
+                  (st == at::kFloat || st == at::kHalf),
+              op, ": the tail's k and v must be float32 or float16 CPU tensors, alike");
+}
+
 // The attention of q (Hq, Tq, D) contiguous over a packed body (slots 0 .. Tb - 1) then a
-// dense tail tk, tv (H, >= Tt, D) float32 (slots Tb .. Tb + Tt - 1), merged exactly: every slot
+// dense tail tk, tv (H, >= Tt, D) float32 or float16 (slots Tb .. Tb + Tt - 1), read in place
+// (check_tail), merged exactly: every slot
 // visible when n_new = 0, else the last n_new slots are the queries' own and query i sees the
 // slots up to its own (the body's too, where a flush put own tokens there). out (Hq * Tq, D);
 // lse (Hq * Tq) or nullptr. heads (H) or nullptr: the body's heads as kivi_merged_attn sets them.
@@ -180,9 +190,23 @@ void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, co
   const int64_t lo = R ? *std::min_element(lim.begin(), lim.end()) : L;
   std::vector<float> qs(Hq * Tq * D);  // q times the scale: the body's scores take it folded in
   for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * sc;
-  const float *tkp = tk.data_ptr<float>(), *tvp = tv.data_ptr<float>();
-  const int64_t ths = tk.stride(0), tts = tk.stride(1);
   const kvq::Table* tab = current();
+  check_tail(tk, tv, "kivi");
+  const int64_t ths = tk.stride(0), tts = tk.stride(1);
+  // rows [from, from + n) of head h's tail for `rows` query rows qq: the float32 or float16
+  // chunk kernel over them
+  const bool t16 = tk.scalar_type() == at::kHalf;
+  const void *tkp = tk.data_ptr(), *tvp = tv.data_ptr();
+  const auto tail_chunk = [&](const float* qq, int rows, int64_t h, int64_t from, int64_t n,
+                              float* P, float* M, float* S, float* att) {
+    const int64_t o = h * ths + from * tts;
+    if (t16)
+      tab->attn_chunk_f16(qq, rows, static_cast<const uint16_t*>(tkp) + o, tts,
+                          static_cast<const uint16_t*>(tvp) + o, tts, n, D, sc, P, M, S, att);
+    else
+      tab->attn_chunk(qq, rows, static_cast<const float*>(tkp) + o, tts,
+                      static_cast<const float*>(tvp) + o, tts, n, D, sc, P, M, S, att);
+  };
   const int64_t kscr = kvq::kivi_scratch(R, D, G);
   // chunks of keys: as many per head as make the tasks a multiple of the threads (3 heads on
   // 2 threads: 2 chunks a head, not split_keys' 3), where they stay long enough
@@ -208,10 +232,8 @@ void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, co
                           D, lo >= jb ? nullptr : lim.data(), part, mx, sm, scratch.data());
         if (!in_tail) return;
         float *P = in_body ? p2 : part, *M = in_body ? m2 : mx, *S = in_body ? s2 : sm;
-        const float *kt = tkp + h * ths, *vt = tvp + h * ths;
         if (lo - Tb >= t1) {  // every row sees the whole range
-          tab->attn_chunk(qp + h * R * D, (int)R, kt + t0 * tts, tts, vt + t0 * tts, tts, nt, D,
-                          sc, P, M, S, att);
+          tail_chunk(qp + h * R * D, (int)R, h, t0, nt, P, M, S, att);
         } else {  // query i sees [t0, lim[i] - Tb): its g rows (one per query head) at a time
           for (int64_t r = 0; r < R; r++) {
             M[r] = -INFINITY;
@@ -223,8 +245,7 @@ void kivi_rows(const float* qp, int64_t Hq, int64_t Tq, const KiviBody& body, co
             if (e <= t0) continue;
             for (int64_t a = 0; a < g; a++)
               std::memcpy(qg + a * D, qp + (h * R + a * Tq + i) * D, D * sizeof(float));
-            tab->attn_chunk(qg, (int)g, kt + t0 * tts, tts, vt + t0 * tts, tts, e - t0, D, sc, pg,
-                            mg, sg, att);
+            tail_chunk(qg, (int)g, h, t0, e - t0, pg, mg, sg, att);
             for (int64_t a = 0; a < g; a++) {
               const int64_t r = a * Tq + i;
               std::memcpy(P + r * D, pg + a * D, D * sizeof(float));
@@ -247,8 +268,7 @@ std::vector<at::Tensor> kivi_attn(const at::Tensor& q_, const at::Tensor& kc, co
                                   const at::Tensor& tv, int64_t tt, int64_t bits, int64_t group,
                                   int64_t n_new, double scale) {
   check_f32(q_, "q");
-  check_f32(tk, "tail k");
-  check_f32(tv, "tail v");
+  check_tail(tk, tv, "kivi_attn");
   const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
   TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(3) == body.D,
               "kivi_attn: q (1, Hq, Tq, D)");
@@ -272,8 +292,7 @@ at::Tensor kivi_rope_append_attend(const at::Tensor& q, const at::Tensor& k, con
                                    at::Tensor& tk, at::Tensor& tv, int64_t tt, int64_t bits,
                                    int64_t group, double scale) {
   for (const at::Tensor* t : {&q, &k, &v, &cos, &ssin}) check_f32(*t, "tensors");
-  check_f32(tk, "tail k");
-  check_f32(tv, "tail v");
+  check_tail(tk, tv, "kivi_rope_append_attend");
   const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
   const int64_t hq = q.size(1), H = body.H, d = body.D;
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && q.size(3) == d &&
@@ -293,11 +312,21 @@ at::Tensor kivi_rope_append_attend(const at::Tensor& q, const at::Tensor& k, con
   const float *cp = cos.data_ptr<float>() + pos * d, *sp = ssin.data_ptr<float>() + pos * d;
   for (int64_t h = 0; h < hq; h++)
     t->rope(q.data_ptr<float>() + h * q.stride(1), cp, sp, qr.data() + h * d, d);
-  float *kb = tk.data_ptr<float>(), *vb = tv.data_ptr<float>();
-  const int64_t hs = tk.stride(0), rs = tk.stride(1);
+  // k rotated and v into tail row tt, in the tail's type (float16: as torch rounds, to nearest even)
+  const int64_t hs = tk.stride(0), rs = tk.stride(1), es = tk.element_size();
+  uint8_t *kb = static_cast<uint8_t*>(tk.data_ptr()), *vb = static_cast<uint8_t*>(tv.data_ptr());
+  std::vector<float> kr(d);
   for (int64_t h = 0; h < H; h++) {
-    t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kb + h * hs + tt * rs, d);
-    std::memcpy(vb + h * hs + tt * rs, v.data_ptr<float>() + h * v.stride(1), d * sizeof(float));
+    uint8_t *krow = kb + (h * hs + tt * rs) * es, *vrow = vb + (h * hs + tt * rs) * es;
+    const float* vh = v.data_ptr<float>() + h * v.stride(1);
+    if (es == 4) {
+      t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, reinterpret_cast<float*>(krow), d);
+      std::memcpy(vrow, vh, d * sizeof(float));
+    } else {
+      t->rope(k.data_ptr<float>() + h * k.stride(1), cp, sp, kr.data(), d);
+      t->kv_store[kvq::KV_F16](kr.data(), d, krow);
+      t->kv_store[kvq::KV_F16](vh, d, vrow);
+    }
   }
   at::Tensor out = at::empty({1, hq, 1, d}, q.options());
   kivi_rows(qr.data(), hq, 1, body, tk, tv, tt + 1, 1, (float)scale, out.data_ptr<float>(),
@@ -368,8 +397,9 @@ std::vector<at::Tensor> kivi_merged_attn(const at::Tensor& q_, const at::Tensor&
                             const at::Tensor& v_new, double scale,
                             const c10::optional<at::Tensor>& cos,
                             const c10::optional<at::Tensor>& ssin, int64_t pos) {
-  for (const at::Tensor* t : {&q_, &tk, &tv, &nk, &nv, &kinv, &vinv, &k_new, &v_new})
+  for (const at::Tensor* t : {&q_, &nk, &nv, &kinv, &vinv, &k_new, &v_new})
     check_f32(*t, "kivi_merged_attn's tensors");
+  check_tail(tk, tv, "kivi_merged_attn");
   const KiviBody body(kc, ks, kz, vc, vs, vz, tb, bits, group);
   const int64_t H = body.H, D = body.D, L = tb + tt;
   TORCH_CHECK(q_.dim() == 4 && q_.size(0) == 1 && q_.size(2) == 1 && q_.size(3) == D &&
@@ -406,9 +436,13 @@ std::vector<at::Tensor> kivi_merged_attn(const at::Tensor& q_, const at::Tensor&
     q = qr, kn = kr;
   }
   // the tail's rows as this layer restores them, the retained exact, then the step's own row
+  // (a float16 tail's fewer than R rows read as float32 first)
+  const bool t16 = tk.scalar_type() == at::kHalf;
+  const at::Tensor tkf = t16 ? tk.narrow(1, 0, tt).to(at::kFloat) : tk;
+  const at::Tensor tvf = t16 ? tv.narrow(1, 0, tt).to(at::kFloat) : tv;
   at::Tensor tkx = at::empty({H, tt + 1, D}, q.options()), tvx = at::empty_like(tkx);
   for (int s = 0; s < 2; s++) {
-    const at::Tensor &src = s ? tv : tk, &nrm = s ? nv : nk;
+    const at::Tensor &src = s ? tvf : tkf, &nrm = s ? nv : nk;
     const Retained& ret = s ? rv : rk;
     float* dst = (s ? tvx : tkx).data_ptr<float>();
     for (int64_t h = 0; h < H; h++) {

@@ -17,21 +17,26 @@ def dense(c, tokens: int, e: int) -> int:
     return 2 * c.n_kv_heads * tokens * c.head_dim * e
 
 
-def kivi(c, e: int, layout: dict, tq: int, tr: int, s: int | None = None) -> int:
-    """One layer's KIVI store (KIVI §3): Hkv * D * (Tq * (b/4 + 4s/G) + 2e * Tr), Tq quantized
-    tokens (whole groups of G), Tr in the fp tail of e-byte elements, the scales and zeros
-    s-byte (the KV dtype's: 2 under f16, the CPU's default; e where not given)."""
+def kivi(
+    c, e: int, layout: dict, tq: int, tr: int, s: int | None = None, t: int | None = None
+) -> int:
+    """One layer's KIVI store (KIVI §3): Hkv * D * (Tq * (b/4 + 4s/G) + 2t * Tr), Tq quantized
+    tokens (whole groups of G) with s-byte scales and zeros, Tr in the dense tail of t-byte
+    elements: both the KV dtype's (2 under f16, the CPU's default; e, the model's, where s is
+    not given), the tail s where t is not (CUDA keeps it in the model's f16 / bf16)."""
     b, g = layout["bits"], layout["group"]
     s = e if s is None else s
-    n = c.n_kv_heads * c.head_dim * (tq * (Fraction(b, 4) + Fraction(4 * s, g)) + 2 * e * tr)
+    t = s if t is None else t
+    n = c.n_kv_heads * c.head_dim * (tq * (Fraction(b, 4) + Fraction(4 * s, g)) + 2 * t * tr)
     if n.denominator != 1:
         raise ValueError(f"KIVI body of {tq} tokens is not whole groups of {g}")
     return int(n)
 
 
 def kivi_of(c, e: int, layout: dict, store) -> int:
-    """`kivi` for a KiviLayer's current body and tail, its scales' element size as held."""
-    return kivi(c, e, layout, store.body_len, store.tail_len, store.scale_dtype.itemsize)
+    """`kivi` for a KiviLayer's current body and tail, their element sizes as held."""
+    s, t = store.scale_dtype.itemsize, store.tail_dtype.itemsize
+    return kivi(c, e, layout, store.body_len, store.tail_len, s, t)
 
 
 def composed(kv, per_slot: int = 0) -> int:

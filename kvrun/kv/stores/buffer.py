@@ -66,8 +66,9 @@ class Buffer:
         self.n = rest
 
     def write_at(self, slot: torch.Tensor, x: torch.Tensor) -> None:
-        """x (one slot) at the slot a (1,) device tensor names, in the room: no host sync."""
-        self.buf.index_copy_(self.dim, slot, x)
+        """x (one slot) at the slot a (1,) device tensor names, in the room: no host sync (x
+        rounded to the buffer's dtype where it differs: a CPU KIVI tail's f16)."""
+        self.buf.index_copy_(self.dim, slot, x.to(self.buf.dtype))
 
     def advance(self, n: int = 1) -> None:
         self.n += n

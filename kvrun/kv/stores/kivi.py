@@ -44,8 +44,9 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     _kq=Like({1: "tq // G"}),
     _ks=Like({1: "tq // G"}),
     _kz=Like({1: "tq // G"}),
-    _tk=Like({1: "tr"}),
-    _tv=Like({1: "tr"}),
+    # the tail in the KV dtype (f16) or, from files written before it was, float32
+    _tk=Like({1: "tr"}, dtypes=("float32", "float16")),
+    _tv=Like({1: "tr"}, dtypes=("float32", "float16")),
 )
 class KiviLayer:
     """One layer's KIVI store: a packed body (oldest Tq tokens), a dense tail (newest Tr)."""
@@ -76,11 +77,15 @@ class KiviLayer:
         self.H, self.D, self.bits, self.G, self.R = n_kv_heads, head_dim, bits, group, residual
         self.dtype, self.device = dtype, torch.device(device)
         # scales and zeros: the KV dtype (baselines.md §5; f16 on the CPU under --kv-dtype auto),
-        # the tail's (the model's) where none is given
+        # the model's where none is given; the tail too on the CPU, whose model dtype is float32
+        # (the spec's fp16 tail); elsewhere (CUDA) the tail keeps the model's f16 / bf16, which
+        # the Triton kernels read
         sdt = self.scale_dtype = scale_dtype or dtype
+        cpu = torch.device(device).type == "cpu"
+        tdt = sdt if cpu and dtype == torch.float32 else dtype
         # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): attention and flushes
-        # in C++ over a float32 tail, float32 or float16 scales (kivi_native); None: the torch
-        # path (Triton on CUDA)
+        # in C++, the scales and the tail float32 or float16 (kivi_native); None: the torch path
+        # (Triton on CUDA)
         native = dtype == torch.float32 and sdt in (torch.float32, torch.float16)
         self.kernels = kernels if self.device.type == "cpu" and native else None
         H, D, dev, i32 = n_kv_heads, head_dim, self.device, torch.int32
@@ -90,8 +95,8 @@ class KiviLayer:
         self._vq = Buffer((H, 0, D * bits // 32), 1, i32, dev)  # (Hkv, Tq, D*b/32)
         self._vs = Buffer((H, 0, D // group), 1, sdt, dev)  # (Hkv, Tq, D/G)
         self._vz = Buffer((H, 0, D // group), 1, sdt, dev)  # (Hkv, Tq, D/G)
-        self._tk = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D) dense tail
-        self._tv = Buffer((H, 0, D), 1, dtype, dev)  # (Hkv, Tr, D)
+        self._tk = Buffer((H, 0, D), 1, tdt, dev)  # (Hkv, Tr, D) dense tail
+        self._tv = Buffer((H, 0, D), 1, tdt, dev)  # (Hkv, Tr, D)
 
     @classmethod
     def of(
@@ -140,11 +145,17 @@ class KiviLayer:
         return tuple(b.data for b in (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz))
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense tail K, V, (Hkv, Tr, D) each, newest last."""
+        """Dense tail K, V, (Hkv, Tr, D) each, newest last, as held (`tail_dtype`)."""
         return self._tk.data, self._tv.data
 
+    @property
+    def tail_dtype(self) -> torch.dtype:
+        """The tail's dtype: the KV dtype on the CPU (f16 under auto), the model's on CUDA."""
+        return self._tk.buf.dtype
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append (Hkv, T, D) post-RoPE keys and values, newest last, to the dense tail."""
+        """Append (Hkv, T, D) post-RoPE keys and values, newest last, to the dense tail (rounded
+        to its dtype, to nearest even)."""
         self._tk.append(k)
         self._tv.append(v)
 
@@ -158,13 +169,16 @@ class KiviLayer:
         if n == 0:
             return 0
         tk, tv = self.tail()
+        tk, tv = tk[:, :n], tv[:, :n]
+        if tk.dtype != self.dtype:  # the CPU's f16 tail: its values, quantized in fp32
+            tk, tv = tk.float(), tv.float()
         # (Hkv, n/G, D, G*b/32), (Hkv, n/G, D) x2, (Hkv, n, D*b/32), (Hkv, n, D/G) x2; Triton on
         # CUDA, the native kernels on CPU (bit for bit the reference)
         if self.kernels is None:
-            packed = kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G, self.scale_dtype)
+            packed = kivi_pack(tk, tv, self.bits, self.G, self.scale_dtype)
         else:
             half = self.scale_dtype == torch.float16
-            packed = self.kernels.kivi_pack(tk[:, :n], tv[:, :n], self.bits, self.G, half)
+            packed = self.kernels.kivi_pack(tk, tv, self.bits, self.G, half)
         for buf, x in zip(
             (self._kq, self._ks, self._kz, self._vq, self._vs, self._vz), packed, strict=True
         ):
@@ -193,7 +207,7 @@ class KiviLayer:
         parts = []
         if self.body_len:
             parts.append(self._attend_body(q, n_new))
-        tk, tv = self.tail()
+        tk, tv = (x.to(q.dtype) for x in self.tail())
         mask = self._mask(self.body_len, self.length, Tq, n_new)
         parts.append(segment_attention(q, tk[None], tv[None], mask))
         return parts
@@ -243,7 +257,8 @@ class KiviLayer:
         self._tv.write_at(slot, v[0])
         parts = [self._attend_body(q, 0)] if self.body_len else []
         lengths = (slot + 1).to(torch.int32)  # (B=1,) tail slots 0..slot
-        out, lse = dense_decode(q, self._tk.buf[None], self._tv.buf[None], lengths)
+        tk, tv = (b.buf[None].to(q.dtype) for b in (self._tk, self._tv))  # CUDA: as held
+        out, lse = dense_decode(q, tk, tv, lengths)
         return parts + [Partial(out, lse)]
 
     def advance(self) -> None:

@@ -67,7 +67,7 @@ def _flash(kernels, layer, q: torch.Tensor, n_new: int) -> list[Partial]:
         t1 = min(t0 + BODY_RANGE, layer.body_len)
         k, v = kernels.kivi_dequant(*body, layer.bits, layer.G, t0, t1)  # (1, Hkv, n, D)
         parts.append(grouped(k, v))
-    tk, tv = layer.tail()  # (Hkv, Tt, D)
+    tk, tv = (x.float() for x in layer.tail())  # (Hkv, Tt, D); an f16 tail's < R + Tq rows
     older = layer.tail_len - n_new
     if older:
         parts.append(grouped(tk[None, :, :older], tv[None, :, :older]))

@@ -232,10 +232,8 @@ class MiniCacheKV(KVManager):
             st.append(kr[0], v[0])
             k_pos = torch.arange(st.length, device=self.device)
             if st.body_len == 0:  # only the dense tail (a one-chunk prefill): as `full`
-                tk, tv = st.tail()
-                return dense_attention(
-                    qr, tk[None], tv[None], positions, k_pos, window, self.kernels
-                )
+                tk, tv = (x[None].to(qr.dtype) for x in st.tail())  # the f16 tail: one chunk's
+                return dense_attention(qr, tk, tv, positions, k_pos, window, self.kernels)
             if not window or self.seen + kr.shape[2] <= window:
                 return combine(st.partials(qr, positions, kr.shape[2], window), self.dtype)
             kd, vd = st.dequantized()  # a sliding window: mask by position over the dequantized
