@@ -228,6 +228,17 @@ def test_kivi_float32_tail_of_an_older_file_loads(tmp_path):
     question = test_kv_methods.prompt(QUESTION, seed=5)
     want = _continue(model, s.kv, s.tokens, question, STEPS)
     assert torch.equal(_continue(model, kv, tokens, question, STEPS), want)
+    # a tail of float32 keys and f16 values (no kvrun writes one) is refused in one line
+    kv, tokens, _ = kvc.load(path, rt)
+    for st in kv.layers:
+        if st.kivi is not None:
+            st.kivi._tv.buf = st.kivi._tv.buf.half()
+    bad = kvc.save(tmp_path / "mixed.kvc", kv, tokens, rt)
+    with pytest.raises(
+        kvc.DamagedKvcFile, match="KIVI tail of float32 keys and float16 values"
+    ) as e:
+        kvc.load(bad, rt)
+    assert "\n" not in str(e.value)
 
 
 def test_minicache_refuses_block_kv_types():

@@ -353,8 +353,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 class Like(Kind):
-    """A tensor or Buffer like the fresh one it replaces: its dtype (or one of `dtypes`), its
-    rank and its sizes, but for the dimensions `grow` names (dim -> free name or expression).
+    """A tensor or Buffer like the fresh one it replaces: its dtype (or one of `dtypes` besides,
+    which the owner's kvc_check narrows), its rank and its sizes, but for the dimensions `grow`
+    names (dim -> free name or expression).
     Present exactly when the fresh one is."""
 
     def __init__(self, grow: dict[int, str] | None = None, dtypes: tuple[str, ...] = ()):
@@ -373,7 +374,7 @@ class Like(Kind):
                           f"{'present' if data is None else 'absent'} in this spec's cache")  # fmt: skip
         like = fresh.buf if isinstance(fresh, Buffer) else fresh
         t = r.tensor(data, path)
-        dtypes = _dtypes(self.dtypes, r) or {like.dtype}
+        dtypes = _dtypes(self.dtypes, r) | {like.dtype}  # the fresh one's, or one named
         if t.dtype not in dtypes or t.dim() != like.dim():
             raise DamagedKvcFile(
                 f"{path} is a {_describe(t)}, not a {like.dim()}-d {_name(like.dtype)}"

@@ -81,8 +81,7 @@ class KiviLayer:
         # (the spec's fp16 tail); elsewhere (CUDA) the tail keeps the model's f16 / bf16, which
         # the Triton kernels read
         sdt = self.scale_dtype = scale_dtype or dtype
-        cpu = torch.device(device).type == "cpu"
-        tdt = sdt if cpu and dtype == torch.float32 else dtype
+        tdt = sdt if self._cpu_f32() else dtype
         # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): attention and flushes
         # in C++, the scales and the tail float32 or float16 (kivi_native); None: the torch path
         # (Triton on CUDA)
@@ -119,10 +118,22 @@ class KiviLayer:
             raise KvrunError(f"{where}: {e}") from None
 
     def kvc_check(self, loader) -> str | None:
-        """What a .kvc file's sizes cannot say (kvrun.kv.state): the body is whole groups."""
+        """What a .kvc file's sizes cannot say (kvrun.kv.state): the body is whole groups; the
+        tail's K and V in one dtype, this store's or (on the CPU, from a file written before the
+        tail took the KV dtype) float32."""
         if self.body_len % self.G:
             return f"a body of {self.body_len} tokens is not whole groups of {self.G}"
+        own = self.scale_dtype if self._cpu_f32() else self.dtype
+        ok = {own, torch.float32} if self._cpu_f32() else {own}
+        tk, tv = self._tk.buf.dtype, self._tv.buf.dtype
+        if tk != tv or tk not in ok:
+            name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+            return f"a KIVI tail of {name(tk)} keys and {name(tv)} values, not {name(own)}"
         return None
+
+    def _cpu_f32(self) -> bool:
+        """The CPU with a float32 model: the tail takes the KV dtype (the scales')."""
+        return self.device.type == "cpu" and self.dtype == torch.float32
 
     @property
     def body_len(self) -> int:
