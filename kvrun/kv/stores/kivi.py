@@ -81,7 +81,7 @@ class KiviLayer:
         # (the spec's fp16 tail); elsewhere (CUDA) the tail keeps the model's f16 / bf16, which
         # the Triton kernels read
         sdt = self.scale_dtype = scale_dtype or dtype
-        tdt = sdt if self._cpu_f32() else dtype
+        tdt = self._own_tail_dtype()
         # the model's native CPU step kernels (kvrun.models.rope.Rope.kernels): attention and flushes
         # in C++, the scales and the tail float32 or float16 (kivi_native); None: the torch path
         # (Triton on CUDA)
@@ -123,7 +123,7 @@ class KiviLayer:
         tail took the KV dtype) float32."""
         if self.body_len % self.G:
             return f"a body of {self.body_len} tokens is not whole groups of {self.G}"
-        own = self.scale_dtype if self._cpu_f32() else self.dtype
+        own = self._own_tail_dtype()
         ok = {own, torch.float32} if self._cpu_f32() else {own}
         tk, tv = self._tk.buf.dtype, self._tv.buf.dtype
         if tk != tv or tk not in ok:
@@ -134,6 +134,10 @@ class KiviLayer:
     def _cpu_f32(self) -> bool:
         """The CPU with a float32 model: the tail takes the KV dtype (the scales')."""
         return self.device.type == "cpu" and self.dtype == torch.float32
+
+    def _own_tail_dtype(self) -> torch.dtype:
+        """The dtype this store makes its tail in: the scales' on the CPU, the model's elsewhere."""
+        return self.scale_dtype if self._cpu_f32() else self.dtype
 
     @property
     def body_len(self) -> int:
