@@ -64,7 +64,7 @@ class KVCache(KVManager):
         self.budget = spec.budget_or_default()  # None: full, or a method's own default
         self.kivi_layout = spec.kivi()
         self.kv_type = self._kv_type(spec, dtype, device)
-        # KIVI's scales and zeros in the KV dtype: f16 on the CPU under auto; the tail the model's
+        # KIVI's scales, zeros and (on the CPU) tail in the KV dtype: f16 under auto
         self.kivi_scale_dtype = self.kivi_scales(spec, dtype, device)
         self.selects = not spec.keeps_all
         self.points = m.points
@@ -181,7 +181,8 @@ class KVCache(KVManager):
 
     def _kv_type(self, spec: KVSpec, dtype, device) -> KVType | None:
         """The dense store's element type under --kv-dtype (None: the model's dtype). A KIVI
-        stack stages in the model's dtype (its tail is the model's)."""
+        stack stages its turn in the model's dtype (f16 staging was tried and moved its KL:
+        bench/NOTES.md, 2026-12-07 third session)."""
         return None if self.kivi_layout is not None else self.dense_kv_type(spec, dtype, device)
 
     def _dense(self) -> DenseSeg:

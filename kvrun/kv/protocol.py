@@ -159,7 +159,7 @@ class KVManager:
 
     kv_type = None  # the dense store's KVType where --kv-dtype differs from the model's dtype
     # the KVType `full` would keep under the same --kv-dtype where kv_type is None but the store
-    # follows it otherwise (KIVI's scales and zeros): what nbytes_full counts
+    # follows it otherwise (KIVI's scales, zeros and tail): what nbytes_full counts
     full_kv_type = None
 
     def held_kv_type(self):
@@ -168,8 +168,9 @@ class KVManager:
         return self.kv_type or self.full_kv_type
 
     def kivi_scales(self, spec, dtype, device):
-        """The dtype a KIVI store's scales and zeros take under --kv-dtype (f32 or f16; None: the
-        model's), setting full_kv_type to it (baselines.md §5: they are kept in the KV dtype)."""
+        """The dtype a KIVI store's scales and zeros (and its tail on the CPU) take under
+        --kv-dtype (f32 or f16; None: the model's), setting full_kv_type to it (baselines.md §5:
+        they are kept in the KV dtype)."""
         kt = spec.kivi() and self.f16_kv_type(spec, dtype, device, "KIVI scales and zeros")
         self.full_kv_type = kt or None
         return kt.storage if kt else None
