@@ -241,6 +241,37 @@ def test_kivi_float32_tail_of_an_older_file_loads(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("text", ["snapkv+kivi2", "minikv"])
+def test_kivi_stack_float32_staging_of_an_older_file_loads(tmp_path, text):
+    """A KIVI stack stages its turn in the KV dtype (f16 here). A file written while it staged in
+    the model's float32 holds that area empty between turns: it loads, and goes on bit for bit;
+    a non-empty one of another dtype is still refused in one line."""
+    model = test_kv_methods.tiny()
+    rt = _runtime(tmp_path, model)
+    s = Session(model, None, rt.new_kv(check(text, "0.5").with_dtype("f16")), ubatch=64)
+    s.prefill(test_kv_methods.prompt(DOC, seed=3))
+    staged = [st.dense for st in s.kv.layers]
+    assert all(d._k.data.dtype == torch.float16 and d.length == 0 for d in staged)
+    for d in staged:  # as the older kvrun held it
+        for b in (d._k, d._v):
+            b.buf = b.buf.float()
+    path = kvc.save(tmp_path / "old.kvc", s.kv, s.tokens, rt)
+    kv, tokens, _ = kvc.load(path, rt)
+    assert all(st.dense._k.data.dtype == torch.float16 for st in kv.layers)
+    question = test_kv_methods.prompt(QUESTION, seed=5)
+    want = _continue(model, s.kv, s.tokens, question, STEPS)
+    assert torch.equal(_continue(model, kv, tokens, question, STEPS), want)
+    kv, tokens, _ = kvc.load(path, rt)
+    d = kv.layers[0].dense
+    d._k.buf = torch.zeros(1, d._k.buf.shape[1], 3, d._k.buf.shape[3])  # float32, 3 slots
+    d._v.buf = d._k.buf.clone()
+    d._k.n = d._v.n = 3
+    bad = kvc.save(tmp_path / "full.kvc", kv, tokens, rt)
+    with pytest.raises(kvc.DamagedKvcFile, match="not a 4-d float16") as e:
+        kvc.load(bad, rt)
+    assert "\n" not in str(e.value)
+
+
 def test_minicache_refuses_block_kv_types():
     m = test_kv_methods.tiny()
     with pytest.raises(KvrunError, match="f32 or f16, not q8_0"):

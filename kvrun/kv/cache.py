@@ -180,10 +180,9 @@ class KVCache(KVManager):
             st.dense.rewind()
 
     def _kv_type(self, spec: KVSpec, dtype, device) -> KVType | None:
-        """The dense store's element type under --kv-dtype (None: the model's dtype). A KIVI
-        stack stages its turn in the model's dtype (f16 staging was tried and moved its KL:
-        bench/NOTES.md, 2026-12-07 third session)."""
-        return None if self.kivi_layout is not None else self.dense_kv_type(spec, dtype, device)
+        """The dense store's element type under --kv-dtype (None: the model's dtype); a KIVI
+        stack stages its turn in it too, as its tail is kept (half float32's peak on the CPU)."""
+        return self.dense_kv_type(spec, dtype, device)
 
     def _dense(self) -> DenseSeg:
         c = self.config

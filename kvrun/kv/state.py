@@ -374,6 +374,10 @@ class Like(Kind):
                           f"{'present' if data is None else 'absent'} in this spec's cache")  # fmt: skip
         like = fresh.buf if isinstance(fresh, Buffer) else fresh
         t = r.tensor(data, path)
+        if t.numel() == 0 and t.dim() == like.dim() and t.dtype != like.dtype:
+            # no values to keep: an older file's empty buffer (a KIVI stack's staging area kept
+            # the model's float32 before it took --kv-dtype) reads as the fresh one's dtype
+            t = like.new_empty(t.shape)
         dtypes = _dtypes(self.dtypes, r) | {like.dtype}  # the fresh one's, or one named
         if t.dtype not in dtypes or t.dim() != like.dim():
             raise DamagedKvcFile(

@@ -139,6 +139,7 @@ class MiniKVCache(KVCache):
             scores=True,
             score_rows=rows,
             count_pos=self.count_pos,
+            kv_type=self.kv_type,
         )
 
     def _window_ok(self, st: Layer) -> bool:
