@@ -288,6 +288,32 @@ def test_long_context_picks_llamacpp_caches(monkeypatch, capsys):
     )
 
 
+def test_kv_kl_against_full_perturbs_only_the_seeded_draws(tiny_gguf, tmp_path):
+    """bench/kv_kl.py: a draw without a seed is the reference's own run for `full` (KL 0, every
+    top token agreed); a seeded one perturbs the prefill (KL > 0); the table has a row a method
+    and a column an offset."""
+    import argparse
+
+    kl = _bench_module("kv_kl")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, and then it sleeps. " * 30)
+    a = argparse.Namespace(
+        model=str(tiny_gguf), wtype="auto", threads=1, eps=1e-2, text=str(text), offsets=[0, 7],
+        prefix=48, steps=6, seeds=2, kv_dtype="auto", methods=["full", "snapkv@0.5"],
+    )  # fmt: skip
+    res = kl.measure(a)
+    full, stack = res["methods"]["full"], res["methods"]["snapkv@0.5"]
+    assert [(r["offset"], r["seed"]) for r in full] == [
+        (o, s) for o in (0, 7) for s in (None, 0, 1)
+    ]
+    assert all(r["kl"] == 0 and r["top1"] == 1 for r in full if r["seed"] is None)
+    assert all(r["kl"] > 0 for r in full if r["seed"] is not None)
+    assert all(r["kl"] > 0 for r in stack) and stack[0]["kv_bytes"] < full[0]["kv_bytes"]
+    lines = kl.summary(res)
+    assert lines[0] == "| --kv | KL at 0 | KL at 7 | mean KL | top-1 | KV bytes |"
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| full", "| snapkv@0.5"]
+
+
 def test_llamacpp_build_takes_only_the_cpus_own_extensions(monkeypatch):
     """bench/vs_llamacpp.py builds llama.cpp with each x86 option on only where the CPU lists
     its flag (a fixed set died with SIGILL on a CPU without AVX-VNNI), AMX always off."""
