@@ -22,6 +22,7 @@ from test_kv_methods import HKV, drive, full_logits, hooked, new_kv, prompt, tap
 
 from kvrun.cli.main import cli
 from kvrun.kernels.colsum import colsum_ref
+from kvrun.kv import build, check
 from kvrun.kv.methods.minikv.cache import dense_colsum
 from kvrun.kv.methods.minikv.cache import pyramid as minikv_pyramid
 from kvrun.kv.methods.minikv.cache import pyramid_shares as minikv_pyramid_shares
@@ -160,6 +161,28 @@ def test_kept_sets_equal_dense_reference():
         for h in range(HKV):
             cand = sorted(range(t - n_rw), key=lambda j: (-float(a_h[h, j]), j))[:n_hh]
             assert kept[layer][h] == sorted(cand) + list(range(t - n_rw, t))
+
+
+@pytest.mark.parametrize("spec", ["minikv:heavy=0.3,recent=0.2", "minikv:heavy=0.3,recent=0.2,quant=none"])  # fmt: skip
+def test_staged_and_held_rows_take_the_kv_dtype(spec):
+    """--kv-dtype f16 (the CPU's default): the staged turn and the held turns (quant=none) keep
+    f16 rows; the column sums read the staged rows widened into one reused scratch and give
+    the logits the same rows widened afresh a call (DenseSeg.k) give, bit for bit."""
+    m, ids = tiny(), prompt(120, seed=3)
+
+    def run(scratch: bool):
+        kv = build(check(spec).with_dtype("f16"), m.config, m.rope, "cpu", torch.float32)
+        if not scratch:
+            kv._staged = lambda d: (d.k, d.v)
+        return kv, drive(m, kv, ids, 16, n_decode=5)
+
+    kv, got = run(True)
+    assert torch.equal(got, run(False)[1])
+    assert kv._scratch is None  # the prefill's only
+    assert all(st.dense._k.data.dtype == torch.float16 for st in kv.layers)
+    held = [h for h in kv.held if h is not None]
+    assert len(held) == (len(kv.layers) if "quant=none" in spec else 0)
+    assert all(h.length and h._k.data.dtype == torch.float16 for h in held)
 
 
 # --- 5. pyramid --------------------------------------------------------------------------------

@@ -39,12 +39,20 @@ def kivi_of(c, e: int, layout: dict, store) -> int:
     return kivi(c, e, layout, store.body_len, store.tail_len, s, t)
 
 
+def dense_slot(kv) -> int:
+    """One dense slot's K and V in --kv-dtype's type: 2 * Hkv * row bytes (2 * Hkv * D * e in
+    the model's dtype; q8_0: 34 bytes per 32 values)."""
+    c = kv.config
+    return (
+        2 * c.n_kv_heads * kv.kv_type.row_bytes(c.head_dim) if kv.kv_type else dense(c, 1, elem(kv))
+    )
+
+
 def composed(kv, per_slot: int = 0) -> int:
     """A driver-run method's formula: per layer, dense slots at 2 * Hkv * D * e plus `per_slot`
     bytes (positions, scores), and a KIVI store by `kivi`."""
     c, e = kv.config, elem(kv)
-    # the dense slots in --kv-dtype's type: 2 * Hkv * row bytes (q8_0: 34 per 32 values)
-    slot = 2 * c.n_kv_heads * kv.kv_type.row_bytes(c.head_dim) if kv.kv_type else dense(c, 1, e)
+    slot = dense_slot(kv)
     total = 0
     for st in kv.layers:
         total += st.dense.length * (slot + per_slot)

@@ -5,7 +5,7 @@ KIVI (group 16, residual 128); `minikv-pyramid` gives lower layers more heavy hi
 
 from __future__ import annotations
 
-from ...bytes import composed, dense, elem
+from ...bytes import composed, dense_slot
 from ...spec import Method, Option
 
 
@@ -54,10 +54,10 @@ class MiniKV(Method):
     def nbytes(self, kv) -> int:
         """sum_l Hkv * d * (n_q * (1/2 + e/4) + 2e * n_r) (§I of the paper's appendix, exact:
         the 2-bit KIVI store by its formula); quant=none: 2 * Hkv * T_l * d * e, held turns
-        included. Gemma 3's local layers: their window, dense with an int32 position per slot."""
-        c, e = kv.config, elem(kv)
+        included (e: --kv-dtype's, as every dense store). Gemma 3's local layers: their window, dense with an int32 position per slot."""
+        slot = dense_slot(kv)  # held turns and windows in --kv-dtype's type, as every dense store
         held = sum(
-            dense(c, h.length, e) + (4 * h.length if i in kv.local else 0)
+            h.length * (slot + (4 if i in kv.local else 0))
             for i, h in enumerate(kv.held)
             if h is not None
         )

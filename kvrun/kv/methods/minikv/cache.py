@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from functools import partial
 
 import torch
 
@@ -111,6 +112,7 @@ class MiniKVCache(KVCache):
                 f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
             )
         self.held: list[DenseSeg | None] = []
+        self._scratch: torch.Tensor | None = None  # _staged's
         super().__init__(spec, config, rope, device, dtype, on_select)
 
     def reset(self) -> None:
@@ -120,10 +122,11 @@ class MiniKVCache(KVCache):
         # dense with positions and cut to the window as it moves; MiniKV selects
         # and quantizes the global layers (Mistral's window on every layer is refused past it)
         self.local = frozenset(c.local_layers or ()) if c.sliding_window else frozenset()
-        self.held = [
-            DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device, 1)
+        held = partial(DenseSeg, c.n_kv_heads, c.head_dim, self.dtype, self.device)
+        self.held = [  # in the KV dtype, as every dense store
+            held(1, kv_type=self.kv_type)
             if i in self.local
-            else (DenseSeg(c.n_kv_heads, c.head_dim, self.dtype, self.device) if dense else None)
+            else (held(kv_type=self.kv_type) if dense else None)
             for i in range(c.n_layers)
         ]
 
@@ -170,7 +173,7 @@ class MiniKVCache(KVCache):
             older = []
         d = st.dense
         per_head, mode = self.opt["gqa_agg"] == "max", self.opt["colsum"]
-        part, col = prompt_colsum(q, d.k, d.v, older, per_head, mode, self.rope.kernels)
+        part, col = prompt_colsum(q, *self._staged(d), older, per_head, mode, self.rope.kernels)
         d.acc += col
         return combine(older + [part], self.dtype)
 
@@ -190,10 +193,28 @@ class MiniKVCache(KVCache):
     def _store_row_ok(self, st) -> bool:
         return st.kivi.tail_len + 1 < self.kivi_layout["residual"]  # no flush due before it
 
+    def _staged(self, d: DenseSeg) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged turn's K, V (1, Hkv, T, D) in the model's dtype for the column sums. Rows
+        kept in f16 or bf16 are widened into one scratch reused by every layer and chunk: a
+        fresh copy a call would take fresh pages each time (262 MB a layer at 32,000 tokens of
+        a Qwen3-0.6B shape, past malloc's reuse)."""
+        t = d.kv_type
+        if t is None or t.blocks or d.length == 0:
+            return d.k, d.v
+        n, s = d.length, self._scratch
+        if s is None or s.shape[3] < n:
+            shape = (2, 1, self.config.n_kv_heads, d._k.capacity, self.config.head_dim)
+            s = self._scratch = torch.empty(shape, dtype=self.dtype, device=self.device)
+        k, v = s[0, :, :, :n], s[1, :, :, :n]
+        k.copy_(d._k.data)
+        v.copy_(d._v.data)
+        return k, v
+
     def end_prefill(self) -> None:
         """The driver's: the selection, then the kept tokens into the 2-bit store in position
         order (in whole groups, `_flush_unit`); with quant=none they join the turns held."""
         super().end_prefill()
+        self._scratch = None  # the column sums' float32 rows: the prefill's only
         for i, (st, held) in enumerate(zip(self.layers, self.held, strict=True)):
             if st.kivi is None and held is not None and st.dense.length and i not in self.local:
                 held.append(*st.dense.take(), torch.empty(0))
