@@ -77,6 +77,24 @@ class DenseSeg:
     def v(self) -> torch.Tensor:  # (1, Hkv, T, D)
         return self._float(self._v.data)
 
+    def widened(
+        self, scratch: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`k` and `v` of f16 / bf16 rows written into `scratch` (2, 1, Hkv, >= T, D) in the model's
+        dtype, a new one of this store's capacity where it is None or short: (k, v, scratch).
+        A caller that reads the whole turn every chunk keeps one scratch instead of a fresh copy
+        a call, whose new pages cost more than the widening past malloc's reuse."""
+        if self.kv_type is None or self.kv_type.blocks:
+            return self.k, self.v, scratch
+        n = self.length
+        if scratch is None or scratch.shape[3] < n:
+            shape = (2, *self._k.buf.shape[:2], self._k.capacity, self.head_dim)
+            scratch = torch.empty(shape, dtype=self.dtype, device=self._k.buf.device)
+        k, v = scratch[0, :, :, :n], scratch[1, :, :, :n]
+        k.copy_(self._k.data)
+        v.copy_(self._v.data)
+        return k, v, scratch
+
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of slots [lo, hi) (1, Hkv, hi - lo, D) in the model's dtype: only those decoded
         (`k` and `v` decode every slot where the KV type is another)."""

@@ -54,7 +54,8 @@ class MiniKV(Method):
     def nbytes(self, kv) -> int:
         """sum_l Hkv * d * (n_q * (1/2 + e/4) + 2e * n_r) (§I of the paper's appendix, exact:
         the 2-bit KIVI store by its formula); quant=none: 2 * Hkv * T_l * d * e, held turns
-        included (e: --kv-dtype's, as every dense store). Gemma 3's local layers: their window, dense with an int32 position per slot."""
+        included (e: --kv-dtype's, as every dense store). Gemma 3's local layers: their window,
+        dense with an int32 position per slot."""
         slot = dense_slot(kv)  # held turns and windows in --kv-dtype's type, as every dense store
         held = sum(
             h.length * (slot + (4 if i in kv.local else 0))

@@ -112,7 +112,7 @@ class MiniKVCache(KVCache):
                 f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
             )
         self.held: list[DenseSeg | None] = []
-        self._scratch: torch.Tensor | None = None  # _staged's
+        self._scratch: torch.Tensor | None = None  # DenseSeg.widened's, while a prefill runs
         super().__init__(spec, config, rope, device, dtype, on_select)
 
     def reset(self) -> None:
@@ -173,7 +173,10 @@ class MiniKVCache(KVCache):
             older = []
         d = st.dense
         per_head, mode = self.opt["gqa_agg"] == "max", self.opt["colsum"]
-        part, col = prompt_colsum(q, *self._staged(d), older, per_head, mode, self.rope.kernels)
+        # the staged f16 rows widened into one scratch for every layer and chunk (262 MB of new
+        # pages a call at 32,000 tokens of the Qwen3-0.6B shape otherwise)
+        dk, dv, self._scratch = d.widened(self._scratch)
+        part, col = prompt_colsum(q, dk, dv, older, per_head, mode, self.rope.kernels)
         d.acc += col
         return combine(older + [part], self.dtype)
 
@@ -192,23 +195,6 @@ class MiniKVCache(KVCache):
 
     def _store_row_ok(self, st) -> bool:
         return st.kivi.tail_len + 1 < self.kivi_layout["residual"]  # no flush due before it
-
-    def _staged(self, d: DenseSeg) -> tuple[torch.Tensor, torch.Tensor]:
-        """The staged turn's K, V (1, Hkv, T, D) in the model's dtype for the column sums. Rows
-        kept in f16 or bf16 are widened into one scratch reused by every layer and chunk: a
-        fresh copy a call would take fresh pages each time (262 MB a layer at 32,000 tokens of
-        a Qwen3-0.6B shape, past malloc's reuse)."""
-        t = d.kv_type
-        if t is None or t.blocks or d.length == 0:
-            return d.k, d.v
-        n, s = d.length, self._scratch
-        if s is None or s.shape[3] < n:
-            shape = (2, 1, self.config.n_kv_heads, d._k.capacity, self.config.head_dim)
-            s = self._scratch = torch.empty(shape, dtype=self.dtype, device=self.device)
-        k, v = s[0, :, :, :n], s[1, :, :, :n]
-        k.copy_(d._k.data)
-        v.copy_(d._v.data)
-        return k, v
 
     def end_prefill(self) -> None:
         """The driver's: the selection, then the kept tokens into the 2-bit store in position
