@@ -82,8 +82,8 @@ class DenseSeg:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`k` and `v` of f16 / bf16 rows written into `scratch` (2, 1, Hkv, >= T, D) in the model's
         dtype, a new one of this store's capacity where it is None or short: (k, v, scratch).
-        A caller that reads the whole turn every chunk keeps one scratch instead of a fresh copy
-        a call, whose new pages cost more than the widening past malloc's reuse."""
+        A caller that reads the whole turn every chunk keeps one scratch: a fresh copy a call
+        too large for malloc to reuse takes new pages each time, which cost more than the copy."""
         if self.kv_type is None or self.kv_type.blocks:
             return self.k, self.v, scratch
         n = self.length

@@ -112,11 +112,11 @@ class MiniKVCache(KVCache):
                 f"{spec.name}:colsum=triton needs a CUDA GPU; use colsum=auto or chunked on CPU"
             )
         self.held: list[DenseSeg | None] = []
-        self._scratch: torch.Tensor | None = None  # DenseSeg.widened's, while a prefill runs
         super().__init__(spec, config, rope, device, dtype, on_select)
 
     def reset(self) -> None:
         super().reset()
+        self._scratch: torch.Tensor | None = None  # DenseSeg.widened's, while a prefill runs
         c, dense = self.config, self.kivi_layout is None  # quant=none: turns held dense
         # Gemma 3's local layers (no KIVI store there: KVCache.reset): the layer's window, held
         # dense with positions and cut to the window as it moves; MiniKV selects
